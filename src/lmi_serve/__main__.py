@@ -1,0 +1,103 @@
+"""`lmi-serve` / `python -m lmi_serve`: validate the configuration, then run gunicorn.
+
+The configuration is built and validated here, once, before any worker starts: a bad value
+exits with status 2 and a message naming the key, so the server never becomes healthy.
+Workers are gthread workers (a thread per connection, so a stream never pins a process); each
+worker process loads its own copy of every model after the fork.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import ConfigError, ServerConfig, build_server_config
+
+log = logging.getLogger("lmi_serve")
+
+DEFAULT_STORE = Path(__file__).resolve().parent / "defaults"
+
+# Set before transformers is imported anywhere: nothing may reach the network at run time.
+_RUNTIME_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lmi-serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in the container)")
+    parser.add_argument("--port", type=int, help="port to bind (default 8080)")
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model-dir", type=Path, help="serve the one model in this folder")
+    models.add_argument("--model-store", type=Path, help="serve every model folder inside this folder")
+    parser.add_argument("--workers", type=int, help="model replicas (processes); default SAGEMAKER_NUM_MODEL_WORKERS or 1")
+    parser.add_argument("--threads", type=int, help="request threads per worker (default 64)")
+    parser.add_argument("--timeout", type=int, default=120, help="gunicorn worker heartbeat timeout, seconds")
+    parser.add_argument("--log-level", default=os.environ.get("LMI_SERVE_LOG_LEVEL", "info"))
+    return parser.parse_args(argv)
+
+
+def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
+    from gunicorn.app.base import BaseApplication
+
+    class Server(BaseApplication):
+        def load_config(self) -> None:
+            settings = {
+                "bind": f"{config.host}:{config.port}",
+                "workers": config.workers,
+                "worker_class": "gthread",
+                "threads": config.threads,
+                "timeout": args.timeout,
+                "graceful_timeout": 30,
+                "keepalive": 5,
+                "loglevel": args.log_level,
+                "errorlog": "-",
+                "preload_app": False,  # models load after the fork, in each worker
+                "proc_name": "lmi-serve",
+            }
+            for key, value in settings.items():
+                self.cfg.set(key, value)
+
+        def load(self):
+            from .app import create_app
+
+            return create_app(config)
+
+    Server().run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+    for key, value in _RUNTIME_ENV.items():
+        os.environ.setdefault(key, value)
+    env = dict(os.environ)
+    if args.workers:
+        env["SAGEMAKER_NUM_MODEL_WORKERS"] = str(args.workers)
+    if args.threads:
+        env["SERVING_THREADS"] = str(args.threads)
+    try:
+        config = build_server_config(env, model_dir=args.model_dir, model_store=args.model_store,
+                                     host=args.host, port=args.port, default_store=DEFAULT_STORE)
+    except ConfigError as exc:
+        print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    log.info("Configuration:\n%s", config.describe())
+    for model in config.models:
+        if model.unknown_options:
+            log.warning("Model %s: options %s are not lmi-serve options; they are passed to the handler only",
+                        model.name, ", ".join(model.unknown_options))
+    run_gunicorn(config, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

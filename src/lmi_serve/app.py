@@ -1,0 +1,88 @@
+"""create_app(config): the Flask app of one worker process.
+
+It builds one ModelService per configured model (their loading starts at once on background
+threads), registers one blueprint per dialect, and renders every error as JSON in the dialect
+that owns the URL prefix, including Flask's own 404/405/413 which no blueprint sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from .config import ServerConfig
+from .dialects.lmi import routes as lmi_routes
+from .errors import ServingError
+from .registry import ModelRegistry
+
+log = logging.getLogger(__name__)
+
+# URL prefix -> renderer of (status, error type, message). Longest prefix wins; "" is LMI.
+ErrorRenderer = Callable[[int, str, str], Response]
+ERROR_RENDERERS: dict[str, ErrorRenderer] = {"": lmi_routes.error_response}
+
+_HTTP_ERROR_TYPES = {
+    404: ("ResourceNotFoundException", "Requested resource is not found, please refer to API document."),
+    405: ("MethodNotAllowedException", None),
+    413: ("RequestEntityTooLargeException", None),
+}
+
+
+def render_error(status: int, error_type: str, message: str) -> Response:
+    prefix = max((p for p in ERROR_RENDERERS if request.path.startswith(p)), key=len)
+    return ERROR_RENDERERS[prefix](status, error_type, message)
+
+
+def configure_threads(workers: int) -> int:
+    """One worker's share of the cores: more threads than cores only adds contention."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, workers))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> Flask:
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_size
+    if registry is None:
+        threads = configure_threads(config.workers)
+        log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)
+        registry = ModelRegistry.from_config(config)
+        registry.start_loading()
+    app.extensions["lmi_serve.registry"] = registry
+    app.register_blueprint(lmi_routes.blueprint)
+
+    @app.before_request
+    def assign_request_id() -> None:
+        g.request_id = request.headers.get(config.request_id_header) or str(uuid.uuid4())
+
+    @app.after_request
+    def echo_request_id(response: Response) -> Response:
+        response.headers.setdefault("x-request-id", getattr(g, "request_id", ""))
+        return response
+
+    @app.errorhandler(ServingError)
+    def serving_error(exc: ServingError) -> Response:
+        return render_error(exc.status, exc.error_type, exc.message)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        error_type, message = _HTTP_ERROR_TYPES.get(status, (type(exc).__name__, None))
+        if status == 413:
+            message = f"Request body exceeds the maximum request size of {config.max_request_size} bytes"
+        return render_error(status, error_type, message or exc.description or exc.name)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> Response:
+        log.exception("Unhandled error on %s", request.path)
+        return render_error(500, "InternalServerException", f"{type(exc).__name__}: {exc}")
+
+    return app

@@ -1,0 +1,165 @@
+"""The job queue in front of a handler, and dynamic batching of the jobs in it.
+
+One thread per model replica owns the handler: it takes the first waiting job, then keeps
+collecting until `batch_size` jobs are in hand or `max_batch_delay` ms have passed since it took
+the first, and makes one `handle()` call for all of them. Request threads only enqueue and wait,
+so `/ping` and other routes are never blocked by inference.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from .errors import Overloaded, RequestTimeout
+from .handler_api import Input, Output
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+            or "CUDA error: out of memory" in text or "No available memory for the cache blocks" in text)
+
+
+def failure_output(exc: BaseException) -> Output:
+    """The LMI shape of a handler exception: 507 for out-of-memory, else 424."""
+    if is_out_of_memory(exc):
+        return Output().error(str(exc) or type(exc).__name__, code=507, message="out of memory")
+    return Output().error(str(exc) or type(exc).__name__)
+
+
+@dataclass
+class Job:
+    """One request waiting for its Output. A streamed Output's chunks arrive on `chunks`."""
+
+    input: Input
+    deadline: float
+    ready: threading.Event = field(default_factory=threading.Event)
+    output: Output | None = None
+    chunks: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
+
+    def finish(self, output: Output) -> None:
+        self.output = output
+        self.ready.set()
+
+    def stream(self) -> Iterator[bytes]:
+        """Chunks of a streamed output, for the request thread. Closing the iterator cancels the job."""
+        try:
+            while (chunk := self.chunks.get()) is not _END:
+                yield chunk
+        finally:
+            self.cancelled = True
+
+
+@dataclass
+class BatchStats:
+    """Counters exposed on GET /models/<m>, e.g. to show that requests shared one forward."""
+
+    batches: int = 0
+    requests: int = 0
+    largest_batch: int = 0
+    last_batch_size: int = 0
+
+    def record(self, size: int) -> None:
+        self.batches += 1
+        self.requests += size
+        self.largest_batch = max(self.largest_batch, size)
+        self.last_batch_size = size
+
+
+class DynamicBatcher:
+    def __init__(self, name: str, handle: Callable[[Input], Output | None], *, batch_size: int,
+                 max_batch_delay_ms: int, job_queue_size: int, predict_timeout: float):
+        self.name = name
+        self._handle = handle
+        self.batch_size = batch_size
+        self._delay = max_batch_delay_ms / 1000.0
+        self._timeout = predict_timeout
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=job_queue_size)
+        self.stats = BatchStats()
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, request: Input) -> Job:
+        job = Job(request, time.monotonic() + self._timeout)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise Overloaded(f"Worker queue capacity exceeded for model: {self.name}") from None
+        return job
+
+    def wait(self, job: Job) -> Output:
+        """Block the request thread until the job's Output (or its stream's headers) is ready."""
+        if not job.ready.wait(max(0.0, job.deadline - time.monotonic())):
+            job.cancelled = True
+            raise RequestTimeout(f"Prediction for model {self.name} timed out after {self._timeout:g} s")
+        assert job.output is not None
+        return job.output
+
+    def _collect(self) -> list[Job]:
+        jobs = [self._queue.get()]
+        until = time.monotonic() + self._delay
+        while len(jobs) < self.batch_size:
+            try:
+                jobs.append(self._queue.get(timeout=max(0.0, until - time.monotonic())))
+            except queue.Empty:
+                break
+        live = [job for job in jobs if not job.cancelled and time.monotonic() < job.deadline]
+        return live
+
+    def _run(self) -> None:
+        while True:
+            jobs = self._collect()
+            if jobs:
+                self.stats.record(len(jobs))
+                self._run_batch(jobs)
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        batched = self.batch_size > 1
+        request = Input.batch_of([j.input for j in jobs]) if batched else jobs[0].input
+        try:
+            output = self._handle(request)
+            if output is None:
+                output = Output(code=204, message="No content")
+            elif not isinstance(output, Output):
+                output = Output().error(f"handler returned {type(output).__name__}, not Output")
+        except Exception as exc:  # the handler's failure is the requests' failure, never the server's
+            log.exception("%s: handler failed", self.name)
+            output = failure_output(exc)
+        outputs = output.get_batch_outputs(len(jobs)) if batched else [output]
+        for job, out in zip(jobs, outputs):
+            if out.is_stream():
+                self._pump_stream(job, out)
+            else:
+                job.finish(out)
+        output.run_finalizers()
+
+    def _pump_stream(self, job: Job, output: Output) -> None:
+        """Run a streamed Output on this thread (it holds the model) and hand chunks over."""
+        job.finish(output)
+        chunks = output.iter_stream_chunks()
+        try:
+            for chunk in chunks:
+                if job.cancelled:
+                    break
+                job.chunks.put(chunk)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close:
+                close()
+            job.chunks.put(_END)

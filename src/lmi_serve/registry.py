@@ -1,0 +1,59 @@
+"""The models one worker serves, and which of them a request means."""
+
+from __future__ import annotations
+
+import threading
+
+from .config import ServerConfig
+from .errors import BadRequest, ModelNotFound
+from .service import ModelService, ModelStatus
+
+
+class ModelRegistry:
+    def __init__(self, services: list[ModelService]):
+        self.services = {s.name: s for s in services}
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> "ModelRegistry":
+        return cls([ModelService(m, config.cache_dir) for m in config.models])
+
+    def start_loading(self) -> None:
+        """Load the models one after another on a background thread: in parallel they would only
+        fight over the same cores (and race in transformers' lazy imports)."""
+        def load_all() -> None:
+            for service in self.services.values():
+                service.load()
+
+        threading.Thread(target=load_all, name="model-loader", daemon=True).start()
+
+    def get(self, name: str) -> ModelService:
+        try:
+            return self.services[name]
+        except KeyError:
+            raise ModelNotFound(f"Model not found: {name}") from None
+
+    def for_invocations(self, model_name: str | None) -> ModelService:
+        """The model `model_name` names; else the only model; else the first text-generation
+        model in configuration order (the model store's folders sorted by name)."""
+        if model_name:
+            return self.get(model_name)
+        if len(self.services) == 1:
+            return next(iter(self.services.values()))
+        for service in self.services.values():
+            if service.task == "text-generation":
+                return service
+        raise BadRequest("Parameter model_name is required.")
+
+    def health(self) -> tuple[int, dict]:
+        """(status code, body) for /ping: 200 all healthy, 500 any failed, 503 any still loading."""
+        statuses = {name: s.current_status() for name, s in self.services.items()}
+        body = {}
+        for name, status in statuses.items():
+            body[name] = {"status": status.value}
+            if status is ModelStatus.FAILED:
+                body[name]["error"] = self.services[name].error
+        if any(s is ModelStatus.FAILED for s in statuses.values()):
+            return 500, body
+        if any(s is ModelStatus.LOADING for s in statuses.values()):
+            return 503, body
+        return 200, body

@@ -1,0 +1,129 @@
+"""One served model inside a worker process: its status, its handler, and its job queue.
+
+Loading runs on a background thread when the worker starts, so `/ping` can answer "loading"
+(non-200) right away and "failed" if loading raised or outlived `model_loading_timeout`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from pathlib import Path
+
+from .batching import DynamicBatcher, Job
+from .config import ModelConfig
+from .errors import ModelNotReady
+from .handler_api import Input, Output
+from .handler_loader import load_handler
+
+log = logging.getLogger(__name__)
+
+
+class ModelStatus(enum.Enum):
+    LOADING = "Loading"
+    READY = "Healthy"
+    FAILED = "Failed"
+
+
+def infer_task(config: ModelConfig) -> str:
+    """`option.task`, else from the model files: sentence-transformers layouts and encoder-only
+    configs are embeddings; everything else (GGUF, *ForCausalLM, ...) is text generation."""
+    if config.task:
+        return config.task
+    if not config.model_id:
+        return "text-generation"
+    from .model.loader import ModelLoadError, resolve_model_source
+
+    try:
+        folder = Path(resolve_model_source(config.model_id))
+    except ModelLoadError:
+        return "text-generation"
+    if (folder / "modules.json").exists() or (folder / "sentence_bert_config.json").exists():
+        return "text-embedding"
+    config_json = folder / "config.json"
+    if config_json.exists():
+        import json
+
+        architectures = json.loads(config_json.read_text()).get("architectures") or []
+        if architectures and all(a.endswith(("Model", "ForMaskedLM")) for a in architectures):
+            return "text-embedding"
+    return "text-generation"
+
+
+class ModelService:
+    def __init__(self, config: ModelConfig, cache_dir: str):
+        self.config = config
+        self.name = config.name
+        self.cache_dir = cache_dir
+        self.task = config.task or "text-generation"
+        self.status = ModelStatus.LOADING
+        self.error: str | None = None
+        self.started_at: float | None = None  # set when this model's loading begins
+        self.loaded_at: float | None = None
+        self.batcher: DynamicBatcher | None = None
+
+    def load(self) -> None:
+        """Load the handler and model; never raises (a failure becomes the FAILED status)."""
+        self.started_at = time.time()
+        started = time.monotonic()
+        try:
+            self.task = infer_task(self.config)
+            module, handle = load_handler(self.name, self.config.model_dir, self.config.entry_point,
+                                          self.task, self.config.handler)
+            init = Input(properties={**self.config.handler_properties(), "task": self.task,
+                                     "cache_dir": self.cache_dir, "model_name": self.name})
+            result = handle(init)  # DJL contract: the first call carries the options and no content
+            if isinstance(result, Output) and result.code >= 400:
+                raise RuntimeError(result.body().decode("utf-8", "replace"))
+            batcher = DynamicBatcher(self.name, handle, batch_size=self.config.batch_size,
+                                     max_batch_delay_ms=self.config.max_batch_delay,
+                                     job_queue_size=self.config.job_queue_size,
+                                     predict_timeout=self.config.predict_timeout)
+            batcher.start()
+        except Exception as exc:
+            log.exception("Model %s failed to load", self.name)
+            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
+            return
+        elapsed = time.monotonic() - started
+        if elapsed > self.config.model_loading_timeout:
+            self.error = f"loading took {elapsed:.0f} s, over model_loading_timeout={self.config.model_loading_timeout:g} s"
+            self.status = ModelStatus.FAILED
+            log.error("Model %s: %s", self.name, self.error)
+            return
+        self.batcher, self.loaded_at = batcher, time.time()
+        self.status = ModelStatus.READY
+        log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, module.__name__, elapsed)
+
+    def current_status(self) -> ModelStatus:
+        """The status, turning a load that outlives model_loading_timeout into a failure."""
+        if (self.status is ModelStatus.LOADING and self.started_at is not None
+                and time.time() - self.started_at > self.config.model_loading_timeout):
+            self.error = f"still loading after model_loading_timeout={self.config.model_loading_timeout:g} s"
+            self.status = ModelStatus.FAILED
+        return self.status
+
+    def submit(self, request: Input) -> Job:
+        if self.current_status() is not ModelStatus.READY or self.batcher is None:
+            detail = f": {self.error}" if self.error else ""
+            raise ModelNotReady(f"Model {self.name} is {self.status.value.lower()}{detail}")
+        return self.batcher.submit(request)
+
+    def describe(self) -> dict:
+        """LMI's GET /models/<m> entry, plus our batching counters."""
+        stats = self.batcher.stats if self.batcher else None
+        return {
+            "modelName": self.name,
+            "modelUrl": self.config.model_dir or self.config.model_id,
+            "task": self.task,
+            "batchSize": self.config.batch_size,
+            "maxBatchDelayMillis": self.config.max_batch_delay,
+            "queueSize": self.config.job_queue_size,
+            "requestInQueue": self.batcher.queued if self.batcher else 0,
+            "status": self.current_status().value,
+            **({"error": self.error} if self.error else {}),
+            "loadedAtStartup": True,
+            "batchStats": {"batches": stats.batches, "requests": stats.requests,
+                           "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
+            if stats else None,
+        }
