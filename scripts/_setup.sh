@@ -14,7 +14,7 @@ fi
 hash="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 # A test install is a superset of a serve install, so either satisfies scripts/serve.
 if [ ! -f "$STAMP" ] || ! { grep -qx -- "$want" "$STAMP" || grep -qx -- "$hash-test" "$STAMP"; }; then
-    pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+    pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --progress-bar off)
     echo "[setup] installing torch (CPU build unless a GPU one is already there)" >&2
     # torch first and pinned: an unpinned resolve pulls gigabytes of CUDA packages.
     "${pip[@]}" "torch==2.13.0"

@@ -100,7 +100,9 @@ def generate_static_batch(model, tokenizer, device, requests: Sequence[Generatio
     seen = None
     if sampler.needs_seen_tokens:
         seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
-        seen.scatter_(1, input_ids, mask.bool())
+        # Padding columns point at the row's last (real) token: scatter_ with duplicate indices and
+        # different values (pad id is often a real token too, e.g. <|im_end|>) is nondeterministic on CUDA.
+        seen.scatter_(1, torch.where(mask.bool(), input_ids, input_ids[:, -1:]), True)
     cache = DynamicCache(config=model.config)
     active = list(range(len(rows)))
     with torch.inference_mode():

@@ -79,7 +79,8 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
     prompts = [inputs] if isinstance(inputs, str) else inputs
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise LmiRequestError("'inputs' must be a non-empty string or a non-empty list of non-empty strings")
-    raw = payload.get("parameters") or {}
+    raw = payload.get("parameters")
+    raw = {} if raw is None else raw  # `or {}` would let [], "", 0 and false through as "no parameters"
     if not isinstance(raw, dict):
         raise LmiRequestError("'parameters' must be a JSON object")
     raw = dict(raw)

