@@ -98,7 +98,8 @@ def model_store(tmp_path_factory) -> Path:
     (store / "streaming" / "serving.properties").write_text(SMOLLM2 + "option.enable_streaming=true\n")
     (store / "custom").mkdir()
     (store / "custom" / "model.py").write_text((FIXTURES / "custom_model" / "model.py").read_text())
-    (store / "custom" / "serving.properties").write_text("option.custom_greeting=hello\n")
+    (store / "custom" / "serving.properties").write_text(
+        "option.custom_greeting=hello\njob_queue_size=1\noption.predict_timeout=4\n")
     (store / "fallback").mkdir()
     (store / "fallback" / "model.py").write_text("# no handle() here: the built-in handler serves this model\n")
     (store / "fallback" / "serving.properties").write_text(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -99,3 +100,40 @@ def test_model_py_without_handle_falls_back_to_the_builtin_handler(store_server)
 def test_invocations_without_model_name_uses_the_first_text_generation_model(store_server):
     body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6}}
     assert post(store_server, "/invocations", body).json() == post(store_server, "/predictions/batched", body).json()
+
+
+def _wait_for(predicate, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def _describe(server, model):
+    return requests.get(server.url(f"/models/{model}"), timeout=10).json()[0]["models"][0]
+
+
+def test_a_full_queue_answers_503_and_the_model_recovers(store_server):
+    """custom has job_queue_size=1: one request running, one waiting, the third is refused."""
+    batches = _describe(store_server, "custom")["batchStats"]["batches"]
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, store_server, "/predictions/custom", {"text": "a", "sleep": 2})
+        _wait_for(lambda: _describe(store_server, "custom")["batchStats"]["batches"] == batches + 1)
+        waiting = pool.submit(post, store_server, "/predictions/custom", {"text": "b"})
+        _wait_for(lambda: _describe(store_server, "custom")["requestInQueue"] == 1)
+        refused = post(store_server, "/predictions/custom", {"text": "c"})
+        assert refused.status_code == 503
+        assert refused.json() == {"code": 503, "type": "WlmCapacityException",
+                                  "message": "Worker queue capacity exceeded for model: custom"}
+        assert running.result().json()["upper"] == "A" and waiting.result().json()["upper"] == "B"
+    assert post(store_server, "/predictions/custom", {"text": "d"}).json()["upper"] == "D"
+
+
+def test_a_prediction_over_predict_timeout_answers_504(store_server):
+    """custom has option.predict_timeout=4."""
+    late = post(store_server, "/predictions/custom", {"text": "slow", "sleep": 5})
+    assert late.status_code == 504
+    assert late.json()["type"] == "TimeoutException" and "timed out after 4 s" in late.json()["message"]
+    _wait_for(lambda: post(store_server, "/predictions/custom", {"text": "e"}).status_code == 200)
