@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.loader import load_encoder
 
 
 def _parse(item: Input) -> list[str]:
-    content_type = (item.get_property("Content-Type") or "").lower()
-    payload = item.get_as_string() if content_type.startswith("text/plain") else item.get_as_json()
+    payload = read_payload(item)
     if isinstance(payload, dict):
         unknown = sorted(set(payload) - {"inputs"})
         if unknown:
@@ -48,17 +48,7 @@ class EmbeddingService:
         return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).tolist()
 
     def inference(self, inputs: Input) -> Output:
-        output = Output()
-        texts_by_item: dict[int, list[str]] = {}
-        for index, item in enumerate(inputs.get_batches()):
-            try:
-                texts_by_item[index] = _parse(item)
-            except (ValueError, KeyError) as exc:
-                if not inputs.is_batch():
-                    return output.error(str(exc))
-                output.add({"code": 424, "message": "invoke handler failure", "error": str(exc)}, batch_index=index)
-                output.add_property(f"batch_{index}.code", "424")
-                output.add_property(f"batch_{index}.message", "invoke handler failure")
+        output, texts_by_item = parse_batch(inputs, _parse)
         flat = [text for texts in texts_by_item.values() for text in texts]
         vectors = iter(self.embed(flat)) if flat else iter(())
         for index, texts in texts_by_item.items():

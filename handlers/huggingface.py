@@ -12,6 +12,7 @@ from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, 
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
 from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.loader import load_causal_lm
 
 log = logging.getLogger(__name__)
@@ -62,33 +63,20 @@ class TextGenerationService:
         return requests
 
     def _parse(self, item: Input) -> tuple[DynamicBatchRequest, list[GenerationRequest]]:
-        content_type = (item.get_property("Content-Type") or "").lower()
-        payload = item.get_as_string() if content_type.startswith("text/plain") else item.get_as_json()
-        parsed = parse_dynamic_batch_request(payload)
+        parsed = parse_dynamic_batch_request(read_payload(item))
         return parsed, self._to_generation_requests(parsed)
 
-    def _stream(self, parsed: DynamicBatchRequest, requests: list[GenerationRequest]):
+    def _stream(self, requests: list[GenerationRequest]):
         for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests):
             if event.text:
                 yield [event.text]
 
     def inference(self, inputs: Input) -> Output:
-        items = inputs.get_batches()
-        output = Output()
-        parsed: dict[int, tuple[DynamicBatchRequest, list[GenerationRequest]]] = {}
-        for index, item in enumerate(items):
-            try:
-                parsed[index] = self._parse(item)
-            except (ValueError, KeyError) as exc:
-                if not inputs.is_batch():
-                    return output.error(str(exc))
-                output.add({"code": 424, "message": "invoke handler failure", "error": str(exc)}, batch_index=index)
-                output.add_property(f"batch_{index}.code", "424")
-                output.add_property(f"batch_{index}.message", "invoke handler failure")
+        output, parsed = parse_batch(inputs, self._parse)
         if self.streaming and not inputs.is_batch() and parsed:
-            request, requests = parsed[0]
+            _, requests = parsed[0]
             return Output().add_property("Content-Type", "application/jsonlines").add_stream_content(
-                self._stream(request, requests))
+                self._stream(requests))
         flat = [(index, r) for index, (_, reqs) in parsed.items() for r in reqs]
         results = [GenerationResult(len(r.prompt_ids)) for _, r in flat]
         if flat:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import ServerProcess
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -56,5 +56,29 @@ def test_model_py_with_a_syntax_error_fails_the_model(tmp_path):
         ping = server.wait_for_ping(accept=(500,), timeout=120)
         (status,) = ping.json().values()
         assert status["status"] == "Failed" and "SyntaxError" in status["error"]
+    finally:
+        server.stop()
+
+
+def test_ping_is_503_while_loading_then_200(tmp_path):
+    (tmp_path / "model.py").write_text(
+        "import time\n"
+        "from lmi_serve import Output\n"
+        "loaded = False\n"
+        "def handle(inputs):\n"
+        "    global loaded\n"
+        "    if not loaded:\n"
+        "        time.sleep(4)\n"
+        "        loaded = True\n"
+        "        return None\n"
+        "    return Output().add({'ok': True})\n")
+    server = ServerProcess("--model-dir", str(tmp_path))
+    try:
+        loading = server.wait_for_ping(accept=(503,), timeout=60)
+        assert loading.json() == {tmp_path.name: {"status": "Loading"}}
+        refused = requests.post(server.url("/invocations"), json={}, timeout=10)
+        assert refused.status_code == 503
+        assert server.wait_for_ping(accept=(200,), timeout=60).json() == {tmp_path.name: {"status": "Healthy"}}
+        assert requests.post(server.url("/invocations"), json={}, timeout=10).json() == {"ok": True}
     finally:
         server.stop()

@@ -1,0 +1,72 @@
+"""Start the real server as a subprocess, exactly as `scripts/serve` runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# Configuration variables of the server must come from the test, never from the caller's shell.
+_CONFIG_PREFIXES = ("OPTION_", "SERVING_", "SAGEMAKER_", "HF_MODEL_", "HF_TASK", "HF_REVISION", "TENSOR_PARALLEL",
+                    "SM_NUM_GPUS", "MAX_BATCH_SIZE", "MAX_CONCURRENT_REQUESTS", "DJL_", "PREDICT_TIMEOUT",
+                    "MODEL_LOADING_TIMEOUT")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m lmi_serve` on a free port; ready when /ping answers 200."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(_CONFIG_PREFIXES)}
+        self.env = {**clean, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.args = ["--port", str(self.port), *args]
+        self.log = tempfile.NamedTemporaryFile(prefix="lmi-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "lmi_serve", *self.args], cwd=ROOT, env=self.env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def wait_for_ping(self, accept=(200,), timeout: float = 420) -> requests.Response:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                last = requests.get(self.url("/ping"), timeout=5)
+                if last.status_code in accept:
+                    return last
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"/ping never answered {accept} (last: {last and last.status_code}):\n{self.output()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
