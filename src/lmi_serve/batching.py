@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import Overloaded, RequestTimeout
+from .errors import Overloaded, RequestTimeout, ServingError
 from .handler_api import Input, Output
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,23 @@ def is_out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return (isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
             or "CUDA error: out of memory" in text or "No available memory for the cache blocks" in text)
+
+
+def call_handler(handle: Callable[[Input], Output | None], request: Input, name: str) -> Output:
+    """Run a handler with DJL's result rules: None is 204, a non-Output is an error, and an
+    exception is 424 (507 for out-of-memory). ServingErrors (e.g. Overloaded) propagate."""
+    try:
+        output = handle(request)
+    except ServingError:
+        raise
+    except Exception as exc:  # the handler's failure is the requests' failure, never the server's
+        log.exception("%s: handler failed", name)
+        return failure_output(exc)
+    if output is None:
+        return Output(code=204, message="No content")
+    if not isinstance(output, Output):
+        return Output().error(f"handler returned {type(output).__name__}, not Output")
+    return output
 
 
 def failure_output(exc: BaseException) -> Output:
@@ -58,6 +75,20 @@ class Job:
                 yield chunk
         finally:
             self.cancelled = True
+
+
+class DirectJob(Job):
+    """A job whose handler already ran on the request thread; its stream is consumed right here,
+    and closing it closes the handler's generator (which cancels the engine request)."""
+
+    def stream(self) -> Iterator[bytes]:
+        assert self.output is not None
+        chunks = self.output.iter_stream_chunks()
+        try:
+            yield from chunks
+        finally:
+            chunks.close()
+            self.output.run_finalizers()
 
 
 @dataclass
@@ -133,14 +164,9 @@ class DynamicBatcher:
         batched = self.batch_size > 1
         request = Input.batch_of([j.input for j in jobs]) if batched else jobs[0].input
         try:
-            output = self._handle(request)
-            if output is None:
-                output = Output(code=204, message="No content")
-            elif not isinstance(output, Output):
-                output = Output().error(f"handler returned {type(output).__name__}, not Output")
-        except Exception as exc:  # the handler's failure is the requests' failure, never the server's
-            log.exception("%s: handler failed", self.name)
-            output = failure_output(exc)
+            output = call_handler(self._handle, request, self.name)
+        except ServingError as exc:
+            output = Output().error(exc.message, code=exc.status, message=exc.error_type)
         outputs = output.get_batch_outputs(len(jobs)) if batched else [output]
         for job, out in zip(jobs, outputs):
             if out.is_stream():
@@ -163,3 +189,24 @@ class DynamicBatcher:
             if close:
                 close()
             job.chunks.put(_END)
+
+
+class DirectDispatcher:
+    """Rolling-batch models: the built-in handler is thread-safe and hands each request to the
+    engine itself, so it runs on the request thread and nothing queues here."""
+
+    def __init__(self, name: str, handle: Callable[[Input], Output | None]):
+        self.name = name
+        self._handle = handle
+        self.stats = BatchStats()
+        self.queued = 0
+
+    def submit(self, request: Input) -> Job:
+        job = DirectJob(request, deadline=float("inf"))
+        self.stats.record(1)
+        job.finish(call_handler(self._handle, request, self.name))
+        return job
+
+    def wait(self, job: Job) -> Output:
+        assert job.output is not None
+        return job.output

@@ -11,7 +11,7 @@ import logging
 import time
 from pathlib import Path
 
-from .batching import DynamicBatcher, Job
+from .batching import DirectDispatcher, DynamicBatcher, Job
 from .config import ModelConfig
 from .errors import ModelNotReady
 from .handler_api import Input, Output
@@ -61,7 +61,9 @@ class ModelService:
         self.error: str | None = None
         self.started_at: float | None = None  # set when this model's loading begins
         self.loaded_at: float | None = None
-        self.batcher: DynamicBatcher | None = None
+        self.dispatcher: DynamicBatcher | DirectDispatcher | None = None
+        self.rolling_batch = False
+        self.engine = None  # the handler's rolling-batch Engine, for dialects that talk to it directly
 
     def load(self) -> None:
         """Load the handler and model; never raises (a failure becomes the FAILED status)."""
@@ -71,16 +73,22 @@ class ModelService:
             self.task = infer_task(self.config)
             module, handle = load_handler(self.name, self.config.model_dir, self.config.entry_point,
                                           self.task, self.config.handler)
+            rolling = self._resolve_rolling_batch(module)
             init = Input(properties={**self.config.handler_properties(), "task": self.task,
-                                     "cache_dir": self.cache_dir, "model_name": self.name})
+                                     "cache_dir": self.cache_dir, "model_name": self.name,
+                                     "rolling_batch": "scheduler" if rolling else "disable"})
             result = handle(init)  # DJL contract: the first call carries the options and no content
             if isinstance(result, Output) and result.code >= 400:
                 raise RuntimeError(result.body().decode("utf-8", "replace"))
-            batcher = DynamicBatcher(self.name, handle, batch_size=self.config.batch_size,
-                                     max_batch_delay_ms=self.config.max_batch_delay,
-                                     job_queue_size=self.config.job_queue_size,
-                                     predict_timeout=self.config.predict_timeout)
-            batcher.start()
+            if rolling:
+                dispatcher = DirectDispatcher(self.name, handle)
+            else:
+                dispatcher = DynamicBatcher(self.name, handle, batch_size=self.config.batch_size,
+                                            max_batch_delay_ms=self.config.max_batch_delay,
+                                            job_queue_size=self.config.job_queue_size,
+                                            predict_timeout=self.config.predict_timeout)
+                dispatcher.start()
+            engine = getattr(module, "get_engine", lambda: None)()
         except Exception as exc:
             log.exception("Model %s failed to load", self.name)
             self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
@@ -91,9 +99,25 @@ class ModelService:
             self.status = ModelStatus.FAILED
             log.error("Model %s: %s", self.name, self.error)
             return
-        self.batcher, self.loaded_at = batcher, time.time()
+        self.dispatcher, self.engine, self.rolling_batch = dispatcher, engine, rolling
+        self.loaded_at = time.time()
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, module.__name__, elapsed)
+
+    def _resolve_rolling_batch(self, module) -> bool:
+        """`auto` means the rolling batch when the built-in text-generation handler serves the
+        model with batch_size 1 and no legacy streaming; `scheduler` insists on it."""
+        supported = getattr(module, "SUPPORTS_ROLLING_BATCH", False) and self.task == "text-generation"
+        mode = self.config.rolling_batch
+        if mode == "scheduler" and not supported:
+            raise ValueError("option.rolling_batch=scheduler needs the built-in text-generation handler; "
+                             "a custom handle() receives dynamic batches (use rolling_batch=disable)")
+        if mode == "scheduler" and (self.config.batch_size > 1 or self.config.enable_streaming):
+            raise ValueError("option.rolling_batch=scheduler cannot be combined with batch_size > 1 or "
+                             "option.enable_streaming (both belong to the dynamic-batch path)")
+        if mode == "auto":
+            return supported and self.config.batch_size == 1 and not self.config.enable_streaming
+        return mode == "scheduler"
 
     def current_status(self) -> ModelStatus:
         """The status, turning a load that outlives model_loading_timeout into a failure."""
@@ -104,14 +128,14 @@ class ModelService:
         return self.status
 
     def submit(self, request: Input) -> Job:
-        if self.current_status() is not ModelStatus.READY or self.batcher is None:
+        if self.current_status() is not ModelStatus.READY or self.dispatcher is None:
             detail = f": {self.error}" if self.error else ""
             raise ModelNotReady(f"Model {self.name} is {self.status.value.lower()}{detail}")
-        return self.batcher.submit(request)
+        return self.dispatcher.submit(request)
 
     def describe(self) -> dict:
         """LMI's GET /models/<m> entry, plus our batching counters."""
-        stats = self.batcher.stats if self.batcher else None
+        stats = self.dispatcher.stats if self.dispatcher else None
         return {
             "modelName": self.name,
             "modelUrl": self.config.model_dir or self.config.model_id,
@@ -119,11 +143,13 @@ class ModelService:
             "batchSize": self.config.batch_size,
             "maxBatchDelayMillis": self.config.max_batch_delay,
             "queueSize": self.config.job_queue_size,
-            "requestInQueue": self.batcher.queued if self.batcher else 0,
+            "rollingBatch": self.rolling_batch,
+            "requestInQueue": self.dispatcher.queued if self.dispatcher else 0,
             "status": self.current_status().value,
             **({"error": self.error} if self.error else {}),
             "loadedAtStartup": True,
             "batchStats": {"batches": stats.batches, "requests": stats.requests,
                            "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
             if stats else None,
+            **({"engine": self.engine.stats()} if self.engine else {}),
         }

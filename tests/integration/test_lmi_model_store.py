@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,62 +15,10 @@ def post(server, path, body, **kwargs):
     return requests.post(server.url(path), json=body, timeout=120, **kwargs)
 
 
-def batch_stats(server, model):
-    return requests.get(server.url(f"/models/{model}"), timeout=10).json()[0]["models"][0]["batchStats"]
-
-
 def test_ping_lists_every_model_in_the_store(store_server):
     body = requests.get(store_server.url("/ping"), timeout=10).json()
-    assert set(body) == {"batched", "streaming", "custom", "fallback"}
+    assert set(body) == {"batched", "dynamic", "faulty", "tgi", "streaming", "custom", "fallback"}
     assert all(entry["status"] == "Healthy" for entry in body.values())
-
-
-def test_concurrent_requests_share_one_batched_forward(store_server):
-    bodies = [
-        {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 6}},
-        {"inputs": "One, two, three,", "parameters": {"max_new_tokens": 12}},
-        {"inputs": "Once upon a time", "parameters": {"do_sample": True, "seed": 3, "max_new_tokens": 8}},
-        {"inputs": ["Red, green,", "Monday, Tuesday,"], "parameters": {"repetition_penalty": 1.3}},
-    ]
-    before = batch_stats(store_server, "batched")
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        responses = list(pool.map(lambda b: post(store_server, "/predictions/batched", b), bodies))
-    after = batch_stats(store_server, "batched")
-    assert [r.status_code for r in responses] == [200] * 4
-    assert after["batches"] == before["batches"] + 1
-    assert after["lastBatchSize"] == 4 and after["largestBatch"] == 4
-    assert "Paris" in responses[0].json()[0]["generated_text"]
-    assert len(responses[3].json()) == 2
-    # The same greedy request alone gives the same text as it did in company.
-    alone = post(store_server, "/predictions/batched", bodies[1])
-    assert alone.json() == responses[1].json()
-
-
-def test_a_bad_request_fails_alone_inside_a_batch(store_server):
-    bodies = [{"inputs": f"Count to {n}:", "parameters": {"max_new_tokens": 4}} for n in (2, 3, 4)]
-    bodies.insert(1, {"inputs": "x", "parameters": {"top_k": -1}})
-    before = batch_stats(store_server, "batched")
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        responses = list(pool.map(lambda b: post(store_server, "/predictions/batched", b), bodies))
-    assert batch_stats(store_server, "batched")["batches"] == before["batches"] + 1
-    assert [r.status_code for r in responses] == [200, 424, 200, 200]
-    assert "top_k" in responses[1].json()["error"]
-    assert all(isinstance(r.json()[0]["generated_text"], str) for i, r in enumerate(responses) if i != 1)
-
-
-def test_streaming_model_sends_jsonlines_outputs(store_server):
-    body = {"inputs": "Say something about café culture in 東京 🚀", "parameters": {"max_new_tokens": 24}}
-    response = requests.post(store_server.url("/predictions/streaming"), json=body, stream=True, timeout=120)
-    assert response.status_code == 200
-    assert response.headers["Content-Type"].startswith("application/jsonlines")
-    assert "Content-Length" not in response.headers
-    lines = [json.loads(line) for line in response.iter_lines() if line]
-    assert len(lines) > 1
-    assert all(set(line) == {"outputs"} and len(line["outputs"]) == 1 for line in lines)
-    streamed = "".join(line["outputs"][0] for line in lines)
-    assert "\ufffd" not in streamed
-    whole = post(store_server, "/predictions/batched", body).json()[0]["generated_text"]
-    assert streamed == whole
 
 
 def test_custom_model_py_handles_requests(store_server):

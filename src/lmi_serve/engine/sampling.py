@@ -1,88 +1,156 @@
 """Per-row token choice for a batch whose rows each carry their own SamplingParams.
 
 Order of operations for one step (`HeterogeneousSampler.__call__`):
-1. log-softmax of the raw logits: the logprob reported for the chosen token is the model's own.
-2. repetition penalty on tokens already seen by that row (only built if some row uses it).
+1. log-softmax of the raw logits: the logprob reported for a token (chosen or top-n) is the model's own.
+2. penalties, only if some row uses them: repetition (prompt + generated tokens, HF semantics),
+   then presence and frequency (generated tokens, OpenAI semantics).
 3. greedy rows: argmax of the penalised scores; all greedy rows share one argmax.
-4. sampled rows: temperature, top-k, top-p, then one draw per row from that row's own
-   `torch.Generator`, so a seeded request gets the same sample whatever else is in the batch.
+4. sampled rows: temperature, then min-p, typical-p, top-k and top-p masks (each a no-op for rows
+   with the neutral value), then one uniform draw per row from that row's own `torch.Generator`,
+   inverted through the row's CDF. A seeded request gets the same sample whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .types import SamplingParams
 
 
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per row: the n best (id, logprob), n from `top_n`
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.float32, device=device)[:, None]
+
+
 class HeterogeneousSampler:
-    def __init__(self, params: Sequence[SamplingParams], device: torch.device, vocab_size: int):
+    def __init__(self, params: Sequence[SamplingParams], device: torch.device, vocab_size: int,
+                 top_n: Sequence[int] | None = None, generators: Sequence[torch.Generator | None] | None = None):
         self.params = list(params)
         self.device = device
         self.vocab_size = vocab_size
-        self.generators: list[torch.Generator | None] = []
-        for p in self.params:
-            if p.do_sample:
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
-                self.generators.append(gen)
-            else:
-                self.generators.append(None)
+        self.top_n = list(top_n) if top_n is not None else [0] * len(self.params)
+        self.generators = list(generators) if generators is not None else [self._generator(p) for p in self.params]
         self._rebuild()
 
+    @staticmethod
+    def _generator(p: SamplingParams) -> torch.Generator | None:
+        if not p.do_sample:
+            return None
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(p.seed if p.seed is not None else random.getrandbits(63))
+        return gen
+
     def _rebuild(self) -> None:
-        """Batch tensors of the per-row parameters; called when rows join or leave."""
-        rows = self.params
+        """Batch tensors of the per-row parameters; called only when rows join or leave."""
+        rows, dev = self.params, self.device
         self.sample_rows = [i for i, p in enumerate(rows) if p.do_sample]
         self.greedy_rows = [i for i, p in enumerate(rows) if not p.do_sample]
-        penalties = [p.repetition_penalty for p in rows]
-        self.penalty = (torch.tensor(penalties, dtype=torch.float32, device=self.device)[:, None]
-                        if any(v != 1.0 for v in penalties) else None)
+        self.repetition = _column([p.repetition_penalty for p in rows], dev) \
+            if any(p.repetition_penalty != 1.0 for p in rows) else None
+        self.presence = _column([p.presence_penalty for p in rows], dev) \
+            if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in rows) else None
+        self.frequency = _column([p.frequency_penalty for p in rows], dev) if self.presence is not None else None
+        sampled = [rows[i] for i in self.sample_rows]
+        self.temperature = _column([max(p.temperature, 1e-5) for p in sampled], dev)
+        self.top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in sampled],
+                                  dtype=torch.long, device=dev)[:, None]
+        self.top_p = _column([p.top_p for p in sampled], dev)
+        self.typical_p = _column([p.typical_p for p in sampled], dev) if any(p.typical_p < 1 for p in sampled) else None
+        self.min_p = _column([p.min_p for p in sampled], dev) if any(p.min_p > 0 for p in sampled) else None
+        self.max_top_n = max(self.top_n, default=0)
+
+    @property
+    def needs_token_history(self) -> bool:
+        return self.repetition is not None or self.presence is not None
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only the rows at `keep`, in that order."""
         self.params = [self.params[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
+        self.top_n = [self.top_n[i] for i in keep]
         self._rebuild()
 
-    @property
-    def needs_seen_tokens(self) -> bool:
-        return self.penalty is not None
+    def extend(self, other: "HeterogeneousSampler") -> None:
+        """Append `other`'s rows after this sampler's (batch concatenation)."""
+        self.params += other.params
+        self.generators += other.generators
+        self.top_n += other.top_n
+        self._rebuild()
 
-    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
-        """Choose one token per row. `seen` is a [rows, vocab] bool mask of prompt + generated tokens,
-        required when `needs_seen_tokens`. Returns (token ids, their logprobs)."""
+    def _penalise(self, scores: torch.Tensor, seen: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
+        if self.repetition is not None and seen is not None:
+            penalised = torch.where(scores < 0, scores * self.repetition, scores / self.repetition)
+            scores = torch.where(seen, penalised, scores)
+        if self.presence is not None and counts is not None:
+            counts = counts.to(scores.dtype)
+            scores = scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+        return scores
+
+    def _filtered_sorted(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the sampled rows: (probabilities sorted descending after all masks, their token ids)."""
+        scores = scores / self.temperature
+        if self.min_p is not None:
+            probs = torch.softmax(scores, dim=-1)
+            floor = self.min_p * probs.max(dim=-1, keepdim=True).values
+            scores = scores.masked_fill(probs < floor, float("-inf"))
+        if self.typical_p is not None:
+            scores = self._typical(scores)
+        ordered, order = torch.sort(scores, dim=-1, descending=True)
+        ranks = torch.arange(ordered.shape[-1], device=ordered.device)[None, :]
+        ordered = ordered.masked_fill(ranks >= self.top_k, float("-inf"))
+        probs = torch.softmax(ordered, dim=-1)
+        # Drop a token once the mass before it already reaches top_p; the best token always stays.
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= self.top_p, 0.0)
+        return probs, order
+
+    def _typical(self, scores: torch.Tensor) -> torch.Tensor:
+        """Locally typical sampling: keep the tokens whose surprise is closest to the entropy."""
+        logp = torch.log_softmax(scores, dim=-1)
+        p = logp.exp()
+        entropy = -(p * torch.nan_to_num(logp, neginf=0.0)).sum(dim=-1, keepdim=True)
+        distance = (-logp - entropy).abs()
+        order = torch.argsort(distance, dim=-1)
+        sorted_p = p.gather(-1, order)
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = before >= self.typical_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        return scores.masked_fill(drop, float("-inf"))
+
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None) -> SampleOutput:
+        """Choose one token per row. `seen` ([rows, vocab] bool: prompt + generated tokens) and
+        `counts` ([rows, vocab]: generated-token counts) are needed when `needs_token_history`."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
-        scores = logits
-        if self.penalty is not None and seen is not None:
-            penalised = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
-            scores = torch.where(seen, penalised, scores)
+        scores = self._penalise(logits, seen, counts)
         chosen = torch.empty(len(self.params), dtype=torch.long, device=logits.device)
         if self.greedy_rows:
             idx = torch.tensor(self.greedy_rows, device=logits.device)
             chosen[idx] = scores[idx].argmax(dim=-1)
-        for row in self.sample_rows:
-            chosen[row] = self._sample_row(scores[row], self.params[row], self.generators[row])
+        if self.sample_rows:
+            idx = torch.tensor(self.sample_rows, device=logits.device)
+            probs, order = self._filtered_sorted(scores[idx])
+            cdf = probs.cumsum(dim=-1)
+            uniform = torch.stack([torch.rand((), generator=self.generators[r]) for r in self.sample_rows])
+            target = (uniform.to(cdf.device)[:, None] * cdf[:, -1:])
+            position = torch.searchsorted(cdf, target).clamp(max=cdf.shape[-1] - 1)
+            chosen[idx] = order.gather(-1, position).squeeze(-1)
         token_ids = chosen.tolist()
         picked = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        return token_ids, picked
-
-    @staticmethod
-    def _sample_row(scores: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        scores = scores / max(p.temperature, 1e-5)
-        if 0 < p.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = sorted_probs.cumsum(-1)
-            # Drop a token once the mass before it already reaches top_p; the best token always stays.
-            drop_sorted = (cumulative - sorted_probs) >= p.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
-        return int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
+        top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+        if self.max_top_n:
+            values, ids = torch.topk(logprobs, self.max_top_n, dim=-1)
+            values, ids = values.tolist(), ids.tolist()
+            top = [list(zip(ids[r][:n], values[r][:n])) for r, n in enumerate(self.top_n)]
+        return SampleOutput(token_ids, picked, top)

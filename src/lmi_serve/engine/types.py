@@ -24,8 +24,16 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    typical_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on prompt + generated tokens (HF / TGI semantics)
+    presence_penalty: float = 0.0  # on generated tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0  # on generated tokens, times their count
     seed: int | None = None  # None: a fresh random seed per request
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,7 @@ class StopParams:
 
     max_new_tokens: int = 30
     stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -44,18 +53,38 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     stop: StopParams = StopParams()
+    top_n_tokens: int = 0  # alternatives reported per generated token
+    prompt_logprobs: bool = False  # report each prompt token's logprob (decoder_input_details)
+
+
+@dataclass(frozen=True)
+class TopToken:
+    """A token with its logprob: an alternative at one step, or one prompt token."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    special: bool = False
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token. `text` is the newly released text (may be "" while held back, e.g. a
-    partial UTF-8 character or a possible stop-string prefix); the last event carries `finish_reason`."""
+    partial UTF-8 character or a possible stop-string prefix); the last event carries
+    `finish_reason`. A failed request ends with an event of token_id -1, ERROR and `error`."""
 
     token_id: int
     text: str
     logprob: float
     special: bool
     finish_reason: FinishReason | None = None
+    top_tokens: tuple[TopToken, ...] = ()
+    prompt_tokens: tuple[TopToken, ...] | None = None  # on the first event, when prompt_logprobs
+    error: str | None = None
+
+    @classmethod
+    def failure(cls, message: str) -> "TokenEvent":
+        return cls(-1, "", -1.0, True, FinishReason.ERROR, error=message)
 
 
 @dataclass
@@ -74,5 +103,18 @@ class GenerationResult:
         return self.events[-1].finish_reason if self.events else None
 
     @property
+    def error(self) -> str | None:
+        return self.events[-1].error if self.events else None
+
+    @property
+    def tokens(self) -> list[TokenEvent]:
+        """Generated tokens, without a failure marker."""
+        return [e for e in self.events if e.token_id >= 0]
+
+    @property
     def generated_tokens(self) -> int:
-        return len(self.events)
+        return len(self.tokens)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(e.logprob for e in self.tokens)

@@ -1,4 +1,4 @@
-"""HeterogeneousSampler: greedy/sampled rows side by side, per-row generators, filters, penalty."""
+"""HeterogeneousSampler: greedy/sampled rows side by side, per-row generators, filters, penalties, top-n."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lmi_serve.engine.sampling import HeterogeneousSampler
+from lmi_serve.engine.sampling import HeterogeneousSampler, SampleOutput
 from lmi_serve.engine.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -20,38 +20,54 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3
     return torch.randn(rows, vocab, generator=gen) * scale
 
 
-def sampler(*params: SamplingParams, vocab: int = VOCAB) -> HeterogeneousSampler:
-    return HeterogeneousSampler(list(params), CPU, vocab)
+def sampler(*params: SamplingParams, vocab: int = VOCAB, top_n=None) -> HeterogeneousSampler:
+    return HeterogeneousSampler(list(params), CPU, vocab, top_n=top_n)
 
 
-def draws(s: HeterogeneousSampler, logits: torch.Tensor, steps: int, row: int) -> list[int]:
-    return [s(logits)[0][row] for _ in range(steps)]
+def draws(s: HeterogeneousSampler, logits: torch.Tensor, steps: int, row: int, **history) -> list[int]:
+    return [s(logits, **history).token_ids[row] for _ in range(steps)]
+
+
+def ids(s: HeterogeneousSampler, logits: torch.Tensor, **history) -> list[int]:
+    return s(logits, **history).token_ids
+
+
+def test_output_is_a_sample_output_with_python_values():
+    out = sampler(GREEDY, SamplingParams(do_sample=True, seed=1))(random_logits(2))
+    assert isinstance(out, SampleOutput)
+    assert len(out.token_ids) == len(out.logprobs) == len(out.top) == 2
+    assert all(isinstance(t, int) for t in out.token_ids)
+    assert all(isinstance(lp, float) for lp in out.logprobs)
+    assert out.top == [[], []]  # no top-n asked
 
 
 def test_greedy_rows_are_argmax_and_logprob_is_raw_log_softmax():
     logits = random_logits(4)
-    ids, logprobs = sampler(*[GREEDY] * 4)(logits)
-    assert ids == logits.argmax(-1).tolist()
+    out = sampler(*[GREEDY] * 4)(logits)
+    assert out.token_ids == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1)
-    for row, (token, lp) in enumerate(zip(ids, logprobs)):
+    for row, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert lp == pytest.approx(expected[row, token].item(), abs=1e-5)
         assert lp <= 0
 
 
 def test_sampled_logprob_is_from_raw_logits_not_tempered_or_filtered():
     logits = random_logits(1)
-    s = sampler(SamplingParams(do_sample=True, temperature=0.3, top_k=5, top_p=0.8, seed=3))
+    s = sampler(SamplingParams(do_sample=True, temperature=0.3, top_k=5, top_p=0.8, typical_p=0.9, min_p=0.01,
+                               seed=3))
     raw = torch.log_softmax(logits, -1)[0]
     for _ in range(20):
-        (token,), (lp,) = s(logits)
+        out = s(logits)
+        (token,), (lp,) = out.token_ids, out.logprobs
         assert lp == pytest.approx(raw[token].item(), abs=1e-5)
 
 
 def test_half_precision_logits_are_accepted():
     logits = random_logits(2).to(torch.bfloat16)
-    ids, logprobs = sampler(GREEDY, SamplingParams(do_sample=True, seed=1))(logits)
-    assert ids[0] == logits.float().argmax(-1)[0].item()
-    assert all(isinstance(lp, float) and math.isfinite(lp) for lp in logprobs)
+    out = sampler(GREEDY, SamplingParams(do_sample=True, seed=1), top_n=[2, 2])(logits)
+    assert out.token_ids[0] == logits.float().argmax(-1)[0].item()
+    assert all(isinstance(lp, float) and math.isfinite(lp) for lp in out.logprobs)
+    assert all(isinstance(lp, float) for row in out.top for _, lp in row)
 
 
 def test_same_seed_gives_same_draws_regardless_of_other_rows_and_position():
@@ -64,7 +80,7 @@ def test_same_seed_gives_same_draws_regardless_of_other_rows_and_position():
     others = random_logits(3, seed=99)
     batch = torch.cat([others[:2], row_logits, others[2:]])
     mixed = sampler(SamplingParams(do_sample=True, seed=5), GREEDY, seeded,
-                    SamplingParams(do_sample=True, temperature=0.5, top_k=3))
+                    SamplingParams(do_sample=True, temperature=0.5, top_k=3, typical_p=0.5, min_p=0.2))
     assert draws(mixed, batch, 30, row=2) == alone
 
 
@@ -89,11 +105,32 @@ def test_greedy_rows_have_no_generator():
     assert s.greedy_rows == [0] and s.sample_rows == [1]
 
 
+def test_explicit_generators_are_used():
+    gen = torch.Generator().manual_seed(77)
+    logits = random_logits(1, seed=7, scale=1.0)
+    s = HeterogeneousSampler([SamplingParams(do_sample=True, seed=1)], CPU, VOCAB, generators=[gen])
+    assert s.generators[0] is gen
+    assert draws(s, logits, 10, 0) == draws(sampler(SamplingParams(do_sample=True, seed=77)), logits, 10, 0)
+
+
+def test_greedy_row_next_to_sampled_rows_is_still_argmax():
+    logits = random_logits(4, seed=3, scale=0.5)  # flat: sampled rows spread widely
+    hot = SamplingParams(do_sample=True, temperature=5.0)
+    s = sampler(hot, GREEDY, SamplingParams(do_sample=True, seed=9, top_k=10), GREEDY)
+    best = logits.argmax(-1).tolist()
+    sampled_draws = set()
+    for _ in range(30):
+        out = ids(s, logits)
+        assert out[1] == best[1] and out[3] == best[3]
+        sampled_draws.add(out[0])
+    assert len(sampled_draws) > 3, "test premise: the hot row really samples"
+
+
 def test_top_k_one_equals_greedy():
     logits = random_logits(3, scale=1.0)
     s = sampler(*[SamplingParams(do_sample=True, top_k=1, temperature=2.0, seed=i) for i in range(3)])
     for _ in range(10):
-        assert s(logits)[0] == logits.argmax(-1).tolist()
+        assert ids(s, logits) == logits.argmax(-1).tolist()
 
 
 def test_top_k_restricts_to_k_best():
@@ -109,18 +146,87 @@ def test_tiny_top_p_keeps_only_best_token():
     logits = random_logits(2, scale=0.3)  # nearly flat: without top_p, draws would spread widely
     s = sampler(*[SamplingParams(do_sample=True, top_p=1e-6, temperature=5.0, seed=i) for i in range(2)])
     for _ in range(20):
-        assert s(logits)[0] == logits.argmax(-1).tolist()
+        assert ids(s, logits) == logits.argmax(-1).tolist()
+
+
+# probs 0.5, 0.3, 0.15, 0.05. Entropy H = 1.142 nats; surprises -log p = 0.69, 1.20, 1.90, 3.00;
+# |surprise - H| = 0.45, 0.06, 0.76, 1.85: the most typical token is 1, then 0, 2, 3.
+FOUR = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 
 def test_top_p_keeps_the_smallest_nucleus():
-    # probs 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps {0, 1} (0.5 < 0.7 so the second is needed).
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    # top_p=0.7 keeps {0, 1} (0.5 < 0.7 so the second is needed).
     s = sampler(SamplingParams(do_sample=True, top_p=0.7, seed=0), vocab=4)
-    seen = set(draws(s, probs.log(), 200, 0))
-    assert seen == {0, 1}
+    assert set(draws(s, FOUR.log(), 200, 0)) == {0, 1}
     # top_p=0.5 exactly: the mass before the second token already reaches 0.5 -> only the best.
     s = sampler(SamplingParams(do_sample=True, top_p=0.5, seed=0), vocab=4)
-    assert set(draws(s, probs.log(), 50, 0)) == {0}
+    assert set(draws(s, FOUR.log(), 50, 0)) == {0}
+
+
+def test_tiny_typical_p_keeps_only_the_most_typical_token():
+    s = sampler(SamplingParams(do_sample=True, typical_p=1e-6, seed=0), vocab=4)
+    assert set(draws(s, FOUR.log(), 50, 0)) == {1}  # not the argmax: the token closest to the entropy
+
+
+def test_tiny_typical_p_on_random_logits_matches_a_manual_computation():
+    logits = random_logits(3, seed=5, scale=1.5)
+    logp = torch.log_softmax(logits, -1)
+    entropy = -(logp.exp() * logp).sum(-1, keepdim=True)
+    expected = (-logp - entropy).abs().argmin(-1).tolist()
+    assert expected != logits.argmax(-1).tolist(), "test premise: typical differs from argmax somewhere"
+    s = sampler(*[SamplingParams(do_sample=True, typical_p=1e-6, seed=i) for i in range(3)])
+    for _ in range(10):
+        assert ids(s, logits) == expected
+
+
+def test_typical_p_keeps_tokens_in_order_of_typicality_until_the_mass():
+    # Typicality order 1 (0.3), 0 (0.5), 2 (0.15), 3: mass before 0 is 0.3, before 2 is 0.8.
+    s = sampler(SamplingParams(do_sample=True, typical_p=0.5, seed=0), vocab=4)
+    assert set(draws(s, FOUR.log(), 200, 0)) == {0, 1}
+    s = sampler(SamplingParams(do_sample=True, typical_p=0.25, seed=0), vocab=4)
+    assert set(draws(s, FOUR.log(), 50, 0)) == {1}
+    s = sampler(SamplingParams(do_sample=True, typical_p=0.9, seed=0), vocab=4)
+    assert set(draws(s, FOUR.log(), 400, 0)) == {0, 1, 2}
+
+
+def test_typical_p_one_is_a_no_op():
+    plain = SamplingParams(do_sample=True, seed=42)
+    neutral = SamplingParams(do_sample=True, seed=42, typical_p=1.0)
+    logits = random_logits(1, seed=7, scale=1.0)
+    assert sampler(neutral).typical_p is None
+    expected = draws(sampler(plain), logits, 40, 0)
+    assert draws(sampler(neutral), logits, 40, 0) == expected
+    # Next to a row that does use typical_p, the neutral row still draws as if alone.
+    mixed = sampler(SamplingParams(do_sample=True, typical_p=1e-6, seed=1), neutral)
+    assert mixed.typical_p is not None
+    got = [out[1] for out in (ids(mixed, torch.cat([logits, logits])) for _ in range(40))]
+    assert got == expected
+
+
+def test_min_p_close_to_one_keeps_only_the_argmax():
+    logits = random_logits(3, scale=0.3)  # nearly flat
+    s = sampler(*[SamplingParams(do_sample=True, min_p=0.999, temperature=3.0, seed=i) for i in range(3)])
+    for _ in range(20):
+        assert ids(s, logits) == logits.argmax(-1).tolist()
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    # min_p=0.5 -> floor 0.25: {0, 1}. min_p=0.2 -> floor 0.1: {0, 1, 2}.
+    s = sampler(SamplingParams(do_sample=True, min_p=0.5, seed=0), vocab=4)
+    assert set(draws(s, FOUR.log(), 200, 0)) == {0, 1}
+    s = sampler(SamplingParams(do_sample=True, min_p=0.2, seed=0), vocab=4)
+    assert set(draws(s, FOUR.log(), 400, 0)) == {0, 1, 2}
+
+
+def test_min_p_zero_is_a_no_op_and_per_row():
+    logits = random_logits(1, seed=7, scale=1.0)
+    neutral = SamplingParams(do_sample=True, seed=8, min_p=0.0)
+    assert sampler(neutral).min_p is None
+    expected = draws(sampler(neutral), logits, 40, 0)
+    mixed = sampler(neutral, SamplingParams(do_sample=True, min_p=0.999, seed=1))
+    outs = [ids(mixed, torch.cat([logits, logits])) for _ in range(40)]
+    assert [o[0] for o in outs] == expected
+    assert {o[1] for o in outs} == {logits.argmax().item()}
 
 
 def test_low_temperature_concentrates_high_temperature_spreads():
@@ -144,27 +250,31 @@ def test_sampling_frequencies_follow_softmax():
     assert torch.allclose(counts, expected, atol=0.03)
 
 
+# -- penalties ---------------------------------------------------------------------------------
+
+
 def test_repetition_penalty_makes_seen_argmax_lose():
     logits = torch.tensor([[4.0, 3.0, 1.0, -2.0]])
     seen = torch.tensor([[True, False, False, False]])
     s = sampler(SamplingParams(repetition_penalty=2.0), vocab=4)
-    assert s.needs_seen_tokens
-    ids, logprobs = s(logits, seen)
-    assert ids == [1]  # 4 / 2 = 2 < 3
+    assert s.needs_token_history
+    out = s(logits, seen)
+    assert out.token_ids == [1]  # 4 / 2 = 2 < 3
     # The logprob reported is still the model's own, unpenalised.
-    assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item(), abs=1e-6)
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item(), abs=1e-6)
     # Without `seen` or with nothing seen the argmax wins again.
-    assert s(logits, torch.zeros_like(seen))[0] == [0]
+    assert ids(s, logits, seen=torch.zeros_like(seen)) == [0]
+    assert ids(s, logits) == [0]
 
 
 def test_repetition_penalty_on_negative_logits_multiplies():
     # A seen negative logit gets more negative (times the penalty), so it must lose to an unseen one.
     logits = torch.tensor([[-1.0, -1.5, -9.0]])
     seen = torch.tensor([[True, False, False]])
-    assert sampler(SamplingParams(repetition_penalty=2.0), vocab=3)(logits, seen)[0] == [1]
+    assert ids(sampler(SamplingParams(repetition_penalty=2.0), vocab=3), logits, seen=seen) == [1]
     # Penalty below 1 rewards seen tokens.
     logits = torch.tensor([[1.0, 1.5, -9.0]])
-    assert sampler(SamplingParams(repetition_penalty=0.5), vocab=3)(logits, seen)[0] == [0]
+    assert ids(sampler(SamplingParams(repetition_penalty=0.5), vocab=3), logits, seen=seen) == [0]
 
 
 def test_repetition_penalty_is_per_row_and_applies_to_sampled_rows():
@@ -172,17 +282,129 @@ def test_repetition_penalty_is_per_row_and_applies_to_sampled_rows():
     seen = torch.tensor([[True, False, False, False]] * 3)
     s = sampler(GREEDY, SamplingParams(repetition_penalty=3.0),
                 SamplingParams(do_sample=True, top_k=1, repetition_penalty=10.0, seed=0), vocab=4)
-    ids, _ = s(logits, seen)
     # Row 0 has no penalty; row 1: 5/3 < 4.9; row 2 (sampled, top_k=1): 20/10 = 2 > 0 -> still 0.
-    assert ids == [0, 1, 0]
+    assert ids(s, logits, seen=seen) == [0, 1, 0]
     logits[2, 1] = 2.5
-    assert s(logits, seen)[0][2] == 1
+    assert ids(s, logits, seen=seen)[2] == 1
 
 
-def test_no_penalty_means_no_seen_tokens_needed():
-    s = sampler(GREEDY, SamplingParams(do_sample=True, seed=0, repetition_penalty=1.0))
-    assert not s.needs_seen_tokens
-    assert s.penalty is None
+def test_no_penalty_means_no_token_history_needed():
+    s = sampler(GREEDY, SamplingParams(do_sample=True, seed=0, repetition_penalty=1.0, presence_penalty=0.0,
+                                       frequency_penalty=0.0))
+    assert not s.needs_token_history
+    assert s.repetition is None and s.presence is None and s.frequency is None
+    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=-0.5),
+                   SamplingParams(repetition_penalty=1.1)):
+        assert params.needs_penalties
+        assert sampler(GREEDY, params).needs_token_history
+
+
+PENALTY_LOGITS = torch.tensor([[4.0, 3.5, 3.0, 0.0]])
+
+
+def counts_of(*values: int) -> torch.Tensor:
+    return torch.tensor([list(values)], dtype=torch.int32)
+
+
+def test_presence_penalty_lowers_a_generated_token_once():
+    s = sampler(SamplingParams(presence_penalty=1.0), vocab=4)
+    assert s.needs_token_history
+    assert ids(s, PENALTY_LOGITS, counts=counts_of(0, 0, 0, 0)) == [0]
+    assert ids(s, PENALTY_LOGITS, counts=counts_of(1, 0, 0, 0)) == [1]  # 4 - 1 = 3 < 3.5
+    # Once, whatever the count: a presence of 0.4 never beats the 0.5 gap, even after 5 occurrences.
+    weak = sampler(SamplingParams(presence_penalty=0.4), vocab=4)
+    assert ids(weak, PENALTY_LOGITS, counts=counts_of(1, 0, 0, 0)) == [0]
+    assert ids(weak, PENALTY_LOGITS, counts=counts_of(5, 0, 0, 0)) == [0]
+    # Negative presence rewards generated tokens.
+    assert ids(sampler(SamplingParams(presence_penalty=-2.0), vocab=4), PENALTY_LOGITS,
+               counts=counts_of(0, 0, 1, 0)) == [2]
+
+
+def test_frequency_penalty_scales_with_the_count():
+    s = sampler(SamplingParams(frequency_penalty=0.3), vocab=4)
+    assert ids(s, PENALTY_LOGITS, counts=counts_of(1, 0, 0, 0)) == [0]  # 3.7 > 3.5
+    assert ids(s, PENALTY_LOGITS, counts=counts_of(2, 0, 0, 0)) == [1]  # 3.4 < 3.5
+    assert ids(s, PENALTY_LOGITS, counts=counts_of(4, 2, 0, 0)) == [2]  # 2.8, 2.9 < 3.0
+    # Presence and frequency add up: 4 - 0.2 - 0.2 = 3.6 > 3.5, 4 - 0.2 - 0.4 = 3.4 < 3.5.
+    both = sampler(SamplingParams(presence_penalty=0.2, frequency_penalty=0.2), vocab=4)
+    assert ids(both, PENALTY_LOGITS, counts=counts_of(1, 0, 0, 0)) == [0]
+    assert ids(both, PENALTY_LOGITS, counts=counts_of(2, 0, 0, 0)) == [1]
+
+
+def test_presence_and_frequency_are_per_row_and_keep_raw_logprobs():
+    logits = PENALTY_LOGITS.repeat(4, 1)
+    counts = counts_of(3, 0, 0, 0).repeat(4, 1)
+    s = sampler(GREEDY, SamplingParams(presence_penalty=1.0), SamplingParams(frequency_penalty=0.0),
+                SamplingParams(do_sample=True, top_k=1, frequency_penalty=1.0, seed=0), vocab=4)
+    out = s(logits, counts=counts)
+    assert out.token_ids == [0, 1, 0, 1]  # rows with 0 penalties are unaffected
+    raw = torch.log_softmax(PENALTY_LOGITS, -1)[0]
+    assert out.logprobs == pytest.approx([raw[t].item() for t in out.token_ids], abs=1e-6)
+
+
+def test_presence_penalty_uses_generated_counts_not_prompt_tokens():
+    # `seen` marks token 0 (a prompt token) but it was never generated: presence leaves it alone,
+    # while the repetition penalty of another row does use `seen`.
+    seen = torch.tensor([[True, False, False, False]] * 2)
+    counts = torch.zeros((2, 4), dtype=torch.int32)
+    s = sampler(SamplingParams(presence_penalty=5.0), SamplingParams(repetition_penalty=2.0), vocab=4)
+    assert ids(s, PENALTY_LOGITS.repeat(2, 1), seen=seen, counts=counts) == [0, 1]
+
+
+def test_repetition_then_presence_compose():
+    # Token 0: 4 / 2 = 2 (repetition: seen) then - 0.5 (presence: generated once) = 1.5 < 1.6 (token 2).
+    # Either penalty alone leaves token 0 ahead (2.0 or 3.5).
+    logits = torch.tensor([[4.0, 1.0, 1.6, 0.0]])
+    seen, counts = torch.tensor([[True, False, False, False]]), counts_of(1, 0, 0, 0)
+    both = sampler(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5), vocab=4)
+    assert ids(both, logits, seen=seen, counts=counts) == [2]
+    assert ids(sampler(SamplingParams(repetition_penalty=2.0), vocab=4), logits, seen=seen, counts=counts) == [0]
+    assert ids(sampler(SamplingParams(presence_penalty=0.5), vocab=4), logits, seen=seen, counts=counts) == [0]
+
+
+# -- top-n -------------------------------------------------------------------------------------
+
+
+def test_top_n_lists_the_best_ids_by_logprob_per_row():
+    logits = random_logits(3, seed=11)
+    s = sampler(GREEDY, SamplingParams(do_sample=True, seed=2), GREEDY, top_n=[3, 0, 5])
+    out = s(logits)
+    logp = torch.log_softmax(logits, -1)
+    assert [len(t) for t in out.top] == [3, 0, 5]
+    for row, n in ((0, 3), (2, 5)):
+        best = torch.topk(logp[row], n)
+        assert [t for t, _ in out.top[row]] == best.indices.tolist()
+        assert [lp for _, lp in out.top[row]] == pytest.approx(best.values.tolist(), abs=1e-6)
+        values = [lp for _, lp in out.top[row]]
+        assert values == sorted(values, reverse=True)
+    # A greedy row's choice is its first alternative, with the same logprob.
+    assert out.top[0][0] == (out.token_ids[0], pytest.approx(out.logprobs[0]))
+
+
+def test_top_n_is_of_the_raw_distribution_not_the_penalised_one():
+    logits = torch.tensor([[4.0, 3.0, 1.0, -2.0]])
+    s = sampler(SamplingParams(repetition_penalty=4.0), vocab=4, top_n=[2])
+    out = s(logits, seen=torch.tensor([[True, False, False, False]]))
+    assert out.token_ids == [1]
+    assert [t for t, _ in out.top[0]] == [0, 1]
+
+
+def test_top_n_follows_filter_and_extend():
+    logits = random_logits(3, seed=12)
+    s = sampler(GREEDY, GREEDY, top_n=[1, 0])
+    s.extend(sampler(GREEDY, top_n=[4]))
+    assert s.top_n == [1, 0, 4]
+    assert [len(t) for t in s(logits).top] == [1, 0, 4]
+    s.filter([2, 1])
+    assert s.top_n == [4, 0] and s.max_top_n == 4
+    out = s(logits[[2, 1]])
+    assert [len(t) for t in out.top] == [4, 0]
+    assert [t for t, _ in out.top[0]] == torch.topk(logits[2], 4).indices.tolist()
+    s.filter([1])
+    assert s.max_top_n == 0 and s(logits[1:2]).top == [[]]
+
+
+# -- filter / extend ---------------------------------------------------------------------------
 
 
 def test_filter_keeps_the_right_rows_generators_and_params():
@@ -197,7 +419,7 @@ def test_filter_keeps_the_right_rows_generators_and_params():
     s.filter([3, 2])
     assert s.params == [c, GREEDY]
     assert s.sample_rows == [0] and s.greedy_rows == [1]
-    assert not s.needs_seen_tokens  # only row b had a penalty
+    assert not s.needs_token_history  # only row b had a penalty
     assert torch.equal(s.generators[0].get_state(), state_c)
     assert s.generators[1] is None
 
@@ -206,7 +428,7 @@ def test_filter_keeps_the_right_rows_generators_and_params():
     ref(logits[2:])
     expected = draws(ref, logits[2:], 10, 0)
     batch = torch.cat([logits[2:], logits[:1]])
-    got = [s(batch)[0] for _ in range(10)]
+    got = [ids(s, batch) for _ in range(10)]
     assert [g[0] for g in got] == expected
     assert all(g[1] == logits[0].argmax().item() for g in got)
 
@@ -214,12 +436,22 @@ def test_filter_keeps_the_right_rows_generators_and_params():
 def test_filter_keeps_penalty_of_remaining_rows():
     s = sampler(GREEDY, SamplingParams(repetition_penalty=2.0), GREEDY)
     s.filter([1])
-    assert s.needs_seen_tokens
-    assert s.penalty.shape == (1, 1) and s.penalty.item() == 2.0
+    assert s.needs_token_history
+    assert s.repetition.shape == (1, 1) and s.repetition.item() == 2.0
     logits = torch.tensor([[4.0, 3.0]])
-    assert s(logits, torch.tensor([[True, False]]))[0] == [1]
+    assert ids(s, logits, seen=torch.tensor([[True, False]])) == [1]
     s.filter([])
-    assert s.params == [] and s.generators == [] and not s.needs_seen_tokens
+    assert s.params == [] and s.generators == [] and s.top_n == [] and not s.needs_token_history
+
+
+def test_filter_keeps_presence_and_frequency_of_remaining_rows():
+    s = sampler(SamplingParams(frequency_penalty=0.3), GREEDY, SamplingParams(presence_penalty=1.0), vocab=4)
+    s.filter([2, 1])
+    assert s.presence.flatten().tolist() == [1.0, 0.0] and s.frequency.flatten().tolist() == [0.0, 0.0]
+    counts = counts_of(1, 0, 0, 0).repeat(2, 1)
+    assert ids(s, PENALTY_LOGITS.repeat(2, 1), counts=counts) == [1, 0]
+    s.filter([1])
+    assert not s.needs_token_history
 
 
 def test_filter_reorders():
@@ -230,3 +462,43 @@ def test_filter_reorders():
     s.filter([1, 0])
     assert s.params == [y, x]
     assert s.generators[0] is gy and s.generators[1] is gx
+
+
+def test_extend_then_filter_keeps_each_rows_generator_stream():
+    a = SamplingParams(do_sample=True, seed=101)
+    b = SamplingParams(do_sample=True, seed=202, temperature=0.7, top_k=20)
+    c = SamplingParams(do_sample=True, seed=303, min_p=0.05)
+    logits = random_logits(1, seed=7, scale=1.0)
+
+    def reference(params: SamplingParams, skip: int, n: int) -> list[int]:
+        ref = sampler(params)
+        draws(ref, logits, skip, 0)
+        return draws(ref, logits, n, 0)
+
+    first = sampler(a, GREEDY)
+    draws(first, logits.repeat(2, 1), 3, 0)  # a: 3 draws consumed
+    second = sampler(b, c)
+    draws(second, logits.repeat(2, 1), 1, 0)  # b and c: 1 draw each consumed
+
+    first.extend(second)
+    assert first.params == [a, GREEDY, b, c]
+    assert first.sample_rows == [0, 2, 3] and first.greedy_rows == [1]
+    outs = [ids(first, logits.repeat(4, 1)) for _ in range(5)]  # a: 8, b and c: 6
+    assert [o[0] for o in outs] == reference(a, 3, 5)
+    assert [o[2] for o in outs] == reference(b, 1, 5)
+    assert [o[3] for o in outs] == reference(c, 1, 5)
+    assert {o[1] for o in outs} == {logits.argmax().item()}
+
+    first.filter([3, 0])  # c, a
+    outs = [ids(first, logits.repeat(2, 1)) for _ in range(10)]
+    assert [o[0] for o in outs] == reference(c, 6, 10)
+    assert [o[1] for o in outs] == reference(a, 8, 10)
+
+
+def test_extend_rebuilds_parameter_tensors():
+    s = sampler(GREEDY)
+    assert not s.needs_token_history and s.typical_p is None
+    s.extend(sampler(SamplingParams(do_sample=True, typical_p=0.5, seed=1, presence_penalty=0.5)))
+    assert s.needs_token_history and s.typical_p is not None
+    assert s.presence.flatten().tolist() == [0.0, 0.5]
+    assert s.sample_rows == [1] and s.greedy_rows == [0]

@@ -53,7 +53,7 @@ def _invoke(service: ModelService) -> Response:
     request_input = Input.from_http(request.get_data(), request.headers, list(request.args.items(multi=True)),
                                     g.request_id)
     job = service.submit(request_input)
-    output = service.batcher.wait(job)
+    output = service.dispatcher.wait(job)
     return _to_response(output, job.stream())
 
 

@@ -1,17 +1,33 @@
 """LMI request schemas -> neutral generation parameters.
 
-`do_sample` when omitted: sampling is on iff the request sets temperature > 0, top_k > 0 or
-top_p < 1 (LMI >= 0.32 behaviour). temperature == 0 always means greedy.
+Two schemas, as in the LMI docs:
+- dynamic batch (`rolling_batch=disable`): `{"inputs": str | [str], "parameters": {...}}`;
+- rolling batch: `{"inputs": str, "parameters": GenerationParameters, "stream": bool}`, one prompt
+  per request (see `parse_rolling_request` and `to_generation_requests`).
+
+`do_sample` when omitted (LMI >= 0.32 behaviour): sampling is on iff the request explicitly sets
+temperature > 0, top_k > 0 or top_p < 1 (rolling batch also: typical_p < 1 or min_p > 0).
+temperature == 0 always means greedy, whatever do_sample says.
+
+Rolling-batch rules beyond single-field ranges (`_check_rules`):
+- n > 1 or best_of > 1 needs sampling (unless num_beams > 1), and best_of >= n;
+- num_beams > 1 cannot be combined with sampling;
+- n / best_of / num_beams > 1 only without streaming (LMI returns best_of_sequences only whole);
+- `null` parameter values mean "not set"; `stop` is accepted for `stop_sequences`, and a single
+  string for a list; `watermark: false` (sent by TGI clients) is accepted, `true` is rejected;
+- anything else unknown is rejected with the list of supported names.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ...engine.types import SamplingParams
+from ...engine.types import GenerationRequest, SamplingParams, StopParams
 
 
 class LmiRequestError(ValueError):
@@ -60,7 +76,9 @@ def _describe(error: ValidationError, prefix: str) -> str:
     parts = []
     for item in error.errors():
         where = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "")
-        parts.append(f"{where}: {item['msg']}")
+        # Our own validators raise ValueError; show their text without pydantic's "Value error, ".
+        message = str(item["ctx"]["error"]) if item["type"] == "value_error" else item["msg"]
+        parts.append(f"{where}: {message}")
     return "; ".join(parts)
 
 
@@ -97,3 +115,230 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
     except ValidationError as exc:
         raise LmiRequestError(_describe(exc, "parameters")) from None
     return DynamicBatchRequest(prompts, params)
+
+
+# --- rolling batch --------------------------------------------------------------------------
+
+_MAX_SEED = 2**63 - 1
+_SAMPLING_HINTS = "do_sample=true, or temperature > 0, top_k > 0, top_p < 1, typical_p < 1 or min_p > 0"
+
+
+class GenerationParameters(BaseModel):
+    """GenerationParameters of the rolling-batch schema. `None` means "not set by the client"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    do_sample: bool | None = None
+    seed: int | None = Field(None, ge=0, le=_MAX_SEED)
+    temperature: float | None = Field(None, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: no top-k filter
+    top_p: float | None = Field(None, gt=0, le=1)
+    typical_p: float | None = Field(None, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    max_new_tokens: int = Field(30, ge=1)
+    details: bool = False
+    return_full_text: bool = False
+    stop_sequences: list[str] | None = None
+    decoder_input_details: bool = False
+    top_n_tokens: int = Field(0, ge=0, le=20)
+    ignore_eos_token: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = Field(1, ge=1, le=16)
+    best_of: int | None = Field(None, ge=1, le=16)
+    num_beams: int = Field(1, ge=1, le=8)
+    truncate: int | None = Field(None, ge=1)
+    output_formatter: str | None = None
+    watermark: bool = False  # TGI clients always send it; only false is honoured
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty_stops(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not stop for stop in value):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @field_validator("output_formatter")
+    @classmethod
+    def _known_formatter(cls, value: str | None) -> str | None:
+        from .formatters import FORMATTERS  # formatters imports this module
+
+        if value is not None and value not in FORMATTERS:
+            raise ValueError(f"unknown output formatter {value!r}; choose one of {sorted(FORMATTERS)}")
+        return value
+
+    @property
+    def do_sample_resolved(self) -> bool:
+        """Whether tokens are sampled: explicit `do_sample`, else inferred (module docstring)."""
+        if self.temperature == 0:
+            return False
+        if self.do_sample is not None:
+            return self.do_sample
+        return ((self.temperature is not None and self.temperature > 0)
+                or (self.top_k is not None and self.top_k > 0)
+                or (self.top_p is not None and self.top_p < 1)
+                or (self.typical_p is not None and self.typical_p < 1)
+                or (self.min_p is not None and self.min_p > 0))
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences are generated: max(n, best_of)."""
+        return max(self.n, self.best_of or 1)
+
+    def sampling(self, seed: int | None) -> SamplingParams:
+        do_sample = self.do_sample_resolved
+        return SamplingParams(
+            do_sample=do_sample,
+            temperature=self.temperature if self.temperature else 1.0,
+            top_k=max(self.top_k or 0, 0),
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            typical_p=self.typical_p if self.typical_p is not None else 1.0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=seed if do_sample else None,
+        )
+
+    def stopping(self, max_new_tokens: int, eos_token_ids: frozenset[int]) -> StopParams:
+        return StopParams(
+            max_new_tokens=max_new_tokens,
+            stop_sequences=tuple(self.stop_sequences or ()),
+            stop_token_ids=frozenset(self.stop_token_ids or ()),
+            eos_token_ids=frozenset(eos_token_ids),
+            ignore_eos=self.ignore_eos_token,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+_ROLLING_FIELDS = ("inputs", "parameters", "stream")
+
+
+@dataclass(frozen=True)
+class RollingRequest:
+    inputs: str
+    parameters: GenerationParameters
+    stream: bool = False
+
+
+def _normalise_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """`null` means unset; `stop` is another name for `stop_sequences`; one string is a list."""
+    raw = {key: value for key, value in raw.items() if value is not None}
+    if "stop" in raw:
+        if "stop_sequences" in raw:
+            raise LmiRequestError("parameters: give either 'stop_sequences' or 'stop', not both")
+        raw["stop_sequences"] = raw.pop("stop")
+    if isinstance(raw.get("stop_sequences"), str):
+        raw["stop_sequences"] = [raw["stop_sequences"]]
+    return raw
+
+
+def _check_rules(params: GenerationParameters, stream: bool) -> None:
+    """Rules that involve more than one field (see the module docstring)."""
+    sampling = params.do_sample_resolved
+    several = params.n > 1 or (params.best_of or 1) > 1
+    if params.best_of is not None and params.best_of < params.n:
+        raise LmiRequestError(f"parameters.best_of: must be >= n (got best_of={params.best_of}, n={params.n})")
+    if params.num_beams > 1:
+        if sampling:
+            raise LmiRequestError("parameters.num_beams: beam search (num_beams > 1) cannot be combined with "
+                                  "sampling; set do_sample=false and leave out temperature/top_k/top_p/typical_p/min_p")
+        if stream:
+            raise LmiRequestError("parameters.num_beams: beam search (num_beams > 1) is only supported for "
+                                  "non-streaming requests (stream=false)")
+    elif several and not sampling:
+        raise LmiRequestError(f"parameters.n: n > 1 or best_of > 1 needs sampling ({_SAMPLING_HINTS})")
+    if several and stream:
+        raise LmiRequestError("parameters.n: n > 1 or best_of > 1 is only supported for non-streaming requests "
+                              "(stream=false); LMI returns best_of_sequences only in a whole response")
+    if params.watermark:
+        raise LmiRequestError("parameters.watermark: watermarking is not supported; leave it out or send false")
+
+
+def parse_generation_parameters(raw: Any, *, stream: bool = False) -> GenerationParameters:
+    """Validate a rolling-batch `parameters` object (absent / null: all defaults)."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise LmiRequestError("'parameters' must be a JSON object")
+    raw = _normalise_parameters(raw)
+    supported = set(GenerationParameters.model_fields)
+    unsupported = sorted(set(raw) - supported)
+    if unsupported:
+        raise LmiRequestError(f"Unsupported parameter(s) {unsupported} with rolling batch; "
+                              f"supported: {sorted(supported)}")
+    try:
+        params = GenerationParameters.model_validate(raw, strict=False)
+    except ValidationError as exc:
+        raise LmiRequestError(_describe(exc, "parameters")) from None
+    _check_rules(params, stream)
+    return params
+
+
+def parse_rolling_request(payload: Any) -> RollingRequest:
+    """Strict LMI rolling-batch schema: `{"inputs": str, "parameters": {...}, "stream": bool}`."""
+    if not isinstance(payload, dict):
+        raise LmiRequestError("The request body must be a JSON object such as "
+                              '{"inputs": "...", "parameters": {...}}')
+    unknown = sorted(set(payload) - set(_ROLLING_FIELDS))
+    if unknown:
+        raise LmiRequestError(f"Unsupported field(s) {unknown}: the rolling-batch schema has "
+                              "'inputs', 'parameters' and 'stream'")
+    if "inputs" not in payload:
+        raise LmiRequestError("Missing required field 'inputs'")
+    inputs = payload["inputs"]
+    if isinstance(inputs, list):
+        raise LmiRequestError("'inputs' must be a string, not a list: there is no client-side batching with "
+                              "rolling batch; send one request per prompt")
+    if not isinstance(inputs, str):
+        raise LmiRequestError(f"'inputs' must be a string, not {type(inputs).__name__}")
+    if not inputs:
+        raise LmiRequestError("'inputs' must not be empty")
+    stream = payload.get("stream")
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise LmiRequestError("'stream' must be true or false")
+    return RollingRequest(inputs, parse_generation_parameters(payload.get("parameters"), stream=stream), stream)
+
+
+def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequence[int], *,
+                           eos_token_ids: frozenset[int], max_model_len: int,
+                           max_input_len: int) -> list[GenerationRequest]:
+    """Neutral requests for one rolling-batch request: one per sequence, max(n, best_of).
+
+    1. `truncate` keeps the last N prompt ids; the prompt must then fit `max_input_len`.
+    2. `max_new_tokens` is capped to what is left of `max_model_len`.
+    3. Seeds: sequence i uses base_seed + i. The base seed is the client's `seed`, or one random
+       seed drawn here for an unseeded sampled request. `requests[0].sampling.seed` is the base
+       seed to report (e.g. TGI `details.seed`); it is None exactly when the request is greedy.
+    """
+    if parameters.num_beams > 1:
+        raise LmiRequestError("parameters.num_beams: beam search (num_beams > 1) is not supported by this "
+                              "engine; use n / best_of with sampling instead")
+    prompt = tuple(prompt_ids)
+    if parameters.truncate is not None:
+        prompt = prompt[-parameters.truncate:]
+    if not prompt:
+        raise LmiRequestError("The input encodes to no tokens")
+    if len(prompt) > max_input_len:
+        raise LmiRequestError(f"Input has {len(prompt)} tokens, over the limit of {max_input_len}")
+    room = max_model_len - len(prompt)
+    if room < 1:
+        raise LmiRequestError(f"Input has {len(prompt)} tokens, which leaves no room to generate within "
+                              f"the model's context of {max_model_len} tokens")
+    stop = parameters.stopping(min(parameters.max_new_tokens, room), eos_token_ids)
+    base_seed = parameters.seed
+    if base_seed is None and parameters.do_sample_resolved:
+        base_seed = random.randrange(_MAX_SEED - 16)
+    return [
+        GenerationRequest(
+            prompt_ids=prompt,
+            sampling=parameters.sampling(None if base_seed is None else base_seed + i),
+            stop=stop,
+            top_n_tokens=parameters.top_n_tokens,
+            prompt_logprobs=parameters.decoder_input_details,
+        )
+        for i in range(parameters.num_sequences)
+    ]

@@ -1,0 +1,365 @@
+"""LMI output formatters: pure functions from (RenderContext, events so far) to text.
+
+A formatter never touches Flask, the engine or status codes. `events` is everything generated so
+far for the best sequence; its last event carries `finish_reason` when the sequence is done, and a
+failure ends it with `TokenEvent.failure(msg)` (finish_reason ERROR).
+
+Registry (`FORMATTERS`, name -> OutputFormatter): `json` renders one final body, `jsonlines` and
+`sse` render one chunk per event. `choose_formatter` picks: per-request `parameters.output_formatter`,
+then a model.py `@output_formatter`, then `option.output_formatter`, then the default (`json`, or
+`jsonlines` when streaming, or `sse` when streaming with tgi_compat).
+
+Decisions:
+- The formatter decides the framing (`OutputFormatter.streams`): a chunk-only formatter streams even
+  for `stream=false` (LMI: "stream=true, or option.output_formatter=jsonlines"); a final-only one
+  (`json`) answers a `stream=true` request with one body once generation ends; one with both (a
+  custom formatter) follows the request's flag.
+- Every generated token gets a stream line, also while its text is held back (text ""), so the
+  concatenated `token.text` of all lines equals the final `generated_text` without the prompt.
+- tgi_compat changes the shapes, not the framing: TGI tokens (`special` always present), a one-element
+  JSON array for the final body with `details` always (`prefill` always a list, `seed`), TGI
+  StreamResponse objects as chunks (as SSE frames or, if jsonlines is chosen, as lines), and TGI error
+  objects. `finish_reason` there is only length | eos_token | stop_sequence: CANCELLED shows as `length`
+  (nobody reads a cancelled response), LMI shows it as `abort`.
+- Streams (LMI shapes) add `top_tokens` to each line when top_n_tokens > 0 and `prefill` to the final
+  `details` when decoder_input_details. TGI stream details have no place for prefill.
+- A failure in any sequence (best or `others`) renders the error shape for the whole response.
+- Non-finite logprobs render as null; the first prefill token's logprob is always null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...engine.types import FinishReason, TokenEvent, TopToken
+from ...handler_api import Input
+from .schema import LmiRequestError, RollingRequest, parse_rolling_request
+
+Events = Sequence[TokenEvent]
+FinalRenderer = Callable[["RenderContext", Events, Sequence[Events]], str]
+ChunkRenderer = Callable[["RenderContext", Events], str]
+
+_LMI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token",
+               FinishReason.STOP_SEQUENCE: "stop_sequence", FinishReason.ERROR: "error",
+               FinishReason.CANCELLED: "abort"}
+_TGI_FINISH = {**_LMI_FINISH, FinishReason.CANCELLED: "length"}
+TGI_ERROR_PREFIX = "Request failed during generation: "
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What a renderer needs to know about the request besides its events."""
+
+    inputs: str
+    details: bool = False
+    decoder_input_details: bool = False
+    top_n_tokens: int = 0
+    return_full_text: bool = False
+    tgi_compat: bool = False
+    seed: int | None = None  # the reported sampling seed; None when greedy
+    prompt_tokens_count: int = 0
+
+    @classmethod
+    def for_request(cls, request: RollingRequest, *, tgi_compat: bool, seed: int | None,
+                    prompt_tokens_count: int) -> "RenderContext":
+        p = request.parameters
+        return cls(request.inputs, p.details, p.decoder_input_details, p.top_n_tokens, p.return_full_text,
+                   tgi_compat, seed, prompt_tokens_count)
+
+
+# --- pieces ---------------------------------------------------------------------------------
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _token(ctx: RenderContext, token_id: int, text: str, logprob: float | None, special: bool) -> dict:
+    if ctx.tgi_compat:
+        return {"id": token_id, "text": text, "logprob": _finite(logprob), "special": bool(special)}
+    token = {"id": token_id, "text": text, "log_prob": _finite(logprob)}
+    if special:
+        token["special_token"] = True
+    return token
+
+
+def _event_token(ctx: RenderContext, event: TokenEvent) -> dict:
+    return _token(ctx, event.token_id, event.text, event.logprob, event.special)
+
+
+def _top_tokens(ctx: RenderContext, event: TokenEvent) -> list[dict]:
+    return [_token(ctx, t.token_id, t.text, t.logprob, t.special) for t in event.top_tokens]
+
+
+def _prefill(ctx: RenderContext, events: Events) -> list[dict]:
+    prompt: Sequence[TopToken] = (events[0].prompt_tokens or ()) if events else ()
+    out = []
+    for i, t in enumerate(prompt):
+        logprob = None if i == 0 else _finite(t.logprob)
+        out.append({"id": t.token_id, "text": t.text, "logprob": logprob} if ctx.tgi_compat
+                   else {"id": t.token_id, "text": t.text, "log_prob": logprob})
+    return out
+
+
+def _is_failure(event: TokenEvent) -> bool:
+    return event.finish_reason is FinishReason.ERROR
+
+
+def _generated(events: Events) -> list[TokenEvent]:
+    """Real generated tokens: no failure or other id-less marker events."""
+    return [e for e in events if e.token_id >= 0 and not _is_failure(e)]
+
+
+def _finish(ctx: RenderContext, events: Events) -> str | None:
+    reason = events[-1].finish_reason if events else None
+    if reason is None:
+        return None
+    return (_TGI_FINISH if ctx.tgi_compat else _LMI_FINISH)[reason]
+
+
+def _text(ctx: RenderContext, events: Events, *, full: bool) -> str:
+    text = "".join(e.text for e in events)
+    return ctx.inputs + text if full and ctx.return_full_text else text
+
+
+def _failure(events: Events) -> TokenEvent | None:
+    return events[-1] if events and _is_failure(events[-1]) else None
+
+
+# --- final body (json) ----------------------------------------------------------------------
+
+def _sequence(ctx: RenderContext, events: Events, prefill: list[dict]) -> dict:
+    """A best_of_sequences entry (`prefill`: the prompt's, shared by all sequences)."""
+    tokens = _generated(events)
+    seq = {"generated_text": _text(ctx, events, full=True), "finish_reason": _finish(ctx, events),
+           "generated_tokens": len(tokens), "tokens": [_event_token(ctx, e) for e in tokens]}
+    if ctx.tgi_compat:
+        seq["seed"] = None  # only the best sequence's seed is known here
+        seq["prefill"] = prefill
+    if ctx.top_n_tokens > 0:
+        seq["top_tokens"] = [_top_tokens(ctx, e) for e in tokens]
+    return seq
+
+
+def _details(ctx: RenderContext, events: Events, others: Sequence[Events]) -> dict:
+    tokens = _generated(events)
+    prefill = _prefill(ctx, events) if ctx.decoder_input_details else []
+    details: dict[str, Any] = {"finish_reason": _finish(ctx, events), "generated_tokens": len(tokens),
+                               "inputs": ctx.inputs, "tokens": [_event_token(ctx, e) for e in tokens]}
+    if ctx.tgi_compat:
+        details["seed"] = ctx.seed
+    if ctx.tgi_compat or ctx.decoder_input_details:
+        details["prefill"] = prefill
+    if ctx.top_n_tokens > 0:
+        details["top_tokens"] = [_top_tokens(ctx, e) for e in tokens]
+    if others:
+        details["best_of_sequences"] = [_sequence(ctx, seq, prefill) for seq in others]
+    return details
+
+
+def _tgi_error(message: str | None) -> dict:
+    return {"error": TGI_ERROR_PREFIX + (message or "unknown error"), "error_type": "generation"}
+
+
+def render_json(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> str:
+    """Non-streaming body: `{"generated_text", "details"?}`; tgi_compat: `[{...}]` with details."""
+    failed = next((f for f in (_failure(s) for s in (events, *others)) if f is not None), None)
+    if failed is not None:
+        if ctx.tgi_compat:
+            return _dumps(_tgi_error(failed.error))
+        return _dumps({"generated_text": "", "details": {"finish_reason": "error", "generated_tokens": None,
+                                                         "inputs": None, "tokens": None},
+                       "error": failed.error})
+    body: dict[str, Any] = {"generated_text": _text(ctx, events, full=True)}
+    if ctx.details or ctx.tgi_compat:
+        body["details"] = _details(ctx, events, others)
+    return _dumps([body] if ctx.tgi_compat else body)
+
+
+def tgi_response(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> dict:
+    """One TGI GenerateResponse (`details` only when asked), or TGI's generation-error object."""
+    failed = next((f for f in (_failure(s) for s in (events, *others)) if f is not None), None)
+    if failed is not None:
+        return _tgi_error(failed.error)
+    body: dict[str, Any] = {"generated_text": _text(ctx, events, full=True)}
+    if ctx.details or ctx.decoder_input_details:
+        body["details"] = _details(ctx, events, others)
+    return body
+
+
+# --- chunks (jsonlines, sse) ----------------------------------------------------------------
+
+def _lmi_line(ctx: RenderContext, events: Events) -> dict:
+    last = events[-1]
+    if _is_failure(last):
+        return {"token": {"id": -1, "text": "", "log_prob": -1, "special_token": True}, "generated_text": "",
+                "details": {"finish_reason": "error", "generated_tokens": None, "inputs": None},
+                "error": last.error}
+    line: dict[str, Any] = {"token": _event_token(ctx, last)}
+    if ctx.top_n_tokens > 0:
+        line["top_tokens"] = _top_tokens(ctx, last)
+    if last.finish_reason is not None:
+        line["generated_text"] = _text(ctx, events, full=True)
+        if ctx.details:
+            details = {"finish_reason": _finish(ctx, events), "generated_tokens": len(_generated(events)),
+                       "inputs": ctx.inputs}
+            if ctx.decoder_input_details:
+                details["prefill"] = _prefill(ctx, events)
+            line["details"] = details
+    return line
+
+
+def tgi_stream_frame(ctx: RenderContext, events: Events) -> dict:
+    """A TGI StreamResponse; `index` counts frames from 1."""
+    last = events[-1]
+    if _is_failure(last):
+        return _tgi_error(last.error)
+    frame: dict[str, Any] = {"index": len(events), "token": _event_token(ctx, last)}
+    if ctx.top_n_tokens > 0:
+        frame["top_tokens"] = _top_tokens(ctx, last)
+    done = last.finish_reason is not None
+    frame["generated_text"] = _text(ctx, events, full=True) if done else None
+    frame["details"] = {"finish_reason": _finish(ctx, events), "generated_tokens": len(_generated(events)),
+                        "seed": ctx.seed, "input_length": ctx.prompt_tokens_count} if done else None
+    return frame
+
+
+def _chunk_object(ctx: RenderContext, events: Events) -> dict:
+    if not events:
+        raise ValueError("a chunk is rendered for the last of at least one event")
+    return tgi_stream_frame(ctx, events) if ctx.tgi_compat else _lmi_line(ctx, events)
+
+
+def render_jsonlines_chunk(ctx: RenderContext, events: Events) -> str:
+    """The jsonlines line for the last event (see the module docstring)."""
+    return _dumps(_chunk_object(ctx, events)) + "\n"
+
+
+def render_sse_chunk(ctx: RenderContext, events: Events) -> str:
+    """One server-sent event for the last event; never a `[DONE]` sentinel."""
+    return "data: " + _dumps(_chunk_object(ctx, events)) + "\n\n"
+
+
+# --- registry -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OutputFormatter:
+    name: str
+    mimetype: str
+    render_final: FinalRenderer | None = None
+    render_chunk: ChunkRenderer | None = None
+
+    def streams(self, stream: bool) -> bool:
+        """Chunks or one body? Chunk-only formatters always stream; final-only never; both: `stream`."""
+        if self.render_chunk is None:
+            return False
+        return stream or self.render_final is None
+
+    def render_body(self, ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> str:
+        """The whole response at once: the final render, or every chunk joined."""
+        if self.render_final is not None:
+            return self.render_final(ctx, events, others)
+        assert self.render_chunk is not None
+        return "".join(self.render_chunk(ctx, events[:i]) for i in range(1, len(events) + 1))
+
+
+FORMATTERS: dict[str, OutputFormatter] = {
+    "json": OutputFormatter("json", "application/json", render_final=render_json),
+    "jsonlines": OutputFormatter("jsonlines", "application/jsonlines", render_chunk=render_jsonlines_chunk),
+    "sse": OutputFormatter("sse", "text/event-stream", render_chunk=render_sse_chunk),
+}
+
+
+def _lookup(name: str, where: str) -> OutputFormatter:
+    try:
+        return FORMATTERS[name]
+    except KeyError:
+        raise LmiRequestError(f"{where}: unknown output formatter {name!r}; choose one of "
+                              f"{sorted(FORMATTERS)}") from None
+
+
+def choose_formatter(requested: str | None, configured: str | None, stream: bool, tgi_compat: bool, *,
+                     custom: Callable[..., Any] | None = None) -> OutputFormatter:
+    """Per-request name > model.py `@output_formatter` (`custom`) > option.output_formatter > default."""
+    if requested:
+        return _lookup(requested, "parameters.output_formatter")
+    if custom is not None:
+        return custom_formatter(custom, stream=stream)
+    if configured:
+        return _lookup(configured, "option.output_formatter")
+    if not stream:
+        return FORMATTERS["json"]
+    return FORMATTERS["sse" if tgi_compat else "jsonlines"]
+
+
+# --- model.py formatters --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """What a model.py `@output_formatter` function sees, once per event or once at the end."""
+
+    inputs: str
+    generated_text: str  # with the prompt when return_full_text
+    tokens: list[dict]  # LMI Token dicts of the tokens so far
+    finished: bool
+    finish_reason: str | None  # LMI strings: length | eos_token | stop_sequence | error | abort
+    details: dict  # LMI details (always filled, whatever `details` says); best_of_sequences at the end
+    error: str | None = None
+
+
+def generation_output(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> GenerationOutput:
+    lmi = RenderContext(ctx.inputs, True, ctx.decoder_input_details, ctx.top_n_tokens, ctx.return_full_text,
+                        False, ctx.seed, ctx.prompt_tokens_count)
+    last = events[-1] if events else None
+    details = _details(lmi, events, others)
+    return GenerationOutput(
+        inputs=ctx.inputs, generated_text=_text(lmi, events, full=True), tokens=details["tokens"],
+        finished=last is not None and last.finish_reason is not None, finish_reason=details["finish_reason"],
+        details=details, error=last.error if last is not None else None)
+
+
+def _as_text(value: Any) -> str:
+    """A formatter returns a str ("" emits nothing); None is "", other values are sent as JSON."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else _dumps(value)
+
+
+def custom_formatter(fn: Callable[[GenerationOutput], Any], *, stream: bool = False) -> OutputFormatter:
+    """Wrap a model.py `@output_formatter`: called per event when streaming, once otherwise.
+
+    The MIME type is `fn.content_type` when set, else application/jsonlines for a stream and
+    application/json otherwise."""
+    mimetype = getattr(fn, "content_type", None) or ("application/jsonlines" if stream else "application/json")
+
+    def render_final(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> str:
+        return _as_text(fn(generation_output(ctx, events, others)))
+
+    def render_chunk(ctx: RenderContext, events: Events) -> str:
+        return _as_text(fn(generation_output(ctx, events)))
+
+    return OutputFormatter(getattr(fn, "__name__", "custom"), mimetype, render_final, render_chunk)
+
+
+def apply_input_formatter(fn: Callable[..., Any], item: Input, **kwargs: Any) -> RollingRequest:
+    """Run a model.py `@input_formatter` and parse what it returns with the rolling-batch schema.
+
+    `fn(item, **kwargs)` returns `{"inputs", "parameters"?, "stream"?}` (or a RollingRequest).
+    Any exception becomes an LmiRequestError carrying its message."""
+    try:
+        payload = fn(item, **kwargs)
+    except LmiRequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - user code; the message goes back to the client
+        raise LmiRequestError(f"Input formatter {getattr(fn, '__name__', 'input_formatter')} failed: "
+                              f"{exc}") from exc
+    if isinstance(payload, RollingRequest):
+        return payload
+    return parse_rolling_request(payload)

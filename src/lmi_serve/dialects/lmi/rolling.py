@@ -1,0 +1,131 @@
+"""The LMI rolling-batch schema on the engine: one request Input -> one Output (whole or streamed).
+
+Path: parse (schema or a model.py @input_formatter) -> tokenize -> GenerationRequests (n/best_of
+sequences) -> engine.submit -> events -> the chosen formatter renders them. The first event of a
+stream is awaited before the Output is returned, so errors before generation starts still get a
+real status code; later errors become the formatter's final error line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from ...engine.engine import Engine
+from ...engine.handle import RequestHandle
+from ...engine.types import GenerationResult, TokenEvent
+from ...errors import Overloaded, RequestTimeout
+from ...handler_api import Input, Output
+from ...handler_utils import read_payload
+from .formatters import OutputFormatter, RenderContext, apply_input_formatter, choose_formatter
+from .schema import LmiRequestError, RollingRequest, parse_rolling_request, to_generation_requests
+
+
+def best_first(results: Sequence[GenerationResult], n: int) -> list[GenerationResult]:
+    """Sequences by cumulative logprob, best first: the best `n` when n > 1 (vLLM's n of best_of),
+    else all of them (TGI's best_of: the others become best_of_sequences)."""
+    ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)
+    return ranked[:n] if n > 1 else ranked
+
+
+def submit_all(engine: Engine, requests) -> list[RequestHandle]:
+    """Submit every sequence of one client request; on overload, cancel the ones already queued."""
+    handles: list[RequestHandle] = []
+    try:
+        for request in requests:
+            handles.append(engine.submit(request))
+    except Overloaded:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+class RollingBatchService:
+    def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
+                 output_formatter: str | None = None, custom_input: Callable | None = None,
+                 custom_output: Callable | None = None):
+        self.engine = engine
+        self.max_input_len = max_input_len
+        self.tgi_compat = tgi_compat
+        self.output_formatter = output_formatter
+        self.custom_input = custom_input
+        self.custom_output = custom_output
+
+    def _error(self, message: str, code: int = 424, error_type: str = "validation") -> Output:
+        """LMI: `{"error", "code"}` with 424; tgi_compat: TGI's `{"error", "error_type"}` and codes."""
+        if self.tgi_compat:
+            status = {"validation": 422, "generation": 424, "overloaded": 429}.get(error_type, code)
+            body = {"error": message, "error_type": error_type}
+        else:
+            status, body = code, {"error": message, "code": code}
+        return Output(code=status, message="invoke handler failure").add(body)
+
+    def _parse(self, item: Input) -> RollingRequest:
+        if self.custom_input is not None:
+            return apply_input_formatter(self.custom_input, item)
+        payload = read_payload(item)
+        return parse_rolling_request({"inputs": payload} if isinstance(payload, str) else payload)
+
+    def inference(self, item: Input) -> Output:
+        try:
+            request = self._parse(item)
+            formatter = choose_formatter(request.parameters.output_formatter, self.output_formatter,
+                                         request.stream, self.tgi_compat, custom=self.custom_output)
+            prompt_ids = self.engine.tokenizer(request.inputs).input_ids
+            requests = to_generation_requests(request.parameters, prompt_ids,
+                                              eos_token_ids=self.engine.eos_token_ids,
+                                              max_model_len=self.engine.max_model_len,
+                                              max_input_len=self.max_input_len)
+        except (LmiRequestError, ValueError, KeyError) as exc:
+            return self._error(str(exc))
+        try:
+            handles = submit_all(self.engine, requests)
+        except Overloaded:
+            if self.tgi_compat:
+                return self._error("Model is overloaded", 429, "overloaded")
+            raise  # the LMI front answers 503
+        ctx = RenderContext.for_request(request, tgi_compat=self.tgi_compat, seed=requests[0].sampling.seed,
+                                        prompt_tokens_count=len(requests[0].prompt_ids))
+        if formatter.streams(request.stream):
+            return self._stream(ctx, formatter, handles[0])
+        return self._whole(ctx, formatter, handles, request.parameters.n)
+
+    def _whole(self, ctx: RenderContext, formatter: OutputFormatter, handles: list[RequestHandle],
+               n: int) -> Output:
+        try:
+            results = [handle.result() for handle in handles]
+        finally:
+            for handle in handles:
+                handle.cancel()  # no-op for finished ones; frees the rest if we were interrupted
+        ranked = best_first(results, n)
+        best, others = ranked[0], [r.events for r in ranked[1:]]
+        body = formatter.render_body(ctx, best.events, others)
+        failed = any(r.finish_reason is not None and r.error for r in results)
+        output = Output(code=424 if failed else 200, message="invoke handler failure" if failed else "OK")
+        return output.add(body).add_property("Content-Type", formatter.mimetype)
+
+    def _stream(self, ctx: RenderContext, formatter: OutputFormatter, handle: RequestHandle) -> Output:
+        events_iter = iter(handle)
+        first = next(events_iter)  # errors before generation (e.g. RequestTimeout) raise here
+        if first.error is not None:  # failed before any token: still time for a real status code
+            return self._error(first.error, error_type="generation")
+        output = Output().add_property("Content-Type", formatter.mimetype)
+        return output.add_stream_content(_render_stream(ctx, formatter, handle, first, events_iter),
+                                         output_formatter=lambda chunk: chunk)
+
+
+def _render_stream(ctx: RenderContext, formatter: OutputFormatter, handle: RequestHandle, first: TokenEvent,
+                   rest: Iterator[TokenEvent]) -> Iterator[str]:
+    """Chunks for each event; closing this generator (client gone) cancels the engine request."""
+    events = [first]
+    try:
+        yield formatter.render_chunk(ctx, events)
+        for event in rest:
+            events.append(event)
+            yield formatter.render_chunk(ctx, events)
+    except RequestTimeout as exc:
+        events.append(TokenEvent.failure(exc.message))
+        yield formatter.render_chunk(ctx, events)
+    finally:
+        handle.cancel()
+

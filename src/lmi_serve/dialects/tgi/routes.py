@@ -1,0 +1,205 @@
+"""Text Generation Inference (TGI) dialect: what the `text-generation` client and TGI users expect.
+
+POST /  (array body, or SSE with `stream`), POST /generate (one object), POST /generate_stream
+(SSE), GET /info, GET /health (and GET /). Errors are `{"error", "error_type"}`: 422 validation,
+424 generation, 429 overloaded, 503 unhealthy. Streams never end with `[DONE]` (the client would
+choke on it); an error after the stream started is a final `data:` error object.
+
+TGI's own defaults are kept: a request without `parameters` samples (`do_sample` true); POST `/`
+returns the prompt with the text unless `return_full_text` is set. Parameters follow the LMI
+rolling-batch schema (a superset of TGI's), plus TGI's stricter rules: temperature > 0 when given,
+top_k > 0 when given, no `decoder_input_details` with a stream.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from flask import Blueprint, Response, current_app, request
+
+from ...engine.engine import Engine
+from ...engine.handle import RequestHandle
+from ...errors import Overloaded, RequestTimeout, ServingError
+from ...registry import ModelRegistry
+from ...service import ModelStatus
+from ..lmi.formatters import RenderContext, tgi_response, tgi_stream_frame
+from ..lmi.rolling import best_first, submit_all
+from ..lmi.schema import LmiRequestError, RollingRequest, parse_generation_parameters, to_generation_requests
+
+blueprint = Blueprint("tgi", __name__)
+ERROR_PREFIXES = ("/generate", "/info", "/health")  # app-level 404/405/413 render in TGI shape here
+
+
+def error_response(status: int, error_type: str, message: str) -> Response:
+    kinds = {422: "validation", 424: "generation", 429: "overloaded", 503: "healthcheck"}
+    body = {"error": message, "error_type": kinds.get(status, error_type)}
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+class TgiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _registry() -> ModelRegistry:
+    return current_app.extensions["lmi_serve.registry"]
+
+
+def _engine() -> tuple[str, Engine]:
+    service = _registry().for_invocations(request.args.get("model_name") or request.headers.get("model_name"))
+    if service.current_status() is not ModelStatus.READY:
+        raise TgiError(503, f"Model {service.name} is {service.current_status().value.lower()}")
+    if service.engine is None:
+        raise TgiError(424, f"Model {service.name} is served with dynamic batching; the TGI routes need the "
+                            "rolling batch (option.rolling_batch=auto or scheduler)")
+    return service.name, service.engine
+
+
+def _parse(route_default_full_text: bool, stream_route: bool) -> RollingRequest:
+    try:
+        body = json.loads(request.get_data() or b"null")
+    except ValueError as exc:
+        raise TgiError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("inputs"), str) or not body["inputs"]:
+        raise TgiError(422, "Input validation error: `inputs` must be a non-empty string")
+    unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
+    if unknown:
+        raise TgiError(422, f"Input validation error: unknown field(s) {unknown}")
+    stream = stream_route or bool(body.get("stream"))
+    raw = body.get("parameters")
+    if raw is None:
+        raw = {"do_sample": True}  # TGI: no parameters object means sampling
+    if isinstance(raw, dict):
+        if raw.get("temperature") is not None and raw["temperature"] <= 0:
+            raise TgiError(422, "Input validation error: `temperature` must be strictly positive")
+        if raw.get("top_k") is not None and raw["top_k"] <= 0:
+            raise TgiError(422, "Input validation error: `top_k` must be strictly positive")
+        if stream and raw.get("decoder_input_details"):
+            raise TgiError(422, "Input validation error: `decoder_input_details` == true is not supported "
+                                "when streaming tokens")
+        if raw.get("return_full_text") is None and route_default_full_text:
+            raw = {**raw, "return_full_text": True}
+    try:
+        parameters = parse_generation_parameters(raw, stream=stream)
+    except LmiRequestError as exc:
+        raise TgiError(422, f"Input validation error: {exc}") from None
+    return RollingRequest(body["inputs"], parameters, stream)
+
+
+def _submit(parsed: RollingRequest) -> tuple[RenderContext, list[RequestHandle]]:
+    _, engine = _engine()
+    prompt_ids = engine.tokenizer(parsed.inputs).input_ids
+    if parsed.parameters.truncate:
+        prompt_ids = prompt_ids[-parsed.parameters.truncate:]
+    asked = parsed.parameters.max_new_tokens
+    if len(prompt_ids) + asked > engine.max_model_len:  # TGI refuses instead of capping
+        raise TgiError(422, f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= "
+                            f"{engine.max_model_len}. Given: {len(prompt_ids)} `inputs` tokens and {asked} "
+                            "`max_new_tokens`")
+    try:
+        requests = to_generation_requests(parsed.parameters, prompt_ids,
+                                          eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
+                                          max_input_len=engine.max_model_len - 1)
+        handles = submit_all(engine, requests)
+    except LmiRequestError as exc:
+        raise TgiError(422, f"Input validation error: {exc}") from None
+    except Overloaded:
+        raise TgiError(429, "Model is overloaded") from None
+    ctx = RenderContext.for_request(parsed, tgi_compat=True, seed=requests[0].sampling.seed,
+                                    prompt_tokens_count=len(requests[0].prompt_ids))
+    return ctx, handles
+
+
+def _generate(as_list: bool) -> Response:
+    parsed = _parse(route_default_full_text=as_list, stream_route=False)
+    if parsed.stream:
+        return _stream(parsed)
+    ctx, handles = _submit(parsed)
+    try:
+        results = [h.result() for h in handles]
+    except RequestTimeout as exc:
+        raise TgiError(424, f"Request failed during generation: {exc.message}") from None
+    finally:
+        for handle in handles:
+            handle.cancel()
+    ranked = best_first(results, parsed.parameters.n)
+    body = tgi_response(ctx, ranked[0].events, [r.events for r in ranked[1:]])
+    status = 424 if "error" in body else 200
+    headers = {"x-prompt-tokens": str(ctx.prompt_tokens_count), "x-generated-tokens": str(ranked[0].generated_tokens)}
+    return Response(json.dumps([body] if as_list and status == 200 else body, ensure_ascii=False),
+                    status=status, mimetype="application/json", headers=headers)
+
+
+def _stream(parsed: RollingRequest) -> Response:
+    ctx, (handle,) = _submit(parsed)
+
+    def frames() -> Iterator[str]:
+        events = []
+        try:
+            for event in handle:
+                events.append(event)
+                yield "data: " + json.dumps(tgi_stream_frame(ctx, events), ensure_ascii=False) + "\n\n"
+        except RequestTimeout as exc:
+            yield "data: " + json.dumps({"error": f"Request failed during generation: {exc.message}",
+                                         "error_type": "generation"}) + "\n\n"
+        finally:
+            handle.cancel()  # also when the client went away
+
+    return Response(frames(), mimetype="text/event-stream", headers={"X-Accel-Buffering": "no"})
+
+
+@blueprint.errorhandler(TgiError)
+def tgi_error(exc: TgiError) -> Response:
+    return error_response(exc.status, "", exc.message)
+
+
+@blueprint.errorhandler(ServingError)
+def serving_error(exc: ServingError) -> Response:
+    status = {404: 404, 400: 422}.get(exc.status, exc.status)
+    return error_response(status, exc.error_type, exc.message)
+
+
+@blueprint.post("/")
+def compat_generate() -> Response:
+    return _generate(as_list=True)
+
+
+@blueprint.post("/generate")
+def generate() -> Response:
+    return _generate(as_list=False)
+
+
+@blueprint.post("/generate_stream")
+def generate_stream() -> Response:
+    parsed = _parse(route_default_full_text=False, stream_route=True)
+    return _stream(parsed)
+
+
+@blueprint.get("/")
+@blueprint.get("/health")
+def health() -> Response:
+    status, _ = _registry().health()
+    if status != 200:
+        return error_response(503, "healthcheck", "unhealthy")
+    return Response(status=200)
+
+
+@blueprint.get("/info")
+def info() -> Response:
+    name, engine = _engine()
+    body = {"model_id": name, "model_sha": None, "model_pipeline_tag": "text-generation",
+            "model_dtype": str(engine.model.dtype).replace("torch.", ""), "model_device_type": engine.device.type,
+            "max_concurrent_requests": engine.scheduler.max_queue, "max_best_of": 16, "max_stop_sequences": None,
+            "max_input_tokens": engine.max_model_len - 1, "max_total_tokens": engine.max_model_len,
+            "max_batch_size": engine.scheduler.max_batch_size, "validation_workers": 1,
+            "max_client_batch_size": 1, "router": "lmi-serve", "version": _version(), "sha": None,
+            "docker_label": None}
+    return Response(json.dumps(body), mimetype="application/json")
+
+
+def _version() -> str:
+    from ... import __version__
+
+    return __version__

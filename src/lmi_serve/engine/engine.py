@@ -1,0 +1,71 @@
+"""Engine: the rolling-batch text generator one model process owns.
+
+`submit(request)` returns a RequestHandle at once (or raises Overloaded when the waiting queue is
+full); the scheduler thread does the rest. The engine imports no Flask, no JSON and no dialect
+names: dialects build GenerationRequests and render TokenEvents.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .handle import RequestHandle
+from .scheduler import Scheduler
+from .static_batch import eos_token_ids
+from .types import GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
+                 predict_timeout: float | None = None, max_model_len: int | None = None,
+                 max_prefill_tokens: int = 4096, name: str = "model"):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.name = name
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        context = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or context, context)
+        self.predict_timeout = predict_timeout
+        self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
+                                   max_prefill_tokens=max_prefill_tokens)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop, then end every request still waiting or running (nobody is left to)."""
+        self._stopped.set()
+        with self.scheduler.work:
+            self.scheduler.work.notify()
+        self._thread.join(timeout=10)
+        self.scheduler.abort_all("the engine stopped")
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
+        handle = RequestHandle(request, deadline)
+        self.scheduler.add(handle)
+        return handle
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats
+        return {"running": self.scheduler.running, "waiting": len(self.scheduler.waiting), "steps": s.steps,
+                "prefills": s.prefills, "admitted": s.admitted, "largestBatch": s.largest_batch,
+                "failedSteps": s.failed_steps, "maxBatchSize": self.scheduler.max_batch_size}
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self.scheduler.wait_for_work(timeout=0.5)
+            try:
+                self.scheduler.step()
+            except Exception:  # step() isolates request failures; this guards the loop itself
+                log.exception("Engine %s: unexpected error in a step", self.name)

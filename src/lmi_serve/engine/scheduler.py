@@ -1,0 +1,188 @@
+"""The rolling batch: a bounded waiting queue and the step loop that owns the model.
+
+Order of operations in `Scheduler.step`:
+1. drop cancelled requests (waiting or running) and fail waiting ones past their deadline;
+2. admit waiting requests while there are free rows and the prefill token budget allows;
+3. prefill the joiners together and sample their first tokens;
+4. merge them into the running batch;
+5. one decode forward for every running row, then sample;
+6. emit each row's event (stop checks and detokenizing happen in the same loop);
+7. evict finished rows at once, trimming padding that no remaining row needs.
+An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
+in a decode fails the running rows. Either way the loop goes on with new requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..errors import Overloaded, RequestTimeout
+from .batch import Batch, Row, make_row
+from .handle import RequestHandle
+from .types import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    prefills: int = 0
+    admitted: int = 0
+    largest_batch: int = 0
+    failed_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
+                 max_prefill_tokens: int = 4096):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: collections.deque[RequestHandle] = collections.deque()
+        self.batch: Batch | None = None
+        self.work = threading.Condition()
+        self.stats = SchedulerStats()
+
+    # -- called from request threads -------------------------------------------------------
+    def add(self, handle: RequestHandle) -> None:
+        with self.work:
+            if len(self.waiting) >= self.max_queue:
+                raise Overloaded("Model is overloaded: the waiting queue is full")
+            self.waiting.append(handle)
+            self.work.notify()
+
+    @property
+    def running(self) -> int:
+        batch = self.batch  # read once: the scheduler thread may drop it meanwhile
+        return len(batch) if batch else 0
+
+    def wait_for_work(self, timeout: float) -> None:
+        with self.work:
+            if not self.waiting and not self.batch:
+                self.work.wait(timeout)
+
+    def abort_all(self, reason: str) -> None:
+        """Fail every waiting and running request (engine shutdown)."""
+        with self.work:
+            waiting, self.waiting = list(self.waiting), collections.deque()
+        for handle in waiting:
+            handle.push(TokenEvent.failure(reason))
+        if self.batch:
+            self._fail(self.batch.rows, RuntimeError(reason))
+            self.batch = None
+
+    # -- the scheduler thread ----------------------------------------------------------------
+    def step(self) -> None:
+        self._drop_cancelled_and_expired()
+        joiners = self._admit()
+        if joiners:
+            self._join(joiners)
+        if self.batch:
+            self._decode()
+        self.stats.steps += 1
+
+    def _drop_cancelled_and_expired(self) -> None:
+        now = time.monotonic()
+        with self.work:
+            keep = collections.deque()
+            for handle in self.waiting:
+                if handle.cancelled:
+                    continue
+                if handle.expired(now):
+                    handle.fail(RequestTimeout(
+                        f"Request waited {now - handle.submitted_at:.1f} s for a free slot, over predict_timeout"))
+                    continue
+                keep.append(handle)
+            self.waiting = keep
+        if self.batch:
+            for row in self.batch.rows:
+                row.finished = row.finished or row.owner.cancelled
+            self._evict()
+
+    def _admit(self) -> list[RequestHandle]:
+        free = self.max_batch_size - self.running
+        joiners: list[RequestHandle] = []
+        longest = 0
+        with self.work:
+            while self.waiting and len(joiners) < free:
+                length = len(self.waiting[0].request.prompt_ids)
+                padded = (len(joiners) + 1) * max(longest, length)
+                if joiners and padded > self.max_prefill_tokens:
+                    break
+                longest = max(longest, length)
+                joiners.append(self.waiting.popleft())
+        return joiners
+
+    def _join(self, handles: list[RequestHandle]) -> None:
+        batch = self._prefill([make_row(h.request, self.tokenizer, owner=h) for h in handles])
+        if batch is None:
+            return
+        if self.batch is None:
+            self.batch = batch
+        else:
+            self.batch.concatenate(batch)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
+
+    def _prefill(self, rows: list[Row]) -> Batch | None:
+        try:
+            batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device)
+            self._deliver(batch.emit(batch.sample()))
+        except Exception as exc:
+            self.stats.failed_steps += 1
+            if len(rows) > 1:
+                log.warning("Prefill of %d requests failed (%s); retrying each alone", len(rows), exc)
+                alone = [self._prefill([row]) for row in rows]
+                return self._merge([b for b in alone if b is not None])
+            log.exception("Prefill failed for request %s", rows[0].owner.id)
+            self._fail(rows, exc)
+            return None
+        self.stats.prefills += 1
+        self.stats.admitted += len(rows)
+        batch.evict_finished()
+        return batch if len(batch) else None
+
+    @staticmethod
+    def _merge(batches: list[Batch]) -> Batch | None:
+        if not batches:
+            return None
+        first, *rest = batches
+        for other in rest:
+            first.concatenate(other)
+        return first
+
+    def _decode(self) -> None:
+        batch = self.batch
+        try:
+            batch.decode(self.model)
+            events = batch.emit(batch.sample())
+        except Exception as exc:
+            self.stats.failed_steps += 1
+            log.exception("Decode step failed; failing its %d running requests", len(batch))
+            self._fail(batch.rows, exc)
+            self.batch = None
+            return
+        self._deliver(events)
+        self._evict()
+
+    def _evict(self) -> None:
+        self.batch.evict_finished()
+        if not len(self.batch):
+            self.batch = None
+
+    @staticmethod
+    def _deliver(events: Iterable[tuple[Row, TokenEvent]]) -> None:
+        for row, event in events:
+            row.owner.push(event)
+
+    @staticmethod
+    def _fail(rows: Iterable[Row], exc: BaseException) -> None:
+        for row in rows:
+            row.finished = True
+            row.owner.push(TokenEvent.failure(f"exception occurred during rolling batch inference: {exc}"))

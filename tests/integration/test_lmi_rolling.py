@@ -1,0 +1,263 @@
+"""The rolling batch through the LMI schema: the default model (rolling_batch=auto), plus the
+store's `faulty` model (fault injection, 2 rows, queue of 2, predict_timeout 6 s) and `tgi`
+(option.tgi_compat=true)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from text_generation.types import Response as TgiResponse
+from text_generation.types import StreamResponse
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [
+    "The capital of France is", "Write a haiku about the sea.", "List three colors:", "1, 2, 3,",
+    "Once upon a time", "The best way to learn Python is", "Water boils at", "My favourite food is",
+    "In 1492,", "The opposite of hot is", "Explain gravity in one sentence:", "Japanese words: 東京, 大阪, 京都,",
+]
+
+
+def generate(server, body, path="/invocations", **kwargs):
+    return requests.post(server.url(path), json=body, timeout=180, **kwargs)
+
+
+def greedy(prompt, max_new_tokens):
+    return {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
+
+
+def token_ids(body):
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def engine_stats(server, model):
+    return requests.get(server.url(f"/models/{model}"), timeout=10).json()[0]["models"][0]["engine"]
+
+
+def wait_for(predicate, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def jsonlines(response):
+    return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def test_greedy_outputs_are_identical_alone_and_concurrently(default_server):
+    bodies = [greedy(p, 8 + 6 * (i % 4)) for i, p in enumerate(PROMPTS)]
+    alone = [generate(default_server, b).json() for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: generate(default_server, b).json(), bodies))
+    for a, t in zip(alone, together):
+        assert t["generated_text"] == a["generated_text"]
+        assert token_ids(t) == token_ids(a)
+    assert engine_stats(default_server, "smollm2-135m-instruct")["largestBatch"] > 1
+
+
+def test_seeded_sample_is_identical_alone_and_in_company(default_server):
+    sampled = {"inputs": "Once upon a time", "parameters": {"do_sample": True, "seed": 1234, "temperature": 0.9,
+                                                            "top_p": 0.95, "max_new_tokens": 24, "details": True}}
+    alone = generate(default_server, sampled).json()
+    with ThreadPoolExecutor(6) as pool:
+        company = [pool.submit(generate, default_server, greedy(p, 20)) for p in PROMPTS[:5]]
+        together = pool.submit(generate, default_server, sampled)
+        result = together.result().json()
+        # Same tokens; logprobs may differ in the last float digits with the batch's shape.
+        assert result["generated_text"] == alone["generated_text"] and token_ids(result) == token_ids(alone)
+        assert all(f.result().status_code == 200 for f in company)
+
+
+def test_stop_sequences_end_generation(default_server):
+    body = {"inputs": "The capital of France is", "parameters": {"stop_sequences": ["."], "details": True}}
+    cut = generate(default_server, body).json()
+    assert cut["generated_text"] == " Paris"
+    assert cut["details"]["finish_reason"] == "stop_sequence"
+    body["parameters"]["include_stop_str_in_output"] = True
+    assert generate(default_server, body).json()["generated_text"] == " Paris."
+
+
+@pytest.mark.parametrize("prompt", ["Emoji list: 🚀🎉🔥😀🌍", "Japanese words: 東京, 大阪, 京都,",
+                                    "Café, naïve, résumé, crème brûlée, jalapeño,"])
+def test_stream_equals_non_stream_with_multibyte_text(default_server, prompt):
+    parameters = {"max_new_tokens": 24}
+    whole = generate(default_server, {"inputs": prompt, "parameters": parameters}).json()["generated_text"]
+    streamed = generate(default_server, {"inputs": prompt, "parameters": parameters, "stream": True}, stream=True)
+    lines = jsonlines(streamed)
+    assert "".join(line["token"]["text"] for line in lines) == whole
+    assert lines[-1]["generated_text"] == whole
+    assert "\ufffd" not in whole and any(ord(c) > 127 for c in whole + prompt)
+
+
+def test_details_prefill_and_top_tokens(default_server):
+    prompt = "The capital of France is"
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 5, "details": True, "decoder_input_details": True,
+                                             "top_n_tokens": 3}}
+    details = generate(default_server, body).json()["details"]
+    assert details["finish_reason"] in {"length", "eos_token", "stop_sequence"}
+    assert details["generated_tokens"] == len(details["tokens"]) == len(details["top_tokens"])
+    assert details["inputs"] == prompt
+    prefill = details["prefill"]
+    counted = requests.post(default_server.url("/generate"), timeout=60,
+                            json={"inputs": prompt, "parameters": {"max_new_tokens": 1}})
+    assert len(prefill) == int(counted.headers["x-prompt-tokens"]) > 1
+    assert prefill[0]["log_prob"] is None and all(isinstance(t["log_prob"], float) for t in prefill[1:])
+    for token, top in zip(details["tokens"], details["top_tokens"]):
+        assert set(token) >= {"id", "text", "log_prob"}
+        assert len(top) == 3 and top[0]["log_prob"] >= top[1]["log_prob"] >= top[2]["log_prob"]
+        assert token["id"] == top[0]["id"]  # greedy picks the most likely token
+
+
+def test_return_full_text_and_n_best_of(default_server):
+    full = generate(default_server, {"inputs": "Water boils at",
+                                     "parameters": {"max_new_tokens": 4, "return_full_text": True}}).json()
+    assert full["generated_text"].startswith("Water boils at")
+    several = generate(default_server, {"inputs": "Once upon a time", "parameters": {
+        "n": 3, "do_sample": True, "seed": 7, "max_new_tokens": 8, "details": True}}).json()
+    others = several["details"]["best_of_sequences"]
+    assert len(others) == 2
+    assert all(set(o) >= {"generated_text", "finish_reason", "generated_tokens", "tokens"} for o in others)
+
+
+def test_json_formatter_framing(default_server):
+    response = generate(default_server, {"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
+    assert response.headers["Content-Type"] == "application/json"
+    assert set(response.json()) == {"generated_text"}
+
+
+def test_jsonlines_formatter_framing(default_server):
+    response = generate(default_server, {"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": True},
+                                         "stream": True}, stream=True)
+    assert response.headers["Content-Type"] == "application/jsonlines"
+    lines = jsonlines(response)
+    assert len(lines) == 4
+    assert all(set(line) == {"token"} for line in lines[:-1])
+    assert set(lines[-1]) == {"token", "generated_text", "details"}
+    assert set(lines[-1]["details"]) == {"finish_reason", "generated_tokens", "inputs"}
+
+
+def test_sse_formatter_framing(default_server):
+    response = generate(default_server, {"inputs": "Hello", "parameters": {"max_new_tokens": 4,
+                                                                           "output_formatter": "sse"}}, stream=True)
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-1] == "" and len(events) == 5
+    frames = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert "".join(f["token"]["text"] for f in frames) == frames[-1]["generated_text"]
+
+
+def test_tgi_compat_bodies_parse_with_the_tgi_client_models(store_server):
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 5}}
+    whole = generate(store_server, body, path="/predictions/tgi")
+    assert whole.status_code == 200 and whole.headers["Content-Type"] == "application/json"
+    parsed = TgiResponse(**whole.json()[0])
+    assert parsed.details.generated_tokens == 5 and parsed.details.prefill == []
+    stream = generate(store_server, {**body, "stream": True}, path="/predictions/tgi", stream=True)
+    assert stream.headers["Content-Type"].startswith("text/event-stream")
+    frames = [StreamResponse(**json.loads(line[len("data:"):])) for line in stream.iter_lines(decode_unicode=True)
+              if line.startswith("data:")]
+    assert len(frames) == 5 and frames[-1].generated_text == parsed.generated_text
+    assert all(f.generated_text is None for f in frames[:-1])
+    bad = generate(store_server, {"inputs": ""}, path="/predictions/tgi")
+    assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+
+
+@pytest.mark.parametrize("payload, fragment", [
+    ({"inputs": ["a", "b"]}, "not a list"),
+    ({"inputs": ""}, "must not be empty"),
+    ({"parameters": {}}, "inputs"),
+    ({"inputs": "x", "parameters": {"top_p": 0}}, "top_p"),
+    ({"inputs": "x", "parameters": {"no_such_knob": 1}}, "no_such_knob"),
+    ({"inputs": "x", "parameters": []}, "parameters"),
+    ({"inputs": "x", "stream": "yes"}, "stream"),
+    ({"inputs": "x", "parameters": {"n": 2}}, "sampling"),
+])
+def test_rolling_validation_errors_use_the_spec_shape(default_server, payload, fragment):
+    response = generate(default_server, payload)
+    assert response.status_code == 424
+    body = response.json()
+    assert set(body) == {"error", "code"} and body["code"] == 424 and fragment in body["error"]
+
+
+class OpenStream:
+    """A long stream on `faulty` whose first line was read; the rest stays unread until close().
+    The line iterator is kept: dropping it would let urllib3 release (close) the connection."""
+
+    def __init__(self, server, prompt, tokens=400):
+        self.response = requests.post(server.url("/predictions/faulty"), stream=True, timeout=180, json={
+            "inputs": prompt, "parameters": {"max_new_tokens": tokens, "ignore_eos_token": True}, "stream": True})
+        self.lines = self.response.iter_lines()
+        assert "token" in json.loads(next(self.lines))
+
+    def close(self):
+        self.response.close()
+
+
+def _occupy_both_rows(server):
+    streams = [OpenStream(server, p) for p in ("Once upon a time", "Tell me about the sea")]
+    assert engine_stats(server, "faulty")["running"] == 2
+    return streams
+
+
+def test_abandoned_streams_free_their_slots(store_server):
+    streams = _occupy_both_rows(store_server)
+    for s in streams:
+        s.close()
+    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
+    assert generate(store_server, greedy("Hello", 3), path="/predictions/faulty").status_code == 200
+
+
+def test_full_queue_gives_503_and_tgi_429_then_recovers(store_server):
+    running = _occupy_both_rows(store_server)
+    with ThreadPoolExecutor(2) as pool:
+        waiting = [pool.submit(generate, store_server, greedy(p, 2), path="/predictions/faulty")
+                   for p in ("Hi", "Hey")]
+        wait_for(lambda: engine_stats(store_server, "faulty")["waiting"] == 2)
+        refused = generate(store_server, greedy("Hello", 2), path="/predictions/faulty")
+        assert refused.status_code == 503
+        assert refused.json()["type"] == "WlmCapacityException"
+        overloaded = requests.post(store_server.url("/generate"), params={"model_name": "faulty"}, timeout=30,
+                                   json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+        assert overloaded.status_code == 429
+        assert overloaded.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+        for s in running:
+            s.close()
+        for future in waiting:  # admitted once the streams went away, or timed out cleanly before
+            result = future.result()
+            assert result.status_code == 200 or result.json()["type"] == "TimeoutException"
+    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
+    assert generate(store_server, greedy("Hello", 2), path="/predictions/faulty").status_code == 200
+
+
+def test_waiting_past_predict_timeout_fails_cleanly(store_server):
+    running = _occupy_both_rows(store_server)
+    late = generate(store_server, greedy("Hello", 2), path="/predictions/faulty")
+    for s in running:
+        s.close()
+    assert late.status_code == 504
+    assert late.json()["type"] == "TimeoutException" and "predict_timeout" in late.json()["message"]
+    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
+
+
+def test_an_injected_fault_fails_only_its_request_and_the_engine_recovers(store_server):
+    healthy = [greedy(p, 6) for p in ("The capital of France is", "Water boils at", "1, 2, 3,")]
+    poisoned = greedy("Play the xylophone please", 6)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(generate, store_server, b, path="/predictions/faulty") for b in [*healthy, poisoned]]
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses[:3]] == [200, 200, 200]
+    assert responses[3].status_code == 424
+    assert "injected fault" in responses[3].json()["error"]
+    streamed = generate(store_server, {**poisoned, "stream": True}, path="/predictions/faulty")
+    assert streamed.status_code == 424 and "injected fault" in streamed.json()["error"]
+    assert engine_stats(store_server, "faulty")["failedSteps"] >= 2
+    assert generate(store_server, greedy("Hello", 3), path="/predictions/faulty").status_code == 200
+    assert requests.get(store_server.url("/ping"), timeout=10).status_code == 200
