@@ -248,16 +248,21 @@ def test_waiting_past_predict_timeout_fails_cleanly(store_server):
 
 
 def test_an_injected_fault_fails_only_its_request_and_the_engine_recovers(store_server):
-    healthy = [greedy(p, 6) for p in ("The capital of France is", "Water boils at", "1, 2, 3,")]
+    """`faulty` raises in any prefill whose prompt has "xylophone" (2 rows, queue of 2)."""
     poisoned = greedy("Play the xylophone please", 6)
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(generate, store_server, b, path="/predictions/faulty") for b in [*healthy, poisoned]]
-        responses = [f.result() for f in futures]
-    assert [r.status_code for r in responses[:3]] == [200, 200, 200]
-    assert responses[3].status_code == 424
-    assert "injected fault" in responses[3].json()["error"]
+    running = OpenStream(store_server, "Once upon a time")
+    failed = generate(store_server, poisoned, path="/predictions/faulty")
+    assert failed.status_code == 424 and "injected fault" in failed.json()["error"]
+    more = [json.loads(next(running.lines)) for _ in range(5)]  # the running stream never noticed
+    assert all("token" in line and "error" not in line for line in more)
+    running.close()
+    with ThreadPoolExecutor(2) as pool:  # prefilled together, then each alone after the fault
+        healthy, bad = pool.map(lambda b: generate(store_server, b, path="/predictions/faulty"),
+                                [greedy("The capital of France is", 6), poisoned])
+    assert healthy.status_code == 200 and "Paris" in healthy.json()["generated_text"]
+    assert bad.status_code == 424
     streamed = generate(store_server, {**poisoned, "stream": True}, path="/predictions/faulty")
     assert streamed.status_code == 424 and "injected fault" in streamed.json()["error"]
-    assert engine_stats(store_server, "faulty")["failedSteps"] >= 2
+    assert engine_stats(store_server, "faulty")["failedSteps"] >= 3
     assert generate(store_server, greedy("Hello", 3), path="/predictions/faulty").status_code == 200
     assert requests.get(store_server.url("/ping"), timeout=10).status_code == 200

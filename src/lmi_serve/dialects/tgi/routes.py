@@ -32,7 +32,7 @@ ERROR_PREFIXES = ("/generate", "/info", "/health")  # app-level 404/405/413 rend
 
 
 def error_response(status: int, error_type: str, message: str) -> Response:
-    kinds = {422: "validation", 424: "generation", 429: "overloaded", 503: "healthcheck"}
+    kinds = {400: "validation", 422: "validation", 424: "generation", 429: "overloaded", 503: "healthcheck"}
     body = {"error": message, "error_type": kinds.get(status, error_type)}
     return Response(json.dumps(body), status=status, mimetype="application/json")
 
