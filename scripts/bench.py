@@ -476,8 +476,12 @@ def warm_up(name: str, server, workload: Workload, dyn: DynamicClient | None) ->
             assert dyn is not None
             resp = requests.post(url, json=dyn.payload(prompt, 8), timeout=300)
             if resp.status_code != 200 and dyn.send_ignore_eos and "ignore_eos" in resp.text:
+                try:
+                    why = resp.json().get("error", resp.text)
+                except ValueError:
+                    why = resp.text
                 notes.append(f"dynamic batching rejected parameters.ignore_eos_token (HTTP {resp.status_code}: "
-                             f"{resp.text.strip()[:240]}); it ran WITHOUT it, so its requests may stop at EOS "
+                             f"{str(why).strip()[:110]}...); it ran WITHOUT it, so its requests may stop at EOS "
                              "before max_new_tokens, and its output tokens are counted by re-tokenizing the text")
                 dyn.send_ignore_eos = False
                 resp = requests.post(url, json=dyn.payload(prompt, 8), timeout=300)

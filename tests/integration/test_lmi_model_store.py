@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +18,8 @@ def post(server, path, body, **kwargs):
 
 def test_ping_lists_every_model_in_the_store(store_server):
     body = requests.get(store_server.url("/ping"), timeout=10).json()
-    assert set(body) == {"batched", "dynamic", "faulty", "tgi", "streaming", "custom", "fallback"}
+    assert set(body) == {"batched", "dynamic", "faulty", "formatted", "tgi", "streaming", "custom",
+                         "fallback"}
     assert all(entry["status"] == "Healthy" for entry in body.values())
 
 
@@ -84,3 +86,17 @@ def test_a_prediction_over_predict_timeout_answers_504(store_server):
     assert late.status_code == 504
     assert late.json()["type"] == "TimeoutException" and "timed out after 4 s" in late.json()["message"]
     _wait_for(lambda: post(store_server, "/predictions/custom", {"text": "e"}).status_code == 200)
+
+
+def test_model_py_formatters_shape_requests_and_responses(store_server):
+    whole = post(store_server, "/predictions/formatted", {"question": "1, 2, 3, 4,"})
+    assert whole.status_code == 200
+    body = json.loads(whole.text)
+    assert body == {"answer": body["answer"], "tokens": 8, "reason": "length"} and body["answer"].startswith("5")
+    streamed = requests.post(store_server.url("/predictions/formatted"), timeout=120, stream=True,
+                             json={"question": "1, 2, 3, 4,", "stream": True, "length": 5})
+    lines = [json.loads(line) for line in streamed.iter_lines() if line]
+    assert len(lines) == 5 and all(set(line) == {"partial"} for line in lines[:-1])
+    assert lines[-1]["tokens"] == 5 and "".join(line["partial"] for line in lines[:-1]).strip().startswith("5")
+    bad = post(store_server, "/predictions/formatted", {"no_question": True})
+    assert bad.status_code == 424 and "question" in bad.json()["error"]

@@ -266,3 +266,16 @@ def test_an_injected_fault_fails_only_its_request_and_the_engine_recovers(store_
     assert engine_stats(store_server, "faulty")["failedSteps"] >= 3
     assert generate(store_server, greedy("Hello", 3), path="/predictions/faulty").status_code == 200
     assert requests.get(store_server.url("/ping"), timeout=10).status_code == 200
+
+
+def test_num_beams_returns_the_other_beams(default_server):
+    body = {"inputs": "The capital of France is", "parameters": {"num_beams": 3, "max_new_tokens": 8,
+                                                                 "details": True}}
+    response = generate(default_server, body)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert "Paris" in result["generated_text"]
+    others = result["details"]["best_of_sequences"]
+    assert len(others) == 2 and len({o["generated_text"] for o in others} | {result["generated_text"]}) == 3
+    refused = generate(default_server, {**body, "stream": True})
+    assert refused.status_code == 424 and "num_beams" in refused.json()["error"]

@@ -11,10 +11,11 @@ import logging
 import threading
 import time
 
+from .beam_search import beam_search
 from .handle import RequestHandle
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
-from .types import GenerationRequest
+from .types import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ class Engine:
         handle = RequestHandle(request, deadline)
         self.scheduler.add(handle)
         return handle
+
+    def beam_search(self, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
+        """Beam search for one request, run alone between two steps; blocks until done. Returns
+        every beam, best first."""
+        future = self.scheduler.add_exclusive(
+            lambda: beam_search(self.model, self.tokenizer, self.device, request, num_beams))
+        return future.result()
 
     @property
     def alive(self) -> bool:

@@ -1,6 +1,7 @@
 """The rolling batch: a bounded waiting queue and the step loop that owns the model.
 
 Order of operations in `Scheduler.step`:
+0. run exclusive jobs (beam search) queued since the last step;
 1. drop cancelled requests (waiting or running) and fail waiting ones past their deadline;
 2. admit waiting requests while there are free rows and the prefill token budget allows;
 3. prefill the joiners together and sample their first tokens;
@@ -18,8 +19,10 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import Overloaded, RequestTimeout
 from .batch import Batch, Row, make_row
@@ -46,6 +49,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: collections.deque[RequestHandle] = collections.deque()
+        self.exclusive: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self.batch: Batch | None = None
         self.work = threading.Condition()
         self.stats = SchedulerStats()
@@ -58,6 +62,17 @@ class Scheduler:
             self.waiting.append(handle)
             self.work.notify()
 
+    def add_exclusive(self, job: Callable[[], Any]) -> Future:
+        """Run `job` on the scheduler thread between two steps (e.g. beam search); its result or
+        exception arrives on the returned Future."""
+        future: Future = Future()
+        with self.work:
+            if len(self.waiting) + len(self.exclusive) >= self.max_queue:
+                raise Overloaded("Model is overloaded: the waiting queue is full")
+            self.exclusive.append((job, future))
+            self.work.notify()
+        return future
+
     @property
     def running(self) -> int:
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
@@ -65,7 +80,7 @@ class Scheduler:
 
     def wait_for_work(self, timeout: float) -> None:
         with self.work:
-            if not self.waiting and not self.batch:
+            if not self.waiting and not self.batch and not self.exclusive:
                 self.work.wait(timeout)
 
     def abort_all(self, reason: str) -> None:
@@ -80,6 +95,7 @@ class Scheduler:
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
+        self._run_exclusive()
         self._drop_cancelled_and_expired()
         joiners = self._admit()
         if joiners:
@@ -87,6 +103,17 @@ class Scheduler:
         if self.batch:
             self._decode()
         self.stats.steps += 1
+
+    def _run_exclusive(self) -> None:
+        while self.exclusive:
+            with self.work:
+                job, future = self.exclusive.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(job())
+            except Exception as exc:  # the job's failure belongs to its caller
+                future.set_exception(exc)
 
     def _drop_cancelled_and_expired(self) -> None:
         now = time.monotonic()

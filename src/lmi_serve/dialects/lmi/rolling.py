@@ -78,17 +78,30 @@ class RollingBatchService:
                                               max_input_len=self.max_input_len)
         except (LmiRequestError, ValueError, KeyError) as exc:
             return self._error(str(exc))
+        ctx = RenderContext.for_request(request, tgi_compat=self.tgi_compat, seed=requests[0].sampling.seed,
+                                        prompt_tokens_count=len(requests[0].prompt_ids))
+        if request.parameters.num_beams > 1:
+            return self._beams(ctx, formatter, requests[0], request.parameters)
         try:
             handles = submit_all(self.engine, requests)
         except Overloaded:
             if self.tgi_compat:
                 return self._error("Model is overloaded", 429, "overloaded")
             raise  # the LMI front answers 503
-        ctx = RenderContext.for_request(request, tgi_compat=self.tgi_compat, seed=requests[0].sampling.seed,
-                                        prompt_tokens_count=len(requests[0].prompt_ids))
         if formatter.streams(request.stream):
             return self._stream(ctx, formatter, handles[0])
         return self._whole(ctx, formatter, handles, request.parameters.n)
+
+    def _beams(self, ctx: RenderContext, formatter: OutputFormatter, request, parameters) -> Output:
+        try:
+            results = self.engine.beam_search(request, parameters.num_beams)
+        except Overloaded:
+            if self.tgi_compat:
+                return self._error("Model is overloaded", 429, "overloaded")
+            raise
+        except Exception as exc:  # a failed beam search fails this request only
+            return self._error(f"exception occurred during beam search: {exc}", error_type="generation")
+        return self._render_whole(ctx, formatter, results, parameters.n)
 
     def _whole(self, ctx: RenderContext, formatter: OutputFormatter, handles: list[RequestHandle],
                n: int) -> Output:
@@ -97,6 +110,11 @@ class RollingBatchService:
         finally:
             for handle in handles:
                 handle.cancel()  # no-op for finished ones; frees the rest if we were interrupted
+        return self._render_whole(ctx, formatter, results, n)
+
+    @staticmethod
+    def _render_whole(ctx: RenderContext, formatter: OutputFormatter, results: list[GenerationResult],
+                      n: int) -> Output:
         ranked = best_first(results, n)
         best, others = ranked[0], [r.events for r in ranked[1:]]
         body = formatter.render_body(ctx, best.events, others)

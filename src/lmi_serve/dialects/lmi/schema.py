@@ -310,13 +310,11 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
 
     1. `truncate` keeps the last N prompt ids; the prompt must then fit `max_input_len`.
     2. `max_new_tokens` is capped to what is left of `max_model_len`.
-    3. Seeds: sequence i uses base_seed + i. The base seed is the client's `seed`, or one random
+    3. Beam search (num_beams > 1) gives one request: the engine runs the beams itself.
+    4. Seeds: sequence i uses base_seed + i. The base seed is the client's `seed`, or one random
        seed drawn here for an unseeded sampled request. `requests[0].sampling.seed` is the base
        seed to report (e.g. TGI `details.seed`); it is None exactly when the request is greedy.
     """
-    if parameters.num_beams > 1:
-        raise LmiRequestError("parameters.num_beams: beam search (num_beams > 1) is not supported by this "
-                              "engine; use n / best_of with sampling instead")
     prompt = tuple(prompt_ids)
     if parameters.truncate is not None:
         prompt = prompt[-parameters.truncate:]
@@ -340,5 +338,5 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
             top_n_tokens=parameters.top_n_tokens,
             prompt_logprobs=parameters.decoder_input_details,
         )
-        for i in range(parameters.num_sequences)
+        for i in range(1 if parameters.num_beams > 1 else parameters.num_sequences)
     ]

@@ -85,6 +85,9 @@ def _parse(route_default_full_text: bool, stream_route: bool) -> RollingRequest:
         parameters = parse_generation_parameters(raw, stream=stream)
     except LmiRequestError as exc:
         raise TgiError(422, f"Input validation error: {exc}") from None
+    if parameters.num_beams > 1:
+        raise TgiError(422, "Input validation error: `num_beams` is not a TGI parameter; beam search is "
+                            "available on /invocations")
     return RollingRequest(body["inputs"], parameters, stream)
 
 

@@ -1,0 +1,44 @@
+"""Beam search, the one decoding mode outside the rolling batch.
+
+Beams of one request advance together and reorder their KV caches every step, which does not
+fit a batch whose rows are independent requests. So a beam request runs alone through
+transformers' `generate` on the engine thread, between two steps of the rolling batch (the batch
+waits meanwhile). Its tokens then go through the same Row logic as everything else, so stop
+strings, EOS and detokenization behave exactly as in the rolling batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .batch import make_row
+from .types import FinishReason, GenerationRequest, GenerationResult
+
+
+def beam_search(model, tokenizer, device, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
+    """All `num_beams` finished beams, best first (transformers' beam score order)."""
+    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
+    stop = request.stop
+    eos = sorted(stop.eos_token_ids | stop.stop_token_ids) if not stop.ignore_eos else sorted(stop.stop_token_ids)
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), num_beams=num_beams,
+                             num_return_sequences=num_beams, do_sample=False, max_new_tokens=stop.max_new_tokens,
+                             repetition_penalty=request.sampling.repetition_penalty, eos_token_id=eos or None,
+                             pad_token_id=tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
+        scores = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
+    results = []
+    for sequence, token_scores, beams in zip(out.sequences.tolist(), scores.tolist(), out.beam_indices.tolist()):
+        row = make_row(request, tokenizer)
+        result = GenerationResult(len(request.prompt_ids))
+        generated = sequence[len(request.prompt_ids):]
+        for token, logprob, beam in zip(generated, token_scores, beams):
+            if beam < 0 or row.finished:  # padding after this beam ended
+                break
+            result.events.append(row.advance(token, logprob, []))
+        if result.events and not row.finished:  # generate ended it first: say so, keep held-back text
+            last = result.events[-1]
+            result.events[-1] = replace(last, text=last.text + row.detokenizer.flush(), finish_reason=FinishReason.LENGTH)
+        results.append(result)
+    return results
