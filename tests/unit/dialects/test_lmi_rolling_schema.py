@@ -316,6 +316,6 @@ def test_greedy_request_reports_no_seed():
     assert req.sampling.seed is None
 
 
-def test_beam_search_not_supported_by_engine():
-    with pytest.raises(LmiRequestError, match="beam search .* not supported"):
-        translate(params(num_beams=2))
+def test_beam_search_is_one_request_for_the_engine():
+    (request,) = translate(params(num_beams=3))
+    assert request.sampling.do_sample is False
