@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Closed-loop concurrency sweep of the default text model, five systems side by side, one run.
 
 Systems (each on the same prompts, the same output lengths and the same request order):
@@ -21,19 +22,28 @@ schema rejects it; the run says so). Metric definitions follow `vllm bench serve
 (E2E - TTFT) / (out_tokens - 1); ITL = the gaps between streamed chunks, pooled over requests;
 E2E; output tok/s = all output tokens / (last response end - first request start); p50/p99.
 
-The servers idle while another system runs (their CPU use is sampled and shown as "bg CPU", which
-also includes anything else on the machine). This box varies by +-30% between runs: read ratios.
+One system runs at a time; both servers stay up (idle) for the whole run, so the systems interleave
+point by point (rolling@c, dynamic@c, then cb/static at the largest c). The machine is shared and
+noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
+for CPU use outside the benchmark to calm down, shows that outside use per point ("bg CPU", % of
+one core), and re-runs a point disturbed by more than --noisy % (--retries times), keeping the
+least disturbed run. Read ratios, not absolute numbers.
 
 Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N | --num-prompts N]
-                   [--systems rolling,dynamic,cb,static] [--out FILE]
+                   [--systems rolling,dynamic,cb,static] [--out FILE] [--json FILE]
+     (or .venv/bin/python scripts/bench.py ...). A full default run takes about 10 minutes on a
+     quiet 2-core box, --quick about 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -121,6 +131,8 @@ def summarize(name: str, concurrency: int, records: list[dict], wall: float, ext
     }
     for key, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         row[f"{key}_p50"], row[f"{key}_p99"] = percentile(values, 50), percentile(values, 99)
+    row["itl_max"] = max(itl, default=None)
+    row["ttft_max"] = max(ttft, default=None)
     row.update(extra or {})
     return row
 
@@ -182,50 +194,45 @@ def tree(pid: int) -> list:
         return []
 
 
+def cpu_seconds(proc) -> float | None:
+    """user + system CPU seconds of one process, or None if it is gone."""
+    try:
+        t = proc.cpu_times()
+    except Exception:  # noqa: BLE001 - a process may exit between listing and reading
+        return None
+    return t.user + t.system
+
+
+def rss_bytes(proc) -> int:
+    try:
+        return proc.memory_info().rss
+    except Exception:  # noqa: BLE001 - a process may exit between listing and reading
+        return 0
+
+
 def tree_rss(pid: int) -> int:
-    total = 0
-    for proc in tree(pid):
-        try:
-            total += proc.memory_info().rss
-        except Exception:  # noqa: BLE001 - a process may exit between listing and reading
-            pass
-    return total
+    return sum(rss_bytes(proc) for proc in tree(pid))
 
 
 def tree_cpu(pid: int) -> float:
-    total = 0.0
-    for proc in tree(pid):
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except Exception:  # noqa: BLE001
-            pass
-    return total
+    return sum(cpu_seconds(proc) or 0.0 for proc in tree(pid))
 
 
 def hwm_mib(pid: int) -> dict[int, float]:
     """VmHWM (the kernel's peak RSS) of every process in a tree."""
     out = {}
     for proc in tree(pid):
-        try:
+        with contextlib.suppress(OSError):
             for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     out[proc.pid] = int(line.split()[1]) / 1024
-        except OSError:
-            pass
     return out
 
 
 def own_cpu() -> dict[int, float]:
     """CPU seconds of this process and every descendant (servers, workers), per pid."""
-    out = {}
-    for proc in tree(os.getpid()):
-        try:
-            t = proc.cpu_times()
-            out[proc.pid] = t.user + t.system
-        except Exception:  # noqa: BLE001
-            pass
-    return out
+    seconds = {proc.pid: cpu_seconds(proc) for proc in tree(os.getpid())}
+    return {pid: value for pid, value in seconds.items() if value is not None}
 
 
 def busy_seconds() -> float:
@@ -260,7 +267,7 @@ class Monitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Monitor:
+    def __enter__(self) -> Self:
         self.started = time.monotonic()
         self.outside = OutsideLoad()
         self._thread.start()
@@ -505,7 +512,8 @@ def run_worker(kind: str, spec_path: str) -> dict:
     model, tok = lm.model, lm.tokenizer
     workload = Workload(spec["prompts"], spec["prompt_tokens"], spec["max_new_tokens"])
     ids = [tok(p).input_ids for p in workload.prompts]
-    result = worker_cb(model, tok, ids, workload, spec) if kind == "cb" else worker_static(model, tok, ids, workload, spec)
+    run = worker_cb if kind == "cb" else worker_static
+    result = run(model, tok, ids, workload, spec)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
@@ -577,9 +585,9 @@ def worker_cb(model, tok, ids: list[list[int]], workload: Workload, spec: dict) 
         wall = max(r["start"] + r["e2e"] for r in records) - started
     finally:
         mgr.stop(block=True, timeout=30)
-    notes = [f"cb: ContinuousBatchingConfig(page_size={page}, num_blocks={num_blocks}, max_batch_tokens=512, "
-             f"max_requests_per_batch={concurrency}), per-request max_new_tokens, eos_token_id=-1, "
-             f"attn={getattr(model.config, '_attn_implementation', '?')}"]
+    notes = [(f"cb: ContinuousBatchingConfig(page_size={page}, num_blocks={num_blocks}, max_batch_tokens=512, "
+              f"max_requests_per_batch={concurrency}), per-request max_new_tokens, eos_token_id=-1, "
+              f"attn={getattr(model.config, '_attn_implementation', '?')}")]
     return {"records": sorted(records, key=lambda r: r["k"]), "wall": wall, "notes": notes}
 
 
@@ -650,6 +658,13 @@ def run_inprocess(kind: str, workload: Workload, concurrency: int, num_requests:
     return summarize(kind, concurrency, result["records"], result["wall"], extra), result.get("notes", [])
 
 
+def inproc_point(kind: str, workload: Workload, concurrency: int, num_requests: int, threads: int, workdir: Path,
+                 server_pids: list[int], notes_out: list[str]) -> dict:
+    row, notes = run_inprocess(kind, workload, concurrency, num_requests, threads, workdir, server_pids)
+    notes_out.extend(notes)
+    return row
+
+
 # --- report -----------------------------------------------------------------------------------
 
 def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -668,8 +683,10 @@ def render_table(rows: list[dict]) -> str:
         err = str(r["errors"]) + (f" ({r['short']} short)" if r.get("short") else "")
         lines.append(
             f"| {label} | {r['concurrency']} | {r['requests']} | {err} | {r['out_tokens']} | {tok_s} "
-            f"| {fmt(r['ttft_p50'])} | {fmt(r['ttft_p99'])} | {fmt(r['tpot_p50'], 1000, 1)} | {fmt(r['tpot_p99'], 1000, 1)} "
-            f"| {fmt(r['itl_p50'], 1000, 1)} | {fmt(r['itl_p99'], 1000, 1)} | {fmt(r['e2e_p50'])} | {fmt(r['e2e_p99'])} "
+            f"| {fmt(r['ttft_p50'])} | {fmt(r['ttft_p99'])} "
+            f"| {fmt(r['tpot_p50'], 1000, 1)} | {fmt(r['tpot_p99'], 1000, 1)} "
+            f"| {fmt(r['itl_p50'], 1000, 1)} | {fmt(r['itl_p99'], 1000, 1)} "
+            f"| {fmt(r['e2e_p50'])} | {fmt(r['e2e_p99'])} "
             f"| {r['peak_rss_mib']:.0f} | {r['bg_cpu']:.0f} |")
     return "\n".join(lines)
 
@@ -730,8 +747,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="before each point wait up to this many seconds for CPU use outside the benchmark to drop "
                         "below --quiet-threshold (default 30; --quick: 10; 0 = never wait)")
     p.add_argument("--quiet-threshold", type=float, default=30.0, help="%% of one core (default 30)")
-    p.add_argument("--noisy", type=float, default=50.0,
-                   help="a point with more outside CPU than this (%% of one core) counts as disturbed (default 50)")
+    p.add_argument("--noisy", type=float, default=25.0,
+                   help="a point with more outside CPU than this (%% of one core) counts as disturbed (default 25)")
     p.add_argument("--retries", type=int, help="re-runs of a disturbed point (default 1; --quick: 0)")
     p.add_argument("--quick", action="store_true", help="short smoke run (about 2 minutes)")
     p.add_argument("--out", help="also write the markdown report here")
@@ -739,7 +756,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     p.add_argument("--_spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x.strip()]
+
     args.concurrency = ints(args.concurrency or ("1,8" if args.quick else "1,4,16,32"))
     args.requests_per_client = args.requests_per_client or (1 if args.quick else 2)
     args.min_requests = args.min_requests or (3 if args.quick else 8)
@@ -823,8 +843,9 @@ def main(argv: list[str] | None = None) -> int:
                 quiet(label)
                 row = run()
                 row["attempts"] = attempt + 1
-                log(f"{label:12s} {row['tok_s']:6.1f} tok/s, TTFT p50 {fmt(row['ttft_p50'])} s, "
-                    f"errors {row['errors']}, wall {row['wall_s']:.1f} s, bg CPU {row['bg_cpu']:.0f}%"
+                log(f"{label:12s} {row['tok_s']:6.1f} tok/s, TTFT p50 {fmt(row['ttft_p50'])} s, max ITL "
+                    f"{fmt(row['itl_max'])} s, errors {row['errors']}, wall {row['wall_s']:.1f} s, "
+                    f"bg CPU {row['bg_cpu']:.0f}%"
                     + (f" (attempt {attempt + 1})" if attempt else ""))
                 for sample in row["error_samples"]:
                     log(f"  error sample: {sample}")
@@ -841,19 +862,16 @@ def main(argv: list[str] | None = None) -> int:
                 n = sizes[c]
                 if c in args.concurrency:
                     for name, server in servers.servers.items():
-                        rows.append(measure(f"{name}@{c}", lambda: http_point(name, server, c, n)))
+                        rows.append(measure(f"{name}@{c}", functools.partial(http_point, name, server, c, n)))
                 if c in args.inproc_concurrency:
                     for kind in ("cb", "static"):
                         if kind not in args.systems:
                             continue
                         extra_notes: list[str] = []
-
-                        def inproc() -> dict:
-                            row, more = run_inprocess(kind, workload, c, n, args.threads, workdir, servers.pids())
-                            extra_notes.extend(more)
-                            return row
+                        run = functools.partial(inproc_point, kind, workload, c, n, args.threads, workdir,
+                                                servers.pids(), extra_notes)
                         try:
-                            rows.append(measure(f"{kind}@{c}", inproc))
+                            rows.append(measure(f"{kind}@{c}", run))
                         except Exception as exc:  # noqa: BLE001 - report and go on with the other systems
                             notes.append(f"{kind}@{c} failed: {str(exc)[-1500:]}")
                             log(f"{kind}@{c} FAILED: {str(exc)[-800:]}")
@@ -881,15 +899,19 @@ def main(argv: list[str] | None = None) -> int:
            render_table(rows), "",
            "Notes:",
            "- rolling at concurrency 1 is the sequential baseline (one request at a time on the same server).",
-           "- dynamic is non-streaming: TTFT = E2E, no TPOT/ITL. static: every row returns when its batch's longest "
-           "row is done, so TTFT = E2E = the batch time; tok/s counts each row's target tokens, raw counts all "
-           "generated (padded-to-longest) tokens.",
-           f"- cb and static run in a subprocess (torch threads = {args.threads}) while the servers idle; their peak "
-           "RSS is the subprocess's ru_maxrss. Server peak RSS is sampled every 0.5 s over the whole process tree "
-           "(gunicorn arbiter + worker) during that point.",
-           "- bg CPU = average CPU used by processes outside this benchmark during the point, in % of one core "
-           f"(the machine has {os.cpu_count()}); a high value means the numbers are depressed by other load.",
+           ("- dynamic is non-streaming: TTFT = E2E, no TPOT/ITL. static: every row returns when its batch's longest "
+            "row is done, so TTFT = E2E = the batch time; tok/s counts each row's target tokens, raw counts all "
+            "generated (padded-to-longest) tokens."),
+           (f"- cb and static run in a subprocess (torch threads = {args.threads}) while the servers idle; their peak "
+            "RSS is the subprocess's ru_maxrss. Server peak RSS is sampled every 0.5 s over the whole process tree "
+            "(gunicorn arbiter + worker) during that point."),
+           ("- bg CPU = average CPU used by processes outside this benchmark during the point, in % of one core "
+            f"(the machine has {os.cpu_count()}); a high value means the numbers are depressed by other load."),
            "- ITL is pooled over all gaps of all requests; TPOT = (E2E - TTFT) / (tokens - 1) per request."]
+    stalls = [f"{r['system']}@{r['concurrency']} {r['itl_max']:.2f} s" for r in rows if r.get("itl_max") is not None]
+    if stalls:
+        out.append("- longest gap between two tokens of one stream (max ITL; a joiner's prefill stalls the running "
+                   "rows): " + ", ".join(stalls))
     out += [f"- {n}" for n in notes]
     busy_idle = [f"{r['system']}@{r['concurrency']}: {r['idle_servers_cpu_s']:.1f} s" for r in rows
                  if r.get("idle_servers_cpu_s", 0) > 1.0]
@@ -902,7 +924,8 @@ def main(argv: list[str] | None = None) -> int:
         out.append(f"- points re-run because outside load exceeded {args.noisy:.0f}% of a core: " + "; ".join(reruns))
     out += ["", "Targets (reports, not assertions):"] + target_checks(rows, top, args.ttft_concurrency)
     out += ["", "Server peak RSS (kernel VmHWM per process, MiB): "
-            + "; ".join(f"{name}: " + ", ".join(f"pid {pid} {v:.0f}" for pid, v in h.items()) for name, h in hwm.items())]
+            + "; ".join(f"{name}: " + ", ".join(f"pid {pid} {v:.0f}" for pid, v in h.items())
+                        for name, h in hwm.items())]
     problems = []
     for name, text in server_logs.items():
         bad = [ln for ln in text.splitlines() if any(w in ln for w in ("ERROR", "Traceback", "CRITICAL", "WARNING"))]
@@ -912,6 +935,10 @@ def main(argv: list[str] | None = None) -> int:
         out += ["", "Server log problems:"] + problems
     report = "\n".join(out)
     print(report)
+    if any("failed" in n or "ABORTED" in n for n in notes):
+        log(f"kept the worker specs and logs in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(report + "\n")
     if args.json:
