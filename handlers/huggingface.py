@@ -54,6 +54,7 @@ class TextGenerationService:
                                  max_batch_size=int(props.get("max_rolling_batch_size", 32)),
                                  max_queue=int(props.get("job_queue_size", 1000)),
                                  predict_timeout=float(props.get("predict_timeout", 120)),
+                                 max_prefill_tokens=int(props.get("max_rolling_batch_prefill_tokens", 1024)),
                                  max_model_len=self.max_model_len, name=props.get("model_name", "model")).start()
             user = USER_MODULE  # a model.py without handle() may still bring formatter hooks
             self.rolling = RollingBatchService(
@@ -77,7 +78,8 @@ class TextGenerationService:
                 raise LmiRequestError(f"Input has {len(ids)} tokens, over the limit of {self.max_input_len}")
             room = self.max_model_len - len(ids)
             stop = StopParams(max_new_tokens=min(params.max_new_tokens, room),
-                              stop_sequences=tuple(params.stop_sequences or ()), eos_token_ids=self.eos_ids)
+                              stop_sequences=tuple(params.stop_sequences or ()), eos_token_ids=self.eos_ids,
+                              ignore_eos=params.ignore_eos_token)
             requests.append(GenerationRequest(ids, params.sampling(), stop))
         return requests
 

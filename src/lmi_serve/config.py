@@ -18,6 +18,7 @@ revision                OPTION_REVISION, HF_REVISION
 task                    OPTION_TASK, HF_TASK
 tensor_parallel_degree  OPTION_TENSOR_PARALLEL_DEGREE, TENSOR_PARALLEL_DEGREE, SM_NUM_GPUS
 max_rolling_batch_size  OPTION_MAX_ROLLING_BATCH_SIZE, MAX_BATCH_SIZE
+max_rolling_batch_prefill_tokens  OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS, MAX_BATCH_PREFILL_TOKENS
 trust_remote_code       OPTION_TRUST_REMOTE_CODE, HF_MODEL_TRUST_REMOTE_CODE
 batch_size              OPTION_BATCH_SIZE, OPTION_MAX_DYNAMIC_BATCH_SIZE, SERVING_BATCH_SIZE
 max_batch_delay         OPTION_MAX_BATCH_DELAY, SERVING_MAX_BATCH_DELAY
@@ -129,6 +130,7 @@ class ModelConfig(BaseModel):
     task: Task | None = None
     rolling_batch: RollingBatch = "auto"
     max_rolling_batch_size: int = Field(32, ge=1)
+    max_rolling_batch_prefill_tokens: int = Field(1024, ge=1)
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False
@@ -263,6 +265,7 @@ _ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "task": ("HF_TASK",),
     "tensor_parallel_degree": ("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
     "max_rolling_batch_size": ("MAX_BATCH_SIZE",),
+    "max_rolling_batch_prefill_tokens": ("MAX_BATCH_PREFILL_TOKENS",),
     "trust_remote_code": ("HF_MODEL_TRUST_REMOTE_CODE",),
     "batch_size": ("SERVING_BATCH_SIZE",),
     "max_batch_delay": ("SERVING_MAX_BATCH_DELAY",),

@@ -3,8 +3,11 @@
 Order of operations in `Scheduler.step`:
 0. run exclusive jobs (beam search) queued since the last step;
 1. drop cancelled requests (waiting or running) and fail waiting ones past their deadline;
-2. admit waiting requests while there are free rows and the prefill token budget allows;
-3. prefill the joiners together and sample their first tokens;
+2. admit waiting requests (first come, first served) while there are free rows and their prompt
+   tokens fit the per-step prefill budget (at least one per step): a prefill stalls every running
+   row, so the budget bounds the longest gap between two tokens of a stream;
+3. prefill the joiners in groups of similar length (padding is wasted compute: prefill on a CPU is
+   compute-bound, so a group only pays when it adds little padding) and sample their first tokens;
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
@@ -43,11 +46,12 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
-                 max_prefill_tokens: int = 4096):
+                 max_prefill_tokens: int = 1024, max_padding: float = 0.25):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_padding = max_padding
         self.waiting: collections.deque[RequestHandle] = collections.deque()
         self.exclusive: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self.batch: Batch | None = None
@@ -136,26 +140,42 @@ class Scheduler:
     def _admit(self) -> list[RequestHandle]:
         free = self.max_batch_size - self.running
         joiners: list[RequestHandle] = []
-        longest = 0
+        tokens = 0
         with self.work:
             while self.waiting and len(joiners) < free:
                 length = len(self.waiting[0].request.prompt_ids)
-                padded = (len(joiners) + 1) * max(longest, length)
-                if joiners and padded > self.max_prefill_tokens:
+                if joiners and tokens + length > self.max_prefill_tokens:
                     break
-                longest = max(longest, length)
+                tokens += length
                 joiners.append(self.waiting.popleft())
         return joiners
 
+    def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
+        """Split joiners into prefill groups whose left padding stays under `max_padding`."""
+        groups: list[list[RequestHandle]] = []
+        real = 0
+        for handle in sorted(handles, key=lambda h: len(h.request.prompt_ids)):
+            length = len(handle.request.prompt_ids)
+            group = groups[-1] if groups else None
+            if group and (len(group) + 1) * length <= (1 + self.max_padding) * (real + length):
+                group.append(handle)
+                real += length
+            else:
+                groups.append([handle])
+                real = length
+        return groups
+
     def _join(self, handles: list[RequestHandle]) -> None:
-        batch = self._prefill([make_row(h.request, self.tokenizer, owner=h) for h in handles])
-        if batch is None:
-            return
-        if self.batch is None:
-            self.batch = batch
-        else:
-            self.batch.concatenate(batch)
-        self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
+        for group in self._groups(handles):
+            batch = self._prefill([make_row(h.request, self.tokenizer, owner=h) for h in group])
+            if batch is None:
+                continue
+            if self.batch is None:
+                self.batch = batch
+            else:
+                self.batch.concatenate(batch)
+        if self.batch is not None:
+            self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         try:

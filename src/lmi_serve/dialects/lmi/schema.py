@@ -48,6 +48,7 @@ class DynamicBatchParameters(BaseModel):
     max_new_tokens: int = Field(30, ge=1)
     return_full_text: bool = False
     stop_sequences: list[str] | None = None
+    ignore_eos_token: bool = False
 
     def sampling(self) -> SamplingParams:
         do_sample = self.do_sample
