@@ -54,7 +54,7 @@ class TextGenerationService:
                                  max_batch_size=int(props.get("max_rolling_batch_size", 32)),
                                  max_queue=int(props.get("job_queue_size", 1000)),
                                  predict_timeout=float(props.get("predict_timeout", 120)),
-                                 max_prefill_tokens=int(props.get("max_rolling_batch_prefill_tokens", 1024)),
+                                 max_prefill_tokens=int(props.get("max_rolling_batch_prefill_tokens", 512)),
                                  max_model_len=self.max_model_len, name=props.get("model_name", "model")).start()
             user = USER_MODULE  # a model.py without handle() may still bring formatter hooks
             self.rolling = RollingBatchService(

@@ -130,7 +130,7 @@ class ModelConfig(BaseModel):
     task: Task | None = None
     rolling_batch: RollingBatch = "auto"
     max_rolling_batch_size: int = Field(32, ge=1)
-    max_rolling_batch_prefill_tokens: int = Field(1024, ge=1)
+    max_rolling_batch_prefill_tokens: int = Field(512, ge=1)
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 1024, name: str = "model"):
+                 max_prefill_tokens: int = 512, name: str = "model"):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
         self.eos_token_ids = eos_token_ids(model, tokenizer)

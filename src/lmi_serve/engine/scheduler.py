@@ -46,7 +46,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
-                 max_prefill_tokens: int = 1024, max_padding: float = 0.25):
+                 max_prefill_tokens: int = 512, max_padding: float = 0.25):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
