@@ -1,0 +1,1 @@
+"""Pieces of scripts/bench.py (the closed-loop concurrency sweep); run it as `python scripts/bench.py`."""

@@ -1,0 +1,122 @@
+"""HTTP clients: streaming (rolling) and non-streaming (dynamic) requests, driven closed-loop."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from .workload import Workload
+
+
+def stream_one(session, url: str, prompt: str, max_new_tokens: int) -> dict:
+    """One streaming jsonlines request; timestamps each complete line as it arrives."""
+    payload = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos_token": True},
+               "stream": True}
+    rec: dict[str, Any] = {"ok": False, "error": None, "tokens": 0, "target": max_new_tokens, "ttft": None,
+                           "itl": [], "streamed": True}
+    start = time.perf_counter()
+    rec["start"] = start
+    try:
+        with session.post(url, json=payload, stream=True, timeout=(10, 600)) as resp:
+            if resp.status_code != 200:
+                rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                rec["e2e"] = time.perf_counter() - start
+                return rec
+            buf, last, final = b"", None, False
+            for chunk in resp.iter_content(chunk_size=None):
+                now = time.perf_counter()
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    obj = json.loads(line)
+                    if "error" in obj:
+                        rec["error"] = f"stream error line: {obj}"
+                    if "token" in obj:
+                        rec["tokens"] += 1
+                        if last is None:
+                            rec["ttft"] = now - start
+                        else:
+                            rec["itl"].append(now - last)
+                        last = now
+                    if "generated_text" in obj:
+                        final = True
+            rec["e2e"] = time.perf_counter() - start
+            if rec["error"] is None and not final:
+                rec["error"] = "stream ended without generated_text"
+            rec["ok"] = rec["error"] is None
+    except Exception as exc:  # noqa: BLE001 - every failure is counted, never raised
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["e2e"] = time.perf_counter() - start
+    return rec
+
+
+class DynamicClient:
+    def __init__(self, tokenizer, send_ignore_eos: bool):
+        self.tokenizer, self.send_ignore_eos = tokenizer, send_ignore_eos
+
+    def payload(self, prompt: str, max_new_tokens: int) -> dict:
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        if self.send_ignore_eos:
+            params["ignore_eos_token"] = True
+        return {"inputs": prompt, "parameters": params}
+
+    def __call__(self, session, url: str, prompt: str, max_new_tokens: int) -> dict:
+        rec: dict[str, Any] = {"ok": False, "error": None, "tokens": 0, "target": max_new_tokens, "streamed": False}
+        start = time.perf_counter()
+        rec["start"] = start
+        try:
+            resp = session.post(url, json=self.payload(prompt, max_new_tokens), timeout=(10, 600))
+            rec["e2e"] = time.perf_counter() - start
+            rec["ttft"] = rec["e2e"]
+            if resp.status_code != 200:
+                rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return rec
+            body = resp.json()
+            body = body[0] if isinstance(body, list) else body
+            text = body["generated_text"]
+            if self.send_ignore_eos:
+                rec["tokens"] = max_new_tokens  # forced length: the server generated exactly this many ids
+            else:  # EOS may stop it early: count by re-tokenizing the text
+                rec["tokens"] = len(self.tokenizer(text, add_special_tokens=False).input_ids)
+            rec["ok"] = True
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            rec.setdefault("e2e", time.perf_counter() - start)
+        return rec
+
+
+def closed_loop(send, url: str, workload: Workload, concurrency: int, num_requests: int) -> tuple[list[dict], float]:
+    """`concurrency` clients, each sending its next request as soon as its previous one ends.
+    Request k always carries prompt/length k, whatever client takes it."""
+    import requests
+
+    counter = iter(range(num_requests))
+    lock = threading.Lock()
+    records: list[dict] = []
+
+    def client() -> None:
+        with requests.Session() as session:
+            while True:
+                with lock:
+                    k = next(counter, None)
+                if k is None:
+                    return
+                _, prompt, n = workload.request(k)
+                rec = send(session, url, prompt, n)
+                rec["k"] = k
+                with lock:
+                    records.append(rec)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ends = [r["start"] + r["e2e"] for r in records]
+    wall = (max(ends) if ends else time.perf_counter()) - started
+    return sorted(records, key=lambda r: r["k"]), wall
