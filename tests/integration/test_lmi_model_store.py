@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from server_process import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -51,15 +51,6 @@ def test_invocations_without_model_name_uses_the_first_text_generation_model(sto
     assert post(store_server, "/invocations", body).json() == post(store_server, "/predictions/batched", body).json()
 
 
-def _wait_for(predicate, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached")
-
-
 def _describe(server, model):
     return requests.get(server.url(f"/models/{model}"), timeout=10).json()[0]["models"][0]
 
@@ -69,9 +60,9 @@ def test_a_full_queue_answers_503_and_the_model_recovers(store_server):
     batches = _describe(store_server, "custom")["batchStats"]["batches"]
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(post, store_server, "/predictions/custom", {"text": "a", "sleep": 2})
-        _wait_for(lambda: _describe(store_server, "custom")["batchStats"]["batches"] == batches + 1)
+        wait_for(lambda: _describe(store_server, "custom")["batchStats"]["batches"] == batches + 1)
         waiting = pool.submit(post, store_server, "/predictions/custom", {"text": "b"})
-        _wait_for(lambda: _describe(store_server, "custom")["requestInQueue"] == 1)
+        wait_for(lambda: _describe(store_server, "custom")["requestInQueue"] == 1)
         refused = post(store_server, "/predictions/custom", {"text": "c"})
         assert refused.status_code == 503
         assert refused.json() == {"code": 503, "type": "WlmCapacityException",
@@ -85,7 +76,7 @@ def test_a_prediction_over_predict_timeout_answers_504(store_server):
     late = post(store_server, "/predictions/custom", {"text": "slow", "sleep": 5})
     assert late.status_code == 504
     assert late.json()["type"] == "TimeoutException" and "timed out after 4 s" in late.json()["message"]
-    _wait_for(lambda: post(store_server, "/predictions/custom", {"text": "e"}).status_code == 200)
+    wait_for(lambda: post(store_server, "/predictions/custom", {"text": "e"}).status_code == 200)
 
 
 def test_model_py_formatters_shape_requests_and_responses(store_server):

@@ -5,11 +5,11 @@ store's `faulty` model (fault injection, 2 rows, queue of 2, predict_timeout 6 s
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from server_process import wait_for
 from text_generation.types import Response as TgiResponse
 from text_generation.types import StreamResponse
 
@@ -36,15 +36,6 @@ def token_ids(body):
 
 def engine_stats(server, model):
     return requests.get(server.url(f"/models/{model}"), timeout=10).json()[0]["models"][0]["engine"]
-
-
-def wait_for(predicate, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached in time")
 
 
 def jsonlines(response):

@@ -27,13 +27,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(smollm2_tokenizer):
-    ids = [tuple(smollm2_tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS]
-    assert len({len(i) for i in ids}) == len(ids), "test premise: all prompt lengths differ"
-    return ids
-
-
 def greedy(prompt, n=8, **kwargs) -> GenerationRequest:
     stop = {k: kwargs.pop(k) for k in list(kwargs) if k in StopParams.__dataclass_fields__}
     stop.setdefault("ignore_eos", True)

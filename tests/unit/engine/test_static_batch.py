@@ -29,13 +29,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(smollm2_tokenizer):
-    ids = [tuple(smollm2_tokenizer.encode(p, add_special_tokens=False)) for p in PROMPTS]
-    assert len({len(i) for i in ids}) == len(ids), "test premise: all prompt lengths differ"
-    return ids
-
-
 def run(model, tok, requests):
     """Collect events per request; also check the event protocol while doing so."""
     events: dict[int, list[TokenEvent]] = defaultdict(list)
