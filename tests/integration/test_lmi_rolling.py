@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import requests
@@ -192,23 +193,32 @@ class OpenStream:
         self.response.close()
 
 
-def _occupy_both_rows(server):
-    streams = [OpenStream(server, p) for p in ("Once upon a time", "Tell me about the sea")]
-    assert engine_stats(server, "faulty")["running"] == 2
-    return streams
+@contextmanager
+def both_rows_busy(server):
+    """Two long streams fill `faulty`'s two rows; on exit they are closed and the rows freed,
+    whatever the test did, so one failure cannot starve the next test."""
+    streams = []
+    try:
+        streams = [OpenStream(server, p) for p in ("Once upon a time", "Tell me about the sea")]
+        # A joiner's first token is sent before it is merged into the batch: poll, don't assert.
+        wait_for(lambda: engine_stats(server, "faulty")["running"] == 2)
+        yield streams
+    finally:
+        for stream in streams:
+            stream.close()
+        wait_for(lambda: engine_stats(server, "faulty")["running"] == 0)
 
 
 def test_abandoned_streams_free_their_slots(store_server):
-    streams = _occupy_both_rows(store_server)
-    for s in streams:
-        s.close()
-    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
-    assert generate(store_server, greedy("Hello", 3), path="/predictions/faulty").status_code == 200
+    with both_rows_busy(store_server) as streams:
+        for s in streams:
+            s.close()
+        wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
+        assert generate(store_server, greedy("Hello", 3), path="/predictions/faulty").status_code == 200
 
 
 def test_full_queue_gives_503_and_tgi_429_then_recovers(store_server):
-    running = _occupy_both_rows(store_server)
-    with ThreadPoolExecutor(2) as pool:
+    with both_rows_busy(store_server) as running, ThreadPoolExecutor(2) as pool:
         waiting = [pool.submit(generate, store_server, greedy(p, 2), path="/predictions/faulty")
                    for p in ("Hi", "Hey")]
         wait_for(lambda: engine_stats(store_server, "faulty")["waiting"] == 2)
@@ -224,29 +234,28 @@ def test_full_queue_gives_503_and_tgi_429_then_recovers(store_server):
         for future in waiting:  # admitted once the streams went away, or timed out cleanly before
             result = future.result()
             assert result.status_code == 200 or result.json()["type"] == "TimeoutException"
-    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
     assert generate(store_server, greedy("Hello", 2), path="/predictions/faulty").status_code == 200
 
 
 def test_waiting_past_predict_timeout_fails_cleanly(store_server):
-    running = _occupy_both_rows(store_server)
-    late = generate(store_server, greedy("Hello", 2), path="/predictions/faulty")
-    for s in running:
-        s.close()
+    with both_rows_busy(store_server):
+        late = generate(store_server, greedy("Hello", 2), path="/predictions/faulty")
     assert late.status_code == 504
     assert late.json()["type"] == "TimeoutException" and "predict_timeout" in late.json()["message"]
-    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
 
 
 def test_an_injected_fault_fails_only_its_request_and_the_engine_recovers(store_server):
     """`faulty` raises in any prefill whose prompt has "xylophone" (2 rows, queue of 2)."""
     poisoned = greedy("Play the xylophone please", 6)
     running = OpenStream(store_server, "Once upon a time")
-    failed = generate(store_server, poisoned, path="/predictions/faulty")
-    assert failed.status_code == 424 and "injected fault" in failed.json()["error"]
-    more = [json.loads(next(running.lines)) for _ in range(5)]  # the running stream never noticed
-    assert all("token" in line and "error" not in line for line in more)
-    running.close()
+    try:
+        failed = generate(store_server, poisoned, path="/predictions/faulty")
+        assert failed.status_code == 424 and "injected fault" in failed.json()["error"]
+        more = [json.loads(next(running.lines)) for _ in range(5)]  # the running stream never noticed
+        assert all("token" in line and "error" not in line for line in more)
+    finally:
+        running.close()
+    wait_for(lambda: engine_stats(store_server, "faulty")["running"] == 0)
     with ThreadPoolExecutor(2) as pool:  # prefilled together, then each alone after the fault
         healthy, bad = pool.map(lambda b: generate(store_server, b, path="/predictions/faulty"),
                                 [greedy("The capital of France is", 6), poisoned])
