@@ -16,15 +16,11 @@ from lmi_serve.engine.batch import Batch, make_row
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams, TokenEvent
 
+from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
+
 CPU = torch.device("cpu")
 
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1, 2, 3,",
-    "Café ☕ naïve 東京 🚀 — a longer prompt with unicode and punctuation; it keeps going for a while.",
-]
+PROMPTS = ALL_PROMPTS[:5]
 
 
 def greedy(prompt, n=8, **kwargs) -> GenerationRequest:

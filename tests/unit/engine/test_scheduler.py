@@ -21,21 +21,12 @@ from lmi_serve.engine.types import (
 )
 from lmi_serve.errors import Overloaded, RequestTimeout
 
+from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
+
 CPU = torch.device("cpu")
 WAIT = 60.0  # generous: only reached when something is broken
 
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1, 2, 3,",
-    "Café ☕ naïve 東京 🚀 — a longer prompt with unicode and punctuation; it keeps going for a while.",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Roses are red,",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "Q: Why is the sky blue?\nA:",
-]
+PROMPTS = ALL_PROMPTS[:10]
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,11 @@ from lmi_serve.engine.types import (
     FinishReason, GenerationRequest, GenerationResult, SamplingParams, StopParams, TokenEvent,
 )
 
+from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
+
 CPU = torch.device("cpu")
 
-PROMPTS = [
-    "Hi",
-    "The capital of France is",
-    "Once upon a time, in a land far away, there lived a",
-    "1, 2, 3,",
-    "Café ☕ naïve 東京 🚀 — a longer prompt with unicode and punctuation; it keeps going for a while.",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-]
+PROMPTS = ALL_PROMPTS[:6]
 
 
 def run(model, tok, requests):
