@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .detokenizer import IncrementalDetokenizer
+from .grammar import Constraint, allowed_tokens
 from .sampling import HeterogeneousSampler, SampleOutput
 from .types import FinishReason, GenerationRequest, TokenEvent, TopToken
 
@@ -33,6 +34,7 @@ class Row:
     generated: int = 0
     finished: bool = False
     prompt_tokens: tuple[TopToken, ...] | None = None  # sent with the first event
+    constraint: Constraint | None = None  # the row's grammar, when its output is constrained
 
     def advance(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenEvent:
         """Account one chosen token: stop checks and detokenization, in that order."""
@@ -42,9 +44,15 @@ class Row:
         if (token_id in stop.eos_token_ids and not stop.ignore_eos) or token_id in stop.stop_token_ids:
             finish, text = FinishReason.EOS_TOKEN, self.detokenizer.flush()
         else:
+            if self.constraint is not None:
+                self.constraint.advance(token_id)
             text, hit_stop = self.detokenizer.add(token_id)
             if hit_stop:
                 finish = FinishReason.STOP_SEQUENCE
+            elif self.constraint is not None and self.constraint.complete:
+                # The grammar allows nothing but the end: finish now instead of spending a step on EOS.
+                finish = FinishReason.EOS_TOKEN
+                text += self.detokenizer.flush()
             elif self.generated >= stop.max_new_tokens:
                 finish = FinishReason.LENGTH
                 text += self.detokenizer.flush()
@@ -54,10 +62,11 @@ class Row:
         return TokenEvent(token_id, text, logprob, token_id in self.special_ids, finish, alternatives, prompt)
 
 
-def make_row(request: GenerationRequest, tokenizer, owner: Any = None) -> Row:
+def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None) -> Row:
     detokenizer = IncrementalDetokenizer(tokenizer, request.stop.stop_sequences,
                                          request.stop.include_stop_str_in_output)
-    return Row(request, detokenizer, lambda t: tokenizer.decode([t]), frozenset(tokenizer.all_special_ids), owner)
+    return Row(request, detokenizer, lambda t: tokenizer.decode([t]), frozenset(tokenizer.all_special_ids), owner,
+               constraint=constraint)
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +139,9 @@ class Batch:
     def sample(self) -> SampleOutput:
         """Choose each row's next token from the last forward and record it as pending."""
         history = self.sampler.needs_token_history
-        choice = self.sampler(self.logits, self.seen if history else None, self.counts if history else None)
+        allowed = allowed_tokens([row.constraint for row in self.rows], self.logits.shape[-1], self.logits.device)
+        choice = self.sampler(self.logits, self.seen if history else None, self.counts if history else None,
+                              allowed)
         self.logits = None
         self.last = torch.tensor(choice.token_ids, dtype=torch.long, device=self.mask.device)
         self.seen.scatter_(1, self.last[:, None], True)

@@ -12,6 +12,7 @@ import threading
 import time
 
 from .beam_search import beam_search
+from .grammar import GrammarCompiler
 from .handle import RequestHandle
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
@@ -30,6 +31,8 @@ class Engine:
         context = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or context, context)
         self.predict_timeout = predict_timeout
+        vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens)
         self._stopped = threading.Event()
@@ -48,8 +51,11 @@ class Engine:
         self.scheduler.abort_all("the engine stopped")
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
+        Overloaded when the waiting queue is full."""
+        constraint = self.grammars.constraint(request.guided) if request.guided is not None else None
         deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
-        handle = RequestHandle(request, deadline)
+        handle = RequestHandle(request, deadline, constraint)
         self.scheduler.add(handle)
         return handle
 

@@ -20,9 +20,10 @@ class RequestHandle:
     the request at its next step; closing a consumer's generator should call it.
     """
 
-    def __init__(self, request: GenerationRequest, deadline: float | None):
+    def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None):
         self.id = next(_ids)
         self.request = request
+        self.constraint = constraint  # the engine's grammar state for a guided request
         self.deadline = deadline  # monotonic time by which the request must have been admitted
         self.submitted_at = time.monotonic()
         self.cancelled = False

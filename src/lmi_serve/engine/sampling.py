@@ -3,7 +3,8 @@
 Order of operations for one step (`HeterogeneousSampler.__call__`):
 1. log-softmax of the raw logits: the logprob reported for a token (chosen or top-n) is the model's own.
 2. penalties, only if some row uses them: repetition (prompt + generated tokens, HF semantics),
-   then presence and frequency (generated tokens, OpenAI semantics).
+   then presence and frequency (generated tokens, OpenAI semantics); then logit biases; then the
+   grammar mask of constrained rows (`allowed`), so greedy and sampled rows alike obey it.
 3. greedy rows: argmax of the penalised scores; all greedy rows share one argmax.
 4. sampled rows: temperature, then min-p, typical-p, top-k and top-p masks (each a no-op for rows
    with the neutral value), then one uniform draw per row from that row's own `torch.Generator`,
@@ -68,6 +69,13 @@ class HeterogeneousSampler:
         self.typical_p = _column([p.typical_p for p in sampled], dev) if any(p.typical_p < 1 for p in sampled) else None
         self.min_p = _column([p.min_p for p in sampled], dev) if any(p.min_p > 0 for p in sampled) else None
         self.max_top_n = max(self.top_n, default=0)
+        self.bias = None
+        if any(p.logit_bias for p in rows):
+            self.bias = torch.zeros((len(rows), self.vocab_size), dtype=torch.float32, device=dev)
+            for i, p in enumerate(rows):
+                for token_id, value in p.logit_bias:
+                    if 0 <= token_id < self.vocab_size:
+                        self.bias[i, token_id] = value
 
     @property
     def needs_token_history(self) -> bool:
@@ -128,12 +136,17 @@ class HeterogeneousSampler:
         return scores.masked_fill(drop, float("-inf"))
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None) -> SampleOutput:
+                 counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> SampleOutput:
         """Choose one token per row. `seen` ([rows, vocab] bool: prompt + generated tokens) and
-        `counts` ([rows, vocab]: generated-token counts) are needed when `needs_token_history`."""
+        `counts` ([rows, vocab]: generated-token counts) are needed when `needs_token_history`;
+        `allowed` ([rows, vocab] bool) masks what a grammar forbids."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         scores = self._penalise(logits, seen, counts)
+        if self.bias is not None:
+            scores = scores + self.bias
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
         chosen = torch.empty(len(self.params), dtype=torch.long, device=logits.device)
         if self.greedy_rows:
             idx = torch.tensor(self.greedy_rows, device=logits.device)

@@ -167,7 +167,7 @@ class Scheduler:
 
     def _join(self, handles: list[RequestHandle]) -> None:
         for group in self._groups(handles):
-            batch = self._prefill([make_row(h.request, self.tokenizer, owner=h) for h in group])
+            batch = self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint) for h in group])
             if batch is None:
                 continue
             if self.batch is None:

@@ -30,10 +30,20 @@ class SamplingParams:
     presence_penalty: float = 0.0  # on generated tokens (OpenAI semantics)
     frequency_penalty: float = 0.0  # on generated tokens, times their count
     seed: int | None = None  # None: a fresh random seed per request
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the scores
 
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Constrain the output to a grammar: a JSON Schema (JSON text) or a Lark grammar (llguidance's
+    dialect, which may embed `%json{...}` schemas). Exactly one is set."""
+
+    json_schema: str | None = None
+    lark: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,7 @@ class GenerationRequest:
     stop: StopParams = StopParams()
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False  # report each prompt token's logprob (decoder_input_details)
+    guided: GuidedDecoding | None = None  # constrained decoding (structured output, tool calls)
 
 
 @dataclass(frozen=True)
