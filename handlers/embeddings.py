@@ -59,6 +59,21 @@ class EmbeddingService:
 _service: EmbeddingService | None = None
 
 
+def count_tokens(texts: list[str]) -> list[int]:
+    """Each text's token count, special tokens included (what the model reads): usage and limits."""
+    return [len(ids) for ids in _service.tokenizer(texts).input_ids]
+
+
+def embedding_limits() -> tuple[int, int]:
+    """(vector dimension, most tokens one input may have; longer ones would be truncated)."""
+    return _service.model.config.hidden_size, _service.max_length
+
+
+def decode_tokens(token_lists: list[list[int]]) -> list[str]:
+    """Texts for inputs given as token ids of this model's tokenizer."""
+    return [_service.tokenizer.decode(ids, skip_special_tokens=True) for ids in token_lists]
+
+
 def handle(inputs: Input) -> Output | None:
     """DJL contract: the first call (no content) carries the model options and loads the model."""
     global _service

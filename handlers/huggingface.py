@@ -61,7 +61,8 @@ class TextGenerationService:
                 self.engine, max_input_len=self.max_input_len, tgi_compat=_flag(props, "tgi_compat"),
                 output_formatter=props.get("output_formatter") or None,
                 custom_input=find_annotated(user, "is_input_formatter") if user else None,
-                custom_output=find_annotated(user, "is_output_formatter") if user else None)
+                custom_output=find_annotated(user, "is_output_formatter") if user else None,
+                model_name=props.get("model_name", "model"))
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""

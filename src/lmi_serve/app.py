@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from .config import ServerConfig
 from .dialects.lmi import routes as lmi_routes
+from .dialects.openai import routes as openai_routes
 from .dialects.tgi import routes as tgi_routes
 from .errors import ServingError
 from .registry import ModelRegistry
@@ -28,6 +29,7 @@ ErrorRenderer = Callable[[int, str, str], Response]
 ERROR_RENDERERS: dict[str, ErrorRenderer] = {
     "": lmi_routes.error_response,
     **{prefix: tgi_routes.error_response for prefix in tgi_routes.ERROR_PREFIXES},
+    **{prefix: openai_routes.error_response for prefix in openai_routes.ERROR_PREFIXES},
 }
 
 _HTTP_ERROR_TYPES = {
@@ -63,6 +65,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.extensions["lmi_serve.registry"] = registry
     app.register_blueprint(lmi_routes.blueprint)
     app.register_blueprint(tgi_routes.blueprint)
+    app.register_blueprint(openai_routes.blueprint)
 
     @app.before_request
     def assign_request_id() -> None:

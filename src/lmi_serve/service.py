@@ -64,6 +64,7 @@ class ModelService:
         self.dispatcher: DynamicBatcher | DirectDispatcher | None = None
         self.rolling_batch = False
         self.engine = None  # the handler's rolling-batch Engine, for dialects that talk to it directly
+        self.module = None  # the handler module, for dialects that need more than handle() (token counts)
 
     def load(self) -> None:
         """Load the handler and model; never raises (a failure becomes the FAILED status)."""
@@ -99,7 +100,7 @@ class ModelService:
             self.status = ModelStatus.FAILED
             log.error("Model %s: %s", self.name, self.error)
             return
-        self.dispatcher, self.engine, self.rolling_batch = dispatcher, engine, rolling
+        self.dispatcher, self.engine, self.rolling_batch, self.module = dispatcher, engine, rolling, module
         self.loaded_at = time.time()
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, module.__name__, elapsed)

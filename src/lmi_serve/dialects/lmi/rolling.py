@@ -16,6 +16,10 @@ from ...engine.types import GenerationResult, TokenEvent
 from ...errors import Overloaded, RequestTimeout
 from ...handler_api import Input, Output
 from ...handler_utils import read_payload
+from ..openai.errors import OpenAIError
+from ..openai.schema import ChatCompletionRequest
+from ..openai.schema import parse as parse_openai
+from ..openai.service import OpenAIService
 from .formatters import OutputFormatter, RenderContext, apply_input_formatter, choose_formatter
 from .schema import LmiRequestError, RollingRequest, parse_rolling_request, to_generation_requests
 
@@ -43,8 +47,9 @@ def submit_all(engine: Engine, requests) -> list[RequestHandle]:
 class RollingBatchService:
     def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
                  output_formatter: str | None = None, custom_input: Callable | None = None,
-                 custom_output: Callable | None = None):
+                 custom_output: Callable | None = None, model_name: str = "model"):
         self.engine = engine
+        self.model_name = model_name
         self.max_input_len = max_input_len
         self.tgi_compat = tgi_compat
         self.output_formatter = output_formatter
@@ -67,6 +72,13 @@ class RollingBatchService:
         return parse_rolling_request({"inputs": payload} if isinstance(payload, str) else payload)
 
     def inference(self, item: Input) -> Output:
+        if self.custom_input is None:
+            try:
+                payload = read_payload(item)
+            except ValueError as exc:
+                return self._error(str(exc))
+            if isinstance(payload, dict) and "messages" in payload:
+                return self._chat(item, payload)
         try:
             request = self._parse(item)
             formatter = choose_formatter(request.parameters.output_formatter, self.output_formatter,
@@ -91,6 +103,27 @@ class RollingBatchService:
         if formatter.streams(request.stream):
             return self._stream(ctx, formatter, handles[0])
         return self._whole(ctx, formatter, handles, request.parameters.n)
+
+    def _chat(self, item: Input, payload: dict) -> Output:
+        """LMI's chat schema: an OpenAI chat request; the same chat.completion object back, and a
+        stream of chat.completion.chunk objects as JSON lines (SSE with [DONE] when the client
+        accepts text/event-stream or option.output_formatter=sse)."""
+        chat = OpenAIService(self.engine, self.model_name)
+        try:
+            reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
+        except OpenAIError as exc:
+            if exc.status == 429:
+                raise Overloaded(exc.message) from None
+            return self._error(exc.message, error_type="generation" if exc.status >= 500 else "validation")
+        if reply.chunks is None:
+            return Output().add(reply.body).add_property("Content-Type", "application/json")
+        wants_sse = ("text/event-stream" in (item.get_property("Accept") or "")
+                     or self.output_formatter == "sse")
+        if wants_sse:
+            return Output().add_property("Content-Type", "text/event-stream").add_stream_content(
+                reply.sse(), output_formatter=lambda chunk: chunk)
+        return Output().add_property("Content-Type", "application/jsonlines").add_stream_content(
+            reply.jsonlines(), output_formatter=lambda chunk: chunk)
 
     def _beams(self, ctx: RenderContext, formatter: OutputFormatter, request, parameters) -> Output:
         try:

@@ -1,0 +1,37 @@
+"""OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import json
+
+from flask import Response
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable",
+          504: "timeout"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    error_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(status: int, error_type: str, message: str, *, param: str | None = None,
+                   code: str | None = None) -> Response:
+    """Renders an error for /v1/... (also Flask's own 404/405/413 there); 429 says when to retry."""
+    if status == 404 and error_type == "ResourceNotFoundException":
+        code = code or "unknown_url"
+    response = Response(json.dumps(error_body(status, message, param, code)), status=status,
+                        mimetype="application/json")
+    if status == 429:
+        response.headers["retry-after"] = "1"
+    return response

@@ -1,0 +1,150 @@
+"""OpenAI parameters -> neutral GenerationRequests -> engine handles, and events back per choice.
+
+Shared by chat and completions. Choice i of a prompt uses seed + i (a given seed reproduces every
+choice; choices still differ). Limits follow OpenAI: prompt + max_tokens beyond the context is a
+400 with OpenAI's wording, unless completions ask for `error_behavior: truncate`.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ...engine.engine import Engine
+from ...engine.grammar import GrammarError
+from ...engine.handle import RequestHandle
+from ...engine.types import GenerationRequest, GuidedDecoding, SamplingParams, StopParams, TokenEvent
+from ...errors import Overloaded
+from .errors import OpenAIError
+from .schema import SamplingFields
+
+_MAX_SEED = 2**63 - 1
+
+
+def sampling_params(fields: SamplingFields, seed: int | None, vocab_size: int) -> SamplingParams:
+    temperature = 1.0 if fields.temperature is None else fields.temperature
+    bias = []
+    for key, value in (fields.logit_bias or {}).items():
+        token_id = int(key)
+        if not 0 <= token_id < vocab_size:
+            raise OpenAIError(400, f"logit_bias: token id {token_id} is outside the vocabulary of {vocab_size}",
+                              param="logit_bias")
+        bias.append((token_id, float(value)))
+    return SamplingParams(
+        do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+        top_k=max(fields.top_k or 0, 0), top_p=1.0 if fields.top_p is None else fields.top_p,
+        min_p=fields.min_p or 0.0, repetition_penalty=fields.repetition_penalty or 1.0,
+        presence_penalty=fields.presence_penalty, frequency_penalty=fields.frequency_penalty,
+        seed=seed, logit_bias=tuple(bias))
+
+
+def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, where: str, param: str) -> OpenAIError:
+    return OpenAIError(
+        400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
+             f"completion). Please reduce the length of the {where} or completion.",
+        param=param, code="context_length_exceeded")
+
+
+def fit_to_context(prompt: Sequence[int], max_tokens: int | None, max_model_len: int, *, where: str,
+                   param: str, truncate: bool = False) -> tuple[tuple[int, ...], int]:
+    """(prompt ids, max new tokens) within the context; max_tokens None means all that is left."""
+    prompt = tuple(prompt)
+    if not prompt:
+        raise OpenAIError(400, f"The {where} encodes to no tokens", param=param)
+    if truncate and max_tokens is not None and len(prompt) + max_tokens > max_model_len and max_tokens < max_model_len:
+        prompt = prompt[len(prompt) + max_tokens - max_model_len:]
+    room = max_model_len - len(prompt)
+    if max_tokens is None:
+        if room < 1:
+            raise context_error(max_model_len, len(prompt), 1, where, param)
+        return prompt, room
+    if max_tokens > room:
+        raise context_error(max_model_len, len(prompt), max_tokens, where, param)
+    return prompt, max_tokens
+
+
+def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ...], max_new_tokens: int, *,
+                   count: int, top_n: int = 0, prompt_logprobs: bool = False,
+                   guided: GuidedDecoding | None = None) -> list[GenerationRequest]:
+    do_sample = fields.temperature is None or fields.temperature > 0
+    seed = fields.seed
+    if seed is not None:
+        seed %= _MAX_SEED - count  # any integer the client sends is a valid seed here
+    elif do_sample:
+        seed = random.randrange(_MAX_SEED - count)
+    stop = StopParams(max_new_tokens=max_new_tokens, stop_sequences=fields.stops,
+                      stop_token_ids=frozenset(fields.stop_token_ids or ()), eos_token_ids=engine.eos_token_ids,
+                      ignore_eos=fields.ignore_eos, include_stop_str_in_output=fields.include_stop_str_in_output)
+    vocab = engine.model.config.vocab_size
+    return [GenerationRequest(prompt, sampling_params(fields, None if seed is None else seed + i, vocab), stop,
+                              top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided)
+            for i in range(count)]
+
+
+def submit(engine: Engine, requests: list[GenerationRequest]) -> list[RequestHandle]:
+    """Queue every sequence; all or none (an overload or a bad grammar cancels the ones queued)."""
+    handles: list[RequestHandle] = []
+    try:
+        for request in requests:
+            handles.append(engine.submit(request))
+    except (Overloaded, GrammarError) as exc:
+        for handle in handles:
+            handle.cancel()
+        if isinstance(exc, Overloaded):
+            raise OpenAIError(429, "The model is overloaded: too many requests are waiting. Retry shortly.",
+                              code="rate_limit_exceeded") from None
+        raise OpenAIError(400, f"Unsupported or invalid schema: {exc}", param="response_format") from None
+    return handles
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (formatters read it)."""
+
+    index: int
+    prompt_tokens: int
+    events: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def generated(self) -> int:
+        return sum(1 for e in self.events if e.token_id >= 0)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and self.events[-1].finish_reason is not None
+
+
+def interleave(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:
+    """(handle index, event) in arrival order across handles; a handle's exception is raised here.
+    One handle is read directly; several are read by one helper thread each."""
+    if len(handles) == 1:
+        for event in handles[0]:
+            yield 0, event
+        return
+    merged: queue.SimpleQueue = queue.SimpleQueue()
+
+    def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            for event in handle:
+                merged.put((index, event))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            merged.put((index, exc))
+
+    for index, handle in enumerate(handles):
+        threading.Thread(target=pump, args=(index, handle), daemon=True, name="openai-choice").start()
+    remaining = len(handles)
+    while remaining:
+        index, item = merged.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finish_reason is not None:
+            remaining -= 1
+        yield index, item

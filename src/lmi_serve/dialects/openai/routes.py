@@ -1,0 +1,170 @@
+"""OpenAI-compatible routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models.
+
+`model` picks among the served models (unknown: 404 `model_not_found`); without it, the first model
+of the route's task. Errors use OpenAI's envelope (errors.py): 400 for every validation error,
+404, 429 with `retry-after` when the queue is full, 503 while loading, 500 only for real faults.
+Streams are SSE ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import time
+
+from flask import Blueprint, Response, current_app, request
+
+from ...errors import ModelNotReady, Overloaded, ServingError
+from ...handler_api import Input
+from ...registry import ModelRegistry
+from ...service import ModelService, ModelStatus
+from .errors import OpenAIError, error_response
+from .schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
+from .service import OpenAIService, Reply
+
+blueprint = Blueprint("openai", __name__, url_prefix="/v1")
+ERROR_PREFIXES = ("/v1",)
+_GENERATION_TASK, _EMBEDDING_TASK = "text-generation", "text-embedding"
+
+
+def _registry() -> ModelRegistry:
+    return current_app.extensions["lmi_serve.registry"]
+
+
+@blueprint.errorhandler(OpenAIError)
+def _openai_error(exc: OpenAIError) -> Response:
+    return error_response(exc.status, "", exc.message, param=exc.param, code=exc.code)
+
+
+@blueprint.errorhandler(ServingError)
+def _serving_error(exc: ServingError) -> Response:
+    status = 429 if isinstance(exc, Overloaded) else exc.status
+    code = {404: "model_not_found", 429: "rate_limit_exceeded", 504: "timeout"}.get(status)
+    return error_response(status, exc.error_type, exc.message, code=code)
+
+
+def _body() -> dict:
+    try:
+        return json.loads(request.get_data() or b"")
+    except ValueError as exc:
+        raise OpenAIError(400, f"The request body is not valid JSON: {exc}") from None
+
+
+def _service(name: str | None, task: str) -> ModelService:
+    services = _registry().services
+    if name:
+        service = services.get(name)
+        if service is None:
+            raise OpenAIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+        if service.task != task:
+            raise OpenAIError(400, f"The model `{name}` serves {service.task}, not {task}", param="model")
+    else:
+        service = next((s for s in services.values() if s.task == task), None)
+        if service is None:
+            raise OpenAIError(404, f"No {task} model is served", param="model", code="model_not_found")
+    if service.current_status() is not ModelStatus.READY:
+        raise ModelNotReady(f"Model {service.name} is {service.current_status().value.lower()}")
+    return service
+
+
+def _generation(name: str | None) -> OpenAIService:
+    service = _service(name, _GENERATION_TASK)
+    if service.engine is None:
+        raise OpenAIError(400, f"The model `{service.name}` is served with dynamic batching; the OpenAI routes "
+                               "need the rolling batch (option.rolling_batch=auto or scheduler)", param="model")
+    return OpenAIService(service.engine, service.name)
+
+
+def _reply(reply: Reply) -> Response:
+    if reply.chunks is None:
+        return Response(json.dumps(reply.body), mimetype="application/json")
+    return Response(reply.sse(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@blueprint.post("/chat/completions")
+def chat_completions() -> Response:
+    parsed = parse(ChatCompletionRequest, _body())
+    return _reply(_generation(parsed.model).chat(parsed))
+
+
+@blueprint.post("/completions")
+def completions() -> Response:
+    parsed = parse(CompletionRequest, _body())
+    return _reply(_generation(parsed.model).completions(parsed))
+
+
+@blueprint.post("/embeddings")
+def embeddings() -> Response:
+    parsed: EmbeddingRequest = parse(EmbeddingRequest, _body())
+    service = _service(parsed.model, _EMBEDDING_TASK)
+    module = service.module
+    if not hasattr(module, "count_tokens") or not hasattr(module, "embedding_limits"):
+        raise OpenAIError(400, f"The model `{service.name}`'s handler does not expose count_tokens and "
+                               "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")
+    texts = _embedding_texts(parsed, module)
+    dimension, max_tokens = module.embedding_limits()
+    if parsed.dimensions is not None and parsed.dimensions != dimension:
+        raise OpenAIError(400, f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
+                               "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
+    counts = module.count_tokens(texts)
+    for i, count in enumerate(counts):
+        if count > max_tokens:
+            raise OpenAIError(400, f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
+                              param="input", code="context_length_exceeded")
+    job = service.submit(Input.from_http(json.dumps({"inputs": texts}).encode(), {"Content-Type": "application/json"},
+                                         [], ""))
+    output = service.dispatcher.wait(job)
+    if output.code != 200:
+        raise OpenAIError(500 if output.code >= 500 else 400, output.body().decode("utf-8", "replace"))
+    vectors = json.loads(output.body())
+    data = [{"object": "embedding", "index": i, "embedding": _encode(vector, parsed.encoding_format)}
+            for i, vector in enumerate(vectors)]
+    total = sum(counts)
+    return Response(json.dumps({"object": "list", "data": data, "model": service.name,
+                                "usage": {"prompt_tokens": total, "total_tokens": total}}), mimetype="application/json")
+
+
+def _embedding_texts(parsed: EmbeddingRequest, module) -> list[str]:
+    raw = parsed.input
+    if isinstance(raw, str):
+        texts = [raw]
+    elif all(isinstance(x, str) for x in raw):
+        texts = list(raw)
+    else:  # token ids: one list, or a list of lists
+        lists = [raw] if all(isinstance(x, int) for x in raw) else raw
+        if not hasattr(module, "decode_tokens"):
+            raise OpenAIError(400, "This model takes text input only", param="input")
+        texts = module.decode_tokens(lists)
+    if any(not t for t in texts):
+        raise OpenAIError(400, "input: texts must not be empty", param="input")
+    if parsed.instruction:
+        # The instruction is prefixed to every text, as instruction-tuned embedders (BGE, Instructor) expect.
+        sep = "" if parsed.instruction[-1].isspace() else " "
+        texts = [f"{parsed.instruction}{sep}{t}" for t in texts]
+    return texts
+
+
+def _encode(vector: list[float], encoding: str):
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
+
+@blueprint.get("/models")
+def list_models() -> Response:
+    services = sorted(_registry().services.values(), key=lambda s: s.task != _GENERATION_TASK)  # generation first
+    created = int(time.time())
+    data = [{"id": s.name, "object": "model", "created": int(s.loaded_at or created), "owned_by": "lmi-serve"}
+            for s in services]
+    return Response(json.dumps({"object": "list", "data": data}), mimetype="application/json")
+
+
+@blueprint.get("/models/<path:name>")
+def get_model(name: str) -> Response:
+    service = _registry().services.get(name)
+    if service is None:
+        raise OpenAIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+    return Response(json.dumps({"id": service.name, "object": "model", "created": int(service.loaded_at or time.time()),
+                                "owned_by": "lmi-serve"}), mimetype="application/json")
+

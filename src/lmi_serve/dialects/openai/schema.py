@@ -1,0 +1,308 @@
+"""OpenAI request bodies (chat, completions, embeddings) as validated pydantic models.
+
+Rules (see README "OpenAI-compatible API"):
+- every validation error is a 400 naming the field (`param`) and the rule;
+- unknown fields are ignored and logged, so `vllm bench serve`, guidellm and other tools work;
+- known OpenAI fields this server cannot honour are rejected (`REJECTED_FIELDS`), never dropped;
+- vLLM's sampling extensions that the engine supports are honoured: top_k, min_p,
+  repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import OpenAIError
+
+log = logging.getLogger(__name__)
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+# Known fields with no meaning here: a client sending them expects something we do not do.
+REJECTED_FIELDS = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "the deprecated `functions` parameter is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` parameter is not supported; use `tool_choice`",
+    "web_search_options": "web search is not supported",
+}
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are kept aside (and logged by `parse`), not rejected."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class SamplingFields(_Lenient):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # 0 and -1: no top-k filter (vLLM)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    n: int = Field(1, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
+    user: str | None = None  # an end-user id for abuse monitoring: accepted, nothing to do with it
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _integer_keys(cls, value):
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_rules(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError("n > 1 needs sampling: with temperature 0 every choice would be the same")
+        return self
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_rules(self):
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise ValueError(f"content parts of type {part.get('type')!r} are not supported; "
+                                     "this model takes text parts only")
+                TextPart.model_validate(part)
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part["text"] for part in self.content)
+        return self.content or ""
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: dict[str, str]
+
+    @field_validator("function")
+    @classmethod
+    def _has_name(cls, value):
+        if "name" not in value:
+            raise ValueError("tool_choice.function needs a name")
+        return value
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=32)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = None  # accepted as OpenAI does without `store`: nothing to keep
+
+    @model_validator(mode="after")
+    def _chat_rules(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.tools is not None and not self.tools:
+            raise ValueError("tools must not be an empty array")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or ()}
+            if self.tool_choice.function["name"] not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function['name']!r}, which is not in tools")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: `auto` when tools are given, else `none`."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    suffix: str | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1, le=128)
+    error_behavior: Literal["error", "truncate"] = "error"
+    use_raw_prompt: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
+            raise ValueError("a token-id prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of_rules(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+class EmbeddingRequest(_Lenient):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    instruction: str | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("input must not be an empty list")
+        if isinstance(value, str) and not value:
+            raise ValueError("input must not be an empty string")
+        return value
+
+
+SamplingFields.model_rebuild()
+
+
+def _describe(error: dict) -> tuple[str, str | None]:
+    loc = [str(part) for part in error.get("loc", ()) if not str(part).startswith(("function-after", "union"))]
+    param = ".".join(loc) or None
+    message = error["msg"].removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """Validate a decoded JSON body; raise OpenAIError(400) naming the first bad field."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "The request body must be a JSON object")
+    for field, reason in REJECTED_FIELDS.items():
+        if body.get(field) is not None:
+            raise OpenAIError(400, f"Unsupported parameter `{field}`: {reason}", param=field)
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        message, param = _describe(errors[0])
+        count = len(errors)
+        raise OpenAIError(400, f"{count} validation error{'s' if count > 1 else ''}: {message}", param=param) from None
+    if parsed.model_extra:
+        log.warning("Ignored unknown request field(s): %s", sorted(parsed.model_extra))
+    return parsed

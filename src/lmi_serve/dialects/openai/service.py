@@ -1,0 +1,220 @@
+"""Chat and completions on one engine: parsed request in, a Reply (whole body or chunk stream) out.
+
+Used by the /v1 routes and by /invocations (a body with `messages` is a chat request there). The
+first event of a stream is awaited before the Reply exists, so failures before generation (queue
+timeout, a prefill error) still get a real status code; later failures become an error chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ...engine.engine import Engine
+from ...engine.handle import RequestHandle
+from ...engine.types import TokenEvent
+from ...errors import RequestTimeout
+from . import chat
+from .errors import OpenAIError, error_body
+from .generation import ChoiceState, build_requests, fit_to_context, interleave, submit
+from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
+                     completion_chunk)
+from .schema import ChatCompletionRequest, CompletionRequest
+
+Chunk = dict
+
+
+@dataclass
+class Reply:
+    """A whole JSON body, or chunks to frame as SSE (`data: ...` + `[DONE]`) or JSON lines."""
+
+    body: dict | None = None
+    chunks: Iterator[Chunk] | None = None
+
+    def sse(self) -> Iterator[str]:
+        for chunk in self.chunks:
+            yield f"data: {_dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def jsonlines(self) -> Iterator[str]:
+        for chunk in self.chunks:
+            yield _dumps(chunk) + "\n"
+
+
+def _dumps(value) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _results(handles: list[RequestHandle], states: list[ChoiceState]) -> None:
+    """Fill `states` from `handles` (index-aligned); a sequence that failed raises a 500."""
+    try:
+        for handle, state in zip(handles, states):
+            state.events.extend(handle)
+    finally:
+        for handle in handles:
+            handle.cancel()  # no-op for finished ones; frees the rest if we were interrupted
+    for state in states:
+        if state.events and state.events[-1].error:
+            raise OpenAIError(500, f"Generation failed: {state.events[-1].error}")
+
+
+def _first_event(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:
+    """The interleaved events, with the first one already received (errors before it raise here)."""
+    events = interleave(handles)
+    try:
+        first = next(events)
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    if first[1].error is not None:
+        for handle in handles:
+            handle.cancel()
+        raise OpenAIError(500, f"Generation failed: {first[1].error}")
+
+    def replay():
+        yield first
+        yield from events
+
+    return replay()
+
+
+def _guarded(chunks: Iterator[Chunk], handles: list[RequestHandle]) -> Iterator[Chunk]:
+    """Errors after the first chunk become an error chunk; closing the stream cancels generation."""
+    try:
+        yield from chunks
+    except RequestTimeout as exc:
+        yield error_body(504, exc.message)
+    except OpenAIError as exc:
+        yield exc.body()
+    finally:
+        for handle in handles:
+            handle.cancel()
+
+
+class OpenAIService:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    def chat(self, request: ChatCompletionRequest) -> Reply:
+        prompt_text = chat.render_prompt(self.tokenizer, request)
+        ids = self.tokenizer(prompt_text, add_special_tokens=False).input_ids
+        prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
+                                            where="messages", param="messages")
+        top = request.top_logprobs or 0 if request.logprobs else 0
+        requests = build_requests(self.engine, request, prompt, max_tokens, count=request.n, top_n=top,
+                                  guided=chat.guided_decoding(request))
+        handles = submit(self.engine, requests)
+        tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
+        meta = ResponseMeta.new("chatcmpl", self.model_name)
+        states = [ChoiceState(i, len(prompt)) for i in range(request.n)]
+        if not request.stream:
+            _results(handles, states)
+            return Reply(body=chat_completion(meta, states, logprobs=request.logprobs, top_logprobs=top,
+                                              tools_enabled=tools_enabled, token_text=self.token_text))
+        events = _first_event(handles)
+        stream = ChatStream(meta, include_usage=request.include_usage, logprobs=request.logprobs, top_logprobs=top,
+                            tools_enabled=tools_enabled, token_text=self.token_text)
+
+        def chunks() -> Iterator[Chunk]:
+            for index, event in events:
+                states[index].events.append(event)
+                if event.error:
+                    raise OpenAIError(500, f"Generation failed: {event.error}")
+                yield from stream.on_event(states[index], event)
+            if request.include_usage:
+                yield stream.usage_chunk(states)
+
+        return Reply(chunks=_guarded(chunks(), handles))
+
+    # ---- completions --------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int], request: CompletionRequest) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = self.engine.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise OpenAIError(400, f"prompt: token ids must be within the vocabulary of {vocab}", param="prompt")
+            return prompt
+        if request.use_raw_prompt is False:  # the one transformation we know: the chat template
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise OpenAIError(400, "use_raw_prompt=false needs a chat template, which this model lacks",
+                                  param="use_raw_prompt")
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                        add_generation_prompt=True)
+            return self.tokenizer(prompt, add_special_tokens=False).input_ids
+        return self.tokenizer(prompt).input_ids
+
+    def completions(self, request: CompletionRequest) -> Reply:
+        per_prompt = request.best_of or request.n
+        choices: list[CompletionChoice] = []
+        handles: list[RequestHandle] = []
+        prompt_tokens = 0
+        try:
+            for p, prompt in enumerate(request.prompts):
+                ids = self._prompt_ids(prompt, request)
+                ids, max_tokens = fit_to_context(ids, request.max_tokens, self.engine.max_model_len, where="prompt",
+                                                 param="prompt", truncate=request.error_behavior == "truncate")
+                prompt_tokens += len(ids)
+                text = self.tokenizer.decode(ids) if request.echo else ""  # after any truncation
+                requests = build_requests(self.engine, request, ids, max_tokens, count=per_prompt,
+                                          top_n=request.logprobs or 0,
+                                          prompt_logprobs=request.echo and request.logprobs is not None)
+                handles += submit(self.engine, requests)
+                choices += [CompletionChoice(ChoiceState(p * per_prompt + j, len(ids)), text, request.echo,
+                                             request.suffix) for j in range(per_prompt)]
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        meta = ResponseMeta.new("cmpl", self.model_name)
+        if not request.stream:
+            _results(handles, [c.state for c in choices])
+            choices = _best_of(choices, request.n, per_prompt)
+            return Reply(body=completion(meta, choices, logprobs=request.logprobs, token_text=self.token_text,
+                                         prompt_tokens=prompt_tokens))
+        events = _first_event(handles)
+
+        def chunks() -> Iterator[Chunk]:
+            for index, event in events:
+                choice = choices[index]
+                first = not choice.state.events
+                choice.state.events.append(event)
+                if event.error:
+                    raise OpenAIError(500, f"Generation failed: {event.error}")
+                chunk = completion_chunk(meta, choice, event, first=first, logprobs=request.logprobs,
+                                         token_text=self.token_text, include_usage=request.include_usage)
+                if chunk is not None:
+                    yield chunk
+            if request.include_usage:
+                generated = sum(c.state.generated for c in choices)
+                yield {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+                       "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                                                "total_tokens": prompt_tokens + generated}}
+
+        return Reply(chunks=_guarded(chunks(), handles))
+
+
+def _best_of(choices: list[CompletionChoice], n: int, per_prompt: int) -> list[CompletionChoice]:
+    """With best_of > n: the n sequences of each prompt with the highest cumulative logprob,
+    re-indexed prompt * n + j as if only n had been generated."""
+    if per_prompt == n:
+        return choices
+    kept = []
+    for p in range(len(choices) // per_prompt):
+        group = choices[p * per_prompt:(p + 1) * per_prompt]
+        group.sort(key=lambda c: sum(e.logprob for e in c.state.events if e.token_id >= 0), reverse=True)
+        for j, choice in enumerate(group[:n]):
+            choice.state.index = p * n + j
+            kept.append(choice)
+    return kept
+
+
+ReplyFactory = Callable[[], Reply]
