@@ -1,0 +1,173 @@
+"""OpenAI completions and embeddings against the real server and models, through the official
+`openai` client in strict mode (except where the client's own types disagree with the wire
+format it documents; those cases say why)."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+import requests
+from openai import OpenAI
+
+pytestmark = pytest.mark.integration
+
+MODEL, EMBEDDER = "smollm2-135m-instruct", "all-minilm-l6-v2"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(default_server) -> OpenAI:
+    return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+
+
+def complete(client, prompt=PROMPT, **kwargs):
+    kwargs.setdefault("max_tokens", 5)
+    kwargs.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+def test_completion_continues_the_prompt(client):
+    response = complete(client)
+    assert response.object == "text_completion" and response.id.startswith("cmpl-")
+    assert "Paris" in response.choices[0].text and response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 5 and response.usage.prompt_tokens == 5
+
+
+def test_default_max_tokens_is_16(client):
+    response = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 16
+
+
+def test_list_prompts_with_n_are_indexed_prompt_major(client):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    response = complete(client, prompts, n=2, temperature=0.8, seed=3)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    singles = [complete(client, p, n=2, temperature=0.8, seed=3).choices for p in prompts]
+    assert [c.text for c in response.choices] == [c.text for group in singles for c in group]
+
+
+def test_token_id_prompts(client):
+    by_text = complete(client)
+    token_ids = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
+    by_ids = complete(client, token_ids)
+    assert by_ids.usage.prompt_tokens == 5
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_echo_and_suffix(client):
+    plain = complete(client).choices[0].text
+    response = complete(client, echo=True, suffix=" [end]")
+    assert response.choices[0].text == PROMPT + plain + " [end]"
+
+
+def test_echo_with_logprobs_has_the_completions_shape(client):
+    # The openai client types token_logprobs as List[float], yet OpenAI (and this server) send null for
+    # the first echoed token, which has no context: read the raw JSON the client received.
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=3, echo=True,
+                                                      logprobs=2, temperature=0)
+    choice = raw.http_response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None
+    assert all(v <= 0 for v in logprobs["token_logprobs"][1:])
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][-3:])
+
+
+def test_logprobs_without_echo_validate_strictly(client):
+    response = complete(client, logprobs=3, max_tokens=4)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    zero = complete(client, logprobs=0, max_tokens=2).choices[0].logprobs
+    assert len(zero.token_logprobs) == 2 and zero.top_logprobs == [{}, {}]
+
+
+def test_stream_chunks_are_text_completions_and_agree(default_server, client):
+    whole = complete(client, max_tokens=8)
+    # The client reuses its non-stream type for chunks, whose finish_reason is not nullable; OpenAI
+    # sends null until the last chunk, so strict validation cannot read any stream: not strict here.
+    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)
+    chunks = list(complete(lenient, max_tokens=8, stream=True))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    with_usage = list(complete(lenient, max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in with_usage[:-1])
+
+
+def test_best_of_returns_n(client):
+    response = complete(client, best_of=3, n=1, temperature=0.9, seed=5)
+    assert len(response.choices) == 1 and response.choices[0].index == 0
+
+
+def test_use_raw_prompt_false_applies_the_chat_template(client):
+    raw = complete(client, "What is the capital of France?", max_tokens=1)
+    templated = complete(client, "What is the capital of France?", max_tokens=12,
+                         extra_body={"use_raw_prompt": False})
+    assert templated.usage.prompt_tokens > raw.usage.prompt_tokens + 10
+    assert "Paris" in templated.choices[0].text
+
+
+def test_completion_validation_errors(client, default_server):
+    for kwargs in ({"max_tokens": 0}, {"logprobs": 21}, {"n": 2, "temperature": 0}, {"best_of": 1, "n": 2},
+                   {"prompt": []}, {"stop": [""]}, {"max_tokens": 10**6}):
+        with pytest.raises(openai.BadRequestError):
+            complete(client, **kwargs)
+    missing = requests.post(default_server.url("/v1/completions"), json={"model": MODEL}, timeout=30)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+
+def cosine(a, b):
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+def test_embeddings_float_are_normalised_and_meaningful(client):
+    response = client.embeddings.create(model=EMBEDDER, input=["A cat sits on the mat.", "A kitten rests on a rug.",
+                                                               "Stock markets fell sharply today."],
+                                        encoding_format="float")
+    assert [d.index for d in response.data] == [0, 1, 2] and response.model == EMBEDDER
+    vectors = [d.embedding for d in response.data]
+    assert all(len(v) == 384 and abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4 for v in vectors)
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]) + 0.2
+    assert response.usage.prompt_tokens == response.usage.total_tokens > 10
+
+
+def test_embeddings_base64_is_little_endian_float32(default_server, client):
+    # The client asks for base64 by default and decodes it; its strict mode would reject the base64
+    # string before decoding (it validates against the float schema), so this client is not strict.
+    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)
+    decoded = lenient.embeddings.create(model=EMBEDDER, input="hello world").data[0].embedding
+    floats = client.embeddings.create(model=EMBEDDER, input="hello world", encoding_format="float").data[0].embedding
+    assert len(decoded) == 384
+    assert max(abs(a - b) for a, b in zip(decoded, floats)) < 1e-6
+
+
+def test_embeddings_instruction_dimensions_and_token_input(client):
+    plain = client.embeddings.create(model=EMBEDDER, input="rivers of Europe", encoding_format="float")
+    instructed = client.embeddings.create(model=EMBEDDER, input="rivers of Europe", encoding_format="float",
+                                          extra_body={"instruction": "Represent this query for retrieval:"})
+    assert instructed.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert cosine(plain.data[0].embedding, instructed.data[0].embedding) < 0.9999
+    assert len(client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float",
+                                        dimensions=384).data[0].embedding) == 384
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=128)
+    assert caught.value.param == "dimensions"
+    by_ids = client.embeddings.create(model=EMBEDDER, input=[[7592, 2088]], encoding_format="float")  # "hello world"
+    assert cosine(by_ids.data[0].embedding, client.embeddings.create(
+        model=EMBEDDER, input="hello world", encoding_format="float").data[0].embedding) > 0.999
+
+
+def test_embedding_errors(client):
+    for kwargs in ({"input": []}, {"input": ""}, {"input": "x " * 600}, {"input": "x", "model": MODEL}):
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(**{"model": EMBEDDER, "encoding_format": "float", **kwargs})
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x", encoding_format="float")
