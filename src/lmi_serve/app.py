@@ -18,6 +18,8 @@ from werkzeug.exceptions import HTTPException
 from .config import ServerConfig
 from .dialects.lmi import routes as lmi_routes
 from .dialects.tgi import routes as tgi_routes
+from .dialects.triton import protocol as triton_protocol
+from .dialects.triton import routes as triton_routes
 from .errors import ServingError
 from .registry import ModelRegistry
 
@@ -28,6 +30,7 @@ ErrorRenderer = Callable[[int, str, str], Response]
 ERROR_RENDERERS: dict[str, ErrorRenderer] = {
     "": lmi_routes.error_response,
     **{prefix: tgi_routes.error_response for prefix in tgi_routes.ERROR_PREFIXES},
+    **{prefix: triton_protocol.app_error_response for prefix in triton_routes.ERROR_PREFIXES},
 }
 
 _HTTP_ERROR_TYPES = {
@@ -63,6 +66,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.extensions["lmi_serve.registry"] = registry
     app.register_blueprint(lmi_routes.blueprint)
     app.register_blueprint(tgi_routes.blueprint)
+    app.register_blueprint(triton_routes.blueprint)
 
     @app.before_request
     def assign_request_id() -> None:
