@@ -228,6 +228,14 @@ def test_infer_errors_use_tritons_messages_and_do_not_poison_the_server(default_
     assert good.status_code == 200 and good.json()["outputs"][0]["data"] == list(range(1, 17))
 
 
+def test_a_form_content_type_is_ignored(default_server):  # what `curl -d` sends, as in Triton's test.sh
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    response = post(default_server, "/v2/models/simple/infer", SIMPLE_JSON, headers=form)
+    assert response.status_code == 200 and response.json()["outputs"][0]["data"] == list(range(1, 17))
+    answer = post(default_server, f"/v2/models/{LLM}/generate", {"text_input": PROMPT, "max_tokens": 3}, headers=form)
+    assert answer.status_code == 200 and "Paris" in answer.json()["text_output"]
+
+
 def test_binary_size_errors(default_server):
     header = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": [0] * 16},
                                     {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32",
