@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 
 import torch

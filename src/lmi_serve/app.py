@@ -19,6 +19,8 @@ from .config import ServerConfig
 from .dialects.lmi import routes as lmi_routes
 from .dialects.openai import routes as openai_routes
 from .dialects.tgi import routes as tgi_routes
+from .dialects.triton import protocol as triton_protocol
+from .dialects.triton import routes as triton_routes
 from .errors import ServingError
 from .registry import ModelRegistry
 
@@ -30,6 +32,7 @@ ERROR_RENDERERS: dict[str, ErrorRenderer] = {
     "": lmi_routes.error_response,
     **{prefix: tgi_routes.error_response for prefix in tgi_routes.ERROR_PREFIXES},
     **{prefix: openai_routes.error_response for prefix in openai_routes.ERROR_PREFIXES},
+    **{prefix: triton_protocol.app_error_response for prefix in triton_routes.ERROR_PREFIXES},
 }
 
 _HTTP_ERROR_TYPES = {
@@ -66,6 +69,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.register_blueprint(lmi_routes.blueprint)
     app.register_blueprint(tgi_routes.blueprint)
     app.register_blueprint(openai_routes.blueprint)
+    app.register_blueprint(triton_routes.blueprint)
 
     @app.before_request
     def assign_request_id() -> None:

@@ -54,7 +54,7 @@ __all__ = ["ConfigError", "ModelConfig", "ServerConfig", "build_server_config", 
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
 RollingBatch = Literal["auto", "scheduler", "disable"]
-Task = Literal["text-generation", "text-embedding"]
+Task = Literal["text-generation", "text-embedding", "tensor"]  # tensor: a model.py serving tensors (Triton)
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
 }

@@ -64,7 +64,7 @@ class ModelService:
         self.dispatcher: DynamicBatcher | DirectDispatcher | None = None
         self.rolling_batch = False
         self.engine = None  # the handler's rolling-batch Engine, for dialects that talk to it directly
-        self.module = None  # the handler module, for dialects that need more than handle() (token counts)
+        self.handler_module = None  # the loaded handler module, for dialects reading what it declares
 
     def load(self) -> None:
         """Load the handler and model; never raises (a failure becomes the FAILED status)."""
@@ -74,6 +74,8 @@ class ModelService:
             self.task = infer_task(self.config)
             module, handle = load_handler(self.name, self.config.model_dir, self.config.entry_point,
                                           self.task, self.config.handler)
+            if not self.config.task and getattr(module, "INPUT_TENSORS", None) is not None:
+                self.task = "tensor"  # a model.py declaring its tensors is no text model for /invocations
             rolling = self._resolve_rolling_batch(module)
             init = Input(properties={**self.config.handler_properties(), "task": self.task,
                                      "cache_dir": self.cache_dir, "model_name": self.name,
@@ -100,7 +102,8 @@ class ModelService:
             self.status = ModelStatus.FAILED
             log.error("Model %s: %s", self.name, self.error)
             return
-        self.dispatcher, self.engine, self.rolling_batch, self.module = dispatcher, engine, rolling, module
+        self.dispatcher, self.engine, self.rolling_batch = dispatcher, engine, rolling
+        self.handler_module = module
         self.loaded_at = time.time()
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, module.__name__, elapsed)

@@ -10,6 +10,7 @@ import requests
 
 TEXT_MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"
+TENSOR_MODEL = "simple"  # Triton's example model (a model.py tensor model), served on the /v2 routes
 
 pytestmark = pytest.mark.integration
 
@@ -37,12 +38,14 @@ def assert_still_serving(server):
 def test_ping_reports_each_model_healthy(default_server):
     response = requests.get(default_server.url("/ping"), timeout=10)
     assert response.status_code == 200
-    assert response.json() == {TEXT_MODEL: {"status": "Healthy"}, EMBEDDING_MODEL: {"status": "Healthy"}}
+    assert response.json() == {TEXT_MODEL: {"status": "Healthy"}, EMBEDDING_MODEL: {"status": "Healthy"},
+                               TENSOR_MODEL: {"status": "Healthy"}}
 
 
 def test_models_listing_and_description(default_server):
     models = requests.get(default_server.url("/models"), timeout=10).json()["models"]
-    assert {m["modelName"]: m["status"] for m in models} == {TEXT_MODEL: "Healthy", EMBEDDING_MODEL: "Healthy"}
+    assert {m["modelName"]: m["status"] for m in models} == {TEXT_MODEL: "Healthy", EMBEDDING_MODEL: "Healthy",
+                                                             TENSOR_MODEL: "Healthy"}
     described = requests.get(default_server.url(f"/models/{TEXT_MODEL}"), timeout=10).json()
     assert described[0]["workflowName"] == TEXT_MODEL
     entry = described[0]["models"][0]

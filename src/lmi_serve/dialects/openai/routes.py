@@ -98,7 +98,7 @@ def completions() -> Response:
 def embeddings() -> Response:
     parsed: EmbeddingRequest = parse(EmbeddingRequest, _body())
     service = _service(parsed.model, _EMBEDDING_TASK)
-    module = service.module
+    module = service.handler_module
     if not hasattr(module, "count_tokens") or not hasattr(module, "embedding_limits"):
         raise OpenAIError(400, f"The model `{service.name}`'s handler does not expose count_tokens and "
                                "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")

@@ -1,0 +1,214 @@
+"""Triton / KServe v2 HTTP routes: health, metadata, config, statistics, repository, infer, generate.
+
+Every error is `{"error": "..."}` with Triton's status (400 client errors, 404 unknown model or
+route, 405 wrong method, 501 unsupported, 503 not ready / overloaded / load refused, 500 model
+failure). Flask's own 404/405/413 under /v2 reach `protocol.app_error_response` through app.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from flask import Blueprint, Response, current_app, g, request
+
+from ... import __version__
+from ...errors import ServingError
+from ...registry import ModelRegistry
+from ...service import ModelStatus
+from .generate import dumps, parse_generate_request, response_object, sse_events
+from .infer import infer_response, parse_infer_request
+from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
+                     validate_inputs)
+from .protocol import TritonError, error_response, json_response, parse_json, read_body
+from .runners import ModelCall, run_model, stream_model
+from .stats import StatsBook, Timer
+from .tensors import WireTensor
+
+blueprint = Blueprint("triton", __name__)
+ERROR_PREFIXES = ("/v2",)
+# Only what is implemented; Triton does not list `generate` either.
+EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration", "model_repository", "statistics"]
+LOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
+
+
+@dataclass
+class TritonState:
+    server_name: str
+    stats: StatsBook = field(default_factory=StatsBook)
+
+
+@blueprint.record_once
+def _init_state(setup) -> None:
+    # "triton" lets Triton's own example scripts and QA checks (metadata["name"] == "triton") pass unchanged.
+    name = os.environ.get("LMI_SERVE_TRITON_SERVER_NAME", "").strip() or "triton"
+    setup.app.extensions["lmi_serve.triton"] = TritonState(name)
+
+
+def _state() -> TritonState:
+    return current_app.extensions["lmi_serve.triton"]
+
+
+def _registry() -> ModelRegistry:
+    return current_app.extensions["lmi_serve.registry"]
+
+
+def model_route(suffix: str, methods: list[str]):
+    """Register a view under /v2/models/<model> and /v2/models/<model>/versions/<version>."""
+    def register(view):
+        blueprint.add_url_rule(f"/v2/models/<model>{suffix}", view_func=view, methods=methods)
+        blueprint.add_url_rule(f"/v2/models/<model>/versions/<version>{suffix}", view_func=view, methods=methods)
+        return view
+    return register
+
+
+def _version(version: str | None) -> str | None:
+    if version is not None and not version.isdigit():
+        raise TritonError(404, "Not Found")  # Triton's URL pattern only takes digits here
+    return version
+
+
+@blueprint.errorhandler(TritonError)
+def _triton_error(exc: TritonError) -> Response:
+    return error_response(exc.status, exc.message, exc.headers)
+
+
+@blueprint.errorhandler(ServingError)
+def _serving_error(exc: ServingError) -> Response:
+    return error_response(503 if exc.status >= 500 else exc.status, exc.message)
+
+
+@blueprint.get("/v2")
+def server_metadata() -> Response:
+    return json_response({"name": _state().server_name, "version": __version__, "extensions": EXTENSIONS})
+
+
+@blueprint.get("/v2/health/live")
+def live() -> Response:
+    return Response(status=200)
+
+
+@blueprint.get("/v2/health/ready")
+def ready() -> Response:
+    status, body = _registry().health()
+    if status != 200:
+        waiting = sorted(name for name, entry in body.items() if entry["status"] != ModelStatus.READY.value)
+        return error_response(400, f"Server not ready: model(s) {waiting} not ready")
+    return Response(status=200)
+
+
+@model_route("", ["GET"])
+def metadata(model: str, version: str | None = None) -> Response:
+    return json_response(model_metadata(*ready_model(_registry(), model, _version(version))))
+
+
+@model_route("/ready", ["GET"])
+def model_ready(model: str, version: str | None = None) -> Response:
+    service = find_model(_registry(), model, _version(version))
+    if service.current_status() is not ModelStatus.READY:
+        return error_response(400, "Model version not ready")
+    return Response(status=200)
+
+
+@model_route("/config", ["GET"])
+def config(model: str, version: str | None = None) -> Response:
+    return json_response(model_config(*ready_model(_registry(), model, _version(version))))
+
+
+@model_route("/stats", ["GET"])
+def model_stats(model: str, version: str | None = None) -> Response:
+    service = find_model(_registry(), model, _version(version))
+    return json_response({"model_stats": [_state().stats.model_stats(service.name, MODEL_VERSION)]})
+
+
+@blueprint.get("/v2/models/stats")
+def all_stats() -> Response:
+    stats = [_state().stats.model_stats(name, MODEL_VERSION) for name in _registry().services]
+    return json_response({"model_stats": stats})
+
+
+@blueprint.post("/v2/repository/index")
+@blueprint.post("/v2/repository/<repository>/index")
+def repository(repository: str | None = None) -> Response:
+    body = read_body(allow_compression=False)
+    options = parse_json(body) if body.strip() else {}
+    if not isinstance(options, dict):
+        raise TritonError(400, "Unable to parse the repository index request: expected a JSON object")
+    if not isinstance(options.get("ready", False), bool):
+        raise TritonError(400, "Invalid value for 'ready': expected a boolean")
+    return json_response(repository_index(_registry(), options.get("ready", False)))
+
+
+@blueprint.post("/v2/repository/models/<model>/<any(load, unload):action>")
+@blueprint.post("/v2/repository/<repository>/models/<model>/<any(load, unload):action>")
+def load_or_unload(model: str, action: str, repository: str | None = None) -> Response:
+    if repository is not None:
+        raise TritonError(501, "'repository_name' specification is not supported")
+    raise TritonError(503, LOAD_REFUSED)  # models load once at start-up, like Triton's default control mode
+
+
+@model_route("/infer", ["POST"])
+def infer(model: str, version: str | None = None) -> Response:
+    service, contract = ready_model(_registry(), model, _version(version))
+    body = read_body(allow_compression=True)
+    parsed = parse_infer_request(body, request.headers.get("Inference-Header-Content-Length"), service.name, contract)
+    tensors = validate_inputs(service.name, contract, parsed.inputs)
+    call = ModelCall(service, contract, tensors, parsed.parameters, parsed.request_id or g.request_id,
+                     parsed.requested_outputs)
+    with Timer(_state().stats, service.name):
+        outputs = run_model(call)
+    return infer_response(service.name, parsed, outputs)
+
+
+def _generate_call(model: str, version: str | None) -> tuple[ModelCall, str]:
+    service, contract = ready_model(_registry(), model, _version(version))
+    parsed = parse_generate_request(read_body(allow_compression=False), service.name, contract)
+    tensors = validate_inputs(service.name, contract, parsed.tensors)
+    return ModelCall(service, contract, tensors, parsed.parameters, parsed.request_id or g.request_id,
+                     None), parsed.request_id
+
+
+@model_route("/generate", ["POST"])
+def generate(model: str, version: str | None = None) -> Response:
+    call, request_id = _generate_call(model, version)
+    with Timer(_state().stats, call.service.name):
+        outputs = run_model(call)
+    return Response(dumps(response_object(call.service.name, request_id, outputs)), mimetype="application/json")
+
+
+@model_route("/generate_stream", ["POST"])
+def generate_stream(model: str, version: str | None = None) -> Response:
+    call, request_id = _generate_call(model, version)
+    if call.contract.kind == "llm" and "stream" not in call.tensors:
+        call.tensors["stream"] = _stream_flag()  # our default here: stream tokens (README, decisions)
+    started = time.perf_counter_ns()
+    responses = stream_model(call)  # validation and submission errors raise here: a JSON error
+    try:
+        first = next(responses, None)
+    except TritonError as exc:  # the model failed before its first response
+        _state().stats.record(call.service.name, success=False, elapsed_ns=time.perf_counter_ns() - started)
+        return Response("data: " + dumps({"error": exc.message}) + "\n\n", status=exc.status,
+                        mimetype="text/event-stream")
+    events = _recorded(sse_events(call.service.name, request_id, responses, first), _state().stats,
+                       call.service.name, started)
+    return Response(events if first is not None else iter(()), mimetype="text/event-stream",
+                    headers={"X-Accel-Buffering": "no"})
+
+
+def _stream_flag() -> WireTensor:
+    return WireTensor("stream", "BOOL", (1,), np.array([True]))
+
+
+def _recorded(events: Iterator[str], book: StatsBook, model: str, started: int) -> Iterator[str]:
+    """The SSE events, counted in the statistics when the stream ends (however it ends)."""
+    failed = False
+    try:
+        for event in events:
+            failed = failed or event.startswith('data: {"error"')
+            yield event
+    finally:
+        events.close()
+        book.record(model, success=not failed, elapsed_ns=time.perf_counter_ns() - started)

@@ -1,0 +1,159 @@
+"""Run one validated request on a model and get its response tensors back.
+
+The LLM goes straight to the engine (neutral GenerationRequest in, TokenEvents out); the embedding
+model and custom tensor models go through their handler's job queue as DJL Inputs, like
+/invocations does. Failures become TritonErrors: 400 for the client's mistakes, 503 when the model
+cannot take the request now, 500 when the model itself failed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...engine.engine import Engine
+from ...engine.handle import RequestHandle
+from ...engine.types import GenerationResult
+from ...errors import ModelNotReady, Overloaded, RequestTimeout
+from ...handler_api import Input, Output, PairList
+from ...service import ModelService
+from .llm import LlmCall, llm_outputs, parse_llm_call
+from .models import ModelContract
+from .protocol import TritonError
+from .tensor_model import read_output_tensors, tensor_input
+from .tensors import WireTensor, as_wire_tensor
+
+
+@dataclass
+class ModelCall:
+    """A request that passed validation: what every runner needs."""
+
+    service: ModelService
+    contract: ModelContract
+    tensors: dict[str, WireTensor]
+    parameters: dict[str, Any]
+    request_id: str
+    requested_outputs: list[str] | None  # None: the model's default outputs
+
+
+def _submit(engine: Engine, call: LlmCall) -> RequestHandle:
+    try:
+        return engine.submit(call.request)
+    except Overloaded as exc:
+        raise TritonError(503, exc.message) from None
+
+
+def _llm_call(call: ModelCall) -> tuple[Engine, LlmCall]:
+    engine = call.service.engine
+    return engine, parse_llm_call(engine, call.tensors, call.parameters, call.requested_outputs)
+
+
+def _run_llm(call: ModelCall) -> list[WireTensor]:
+    return _complete(*_llm_call(call))
+
+
+def _complete(engine: Engine, llm: LlmCall) -> list[WireTensor]:
+    """The whole generation as one response (/infer, /generate, and generate_stream without `stream`)."""
+    handle = _submit(engine, llm)
+    try:
+        result = handle.result()
+    except RequestTimeout as exc:
+        raise TritonError(503, exc.message) from None
+    finally:
+        handle.cancel()  # no-op when finished; frees the row if this thread was interrupted
+    if result.error:
+        raise TritonError(500, result.error)
+    return llm_outputs(llm, result.text, result, final=True, prepend_prompt=not llm.exclude_input)
+
+
+def stream_llm(call: ModelCall) -> Iterator[list[WireTensor]]:
+    """Validate and submit now (errors raise before any response), then one response per released
+    piece of text. Closing the iterator (the client went away) cancels the generation."""
+    engine, llm = _llm_call(call)
+    if not llm.stream:
+        return iter([_complete(engine, llm)])
+    if not llm.exclude_input:
+        raise TritonError(400, "When streaming, `exclude_input_in_output` = False is not allowed.")
+    return _llm_responses(llm, _submit(engine, llm))
+
+
+def _llm_responses(llm: LlmCall, handle: RequestHandle) -> Iterator[list[WireTensor]]:
+    result = GenerationResult(len(llm.request.prompt_ids))
+    try:
+        for event in handle:
+            result.events.append(event)
+            if event.error:
+                raise TritonError(500, event.error)
+            final = event.finish_reason is not None
+            if event.text or final:  # skip tokens whose text is still held back
+                yield llm_outputs(llm, event.text, result, final=final, prepend_prompt=False)
+    except RequestTimeout as exc:
+        raise TritonError(503, exc.message) from None
+    finally:
+        handle.cancel()
+
+
+def _handler_output(service: ModelService, request: Input) -> Output:
+    try:
+        job = service.submit(request)
+        output = service.dispatcher.wait(job)
+    except (Overloaded, RequestTimeout, ModelNotReady) as exc:
+        raise TritonError(503, exc.message) from None
+    if output.code != 200:
+        try:
+            message = json.loads(output.body()).get("error") or output.message
+        except (ValueError, AttributeError):
+            message = output.message
+        raise TritonError(500, f"model '{service.name}' failed: {message}")
+    return output
+
+
+def _texts(tensor: WireTensor) -> list[str]:
+    try:
+        return [value.decode("utf-8") for value in tensor.array.reshape(-1)]
+    except UnicodeDecodeError:
+        raise TritonError(400, f"input '{tensor.name}' must be UTF-8 text") from None
+
+
+def _run_embedding(call: ModelCall) -> list[WireTensor]:
+    texts = _texts(call.tensors["text_input"])
+    if not texts:
+        raise TritonError(400, "input 'text_input' must hold at least one text")
+    body = json.dumps({"inputs": texts}).encode("utf-8")
+    request = Input({"Content-Type": "application/json", "requestId": call.request_id}, PairList([("data", body)]))
+    vectors = json.loads(_handler_output(call.service, request).body())
+    return [as_wire_tensor("embedding", "FP32", np.asarray(vectors, dtype=np.float32).reshape(len(texts), -1))]
+
+
+def _run_tensor_model(call: ModelCall) -> list[WireTensor]:
+    # Request parameters reach handle() as properties, the way DJL hands it request headers.
+    properties = {key: json.dumps(value) if isinstance(value, bool) else str(value)
+                  for key, value in call.parameters.items()}
+    properties["requestId"] = call.request_id
+    output = _handler_output(call.service, tensor_input(list(call.tensors.values()), properties))
+    try:
+        return read_output_tensors(output, list(call.contract.outputs), call.service.name)
+    except (ValueError, KeyError) as exc:
+        raise TritonError(500, str(exc)) from None
+
+
+_RUNNERS = {"llm": _run_llm, "embedding": _run_embedding, "tensor": _run_tensor_model}
+
+
+def run_model(call: ModelCall) -> list[WireTensor]:
+    """One response: the model's outputs in the order it produced them, narrowed to those asked for."""
+    outputs = _RUNNERS[call.contract.kind](call)
+    if call.requested_outputs is not None:
+        outputs = [tensor for tensor in outputs if tensor.name in call.requested_outputs]
+    return outputs
+
+
+def stream_model(call: ModelCall) -> Iterator[list[WireTensor]]:
+    """Responses for generate_stream: token deltas from the LLM when `stream` is set, else one."""
+    if call.contract.kind == "llm":
+        return stream_llm(call)
+    return iter([run_model(call)])

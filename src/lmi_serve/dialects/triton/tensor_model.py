@@ -1,0 +1,106 @@
+"""How a custom `model.py` serves tensors on the KServe v2 / Triton routes (see README, "Tensor models").
+
+A model.py declares its tensors at module level and keeps DJL's `handle(Input) -> Output`:
+
+    INPUT_TENSORS = [TensorSpec("INPUT0", "INT32", [-1, 16]), TensorSpec("INPUT1", "INT32", [-1, 16])]
+    OUTPUT_TENSORS = [TensorSpec("OUTPUT0", "INT32", [-1, 16]), TensorSpec("OUTPUT1", "INT32", [-1, 16])]
+
+    def handle(inputs):
+        ...
+        tensors = get_tensors(item)                          # {"INPUT0": np.ndarray, ...}
+        add_tensors(output, {"OUTPUT0": a + b, ...}, batch_index=...)
+
+The server checks every request against INPUT_TENSORS (names, datatypes, shapes) before `handle`
+runs, and every output against OUTPUT_TENSORS after. Each tensor travels inside the Input/Output as
+one content entry named after the tensor, in an encoding of our own (a JSON header line, then the
+binary tensor data): never pickle, so a body sent to /invocations cannot smuggle objects in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...handler_api import DATA_KEY, Input, Output
+from .tensors import (NUMPY_DTYPES, WireTensor, as_wire_tensor, check_datatype, datatype_of, tensor_from_binary,
+                      tensor_to_binary)
+
+_MAGIC = b'{"tensor":'
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One declared tensor. `shape` is what model metadata shows: -1 marks a variable dimension."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...] = field(default=(-1,))
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        check_datatype(self.datatype, self.name)
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+def encode_tensor(tensor: WireTensor) -> bytes:
+    header = json.dumps({"tensor": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)})
+    return header.encode("utf-8") + b"\n" + tensor_to_binary(tensor)
+
+
+def decode_tensor(key: str, value: bytes) -> WireTensor:
+    if not value.startswith(_MAGIC):
+        raise ValueError(f"content entry '{key}' is not a tensor: tensor models are served on the "
+                         "/v2/models/<model>/infer and /generate routes")
+    header, _, raw = value.partition(b"\n")
+    meta = json.loads(header)
+    return tensor_from_binary(meta["tensor"], meta["datatype"], tuple(meta["shape"]), raw, "model")
+
+
+def tensor_input(tensors: list[WireTensor], properties: dict[str, str]) -> Input:
+    """The Input a tensor model's handle() receives for one request."""
+    request = Input(properties)
+    for tensor in tensors:
+        request.content.add(tensor.name, encode_tensor(tensor))
+    return request
+
+
+def get_tensors(inputs: Input) -> dict[str, np.ndarray]:
+    """The request's tensors by name, as numpy arrays (BYTES: object arrays of `bytes`)."""
+    return {key: decode_tensor(key, bytes(value)).array for key, value in inputs.content if key != DATA_KEY}
+
+
+def add_tensors(output: Output, tensors: dict[str, np.ndarray], batch_index: int | None = None) -> Output:
+    """Add output tensors (numpy arrays, or anything numpy turns into one) to `output`."""
+    for name, value in tensors.items():
+        array = np.asarray(value)
+        datatype = datatype_of(array)
+        if datatype is None:
+            raise ValueError(f"output '{name}': numpy dtype {array.dtype} has no KServe v2 datatype")
+        output.add(encode_tensor(as_wire_tensor(name, datatype, array)), key=name, batch_index=batch_index)
+    output.add_property("Content-Type", "application/x-lmi-serve-tensors")
+    return output
+
+
+def read_output_tensors(output: Output, specs: list[TensorSpec], model: str) -> list[WireTensor]:
+    """The tensors a handle() returned, in the order it added them, checked against its declaration."""
+    declared = {spec.name: spec for spec in specs}
+    tensors = []
+    for key, value in output.content:
+        tensor = decode_tensor(key, bytes(value))
+        spec = declared.get(tensor.name)
+        if spec is None:
+            raise ValueError(f"model '{model}' returned output '{tensor.name}', which OUTPUT_TENSORS does not declare")
+        if spec.datatype != tensor.datatype:
+            if spec.datatype == "BF16" or NUMPY_DTYPES[spec.datatype].kind != NUMPY_DTYPES[tensor.datatype].kind:
+                raise ValueError(f"model '{model}' returned output '{tensor.name}' as {tensor.datatype}, but declares "
+                                 f"{spec.datatype}")
+            cast = as_wire_tensor(tensor.name, spec.datatype, tensor.array)  # e.g. numpy's int64 sums for INT32
+            narrowed = cast.array.dtype.kind in "iub" and not np.array_equal(cast.array, tensor.array)
+            if spec.datatype != "BYTES" and narrowed:
+                raise ValueError(f"model '{model}' returned output '{tensor.name}' with values out of range for "
+                                 f"its declared {spec.datatype}")
+            tensor = cast
+        tensors.append(tensor)
+    return tensors
