@@ -88,8 +88,8 @@ def test_greedy_output_does_not_depend_on_a_constrained_neighbour(engine, smollm
 def test_logit_bias_forces_and_bans_tokens():
     logits = torch.zeros((2, 10))
     logits[:, 3] = 5.0
-    sampler = HeterogeneousSampler([SamplingParams(logit_bias=((7, 100.0),)), SamplingParams(logit_bias=((3, -100.0),))],
-                                   CPU, 10)
+    params = [SamplingParams(logit_bias=((7, 100.0),)), SamplingParams(logit_bias=((3, -100.0),))]
+    sampler = HeterogeneousSampler(params, CPU, 10)
     out = sampler(logits)
     assert out.token_ids[0] == 7
     assert out.token_ids[1] != 3
