@@ -60,6 +60,7 @@ def configure_threads(workers: int) -> int:
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_size
+    app.config["TRITON_SERVER_NAME"] = config.triton_server_name
     if registry is None:
         threads = configure_threads(config.workers)
         log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)

@@ -214,6 +214,7 @@ class ServerConfig(BaseModel):
     max_request_size: int = Field(DEFAULT_MAX_REQUEST_SIZE, ge=1)
     request_id_header: str = "x-request-id"
     cache_dir: str = Field(default_factory=lambda: os.path.expanduser("~/.cache/lmi-serve"))
+    triton_server_name: str = Field("triton", min_length=1)  # GET /v2 "name" (Triton's scripts check it)
     models: tuple[ModelConfig, ...] = Field(min_length=1)
 
     @field_validator("models")
@@ -479,4 +480,5 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
         keys["max_request_size"] = mib[0]
     cache_dir = env.get("LMI_SERVE_CACHE_DIR", "").strip() or "~/.cache/lmi-serve"
     values["cache_dir"] = _expand_home(cache_dir, env)
+    take("triton_server_name", "LMI_SERVE_TRITON_SERVER_NAME")
     return _validated(lambda: ServerConfig.model_validate(values), values, keys)

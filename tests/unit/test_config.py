@@ -451,3 +451,9 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert restored.models[0].tensor_parallel_degree == "max"
     with pytest.raises(ConfigError, match=r"^models\.0\.dtype: 'fp17'"):
         ServerConfig.from_json(text.replace('"dtype":"auto"', '"dtype":"fp17"', 1))
+
+
+def test_triton_server_name_comes_from_env() -> None:
+    assert build_server_config({"HF_MODEL_ID": "x"}).triton_server_name == "triton"
+    assert build_server_config({"HF_MODEL_ID": "x", "LMI_SERVE_TRITON_SERVER_NAME": "edge"}).triton_server_name == "edge"
+    assert build_server_config({"HF_MODEL_ID": "x", "LMI_SERVE_TRITON_SERVER_NAME": ""}).triton_server_name == "triton"

@@ -7,7 +7,6 @@ failure). Flask's own 404/405/413 under /v2 reach `protocol.app_error_response` 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,9 +42,8 @@ class TritonState:
 
 @blueprint.record_once
 def _init_state(setup) -> None:
-    # "triton" lets Triton's own example scripts and QA checks (metadata["name"] == "triton") pass unchanged.
-    name = os.environ.get("LMI_SERVE_TRITON_SERVER_NAME", "").strip() or "triton"
-    setup.app.extensions["lmi_serve.triton"] = TritonState(name)
+    # "triton" (the default) lets Triton's own example scripts and QA checks (metadata["name"] == "triton") pass.
+    setup.app.extensions["lmi_serve.triton"] = TritonState(setup.app.config.get("TRITON_SERVER_NAME", "triton"))
 
 
 def _state() -> TritonState:
