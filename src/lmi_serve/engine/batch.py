@@ -45,7 +45,11 @@ class Row:
             finish, text = FinishReason.EOS_TOKEN, self.detokenizer.flush()
         else:
             if self.constraint is not None:
-                self.constraint.advance(token_id)
+                try:
+                    self.constraint.advance(token_id)
+                except ValueError as exc:  # cannot happen under the mask; if it does, end this row only
+                    self.finished = True
+                    return TokenEvent(token_id, "", logprob, False, FinishReason.ERROR, error=str(exc))
             text, hit_stop = self.detokenizer.add(token_id)
             if hit_stop:
                 finish = FinishReason.STOP_SEQUENCE

@@ -103,3 +103,15 @@ def test_allowed_mask_applies_to_greedy_and_sampled_rows():
     allowed = torch.tensor([[False, True, False, False, False, False], [False, False, False, False, True, False]])
     sampler = HeterogeneousSampler([SamplingParams(), SamplingParams(do_sample=True, seed=1)], CPU, 6)
     assert sampler(logits, allowed=allowed).token_ids == [1, 4]
+
+
+def test_a_token_the_grammar_rejects_ends_only_that_row(smollm2_tokenizer):
+    from lmi_serve.engine.batch import make_row
+    from lmi_serve.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(smollm2_tokenizer, len(smollm2_tokenizer), [2])
+    req = request(smollm2_tokenizer, GuidedDecoding(lark='start: "yes"'))
+    row = make_row(req, smollm2_tokenizer, constraint=compiler.constraint(req.guided))
+    wrong = smollm2_tokenizer.encode("no", add_special_tokens=False)[0]
+    event = row.advance(wrong, -1.0, [])
+    assert event.finish_reason is FinishReason.ERROR and "rejected" in event.error and row.finished
