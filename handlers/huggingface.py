@@ -85,7 +85,11 @@ class TextGenerationService:
         return requests
 
     def _parse(self, item: Input) -> tuple[DynamicBatchRequest, list[GenerationRequest]]:
-        parsed = parse_dynamic_batch_request(read_payload(item))
+        payload = read_payload(item)
+        if isinstance(payload, dict) and "messages" in payload:
+            raise LmiRequestError("Chat requests (`messages`) need the rolling batch; this model is served with "
+                                  "dynamic batching (option.rolling_batch=disable)")
+        parsed = parse_dynamic_batch_request(payload)
         return parsed, self._to_generation_requests(parsed)
 
     def _stream(self, requests: list[GenerationRequest]):

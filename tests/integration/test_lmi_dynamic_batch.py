@@ -63,6 +63,7 @@ def test_seeded_sampling_is_reproducible(store_server):
     (json.dumps({"inputs": "hi", "parameters": {"temperature": -1}}).encode(), "temperature"),
     (json.dumps({"inputs": "hi", "parameters": {"top_p": 1.5}}).encode(), "top_p"),
     (json.dumps({"inputs": "hi", "stream": True}).encode(), "stream"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(), "rolling batch"),
 ])
 def test_bad_payloads_fail_with_424_and_a_message(store_server, payload, fragment):
     response = requests.post(store_server.url("/predictions/dynamic"), data=payload,
