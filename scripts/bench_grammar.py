@@ -156,6 +156,30 @@ def main() -> None:
             q = statistics.quantiles([t * 1e6 for t in per_token], n=100)
             print(f"{name:<14} {schema_name:<13} {setup:>8.2f} {compile_s * 1e3:>11.1f} "
                   f"{statistics.median(per_token) * 1e6:>12.0f} {q[98]:>12.0f} {len(tokens):>7}")
+    bench_engine_mask(tokenizer)
+
+
+def bench_engine_mask(tokenizer) -> None:
+    """What the engine adds per decode step: every constrained row's mask, unpacked and applied."""
+    from lmi_serve.engine.grammar import GrammarCompiler, allowed_tokens
+    from lmi_serve.engine.types import GuidedDecoding
+
+    vocab = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    schema = json.dumps(SCHEMAS["person"])
+    prefix = tokenizer.encode('{"name": "Ada', add_special_tokens=False)
+    print("\nengine mask per decode step (llguidance, rows inside one string of the person schema):")
+    for rows in (1, 1, 8, 32):  # the first pass warms up
+        constraints = [compiler.constraint(GuidedDecoding(json_schema=schema)) for _ in range(rows)]
+        for constraint in constraints:
+            for token in prefix:
+                constraint.advance(token)
+        logits = torch.randn(rows, vocab)
+        start = time.perf_counter()
+        for _ in range(50):
+            allowed = allowed_tokens(constraints, vocab, torch.device("cpu"))
+            logits.masked_fill(~allowed, float("-inf"))
+        print(f"  {rows:>2} rows: {(time.perf_counter() - start) / 50 * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
