@@ -281,6 +281,7 @@ def test_concurrent_greedy_chats_equal_sequential_ones(default_server, client):
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
     ({"tool_choice": "required"}, None),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
+    ({"extra_body": {"reasoning_effort": "low"}}, "reasoning_effort"),
 ])
 def test_validation_errors_are_400_in_openai_shape(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -347,3 +348,11 @@ def test_chat_on_invocations_uses_lmi_chat_schema(default_server, client):
     assert sse.text.rstrip().endswith("data: [DONE]")
     bad = requests.post(default_server.url("/invocations"), json={"messages": [], "max_tokens": 3}, timeout=30)
     assert bad.status_code == 424 and "messages" in bad.json()["error"]
+
+
+def test_continuous_usage_stats_counts_as_it_goes(client):
+    chunks = list(chat(client, max_tokens=5, stream=True, messages=[{"role": "user", "content": "Count to ten."}],
+                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)

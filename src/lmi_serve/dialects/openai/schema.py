@@ -28,6 +28,7 @@ REJECTED_FIELDS = {
     "functions": "the deprecated `functions` parameter is not supported; use `tools`",
     "function_call": "the deprecated `function_call` parameter is not supported; use `tool_choice`",
     "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model does not reason before answering",
 }
 
 

@@ -133,7 +133,7 @@ class OpenAIService:
             if request.include_usage:
                 yield stream.usage_chunk(states)
 
-        return Reply(chunks=_guarded(chunks(), handles))
+        return Reply(chunks=_guarded(_with_running_usage(chunks(), request, len(prompt), states), handles))
 
     # ---- completions --------------------------------------------------------------------------
 
@@ -199,7 +199,22 @@ class OpenAIService:
                        "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                                                 "total_tokens": prompt_tokens + generated}}
 
-        return Reply(chunks=_guarded(chunks(), handles))
+        return Reply(chunks=_guarded(_with_running_usage(chunks(), request, prompt_tokens,
+                                                         [c.state for c in choices]), handles))
+
+
+def _with_running_usage(chunks: Iterator[Chunk], request, prompt_tokens: int,
+                        states: list[ChoiceState]) -> Iterator[Chunk]:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
+    if not (request.stream_options and request.stream_options.continuous_usage_stats):
+        yield from chunks
+        return
+    for chunk in chunks:
+        if chunk.get("usage") is None and "choices" in chunk:
+            generated = sum(s.generated for s in states)
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                              "total_tokens": prompt_tokens + generated}
+        yield chunk
 
 
 def _best_of(choices: list[CompletionChoice], n: int, per_prompt: int) -> list[CompletionChoice]:
