@@ -174,7 +174,7 @@ TEXT = {1: "Hi", 2: " there", 3: "<", 4: "tool_call>"}.get
 def run_stream(events, *, tools=False, include_usage=False, logprobs=False):
     stream = ChatStream(META, include_usage=include_usage, logprobs=logprobs, top_logprobs=0, tools_enabled=tools,
                         token_text=lambda t: TEXT(t, "?"))
-    state, chunks = ChoiceState(0, 3), []
+    state, chunks = ChoiceState(3, index=0), []
     for e in events:
         state.events.append(e)
         chunks += stream.on_event(state, e)
@@ -207,8 +207,8 @@ def test_chat_stream_with_tools_streams_text_including_held_whitespace():
 
 
 def test_chat_completion_body_with_logprobs():
-    state = ChoiceState(0, 4, [event(1, "Hi", top=(TopToken(1, "Hi", -0.5), TopToken(2, " there", -1.0))),
-                               event(2, " there", FinishReason.STOP_SEQUENCE)])
+    state = ChoiceState(4, [event(1, "Hi", top=(TopToken(1, "Hi", -0.5), TopToken(2, " there", -1.0))),
+                               event(2, " there", FinishReason.STOP_SEQUENCE)], index=0)
     body = chat_completion(META, [state], logprobs=True, top_logprobs=1, tools_enabled=False,
                            token_text=lambda t: TEXT(t))
     choice = body["choices"][0]
@@ -221,7 +221,7 @@ def test_chat_completion_body_with_logprobs():
 def test_completion_echo_suffix_and_offsets():
     prompt_tokens = (TopToken(9, "Say", None), TopToken(8, ":", -2.0))
     first = TokenEvent(1, "Hi", -0.5, False, None, (), prompt_tokens)
-    state = ChoiceState(0, 2, [first, event(2, " there", FinishReason.LENGTH)])
+    state = ChoiceState(2, [first, event(2, " there", FinishReason.LENGTH)], index=0)
     choice = CompletionChoice(state, "Say:", echo=True, suffix="!")
     body = completion(ResponseMeta("cmpl-1", 1, "m"), [choice], logprobs=1, token_text=lambda t: TEXT(t),
                       prompt_tokens=2)

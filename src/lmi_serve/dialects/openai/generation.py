@@ -11,12 +11,12 @@ import queue
 import random
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ...engine.engine import Engine
 from ...engine.grammar import GrammarError
 from ...engine.handle import RequestHandle
-from ...engine.types import GenerationRequest, GuidedDecoding, SamplingParams, StopParams, TokenEvent
+from ...engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams, TokenEvent
 from ...errors import Overloaded
 from .errors import OpenAIError
 from .schema import SamplingFields
@@ -102,24 +102,18 @@ def submit(engine: Engine, requests: list[GenerationRequest]) -> list[RequestHan
 
 
 @dataclass
-class ChoiceState:
-    """What one choice has produced so far (formatters read it)."""
+class ChoiceState(GenerationResult):
+    """One choice's output so far (formatters read it), with its index in the response."""
 
-    index: int
-    prompt_tokens: int
-    events: list[TokenEvent] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(e.text for e in self.events)
+    index: int = 0
 
     @property
     def generated(self) -> int:
-        return sum(1 for e in self.events if e.token_id >= 0)
+        return self.generated_tokens
 
     @property
     def finished(self) -> bool:
-        return bool(self.events) and self.events[-1].finish_reason is not None
+        return self.finish_reason is not None
 
 
 def interleave(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:

@@ -115,7 +115,7 @@ class OpenAIService:
         handles = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
         meta = ResponseMeta.new("chatcmpl", self.model_name)
-        states = [ChoiceState(i, len(prompt)) for i in range(request.n)]
+        states = [ChoiceState(len(prompt), index=i) for i in range(request.n)]
         if not request.stream:
             _results(handles, states)
             return Reply(body=chat_completion(meta, states, logprobs=request.logprobs, top_logprobs=top,
@@ -168,7 +168,7 @@ class OpenAIService:
                                           top_n=request.logprobs or 0,
                                           prompt_logprobs=request.echo and request.logprobs is not None)
                 handles += submit(self.engine, requests)
-                choices += [CompletionChoice(ChoiceState(p * per_prompt + j, len(ids)), text, request.echo,
+                choices += [CompletionChoice(ChoiceState(len(ids), index=p * per_prompt + j), text, request.echo,
                                              request.suffix) for j in range(per_prompt)]
         except BaseException:
             for handle in handles:
