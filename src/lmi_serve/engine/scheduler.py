@@ -125,6 +125,7 @@ class Scheduler:
             keep = collections.deque()
             for handle in self.waiting:
                 if handle.cancelled:
+                    handle.push(TokenEvent.cancelled())
                     continue
                 if handle.expired(now):
                     handle.fail(RequestTimeout(
@@ -134,7 +135,9 @@ class Scheduler:
             self.waiting = keep
         if self.batch:
             for row in self.batch.rows:
-                row.finished = row.finished or row.owner.cancelled
+                if row.owner.cancelled and not row.finished:
+                    row.finished = True
+                    row.owner.push(TokenEvent.cancelled())
             self._evict()
 
     def _admit(self) -> list[RequestHandle]:

@@ -82,7 +82,8 @@ class TopToken:
 class TokenEvent:
     """One generated token. `text` is the newly released text (may be "" while held back, e.g. a
     partial UTF-8 character or a possible stop-string prefix); the last event carries
-    `finish_reason`. A failed request ends with an event of token_id -1, ERROR and `error`."""
+    `finish_reason`. A failed request ends with an event of token_id -1, ERROR and `error`; a
+    cancelled one with token_id -1 and CANCELLED."""
 
     token_id: int
     text: str
@@ -96,6 +97,11 @@ class TokenEvent:
     @classmethod
     def failure(cls, message: str) -> "TokenEvent":
         return cls(-1, "", -1.0, True, FinishReason.ERROR, error=message)
+
+    @classmethod
+    def cancelled(cls) -> "TokenEvent":
+        """Ends a cancelled request's stream, so anything still reading it (a helper thread) stops."""
+        return cls(-1, "", 0.0, True, FinishReason.CANCELLED)
 
 
 @dataclass

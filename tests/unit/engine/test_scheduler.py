@@ -224,6 +224,8 @@ def test_cancelled_running_request_is_evicted(make_engine, tiny_model, smollm2_t
     handles = [engine.submit(r) for r in others]
     within(lambda: next(iter(handles[0])))
     endless.cancel()
+    events = within(lambda: list(endless))  # the stream ends: a reader left behind is not stuck
+    assert events[-1].finish_reason is FinishReason.CANCELLED and events[-1].token_id == -1
     rest = [result(h) for h in handles[1:]]
     for request, res in zip(others[1:], rest):
         assert ids_of(res) == alone(tiny_model, smollm2_tokenizer, request)
@@ -239,6 +241,7 @@ def test_cancelled_waiting_request_is_never_admitted(make_engine, prompt_ids):
     last = engine.submit(greedy(prompt_ids[3], 4))
     dropped.cancel()
     engine.start()
+    assert [e.finish_reason for e in within(lambda: list(dropped))] == [FinishReason.CANCELLED]
     assert result(first).generated_tokens == 4
     assert result(last).generated_tokens == 4
     poll(lambda: idle(engine), what="idle engine")
