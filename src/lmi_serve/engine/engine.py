@@ -59,6 +59,19 @@ class Engine:
         self.scheduler.add(handle)
         return handle
 
+    def submit_all(self, requests) -> list[RequestHandle]:
+        """Queue every sequence of one client request, or none: if one cannot be queued (Overloaded,
+        GrammarError), the ones already queued are cancelled and the error is raised."""
+        handles: list[RequestHandle] = []
+        try:
+            for request in requests:
+                handles.append(self.submit(request))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
     def beam_search(self, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
         """Beam search for one request, run alone between two steps; blocks until done. Returns
         every beam, best first."""

@@ -115,3 +115,22 @@ def test_a_token_the_grammar_rejects_ends_only_that_row(smollm2_tokenizer):
     wrong = smollm2_tokenizer.encode("no", add_special_tokens=False)[0]
     event = row.advance(wrong, -1.0, [])
     assert event.finish_reason is FinishReason.ERROR and "rejected" in event.error and row.finished
+
+
+def test_submit_all_queues_all_or_none(engine, smollm2_tokenizer):
+    queued = []
+    original = engine.submit
+
+    def recording(req):
+        handle = original(req)
+        queued.append(handle)
+        return handle
+
+    engine.submit = recording
+    try:
+        with pytest.raises(GrammarError):
+            engine.submit_all([request(smollm2_tokenizer, max_new_tokens=50),
+                               request(smollm2_tokenizer, GuidedDecoding(lark="start: undefined_rule"))])
+    finally:
+        del engine.submit
+    assert len(queued) == 1 and queued[0].cancelled

@@ -31,19 +31,6 @@ def best_first(results: Sequence[GenerationResult], n: int) -> list[GenerationRe
     return ranked[:n] if n > 1 else ranked
 
 
-def submit_all(engine: Engine, requests) -> list[RequestHandle]:
-    """Submit every sequence of one client request; on overload, cancel the ones already queued."""
-    handles: list[RequestHandle] = []
-    try:
-        for request in requests:
-            handles.append(engine.submit(request))
-    except Overloaded:
-        for handle in handles:
-            handle.cancel()
-        raise
-    return handles
-
-
 class RollingBatchService:
     def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
                  output_formatter: str | None = None, custom_input: Callable | None = None,
@@ -95,7 +82,7 @@ class RollingBatchService:
         if request.parameters.num_beams > 1:
             return self._beams(ctx, formatter, requests[0], request.parameters)
         try:
-            handles = submit_all(self.engine, requests)
+            handles = self.engine.submit_all(requests)
         except Overloaded:
             if self.tgi_compat:
                 return self._error("Model is overloaded", 429, "overloaded")

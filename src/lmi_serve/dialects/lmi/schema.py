@@ -120,7 +120,7 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
 
 # --- rolling batch --------------------------------------------------------------------------
 
-_MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1
 _SAMPLING_HINTS = "do_sample=true, or temperature > 0, top_k > 0, top_p < 1, typical_p < 1 or min_p > 0"
 
 
@@ -130,7 +130,7 @@ class GenerationParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     do_sample: bool | None = None
-    seed: int | None = Field(None, ge=0, le=_MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     temperature: float | None = Field(None, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
     top_k: int | None = Field(None, ge=-1)  # 0 or -1: no top-k filter
@@ -330,7 +330,7 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
     stop = parameters.stopping(min(parameters.max_new_tokens, room), eos_token_ids)
     base_seed = parameters.seed
     if base_seed is None and parameters.do_sample_resolved:
-        base_seed = random.randrange(_MAX_SEED - 16)
+        base_seed = random.randrange(MAX_SEED - 16)
     return [
         GenerationRequest(
             prompt_ids=prompt,

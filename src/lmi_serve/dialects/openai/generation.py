@@ -18,10 +18,10 @@ from ...engine.grammar import GrammarError
 from ...engine.handle import RequestHandle
 from ...engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams, TokenEvent
 from ...errors import Overloaded
+from ..lmi.schema import MAX_SEED
 from .errors import OpenAIError
 from .schema import SamplingFields
 
-_MAX_SEED = 2**63 - 1
 
 
 def sampling_params(fields: SamplingFields, seed: int | None, vocab_size: int) -> SamplingParams:
@@ -73,9 +73,9 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
     do_sample = fields.temperature is None or fields.temperature > 0
     seed = fields.seed
     if seed is not None:
-        seed %= _MAX_SEED - count  # any integer the client sends is a valid seed here
+        seed %= MAX_SEED - count  # any integer the client sends is a valid seed here
     elif do_sample:
-        seed = random.randrange(_MAX_SEED - count)
+        seed = random.randrange(MAX_SEED - count)
     stop = StopParams(max_new_tokens=max_new_tokens, stop_sequences=fields.stops,
                       stop_token_ids=frozenset(fields.stop_token_ids or ()), eos_token_ids=engine.eos_token_ids,
                       ignore_eos=fields.ignore_eos, include_stop_str_in_output=fields.include_stop_str_in_output)
@@ -86,19 +86,14 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
 
 
 def submit(engine: Engine, requests: list[GenerationRequest]) -> list[RequestHandle]:
-    """Queue every sequence; all or none (an overload or a bad grammar cancels the ones queued)."""
-    handles: list[RequestHandle] = []
+    """Queue every sequence (all or none), with the engine's refusals in OpenAI's terms."""
     try:
-        for request in requests:
-            handles.append(engine.submit(request))
-    except (Overloaded, GrammarError) as exc:
-        for handle in handles:
-            handle.cancel()
-        if isinstance(exc, Overloaded):
-            raise OpenAIError(429, "The model is overloaded: too many requests are waiting. Retry shortly.",
-                              code="rate_limit_exceeded") from None
+        return engine.submit_all(requests)
+    except Overloaded:
+        raise OpenAIError(429, "The model is overloaded: too many requests are waiting. Retry shortly.",
+                          code="rate_limit_exceeded") from None
+    except GrammarError as exc:
         raise OpenAIError(400, f"Unsupported or invalid schema: {exc}", param="response_format") from None
-    return handles
 
 
 @dataclass

@@ -7,7 +7,8 @@ timeout, a prefill error) still get a real status code; later failures become an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ...engine.engine import Engine
@@ -42,8 +43,6 @@ class Reply:
 
 
 def _dumps(value) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -231,5 +230,3 @@ def _best_of(choices: list[CompletionChoice], n: int, per_prompt: int) -> list[C
             kept.append(choice)
     return kept
 
-
-ReplyFactory = Callable[[], Reply]

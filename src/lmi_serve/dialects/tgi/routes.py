@@ -24,7 +24,7 @@ from ...errors import Overloaded, RequestTimeout, ServingError
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from ..lmi.formatters import RenderContext, tgi_response, tgi_stream_frame
-from ..lmi.rolling import best_first, submit_all
+from ..lmi.rolling import best_first
 from ..lmi.schema import LmiRequestError, RollingRequest, parse_generation_parameters, to_generation_requests
 
 blueprint = Blueprint("tgi", __name__)
@@ -105,7 +105,7 @@ def _submit(parsed: RollingRequest) -> tuple[RenderContext, list[RequestHandle]]
         requests = to_generation_requests(parsed.parameters, prompt_ids,
                                           eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
                                           max_input_len=engine.max_model_len - 1)
-        handles = submit_all(engine, requests)
+        handles = engine.submit_all(requests)
     except LmiRequestError as exc:
         raise TgiError(422, f"Input validation error: {exc}") from None
     except Overloaded:
