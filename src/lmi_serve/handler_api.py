@@ -14,6 +14,8 @@ import logging
 import re
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+from . import json_body
+
 logger = logging.getLogger(__name__)
 
 DATA_KEY = "data"
@@ -214,16 +216,12 @@ class Input:
         return self.get_as_bytes(key).decode("utf-8")
 
     def get_as_json(self, key: str | None = None) -> Any:
+        """The body decoded by the server's one JSON decoder (`json_body`): depth-bounded, valid
+        Unicode only. Raises ValueError (`InvalidJson`) with a message for the client."""
         try:
-            text = self.get_as_string(key)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"Input is not valid JSON: {exc}") from exc
-        if not text.strip():
-            raise ValueError("Input is not valid JSON: empty body")
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"Input is not valid JSON: {exc}") from exc
+            return json_body.loads(self.get_as_bytes(key))
+        except json_body.InvalidJson as exc:
+            raise json_body.InvalidJson(exc.reason, "Input is not valid JSON") from None
 
     def get_as_numpy(self, key: str | None = None) -> Any:
         import numpy as np  # lazy: numpy is optional for text-only handlers

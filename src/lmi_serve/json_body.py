@@ -1,0 +1,92 @@
+"""Decode a request body as JSON, refusing what the rest of the server cannot handle safely.
+
+Every dialect decodes its bodies here, so one rule holds on every route:
+- nesting deeper than `MAX_DEPTH` is refused *before* decoding (the decoder and everything that
+  walks the result recurse; 1,000 levels raise RecursionError, 5,000 once hung a request);
+- a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not valid Unicode) is
+  refused, since no tokenizer, encoder or renderer can take it;
+- `NaN`, `Infinity` and `-Infinity` (not JSON) are refused.
+Failures raise `InvalidJson` (a ValueError) with a message for the client; each dialect renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+MAX_DEPTH = 128  # far beyond any real request (JSON Schemas, tool parameters, tensors of rank 8)
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_STEP = np.zeros(256, dtype=np.int8)  # byte -> +1 opens a level, -1 closes one
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+
+
+class InvalidJson(ValueError):
+    """The body is not JSON this server accepts. `str()` is a sentence for the client; `reason`
+    is the same without "The request body ..." for callers that word their own sentence."""
+
+    def __init__(self, reason: str, lead: str = "The request body is not acceptable JSON"):
+        super().__init__(f"{lead}: {reason}")
+        self.reason = reason
+
+
+def nesting_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in `data`, brackets inside strings not counted.
+    Vectorised: a 1 MB body costs about a millisecond."""
+    skeleton = np.frombuffer(_STRING.sub(b"", data), dtype=np.uint8)
+    if not skeleton.size:
+        return 0
+    return int(np.cumsum(_STEP[skeleton], dtype=np.int32).max(initial=0))
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidJson(f"{name} is not a valid JSON value", "The request body is not valid JSON")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) in `value` that is not valid Unicode, iteratively."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return None
+
+
+def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """Decode `data` under the rules of the module docstring; raises InvalidJson."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if not raw.strip():
+        raise InvalidJson("empty body", "The request body is empty; a JSON value is required")
+    depth = nesting_depth(raw)
+    if depth > max_depth:
+        raise InvalidJson(f"nested {depth} levels deep; at most {max_depth} levels are allowed")
+    try:
+        text = data if isinstance(data, str) else raw.decode("utf-8")  # RFC 8259: UTF-8, never sniffed
+    except UnicodeDecodeError as exc:
+        raise InvalidJson(str(exc), "The request body is not valid UTF-8") from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except InvalidJson:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise InvalidJson(str(exc), "The request body is not valid JSON") from None
+    if _SURROGATE_ESCAPE.search(raw):  # cheap test first: paired surrogates (emoji) decode fine
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            shown = bad.encode("utf-8", "backslashreplace").decode("ascii")[:80]
+            raise InvalidJson(f"the string {shown!r} holds a lone UTF-16 surrogate, which is not valid Unicode")
+    return value
