@@ -67,6 +67,17 @@ def test_return_full_text_best_of_and_truncate(client, default_server):
     assert raw.status_code == 200 and int(raw.headers["x-prompt-tokens"]) == 4
 
 
+def test_best_of_sequences_report_the_seed_each_was_sampled_with(client):
+    kwargs = dict(do_sample=True, temperature=1.5, max_new_tokens=8)
+    best = client.generate("Once upon a time", best_of=3, **kwargs)
+    sequences = [best, *best.details.best_of_sequences]
+    seeds = [best.details.seed] + [s.seed for s in best.details.best_of_sequences]
+    assert len(sequences) == 3 and None not in seeds and len(set(seeds)) == 3
+    for sequence, seed in zip(sequences, seeds):
+        replay = client.generate("Once upon a time", seed=seed, **kwargs)
+        assert replay.generated_text == sequence.generated_text
+
+
 def test_generate_stream_frames(client):
     frames = list(client.generate_stream("The capital of France is", max_new_tokens=8))
     assert len(frames) == 8

@@ -127,7 +127,8 @@ def test_tgi_json_is_array_with_details_validated_by_client():
 def test_tgi_json_full_options_validated_by_client():
     other = [TokenEvent(20, " cool", -0.75, False, FinishReason.LENGTH,
                         top_tokens=(TopToken(20, " cool", -0.75), TopToken(9, "?", -2.0)))]
-    context = ctx(tgi_compat=True, decoder_input_details=True, top_n_tokens=2, seed=42, return_full_text=True)
+    context = ctx(tgi_compat=True, decoder_input_details=True, top_n_tokens=2, seed=42, return_full_text=True,
+                  other_seeds=(43,))
     body = json.loads(render_json(context, events(), [other]))
     details = body[0]["details"]
     assert details["prefill"][0] == {"id": 1, "text": "<s>", "logprob": None}
@@ -136,11 +137,12 @@ def test_tgi_json_full_options_validated_by_client():
     assert details["top_tokens"][0] == [{"id": 10, "text": " a", "logprob": -0.5, "special": False},
                                         {"id": 11, "text": " the", "logprob": -1.0, "special": False}]
     [seq] = details["best_of_sequences"]
-    assert seq["prefill"] == details["prefill"] and seq["seed"] is None
+    assert seq["prefill"] == details["prefill"] and seq["seed"] == 43
     response = Response(**body[0])
     assert response.generated_text == PROMPT + " a field."
     assert len(response.details.prefill) == 3 and response.details.prefill[0].logprob is None
     assert response.details.best_of_sequences[0].generated_text == PROMPT + " cool"
+    assert response.details.best_of_sequences[0].seed == 43
     assert len(response.details.top_tokens) == 4
 
 

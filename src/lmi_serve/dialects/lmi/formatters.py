@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...engine.types import FinishReason, TokenEvent, TopToken
@@ -60,8 +60,9 @@ class RenderContext:
     top_n_tokens: int = 0
     return_full_text: bool = False
     tgi_compat: bool = False
-    seed: int | None = None  # the reported sampling seed; None when greedy
+    seed: int | None = None  # the best sequence's sampling seed; None when greedy
     prompt_tokens_count: int = 0
+    other_seeds: tuple[int | None, ...] = ()  # the seeds of `others` (best_of_sequences), in order
 
     @classmethod
     def for_request(cls, request: RollingRequest, *, tgi_compat: bool, seed: int | None,
@@ -135,13 +136,13 @@ def _failure(events: Events) -> TokenEvent | None:
 
 # --- final body (json) ----------------------------------------------------------------------
 
-def _sequence(ctx: RenderContext, events: Events, prefill: list[dict]) -> dict:
+def _sequence(ctx: RenderContext, events: Events, prefill: list[dict], seed: int | None) -> dict:
     """A best_of_sequences entry (`prefill`: the prompt's, shared by all sequences)."""
     tokens = _generated(events)
     seq = {"generated_text": _text(ctx, events, full=True), "finish_reason": _finish(ctx, events),
            "generated_tokens": len(tokens), "tokens": [_event_token(ctx, e) for e in tokens]}
     if ctx.tgi_compat:
-        seq["seed"] = None  # only the best sequence's seed is known here
+        seq["seed"] = seed
         seq["prefill"] = prefill
     if ctx.top_n_tokens > 0:
         seq["top_tokens"] = [_top_tokens(ctx, e) for e in tokens]
@@ -160,7 +161,8 @@ def _details(ctx: RenderContext, events: Events, others: Sequence[Events]) -> di
     if ctx.top_n_tokens > 0:
         details["top_tokens"] = [_top_tokens(ctx, e) for e in tokens]
     if others:
-        details["best_of_sequences"] = [_sequence(ctx, seq, prefill) for seq in others]
+        seeds = ctx.other_seeds or (None,) * len(others)
+        details["best_of_sequences"] = [_sequence(ctx, seq, prefill, seed) for seq, seed in zip(others, seeds, strict=True)]
     return details
 
 
@@ -315,8 +317,7 @@ class GenerationOutput:
 
 
 def generation_output(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> GenerationOutput:
-    lmi = RenderContext(ctx.inputs, True, ctx.decoder_input_details, ctx.top_n_tokens, ctx.return_full_text,
-                        False, ctx.seed, ctx.prompt_tokens_count)
+    lmi = replace(ctx, details=True, tgi_compat=False)
     last = events[-1] if events else None
     details = _details(lmi, events, others)
     return GenerationOutput(

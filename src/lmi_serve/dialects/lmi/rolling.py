@@ -9,6 +9,7 @@ real status code; later errors become the formatter's final error line.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
@@ -27,8 +28,26 @@ from .schema import LmiRequestError, RollingRequest, parse_rolling_request, to_g
 def best_first(results: Sequence[GenerationResult], n: int) -> list[GenerationResult]:
     """Sequences by cumulative logprob, best first: the best `n` when n > 1 (vLLM's n of best_of),
     else all of them (TGI's best_of: the others become best_of_sequences)."""
-    ranked = sorted(results, key=lambda r: r.cumulative_logprob, reverse=True)
+    return [results[i] for i in _ranking(results, n)]
+
+
+def _ranking(results: Sequence[GenerationResult], n: int) -> list[int]:
+    """The indices of `results` in `best_first` order."""
+    ranked = sorted(range(len(results)), key=lambda i: results[i].cumulative_logprob, reverse=True)
     return ranked[:n] if n > 1 else ranked
+
+
+def rank_with_seeds(ctx: RenderContext, handles: Sequence[RequestHandle], results: Sequence[GenerationResult],
+                    n: int) -> tuple[RenderContext, list[GenerationResult]]:
+    """`best_first(results, n)`, and `ctx` reporting each ranked sequence's own sampling seed
+    (`handles[i]` produced `results[i]`): the best one's as `seed`, the others' as `other_seeds`."""
+    order = _ranking(results, n)
+    seeds = [handles[i].request.sampling.seed for i in order]
+    return replace(ctx, seed=seeds[0], other_seeds=tuple(seeds[1:])), [results[i] for i in order]
+
+
+def _any_failed(results: Sequence[GenerationResult]) -> bool:
+    return any(r.finish_reason is not None and r.error for r in results)
 
 
 class RollingBatchService:
@@ -121,7 +140,7 @@ class RollingBatchService:
             raise
         except Exception as exc:  # a failed beam search fails this request only
             return self._error(f"exception occurred during beam search: {exc}", error_type="generation")
-        return self._render_whole(ctx, formatter, results, parameters.n)
+        return self._render_whole(ctx, formatter, best_first(results, parameters.n), _any_failed(results))
 
     def _whole(self, ctx: RenderContext, formatter: OutputFormatter, handles: list[RequestHandle],
                n: int) -> Output:
@@ -130,15 +149,15 @@ class RollingBatchService:
         finally:
             for handle in handles:
                 handle.cancel()  # no-op for finished ones; frees the rest if we were interrupted
-        return self._render_whole(ctx, formatter, results, n)
+        ranked_ctx, ranked = rank_with_seeds(ctx, handles, results, n)
+        return self._render_whole(ranked_ctx, formatter, ranked, _any_failed(results))
 
     @staticmethod
-    def _render_whole(ctx: RenderContext, formatter: OutputFormatter, results: list[GenerationResult],
-                      n: int) -> Output:
-        ranked = best_first(results, n)
+    def _render_whole(ctx: RenderContext, formatter: OutputFormatter, ranked: list[GenerationResult],
+                      failed: bool) -> Output:
+        """`ranked`: the sequences to show, best first; `failed`: whether any sequence failed."""
         best, others = ranked[0], [r.events for r in ranked[1:]]
         body = formatter.render_body(ctx, best.events, others)
-        failed = any(r.finish_reason is not None and r.error for r in results)
         output = Output(code=424 if failed else 200, message="invoke handler failure" if failed else "OK")
         return output.add(body).add_property("Content-Type", formatter.mimetype)
 

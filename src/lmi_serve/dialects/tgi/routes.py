@@ -24,7 +24,7 @@ from ...errors import Overloaded, RequestTimeout, ServingError
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from ..lmi.formatters import RenderContext, tgi_response, tgi_stream_frame
-from ..lmi.rolling import best_first
+from ..lmi.rolling import rank_with_seeds
 from ..lmi.schema import LmiRequestError, RollingRequest, parse_generation_parameters, to_generation_requests
 
 blueprint = Blueprint("tgi", __name__)
@@ -127,7 +127,7 @@ def _generate(as_list: bool) -> Response:
     finally:
         for handle in handles:
             handle.cancel()
-    ranked = best_first(results, parsed.parameters.n)
+    ctx, ranked = rank_with_seeds(ctx, handles, results, parsed.parameters.n)
     body = tgi_response(ctx, ranked[0].events, [r.events for r in ranked[1:]])
     status = 424 if "error" in body else 200
     headers = {"x-prompt-tokens": str(ctx.prompt_tokens_count), "x-generated-tokens": str(ranked[0].generated_tokens)}
