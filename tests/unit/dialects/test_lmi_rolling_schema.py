@@ -156,6 +156,10 @@ def test_output_formatter_must_be_registered():
     ("top_n_tokens", 21), ("top_n_tokens", -1), ("n", 0), ("n", 17), ("best_of", 0), ("best_of", 17),
     ("num_beams", 0), ("num_beams", 9), ("truncate", 0), ("stop_token_ids", [-1]), ("stop_token_ids", "x"),
     ("details", "maybe"), ("max_new_tokens", 2.5),
+    # past int64 (or int32 for counts and token ids) the engine's tensors overflow: a 500, not a 4xx
+    ("seed", 2**63), ("top_k", 2**31), ("top_k", 2**63), ("max_new_tokens", 2**63), ("truncate", 2**63),
+    ("stop_token_ids", [2**63]), ("temperature", float("inf")), ("repetition_penalty", float("inf")),
+    ("top_k", "5x"),
 ])
 def test_out_of_range(field, value):
     reject(rf"parameters\.{field}", **{field: value})
@@ -166,6 +170,7 @@ def test_out_of_range(field, value):
     ("min_p", 1), ("presence_penalty", -2), ("frequency_penalty", 2), ("top_n_tokens", 20), ("n", 16),
     ("num_beams", 8), ("truncate", 1), ("stop_token_ids", [0, 7]), ("ignore_eos_token", True),
     ("include_stop_str_in_output", True), ("decoder_input_details", True), ("return_full_text", True),
+    ("seed", 2**63 - 1), ("top_k", 2**31 - 1), ("max_new_tokens", 2**31 - 1),
 ])
 def test_in_range(field, value):
     extra = {"do_sample": True} if field == "n" else {}
@@ -308,7 +313,12 @@ def test_unseeded_sampled_request_gets_one_random_base_seed():
     reqs = translate(params(n=3, do_sample=True))
     base = reqs[0].sampling.seed
     assert isinstance(base, int) and base >= 0
-    assert [r.sampling.seed for r in reqs] == [base, base + 1, base + 2]
+    assert [r.sampling.seed for r in reqs] == [base, (base + 1) % 2**63, (base + 2) % 2**63]
+
+
+def test_sequence_seeds_wrap_within_the_accepted_seed_range():
+    reqs = translate(params(best_of=3, seed=2**63 - 2, do_sample=True))
+    assert [r.sampling.seed for r in reqs] == [2**63 - 2, 2**63 - 1, 0]
 
 
 def test_greedy_request_reports_no_seed():

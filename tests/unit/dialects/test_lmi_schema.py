@@ -116,6 +116,11 @@ def test_unsupported_parameter_is_named(name):
     ("do_sample", "perhaps"),
     ("stop_sequences", [1, 2]),
     ("stop_sequences", 5),
+    ("seed", 2**63),  # torch cannot seed with it: a 500 in the engine, not a 4xx
+    ("top_k", 2**63),
+    ("max_new_tokens", 2**63),
+    ("temperature", float("inf")),  # JSON's 1e400 decodes to infinity
+    ("repetition_penalty", float("inf")),
 ])
 def test_out_of_range_or_wrong_type_names_the_field(field, value):
     with pytest.raises(LmiRequestError) as info:

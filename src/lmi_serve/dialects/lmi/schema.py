@@ -34,18 +34,24 @@ class LmiRequestError(ValueError):
     """The payload does not fit the schema; the message says which field and why."""
 
 
+# Upper bounds of the integer fields: larger values would overflow the engine's int64 tensors and
+# torch's seeding (a 500 instead of a 4xx). Counts and token ids stay far below int32.
+MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1
+
+
 class DynamicBatchParameters(BaseModel):
     """GenerationParameters honoured by the dynamic-batch path (rolling_batch=disable)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     do_sample: bool | None = None
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     temperature: float | None = Field(None, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=MAX_COUNT)
     top_p: float | None = Field(None, gt=0, le=1)
-    max_new_tokens: int = Field(30, ge=1)
+    max_new_tokens: int = Field(30, ge=1, le=MAX_COUNT)
     return_full_text: bool = False
     stop_sequences: list[str] | None = None
     ignore_eos_token: bool = False
@@ -120,38 +126,37 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
 
 # --- rolling batch --------------------------------------------------------------------------
 
-MAX_SEED = 2**63 - 1
 _SAMPLING_HINTS = "do_sample=true, or temperature > 0, top_k > 0, top_p < 1, typical_p < 1 or min_p > 0"
 
 
 class GenerationParameters(BaseModel):
     """GenerationParameters of the rolling-batch schema. `None` means "not set by the client"."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     do_sample: bool | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     temperature: float | None = Field(None, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
-    top_k: int | None = Field(None, ge=-1)  # 0 or -1: no top-k filter
+    top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)  # 0 or -1: no top-k filter
     top_p: float | None = Field(None, gt=0, le=1)
     typical_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    max_new_tokens: int = Field(30, ge=1)
+    max_new_tokens: int = Field(30, ge=1, le=MAX_COUNT)
     details: bool = False
     return_full_text: bool = False
     stop_sequences: list[str] | None = None
     decoder_input_details: bool = False
     top_n_tokens: int = Field(0, ge=0, le=20)
     ignore_eos_token: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = None
     include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=16)
     best_of: int | None = Field(None, ge=1, le=16)
     num_beams: int = Field(1, ge=1, le=8)
-    truncate: int | None = Field(None, ge=1)
+    truncate: int | None = Field(None, ge=1, le=MAX_COUNT)
     output_formatter: str | None = None
     watermark: bool = False  # TGI clients always send it; only false is honoured
 
@@ -312,8 +317,9 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
     1. `truncate` keeps the last N prompt ids; the prompt must then fit `max_input_len`.
     2. `max_new_tokens` is capped to what is left of `max_model_len`.
     3. Beam search (num_beams > 1) gives one request: the engine runs the beams itself.
-    4. Seeds: sequence i uses base_seed + i. The base seed is the client's `seed`, or one random
-       seed drawn here for an unseeded sampled request. `requests[0].sampling.seed` is the base
+    4. Seeds: sequence i uses base_seed + i (modulo 2**63, so every seed reported can be sent
+       back as a `seed`). The base seed is the client's `seed`, or one random seed drawn here for
+       an unseeded sampled request. `requests[0].sampling.seed` is the base
        seed to report (e.g. TGI `details.seed`); it is None exactly when the request is greedy.
     """
     prompt = tuple(prompt_ids)
@@ -330,11 +336,11 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
     stop = parameters.stopping(min(parameters.max_new_tokens, room), eos_token_ids)
     base_seed = parameters.seed
     if base_seed is None and parameters.do_sample_resolved:
-        base_seed = random.randrange(MAX_SEED - 16)
+        base_seed = random.randrange(MAX_SEED + 1)
     return [
         GenerationRequest(
             prompt_ids=prompt,
-            sampling=parameters.sampling(None if base_seed is None else base_seed + i),
+            sampling=parameters.sampling(None if base_seed is None else (base_seed + i) % (MAX_SEED + 1)),
             stop=stop,
             top_n_tokens=parameters.top_n_tokens,
             prompt_logprobs=parameters.decoder_input_details,

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, current_app, request
 
+from ... import json_body
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...errors import Overloaded, RequestTimeout, ServingError
@@ -25,10 +26,13 @@ from ...registry import ModelRegistry
 from ...service import ModelStatus
 from ..lmi.formatters import RenderContext, tgi_response, tgi_stream_frame
 from ..lmi.rolling import rank_with_seeds
-from ..lmi.schema import LmiRequestError, RollingRequest, parse_generation_parameters, to_generation_requests
+from ..lmi.schema import (
+    GenerationParameters, LmiRequestError, RollingRequest, parse_generation_parameters, to_generation_requests,
+)
 
 blueprint = Blueprint("tgi", __name__)
 ERROR_PREFIXES = ("/generate", "/info", "/health")  # app-level 404/405/413 render in TGI shape here
+ERROR_POST_PATHS = ("/",)  # and on exactly these paths when POSTed (`/` is otherwise LMI's prefix)
 
 
 def error_response(status: int, error_type: str, message: str) -> Response:
@@ -58,37 +62,48 @@ def _engine() -> tuple[str, Engine]:
 
 
 def _parse(route_default_full_text: bool, stream_route: bool) -> RollingRequest:
-    try:
-        body = json.loads(request.get_data() or b"null")
-    except ValueError as exc:
-        raise TgiError(400, f"Failed to parse the request body as JSON: {exc}") from None
+    body = _decode_body()
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), str) or not body["inputs"]:
         raise TgiError(422, "Input validation error: `inputs` must be a non-empty string")
     unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
     if unknown:
         raise TgiError(422, f"Input validation error: unknown field(s) {unknown}")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise TgiError(422, "Input validation error: `stream` must be true or false")
     stream = stream_route or bool(body.get("stream"))
     raw = body.get("parameters")
     if raw is None:
         raw = {"do_sample": True}  # TGI: no parameters object means sampling
-    if isinstance(raw, dict):
-        if raw.get("temperature") is not None and raw["temperature"] <= 0:
-            raise TgiError(422, "Input validation error: `temperature` must be strictly positive")
-        if raw.get("top_k") is not None and raw["top_k"] <= 0:
-            raise TgiError(422, "Input validation error: `top_k` must be strictly positive")
-        if stream and raw.get("decoder_input_details"):
-            raise TgiError(422, "Input validation error: `decoder_input_details` == true is not supported "
-                                "when streaming tokens")
-        if raw.get("return_full_text") is None and route_default_full_text:
-            raw = {**raw, "return_full_text": True}
+    if isinstance(raw, dict) and raw.get("return_full_text") is None and route_default_full_text:
+        raw = {**raw, "return_full_text": True}
     try:
         parameters = parse_generation_parameters(raw, stream=stream)
     except LmiRequestError as exc:
         raise TgiError(422, f"Input validation error: {exc}") from None
+    _check_tgi_rules(parameters, stream)
+    return RollingRequest(body["inputs"], parameters, stream)
+
+
+def _decode_body() -> object:
+    """The body as JSON; TGI answers 400 to a body that is not JSON (invalid, too deep, lone surrogates)."""
+    try:
+        return json_body.loads(request.get_data())
+    except json_body.InvalidJson as exc:
+        raise TgiError(400, str(exc)) from None
+
+
+def _check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:
+    """TGI's rules beyond the shared schema, on the validated (coerced) values."""
+    if parameters.temperature is not None and parameters.temperature <= 0:
+        raise TgiError(422, "Input validation error: `temperature` must be strictly positive")
+    if parameters.top_k is not None and parameters.top_k <= 0:
+        raise TgiError(422, "Input validation error: `top_k` must be strictly positive")
+    if stream and parameters.decoder_input_details:
+        raise TgiError(422, "Input validation error: `decoder_input_details` == true is not supported "
+                            "when streaming tokens")
     if parameters.num_beams > 1:
         raise TgiError(422, "Input validation error: `num_beams` is not a TGI parameter; beam search is "
                             "available on /invocations")
-    return RollingRequest(body["inputs"], parameters, stream)
 
 
 def _submit(parsed: RollingRequest) -> tuple[RenderContext, list[RequestHandle]]:
