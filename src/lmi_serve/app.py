@@ -26,7 +26,8 @@ from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
-# URL prefix -> renderer of (status, error type, message). Longest prefix wins; "" is LMI.
+# URL prefix -> renderer of (status, error type, message). Longest prefix wins; "" is LMI, which
+# also answers paths that no dialect owns.
 ErrorRenderer = Callable[[int, str, str], Response]
 ERROR_RENDERERS: dict[str, ErrorRenderer] = {
     "": lmi_routes.error_response,
@@ -42,9 +43,18 @@ _HTTP_ERROR_TYPES = {
 }
 
 
+# Exact (method, path) pairs owned by a dialect other than their prefix's: TGI's `POST /`.
+ROUTE_ERROR_RENDERERS: dict[tuple[str, str], ErrorRenderer] = {
+    ("POST", path): tgi_routes.error_response for path in tgi_routes.ERROR_POST_PATHS
+}
+
+
 def render_error(status: int, error_type: str, message: str) -> Response:
-    prefix = max((p for p in ERROR_RENDERERS if request.path.startswith(p)), key=len)
-    return ERROR_RENDERERS[prefix](status, error_type, message)
+    renderer = ROUTE_ERROR_RENDERERS.get((request.method, request.path))
+    if renderer is None:
+        prefix = max((p for p in ERROR_RENDERERS if request.path.startswith(p)), key=len)
+        renderer = ERROR_RENDERERS[prefix]
+    return renderer(status, error_type, message)
 
 
 def configure_threads(workers: int) -> int:

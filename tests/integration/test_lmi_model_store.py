@@ -65,8 +65,8 @@ def test_a_full_queue_answers_503_and_the_model_recovers(store_server):
         wait_for(lambda: _describe(store_server, "custom")["requestInQueue"] == 1)
         refused = post(store_server, "/predictions/custom", {"text": "c"})
         assert refused.status_code == 503
-        assert refused.json() == {"code": 503, "type": "WlmCapacityException",
-                                  "message": "Worker queue capacity exceeded for model: custom"}
+        message = "Worker queue capacity exceeded for model: custom"
+        assert refused.json() == {"code": 503, "type": "WlmCapacityException", "message": message, "error": message}
         assert running.result().json()["upper"] == "A" and waiting.result().json()["upper"] == "B"
     assert post(store_server, "/predictions/custom", {"text": "d"}).json()["upper"] == "D"
 

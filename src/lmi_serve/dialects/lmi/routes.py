@@ -22,8 +22,10 @@ _RESERVED_HEADERS = {"content-length", "transfer-encoding", "connection"}
 
 
 def error_response(status: int, error_type: str, message: str) -> Response:
-    """LMI's management-style error body."""
-    body = {"code": status, "type": error_type, "message": message}
+    """LMI's management-style error body, plus `error` (the message again): the LMI renderer also
+    answers paths no dialect owns, and clients of the other dialects (the `text-generation`
+    client, for one) read `error` from any error body."""
+    body = {"code": status, "type": error_type, "message": message, "error": message}
     return Response(json.dumps(body), status=status, mimetype=JSON)
 
 
