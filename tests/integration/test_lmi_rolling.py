@@ -179,6 +179,34 @@ def test_rolling_validation_errors_use_the_spec_shape(default_server, payload, f
     assert set(body) == {"error", "code"} and body["code"] == 424 and fragment in body["error"]
 
 
+def post_raw(server, body: str, path="/invocations"):
+    """POST this exact JSON text (json.dumps cannot write 1e400, nor nesting this deep)."""
+    return requests.post(server.url(path), data=body.encode(), timeout=60,
+                         headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ('{"inputs": "\\ud800"}', "surrogate"),
+    ('{"inputs": "x", "parameters": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}", "nested"),
+    ('{"inputs": "x", "parameters": {"top_k": %d}}' % 2**63, "top_k"),
+    ('{"inputs": "x", "parameters": {"seed": %d}}' % 2**63, "seed"),
+    ('{"inputs": "x", "parameters": {"stop_token_ids": [%d]}}' % 2**63, "stop_token_ids"),
+    ('{"inputs": "x", "parameters": {"temperature": 1e400}}', "temperature"),
+])
+def test_bodies_the_engine_cannot_take_get_the_spec_error(default_server, body, fragment):
+    response = post_raw(default_server, body)
+    assert response.status_code == 424
+    assert set(response.json()) == {"error", "code"} and fragment in response.json()["error"]
+
+
+def test_parameters_given_as_strings_are_coerced(default_server):
+    as_strings = generate(default_server, {"inputs": "Once upon a time", "parameters": {
+        "max_new_tokens": "4", "top_k": "5", "temperature": "0.5", "seed": "11"}})
+    as_numbers = generate(default_server, {"inputs": "Once upon a time", "parameters": {
+        "max_new_tokens": 4, "top_k": 5, "temperature": 0.5, "seed": 11}})
+    assert as_strings.status_code == 200 and as_strings.json() == as_numbers.json()
+
+
 class OpenStream:
     """A long stream on `faulty` whose first line was read; the rest stays unread until close().
     The line iterator is kept: dropping it would let urllib3 release (close) the connection."""

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import requests
 from text_generation import AsyncClient, Client
-from text_generation.errors import ValidationError
+from text_generation.errors import NotFoundError, UnknownError, ValidationError
 from text_generation.types import FinishReason
 
 pytestmark = pytest.mark.integration
@@ -99,6 +99,64 @@ def test_validation_errors(client, default_server):
                           "error_type": "validation"}
     malformed = requests.post(default_server.url("/generate"), data=b"{", timeout=30)
     assert malformed.status_code == 400 and malformed.json()["error_type"] == "validation"
+
+
+TGI_ROUTES = ["/", "/generate", "/generate_stream"]
+
+
+def post_raw(server, path: str, body: str):
+    """POST this exact JSON text (json.dumps cannot write 1e400, nor nesting this deep)."""
+    return requests.post(server.url(path), data=body.encode(), timeout=60,
+                         headers={"Content-Type": "application/json"})
+
+
+def assert_tgi_error(response, status: int, fragment: str) -> None:
+    assert response.status_code == status
+    body = response.json()
+    assert set(body) == {"error", "error_type"} and fragment in body["error"]
+
+
+@pytest.mark.parametrize("path", TGI_ROUTES)
+def test_bodies_that_are_not_json_we_accept_get_tgi_400(default_server, path):
+    assert_tgi_error(post_raw(default_server, path, '{"inputs": "\\ud800"}'), 400, "surrogate")
+    assert_tgi_error(post_raw(default_server, path, "[" * 1000 + "]" * 1000), 400, "nested")
+    deep_parameters = '{"inputs": "x", "parameters": ' + "[" * 1000 + "]" * 1000 + "}"
+    assert_tgi_error(post_raw(default_server, path, deep_parameters), 400, "nested")
+
+
+@pytest.mark.parametrize("path", TGI_ROUTES)
+def test_parameters_given_as_strings_and_their_bounds(default_server, path):
+    body = '{"inputs": "Water boils at", "parameters": {"max_new_tokens": "3", "top_k": "5", "temperature": "0.5"}}'
+    assert post_raw(default_server, path, body).status_code == 200
+    assert_tgi_error(post_raw(default_server, path, '{"inputs": "x", "parameters": {"top_k": "0"}}'), 422, "top_k")
+    too_big = '{"inputs": "x", "parameters": {"top_k": %d}}' % 2**63
+    assert_tgi_error(post_raw(default_server, path, too_big), 422, "top_k")
+    seed = '{"inputs": "x", "parameters": {"seed": %d, "do_sample": true}}' % 2**63
+    assert_tgi_error(post_raw(default_server, path, seed), 422, "seed")
+
+
+def test_best_of_from_the_largest_seed_reports_seeds_that_can_be_sent_back(default_server):
+    body = {"inputs": "Once upon a time", "parameters": {"best_of": 2, "seed": 2**63 - 1, "do_sample": True,
+                                                         "max_new_tokens": 4, "details": True}}
+    details = requests.post(default_server.url("/generate"), json=body, timeout=60).json()["details"]
+    assert details["seed"] in (2**63 - 1, 0) and details["best_of_sequences"][0]["seed"] in (2**63 - 1, 0)
+    assert details["seed"] != details["best_of_sequences"][0]["seed"]
+
+
+def test_unknown_paths_raise_the_clients_own_errors(default_server):
+    """Paths no dialect owns answer in LMI's shape with `error` too, which the client needs."""
+    nowhere = Client(default_server.url("/no/such/route"), timeout=30)
+    with pytest.raises(NotFoundError):
+        nowhere.generate("Hi", max_new_tokens=2)
+    with pytest.raises(NotFoundError):
+        list(nowhere.generate_stream("Hi", max_new_tokens=2))
+    with pytest.raises(UnknownError, match="not allowed"):
+        Client(default_server.url("/ping"), timeout=30).generate("Hi", max_new_tokens=2)
+
+
+def test_post_root_answers_its_own_413_in_tgi_shape(default_server):
+    too_large = requests.post(default_server.url("/"), json={"inputs": "x" * 200_000}, timeout=60)
+    assert too_large.status_code == 413 and set(too_large.json()) == {"error", "error_type"}
 
 
 def test_raw_routes(default_server):
