@@ -2,8 +2,9 @@
 
 The configuration is built and validated here, once, before any worker starts: a bad value
 exits with status 2 and a message naming the key, so the server never becomes healthy.
-Workers are gthread workers (a thread per connection, so a stream never pins a process); each
-worker process loads its own copy of every model after the fork.
+Workers are gthread workers (a thread per connection, so a stream never pins a process) that
+answer HTTP-layer errors in JSON (http_worker.py); each worker process loads its own copy of
+every model after the fork.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
             settings = {
                 "bind": f"{config.host}:{config.port}",
                 "workers": config.workers,
-                "worker_class": "gthread",
+                "worker_class": "lmi_serve.http_worker.JsonErrorWorker",  # gthread; HTTP-layer errors in JSON
                 "threads": config.threads,
                 "timeout": args.timeout,
                 "graceful_timeout": 30,
