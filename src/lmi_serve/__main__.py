@@ -62,6 +62,10 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 "errorlog": "-",
                 "preload_app": False,  # models load after the fork, in each worker
                 "proc_name": "lmi-serve",
+                # The documented model selector header is `model_name`; gunicorn's default drops every
+                # header whose name has an underscore. "dangerous" keeps them, mapped as if spelled
+                # with hyphens (`model_name` and `Model-Name` are one header to the application).
+                "header_map": "dangerous",
             }
             for key, value in settings.items():
                 self.cfg.set(key, value)

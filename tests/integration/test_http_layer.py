@@ -1,4 +1,4 @@
-"""What the HTTP layer itself answers: gunicorn's parse errors in JSON."""
+"""What the HTTP layer itself answers: gunicorn's parse errors in JSON, and the `model_name` header."""
 
 from __future__ import annotations
 
@@ -67,3 +67,16 @@ def test_the_text_generation_client_reads_the_http_layer_error(default_server):
     client = Client(default_server.base, headers={"x-request-id": "a\x00b"}, timeout=30)
     with pytest.raises(BadRequestError):
         client.generate("Hi", max_new_tokens=2)
+
+
+def test_model_name_header_selects_the_model(store_server):
+    body = {"inputs": ["a", "b"]}
+    by_header = requests.post(store_server.url("/invocations"), json=body, headers={"model_name": "fallback"},
+                              timeout=120)
+    by_query = requests.post(store_server.url("/invocations?model_name=fallback"), json=body, timeout=120)
+    default = requests.post(store_server.url("/invocations"), json=body, timeout=120)
+    assert by_header.status_code == by_query.status_code == default.status_code == 200
+    assert [len(vector) for vector in by_header.json()] == [384, 384]
+    assert by_header.json() == by_query.json() != default.json()
+    unknown = requests.post(store_server.url("/invocations"), json=body, headers={"model_name": "nope"}, timeout=60)
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
