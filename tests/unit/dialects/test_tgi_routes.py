@@ -93,6 +93,13 @@ def test_values_beyond_what_the_engine_holds_are_refused(client, path, field, va
 
 
 @pytest.mark.parametrize("path", ROUTES)
+def test_lmi_only_parameters_are_refused_not_ignored(client, path):
+    for parameters, field in (({"output_formatter": "jsonlines"}, "output_formatter"), ({"num_beams": 2}, "num_beams")):
+        refused = assert_tgi_error(post(client, path, json.dumps({"inputs": "Hi", "parameters": parameters})), 422)
+        assert field in refused["error"]
+
+
+@pytest.mark.parametrize("path", ROUTES)
 def test_stream_must_be_a_boolean(client, path):
     body = assert_tgi_error(post(client, path, json.dumps({"inputs": "Hi", "stream": "false"})), 422)
     assert "stream" in body["error"]

@@ -104,6 +104,9 @@ def _check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:
     if parameters.num_beams > 1:
         raise TgiError(422, "Input validation error: `num_beams` is not a TGI parameter; beam search is "
                             "available on /invocations")
+    if parameters.output_formatter is not None:  # the TGI routes always answer in TGI's shapes
+        raise TgiError(422, "Input validation error: `output_formatter` is not a TGI parameter; output "
+                            "formatters apply on /invocations")
 
 
 def _submit(parsed: RollingRequest) -> tuple[RenderContext, list[RequestHandle]]:
