@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -34,8 +35,6 @@ def exchange(server, raw: bytes) -> tuple[int, dict[str, str], bytes]:
 
 
 def assert_json_error(answer: tuple[int, dict[str, str], bytes], status: int) -> dict:
-    import json
-
     code, headers, body = answer
     assert code == status and headers["content-type"] == "application/json"
     payload = json.loads(body)

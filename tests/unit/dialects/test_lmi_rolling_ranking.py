@@ -19,8 +19,8 @@ def handle(seed: int | None) -> SimpleNamespace:
 
 def test_each_ranked_sequence_reports_the_seed_it_was_sampled_with():
     results = [result(-3.0), result(-1.0), result(-2.0)]
-    ctx, ranked = rank_with_seeds(RenderContext("p", tgi_compat=True, seed=100), [handle(100), handle(101), handle(102)],
-                                  results, n=1)
+    handles = [handle(100), handle(101), handle(102)]
+    ctx, ranked = rank_with_seeds(RenderContext("p", tgi_compat=True, seed=100), handles, results, n=1)
     assert ranked == [results[1], results[2], results[0]]
     assert ctx.seed == 101 and ctx.other_seeds == (102, 100)
 

@@ -162,7 +162,8 @@ def _details(ctx: RenderContext, events: Events, others: Sequence[Events]) -> di
         details["top_tokens"] = [_top_tokens(ctx, e) for e in tokens]
     if others:
         seeds = ctx.other_seeds or (None,) * len(others)
-        details["best_of_sequences"] = [_sequence(ctx, seq, prefill, seed) for seq, seed in zip(others, seeds, strict=True)]
+        details["best_of_sequences"] = [_sequence(ctx, seq, prefill, seed)
+                                        for seq, seed in zip(others, seeds, strict=True)]
     return details
 
 
