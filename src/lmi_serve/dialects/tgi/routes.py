@@ -1,14 +1,16 @@
 """Text Generation Inference (TGI) dialect: what the `text-generation` client and TGI users expect.
 
 POST /  (array body, or SSE with `stream`), POST /generate (one object), POST /generate_stream
-(SSE), GET /info, GET /health (and GET /). Errors are `{"error", "error_type"}`: 422 validation,
-424 generation, 429 overloaded, 503 unhealthy. Streams never end with `[DONE]` (the client would
+(SSE), GET /info, GET /health (and GET /). Errors are `{"error", "error_type"}` (also the app's own
+404/405/413/500 on these paths and on POST /): 400 a body that is not acceptable JSON (json_body),
+422 validation, 424 generation, 429 overloaded, 503 unhealthy. Streams never end with `[DONE]` (the client would
 choke on it); an error after the stream started is a final `data:` error object.
 
 TGI's own defaults are kept: a request without `parameters` samples (`do_sample` true); POST `/`
 returns the prompt with the text unless `return_full_text` is set. Parameters follow the LMI
-rolling-batch schema (a superset of TGI's), plus TGI's stricter rules: temperature > 0 when given,
-top_k > 0 when given, no `decoder_input_details` with a stream.
+rolling-batch schema (a superset of TGI's; values are coerced, "5" is 5, before any rule), plus
+TGI's stricter rules: temperature > 0 when given, top_k > 0 when given, no `decoder_input_details`
+with a stream, no `num_beams` or `output_formatter` (LMI-only).
 """
 
 from __future__ import annotations
