@@ -56,7 +56,7 @@ class ServerProcess:
                 last = requests.get(self.url("/ping"), timeout=5)
                 if last.status_code in accept:
                     return last
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # a loaded machine: keep polling
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"/ping never answered {accept} (last: {last and last.status_code}):\n{self.output()[-4000:]}")

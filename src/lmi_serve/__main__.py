@@ -66,6 +66,9 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 # header whose name has an underscore. "dangerous" keeps them, mapped as if spelled
                 # with hyphens (`model_name` and `Model-Name` are one header to the application).
                 "header_map": "dangerous",
+                # One fixed path per user ($HOME/.gunicorn/gunicorn.ctl): two servers on one machine
+                # would take each other's socket; nothing here uses gunicornc.
+                "control_socket_disable": True,
             }
             for key, value in settings.items():
                 self.cfg.set(key, value)
