@@ -12,11 +12,14 @@ import base64
 import json
 import struct
 import time
+from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
+from ... import json_body
 from ...errors import ModelNotReady, Overloaded, ServingError
 from ...handler_api import Input
+from ...json_body import InvalidJson
 from ...registry import ModelRegistry
 from ...service import ModelService, ModelStatus
 from .errors import OpenAIError, error_response
@@ -44,11 +47,12 @@ def _serving_error(exc: ServingError) -> Response:
     return error_response(status, exc.error_type, exc.message, code=code)
 
 
-def _body() -> dict:
+def _body() -> Any:
+    """The decoded body; too deep, lone surrogates, NaN and non-JSON are a 400 (json_body's rules)."""
     try:
-        return json.loads(request.get_data() or b"")
-    except ValueError as exc:
-        raise OpenAIError(400, f"The request body is not valid JSON: {exc}") from None
+        return json_body.loads(request.get_data())
+    except InvalidJson as exc:
+        raise OpenAIError(400, str(exc)) from None
 
 
 def _service(name: str | None, task: str) -> ModelService:
