@@ -101,6 +101,17 @@ def test_template_messages_render_tool_calls_and_results():
     assert native[0]["content"] == "Be brief." and native[3]["role"] == "tool"
 
 
+@pytest.mark.parametrize("arguments", ["not json", "[" * 2000])
+def test_replayed_tool_call_arguments_that_do_not_decode_are_rendered_as_sent(arguments):
+    # OpenAI accepts any string as `arguments` (a model's broken output, replayed); decoding it
+    # raised (JSONDecodeError, or RecursionError when nested past the body's depth bound): a 500.
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    request = chat_request(messages=[{"role": "assistant", "tool_calls": [call]}, *USER])
+    content = chat.template_messages(request, template_knows_tools=False)[0]["content"]
+    assert json.loads(content.removeprefix("<tool_call>").removesuffix("</tool_call>")) == \
+        {"name": "f", "arguments": arguments}
+
+
 def test_tool_choice_none_lists_no_tools():
     messages = chat.template_messages(chat_request(tools=[TOOL], tool_choice="none"), template_knows_tools=False)
     assert messages == [{"role": "user", "content": "hi"}]
