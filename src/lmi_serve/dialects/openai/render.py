@@ -109,12 +109,18 @@ class ChatStream:
         logprobs = chat_logprobs(events, self.top_logprobs, self.token_text) if self.logprobs and events else None
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
+    def start(self, index: int) -> list[dict]:
+        """The role chunk of choice `index`, once. Sent before its first token is added to the
+        choice, so running usage (continuous_usage_stats) does not count that token yet."""
+        if index in self._started:
+            return []
+        self._started.add(index)
+        return [self._chunk([self._choice(index, {"role": "assistant", "content": ""})])]
+
     def on_event(self, state: ChoiceState, event: TokenEvent) -> list[dict]:
         """Chunks for `event`, the latest of `state.events`."""
-        chunks, index = [], state.index
-        if index not in self._started:
-            self._started.add(index)
-            chunks.append(self._chunk([self._choice(index, {"role": "assistant", "content": ""})]))
+        index = state.index
+        chunks = self.start(index)
         text, events = event.text, [event]
         if self.tools_enabled and index not in self._holding and state.text.strip():
             # Decided by the first visible character; what was held until now goes out with it.

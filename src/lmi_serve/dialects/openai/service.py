@@ -125,9 +125,10 @@ class OpenAIService:
 
         def chunks() -> Iterator[Chunk]:
             for index, event in events:
-                states[index].events.append(event)
                 if event.error:
                     raise OpenAIError(500, f"Generation failed: {event.error}")
+                yield from stream.start(index)
+                states[index].events.append(event)
                 yield from stream.on_event(states[index], event)
             if request.include_usage:
                 yield stream.usage_chunk(states)
@@ -204,8 +205,9 @@ class OpenAIService:
 
 def _with_running_usage(chunks: Iterator[Chunk], request, prompt_tokens: int,
                         states: list[ChoiceState]) -> Iterator[Chunk]:
-    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
-    if not (request.stream_options and request.stream_options.continuous_usage_stats):
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`, as vLLM requires): every
+    chunk carries the usage so far, counted when the chunk is taken from `chunks`."""
+    if not (request.include_usage and request.stream_options.continuous_usage_stats):
         yield from chunks
         return
     for chunk in chunks:
