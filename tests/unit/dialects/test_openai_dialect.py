@@ -45,6 +45,26 @@ def test_field_errors_name_the_field(fields, param):
     assert error.param.startswith(param) and "validation error" in error.message
 
 
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+@pytest.mark.parametrize("fields, param", [
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"top_k": 2**63}, "top_k"),
+    ({"top_k": -2}, "top_k"), ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"), ({"n": 2**64}, "n"), ({"max_tokens": -2**64}, "max_tokens"),
+])
+def test_integers_beyond_int64_or_their_range_are_400_naming_the_field(model, fields, param):
+    base = {"messages": USER} if model is ChatCompletionRequest else {"prompt": "hi"}
+    error = bad(model, {**base, **fields})
+    assert error.param.startswith(param)
+
+
+def test_int64_seeds_and_top_k_are_accepted_negative_seeds_too():
+    for seed in (-2**63, -1, 0, 2**63 - 1):
+        assert chat_request(seed=seed).seed == seed
+    assert chat_request(top_k=2**63 - 1).top_k == 2**63 - 1
+    assert chat_request(logit_bias={"-5": 1, "49151": -100}).logit_bias == {"-5": 1, "49151": -100}
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"n": 2, "temperature": 0}, "n > 1"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),

@@ -82,3 +82,24 @@ def test_continuous_usage_rises_with_each_content_chunk(engine, model):
 def test_continuous_usage_stats_needs_include_usage(engine, model):
     chunks = stream_chunks(engine, model, {"stream_options": {"continuous_usage_stats": True}})
     assert chunks and all("usage" not in c for c in chunks)
+
+
+def test_token_ids_outside_the_vocabulary_are_400_naming_field_and_id(engine):
+    service = OpenAIService(engine, "m")
+    for body, param, token in (({"prompt": [[5, VOCAB]]}, "prompt", VOCAB),
+                               ({"prompt": "Hi", "stop_token_ids": [7, VOCAB + 3]}, "stop_token_ids", VOCAB + 3)):
+        with pytest.raises(OpenAIError) as caught:
+            service.completions(parse(CompletionRequest, body))
+        assert caught.value.status == 400 and caught.value.param == param and str(token) in caught.value.message
+    with pytest.raises(OpenAIError) as caught:
+        service.chat(parse(ChatCompletionRequest, {"messages": USER, "stop_token_ids": [VOCAB]}))
+    assert caught.value.param == "stop_token_ids"
+    assert not engine.submitted
+
+
+def test_in_range_seeds_reach_the_engine_as_valid_seeds(engine):
+    service = OpenAIService(engine, "m")
+    for seed in (-2**63, -1, 2**63 - 1):
+        service.completions(parse(CompletionRequest, {"prompt": "Hi", "seed": seed, "n": 2}))
+    seeds = [r.sampling.seed for r in engine.submitted]
+    assert all(0 <= s < 2**63 for s in seeds) and seeds[0] + 1 == seeds[1]

@@ -17,7 +17,7 @@ from ...engine.types import TokenEvent
 from ...errors import RequestTimeout
 from . import chat
 from .errors import OpenAIError, error_body
-from .generation import ChoiceState, build_requests, fit_to_context, interleave, submit
+from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, interleave, submit
 from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -139,9 +139,7 @@ class OpenAIService:
 
     def _prompt_ids(self, prompt: str | list[int], request: CompletionRequest) -> list[int]:
         if isinstance(prompt, list):
-            vocab = self.engine.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise OpenAIError(400, f"prompt: token ids must be within the vocabulary of {vocab}", param="prompt")
+            check_token_ids(prompt, self.engine.model.config.vocab_size, "prompt")
             return prompt
         if request.use_raw_prompt is False:  # the one transformation we know: the chat template
             if not getattr(self.tokenizer, "chat_template", None):
