@@ -75,6 +75,7 @@ def test_echo_with_logprobs_has_the_completions_shape(client):
     assert "".join(logprobs["tokens"]) == choice["text"]
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
     assert all(len(top) == 2 for top in logprobs["top_logprobs"][-3:])
+    assert logprobs["top_logprobs"][0] is None  # as token_logprobs[0]: the first token has no context
 
 
 def test_logprobs_without_echo_validate_strictly(client):
@@ -83,7 +84,16 @@ def test_logprobs_without_echo_validate_strictly(client):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     assert all(len(top) == 3 for top in logprobs.top_logprobs)
     zero = complete(client, logprobs=0, max_tokens=2).choices[0].logprobs
-    assert len(zero.token_logprobs) == 2 and zero.top_logprobs == [{}, {}]
+    assert zero.top_logprobs == [{token: value} for token, value in zip(zero.tokens, zero.token_logprobs)]
+
+
+def test_sampled_tokens_are_in_their_own_top_logprobs(client):
+    # Sampling at a high temperature picks tokens outside the top 1; each step's top_logprobs then
+    # holds the best alternative and the sampled token (OpenAI: up to logprobs + 1 entries).
+    logprobs = complete(client, logprobs=1, max_tokens=12, temperature=1.8, seed=11).choices[0].logprobs
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert top[token] == value and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in logprobs.top_logprobs)
 
 
 def test_stream_chunks_are_text_completions_and_agree(default_server, client):

@@ -263,3 +263,40 @@ def test_completion_echo_suffix_and_offsets():
     chunk = completion_chunk(ResponseMeta("cmpl-1", 1, "m"), choice, state.events[-1], first=False, logprobs=None,
                              token_text=lambda t: TEXT(t), include_usage=False)
     assert chunk["choices"][0]["text"] == " there!" and chunk["choices"][0]["finish_reason"] == "length"
+
+
+def completion_logprobs_of(events, logprobs, *, echo=False):
+    choice = CompletionChoice(ChoiceState(2, list(events), index=0), "Say:", echo=echo, suffix=None)
+    body = completion(ResponseMeta("cmpl-1", 1, "m"), [choice], logprobs=logprobs, token_text=lambda t: TEXT(t),
+                      prompt_tokens=2)
+    return body["choices"][0]["logprobs"]
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token():
+    greedy = [event(1, "Hi", top=(TopToken(1, "Hi", -0.5), TopToken(2, " there", -1.0))),
+              event(2, " there", FinishReason.LENGTH, top=(TopToken(9, "Say", -0.1), TopToken(2, " there", -0.5)))]
+    assert completion_logprobs_of(greedy, 0)["top_logprobs"] == [{"Hi": -0.5}, {" there": -0.5}]
+    assert completion_logprobs_of(greedy, 1)["top_logprobs"] == [{"Hi": -0.5}, {"Say": -0.1, " there": -0.5}]
+    # A sampled token outside the top-N gets its own entry: logprobs + 1 entries.
+    sampled = [event(2, " there", FinishReason.LENGTH, top=(TopToken(9, "Say", -0.1), TopToken(1, "Hi", -0.2)))]
+    assert completion_logprobs_of(sampled, 2)["top_logprobs"] == [{"Say": -0.1, "Hi": -0.2, " there": -0.5}]
+    chunk = completion_chunk(ResponseMeta("cmpl-1", 1, "m"), CompletionChoice(ChoiceState(2, index=0), "", False, None),
+                             sampled[0], first=True, logprobs=0, token_text=lambda t: TEXT(t), include_usage=False)
+    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{" there": -0.5}]
+
+
+def test_echoed_prompt_top_logprobs_start_with_null():
+    prompt_tokens = (TopToken(9, "Say", None), TopToken(8, ":", -2.0))
+    first = TokenEvent(1, "Hi", -0.5, False, FinishReason.LENGTH, (), prompt_tokens)
+    for logprobs in (0, 3):
+        tops = completion_logprobs_of([first], logprobs, echo=True)["top_logprobs"]
+        assert tops == [None, {":": -2.0}, {"Hi": -0.5}]
+
+
+def test_chat_top_logprobs_are_exactly_the_alternatives_asked_for():
+    sampled = event(2, " there", FinishReason.LENGTH, top=(TopToken(9, "Say", -0.1), TopToken(1, "Hi", -0.2)))
+    for top, expected in ((0, []), (1, ["Say"]), (2, ["Say", "Hi"])):
+        body = chat_completion(META, [ChoiceState(4, [sampled], index=0)], logprobs=True, top_logprobs=top,
+                               tools_enabled=False, token_text=lambda t: TEXT(t))
+        entry = body["choices"][0]["logprobs"]["content"][0]
+        assert entry["token"] == " there" and [t["token"] for t in entry["top_logprobs"]] == expected
