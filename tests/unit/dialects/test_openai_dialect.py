@@ -300,3 +300,12 @@ def test_chat_top_logprobs_are_exactly_the_alternatives_asked_for():
                                tools_enabled=False, token_text=lambda t: TEXT(t))
         entry = body["choices"][0]["logprobs"]["content"][0]
         assert entry["token"] == " there" and [t["token"] for t in entry["top_logprobs"]] == expected
+
+
+def test_embedding_inputs_as_text_or_token_id_lists():
+    assert parse(EmbeddingRequest, {"input": "a"}).token_id_inputs is None
+    assert parse(EmbeddingRequest, {"input": ["a", "b"]}).token_id_inputs is None
+    assert parse(EmbeddingRequest, {"input": [101, -1, 2**64]}).token_id_inputs == [[101, -1, 2**64]]
+    assert parse(EmbeddingRequest, {"input": [[101], [7, 8]]}).token_id_inputs == [[101], [7, 8]]
+    assert bad(EmbeddingRequest, {"input": [[101], []]}).param == "input"
+    assert bad(EmbeddingRequest, {"input": ["a", 1]}).param.startswith("input")

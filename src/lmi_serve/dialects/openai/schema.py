@@ -282,7 +282,16 @@ class EmbeddingRequest(_Lenient):
             raise ValueError("input must not be an empty list")
         if isinstance(value, str) and not value:
             raise ValueError("input must not be an empty string")
+        if isinstance(value, list) and any(isinstance(x, list) and not x for x in value):
+            raise ValueError("a token-id input must not be empty")
         return value
+
+    @property
+    def token_id_inputs(self) -> list[list[int]] | None:
+        """The inputs as token-id lists (one list, or a list of lists), or None for text input."""
+        if isinstance(self.input, str) or all(isinstance(x, str) for x in self.input):
+            return None
+        return [list(self.input)] if all(isinstance(x, int) for x in self.input) else list(self.input)
 
 
 SamplingFields.model_rebuild()
