@@ -110,6 +110,27 @@ def test_stream_chunks_are_text_completions_and_agree(default_server, client):
     assert all(c.usage is None for c in with_usage[:-1])
 
 
+def test_stream_continuous_usage_needs_include_usage_and_rises(default_server):
+    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)  # streams: see above
+    chunks = list(complete(lenient, max_tokens=6, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
+    assert counts and counts == sorted(set(counts)) and chunks[-1].usage.completion_tokens == 6
+    alone = list(complete(lenient, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert alone and all(c.usage is None for c in alone)
+
+
+def test_integers_out_of_range_are_400_naming_the_field(client):
+    for kwargs, param in (({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+                          ({"extra_body": {"top_k": 2**63}}, "top_k"),
+                          ({"extra_body": {"stop_token_ids": [2**64]}}, "stop_token_ids"),
+                          ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"prompt": [[5, 2**64]]}, "prompt")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(client, **kwargs)
+        assert caught.value.param.startswith(param)
+    assert complete(client, seed=-5, temperature=1.0).choices[0].index == 0  # in range: accepted
+
+
 def test_best_of_returns_n(client):
     response = complete(client, best_of=3, n=1, temperature=0.9, seed=5)
     assert len(response.choices) == 1 and response.choices[0].index == 0
