@@ -309,3 +309,13 @@ def test_embedding_inputs_as_text_or_token_id_lists():
     assert parse(EmbeddingRequest, {"input": [[101], [7, 8]]}).token_id_inputs == [[101], [7, 8]]
     assert bad(EmbeddingRequest, {"input": [[101], []]}).param == "input"
     assert bad(EmbeddingRequest, {"input": ["a", 1]}).param.startswith("input")
+
+
+@pytest.mark.parametrize("model, field", [(CompletionRequest, "prompt"), (EmbeddingRequest, "input")])
+@pytest.mark.parametrize("ids", [[True, 5], [[5, False]], [1.0, 5], [[5.0]]])
+def test_token_ids_are_json_integers_not_coerced_booleans_or_floats(model, field, ids):
+    assert bad(model, {field: ids}).param.startswith(field)
+
+
+def test_stop_token_ids_are_json_integers():
+    assert bad(CompletionRequest, {"prompt": "a", "stop_token_ids": [True]}).param.startswith("stop_token_ids")

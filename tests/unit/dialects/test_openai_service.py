@@ -103,3 +103,10 @@ def test_in_range_seeds_reach_the_engine_as_valid_seeds(engine):
         service.completions(parse(CompletionRequest, {"prompt": "Hi", "seed": seed, "n": 2}))
     seeds = [r.sampling.seed for r in engine.submitted]
     assert all(0 <= s < 2**63 for s in seeds) and seeds[0] + 1 == seeds[1]
+
+
+def test_use_raw_prompt_false_with_token_ids_is_400_not_ignored(engine):
+    with pytest.raises(OpenAIError) as caught:
+        OpenAIService(engine, "m").completions(parse(CompletionRequest, {"prompt": [5, 6], "use_raw_prompt": False}))
+    assert caught.value.status == 400 and caught.value.param == "use_raw_prompt"
+    assert not engine.submitted

@@ -14,7 +14,7 @@ import logging
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from .errors import OpenAIError
 
@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 # OpenAI bounds integers to int64; larger ones would overflow the engine's tensors.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary bound is checked against the model
+# Token ids are JSON integers only (true or 1.0 would be coerced); the vocabulary bound is checked
+# against the model, where the 400 can name the id (prompts and inputs: the whole range there).
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
 
 # Known fields with no meaning here: a client sending them expects something we do not do.
@@ -231,7 +233,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     suffix: str | None = None
     echo: bool = False
@@ -268,7 +270,7 @@ class CompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(_Lenient):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)

@@ -139,6 +139,9 @@ class OpenAIService:
 
     def _prompt_ids(self, prompt: str | list[int], request: CompletionRequest) -> list[int]:
         if isinstance(prompt, list):
+            if request.use_raw_prompt is False:
+                raise OpenAIError(400, "use_raw_prompt=false applies the chat template to text; a token-id prompt "
+                                       "is used as given", param="use_raw_prompt")
             check_token_ids(prompt, self.engine.model.config.vocab_size, "prompt")
             return prompt
         if request.use_raw_prompt is False:  # the one transformation we know: the chat template
