@@ -67,18 +67,22 @@ class EmbeddingService:
         encoded = iter(self.tokenizer(texts, truncation=True, max_length=self.max_length).input_ids if texts else ())
         return [next(encoded) if isinstance(x, str) else self.checked_token_ids(x) for x in inputs]
 
-    def embed(self, inputs: list[EmbeddingInput]) -> list[list[float]]:
-        rows = self.input_ids(inputs)
-        # Right padding, as the tokenizer pads: positions then match an unpadded forward.
+    def right_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, attention mask) padded on the right, as the tokenizer pads: every row keeps
+        the positions of an unpadded forward, so a batch gives each input its own vector."""
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for i, ids in enumerate(rows):
             input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[i, :len(ids)] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def embed(self, inputs: list[EmbeddingInput]) -> list[list[float]]:
+        input_ids, mask = self.right_padded(self.input_ids(inputs))
         with torch.inference_mode():
-            hidden = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
-        weights = mask.to(self.device).unsqueeze(-1).to(hidden.dtype)
+            hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).tolist()
 
