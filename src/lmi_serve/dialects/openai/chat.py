@@ -18,7 +18,9 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from ... import json_body
 from ...engine.types import GuidedDecoding
+from ...json_body import InvalidJson
 from .errors import OpenAIError
 from .schema import ChatCompletionRequest, NamedToolChoice, Tool
 
@@ -30,8 +32,18 @@ _TEXT_RULE = "TEXT: /[^<](.|\\n)*/"
 
 
 def _call_text(name: str, arguments) -> str:
-    args = json.loads(arguments) if isinstance(arguments, str) else arguments
-    return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': args})}{CALL_CLOSE}"
+    return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': _arguments_value(arguments)})}{CALL_CLOSE}"
+
+
+def _arguments_value(arguments):
+    """A call's arguments as JSON: the decoded JSON string, or, when it does not decode (OpenAI
+    accepts any string there, e.g. a model's broken output replayed), the string itself."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json_body.loads(arguments)  # bounded depth: the body's limit does not reach inside strings
+    except InvalidJson:
+        return arguments
 
 
 def _tool_instructions(tools: list[Tool], choice) -> str:

@@ -41,6 +41,13 @@ def sampling_params(fields: SamplingFields, seed: int | None, vocab_size: int) -
         seed=seed, logit_bias=tuple(bias))
 
 
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """A 400 naming the first id that is not in the model's vocabulary."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise OpenAIError(400, f"{param}: token id {bad} is outside the vocabulary of {vocab_size}", param=param)
+
+
 def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, where: str, param: str) -> OpenAIError:
     return OpenAIError(
         400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -80,6 +87,7 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
                       stop_token_ids=frozenset(fields.stop_token_ids or ()), eos_token_ids=engine.eos_token_ids,
                       ignore_eos=fields.ignore_eos, include_stop_str_in_output=fields.include_stop_str_in_output)
     vocab = engine.model.config.vocab_size
+    check_token_ids(fields.stop_token_ids or (), vocab, "stop_token_ids")
     return [GenerationRequest(prompt, sampling_params(fields, None if seed is None else seed + i, vocab), stop,
                               top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided)
             for i in range(count)]

@@ -1,7 +1,9 @@
 """OpenAI response bodies and stream chunks, as functions of the request and the output so far.
 
-Chat logprobs use `content: [{token, logprob, bytes, top_logprobs}]`; completions logprobs the four
-parallel arrays (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). Finish reasons are
+Chat logprobs use `content: [{token, logprob, bytes, top_logprobs}]` (exactly `top_logprobs`
+alternatives); completions logprobs the four parallel arrays (`tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`), where `top_logprobs` also holds the chosen token (OpenAI's
+"up to logprobs + 1") and is null for the first echoed prompt token. Finish reasons are
 OpenAI's: `stop` (EOS, a stop string, a finished grammar), `length`, `tool_calls`.
 """
 
@@ -109,12 +111,18 @@ class ChatStream:
         logprobs = chat_logprobs(events, self.top_logprobs, self.token_text) if self.logprobs and events else None
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
+    def start(self, index: int) -> list[dict]:
+        """The role chunk of choice `index`, once. Sent before its first token is added to the
+        choice, so running usage (continuous_usage_stats) does not count that token yet."""
+        if index in self._started:
+            return []
+        self._started.add(index)
+        return [self._chunk([self._choice(index, {"role": "assistant", "content": ""})])]
+
     def on_event(self, state: ChoiceState, event: TokenEvent) -> list[dict]:
         """Chunks for `event`, the latest of `state.events`."""
-        chunks, index = [], state.index
-        if index not in self._started:
-            self._started.add(index)
-            chunks.append(self._chunk([self._choice(index, {"role": "assistant", "content": ""})]))
+        index = state.index
+        chunks = self.start(index)
         text, events = event.text, [event]
         if self.tools_enabled and index not in self._holding and state.text.strip():
             # Decided by the first visible character; what was held until now goes out with it.
@@ -161,25 +169,33 @@ def completion_logprobs(choice: CompletionChoice, events: Sequence[TokenEvent], 
                         offset: int, with_prompt: bool) -> dict:
     tokens: list[str] = []
     values: list[float | None] = []
-    tops: list[dict[str, float]] = []
+    tops: list[dict[str, float] | None] = []
     prompt: tuple[TopToken, ...] = (events[0].prompt_tokens or ()) if with_prompt and events else ()
     for token in prompt:
         tokens.append(token.text)
         values.append(token.logprob)
-        tops.append({token.text: token.logprob} if token.logprob is not None and top else {})
+        # The engine scores prompt tokens without alternatives; the first has no context at all.
+        tops.append(None if token.logprob is None else {token.text: token.logprob})
     for event in events:
         if event.token_id < 0:
             continue
         text = token_text(event.token_id)
         tokens.append(text)
         values.append(event.logprob)
-        alternatives = {t.text: t.logprob for t in event.top_tokens[:top]}
-        tops.append(alternatives)
+        tops.append(_top_with_chosen(event, text, top))
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_with_chosen(event: TokenEvent, text: str, top: int) -> dict[str, float]:
+    """The `top` best alternatives plus the chosen token (OpenAI: up to logprobs + 1 entries), so
+    `logprobs: 0` still names the token and a sampled token outside the top-N appears too."""
+    alternatives = {t.text: t.logprob for t in event.top_tokens[:top]}
+    alternatives.setdefault(text, event.logprob)
+    return alternatives
 
 
 def completion_text(choice: CompletionChoice) -> str:

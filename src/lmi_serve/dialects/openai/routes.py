@@ -12,14 +12,18 @@ import base64
 import json
 import struct
 import time
+from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
+from ... import json_body
 from ...errors import ModelNotReady, Overloaded, ServingError
 from ...handler_api import Input
+from ...json_body import InvalidJson
 from ...registry import ModelRegistry
 from ...service import ModelService, ModelStatus
 from .errors import OpenAIError, error_response
+from .generation import check_token_ids
 from .schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from .service import OpenAIService, Reply
 
@@ -44,11 +48,12 @@ def _serving_error(exc: ServingError) -> Response:
     return error_response(status, exc.error_type, exc.message, code=code)
 
 
-def _body() -> dict:
+def _body() -> Any:
+    """The decoded body; too deep, lone surrogates, NaN and non-JSON are a 400 (json_body's rules)."""
     try:
-        return json.loads(request.get_data() or b"")
-    except ValueError as exc:
-        raise OpenAIError(400, f"The request body is not valid JSON: {exc}") from None
+        return json_body.loads(request.get_data())
+    except InvalidJson as exc:
+        raise OpenAIError(400, str(exc)) from None
 
 
 def _service(name: str | None, task: str) -> ModelService:
@@ -102,18 +107,18 @@ def embeddings() -> Response:
     if not hasattr(module, "count_tokens") or not hasattr(module, "embedding_limits"):
         raise OpenAIError(400, f"The model `{service.name}`'s handler does not expose count_tokens and "
                                "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")
-    texts = _embedding_texts(parsed, module)
+    inputs = _embedding_inputs(parsed, module)
     dimension, max_tokens = module.embedding_limits()
     if parsed.dimensions is not None and parsed.dimensions != dimension:
         raise OpenAIError(400, f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
                                "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
-    counts = module.count_tokens(texts)
+    counts = _token_counts(inputs, module)
     for i, count in enumerate(counts):
         if count > max_tokens:
             raise OpenAIError(400, f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
                               param="input", code="context_length_exceeded")
-    job = service.submit(Input.from_http(json.dumps({"inputs": texts}).encode(), {"Content-Type": "application/json"},
-                                         [], ""))
+    job = service.submit(Input.from_http(json.dumps({"inputs": inputs}).encode(),
+                                         {"Content-Type": "application/json"}, [], ""))
     output = service.dispatcher.wait(job)
     if output.code != 200:
         raise OpenAIError(500 if output.code >= 500 else 400, output.body().decode("utf-8", "replace"))
@@ -125,17 +130,11 @@ def embeddings() -> Response:
                                 "usage": {"prompt_tokens": total, "total_tokens": total}}), mimetype="application/json")
 
 
-def _embedding_texts(parsed: EmbeddingRequest, module) -> list[str]:
-    raw = parsed.input
-    if isinstance(raw, str):
-        texts = [raw]
-    elif all(isinstance(x, str) for x in raw):
-        texts = list(raw)
-    else:  # token ids: one list, or a list of lists
-        lists = [raw] if all(isinstance(x, int) for x in raw) else raw
-        if not hasattr(module, "decode_tokens"):
-            raise OpenAIError(400, "This model takes text input only", param="input")
-        texts = module.decode_tokens(lists)
+def _embedding_inputs(parsed: EmbeddingRequest, module) -> list[str | list[int]]:
+    """What the handler embeds: texts (with the instruction), or token-id lists exactly as sent."""
+    if parsed.token_id_inputs is not None:
+        return _checked_token_ids(parsed, module)
+    texts = [parsed.input] if isinstance(parsed.input, str) else list(parsed.input)
     if any(not t for t in texts):
         raise OpenAIError(400, "input: texts must not be empty", param="input")
     if parsed.instruction:
@@ -143,6 +142,26 @@ def _embedding_texts(parsed: EmbeddingRequest, module) -> list[str]:
         sep = "" if parsed.instruction[-1].isspace() else " "
         texts = [f"{parsed.instruction}{sep}{t}" for t in texts]
     return texts
+
+
+def _checked_token_ids(parsed: EmbeddingRequest, module) -> list[list[int]]:
+    if not hasattr(module, "vocabulary_size"):
+        raise OpenAIError(400, "This model's handler takes text input only (it has no vocabulary_size())",
+                          param="input")
+    if parsed.instruction:
+        raise OpenAIError(400, "instruction is prefixed to text inputs; with token ids, put its tokens in the "
+                               "ids themselves", param="instruction")
+    lists = parsed.token_id_inputs
+    for ids in lists:
+        check_token_ids(ids, module.vocabulary_size(), "input")
+    return lists
+
+
+def _token_counts(inputs: list[str | list[int]], module) -> list[int]:
+    """Tokens the model reads per input: the handler counts texts; token ids count themselves."""
+    texts = [x for x in inputs if isinstance(x, str)]
+    text_counts = iter(module.count_tokens(texts) if texts else ())
+    return [next(text_counts) if isinstance(x, str) else len(x) for x in inputs]
 
 
 def _encode(vector: list[float], encoding: str):

@@ -11,15 +11,22 @@ Rules (see README "OpenAI-compatible API"):
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from .errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# OpenAI bounds integers to int64; larger ones would overflow the engine's tensors.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# Token ids are JSON integers only (true or 1.0 would be coerced); the vocabulary bound is checked
+# against the model, where the 400 can name the id (prompts and inputs: the whole range there).
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")
 
 # Known fields with no meaning here: a client sending them expects something we do not do.
 REJECTED_FIELDS = {
@@ -42,16 +49,16 @@ class SamplingFields(_Lenient):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # 0 and -1: no top-k filter (vLLM)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # 0 and -1: no top-k filter (vLLM)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     stream: bool = False
@@ -70,8 +77,8 @@ class SamplingFields(_Lenient):
     @classmethod
     def _integer_keys(cls, value):
         for key in value or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not _TOKEN_ID_KEY.fullmatch(key):  # ASCII digits: isdigit() also passes "²", which int() refuses
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
         return value
 
     @model_validator(mode="after")
@@ -226,7 +233,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     suffix: str | None = None
     echo: bool = False
@@ -263,7 +270,7 @@ class CompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(_Lenient):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
@@ -277,7 +284,16 @@ class EmbeddingRequest(_Lenient):
             raise ValueError("input must not be an empty list")
         if isinstance(value, str) and not value:
             raise ValueError("input must not be an empty string")
+        if isinstance(value, list) and any(isinstance(x, list) and not x for x in value):
+            raise ValueError("a token-id input must not be empty")
         return value
+
+    @property
+    def token_id_inputs(self) -> list[list[int]] | None:
+        """The inputs as token-id lists (one list, or a list of lists), or None for text input."""
+        if isinstance(self.input, str) or all(isinstance(x, str) for x in self.input):
+            return None
+        return [list(self.input)] if all(isinstance(x, int) for x in self.input) else list(self.input)
 
 
 SamplingFields.model_rebuild()

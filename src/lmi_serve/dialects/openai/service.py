@@ -17,7 +17,7 @@ from ...engine.types import TokenEvent
 from ...errors import RequestTimeout
 from . import chat
 from .errors import OpenAIError, error_body
-from .generation import ChoiceState, build_requests, fit_to_context, interleave, submit
+from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, interleave, submit
 from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -125,9 +125,10 @@ class OpenAIService:
 
         def chunks() -> Iterator[Chunk]:
             for index, event in events:
-                states[index].events.append(event)
                 if event.error:
                     raise OpenAIError(500, f"Generation failed: {event.error}")
+                yield from stream.start(index)
+                states[index].events.append(event)
                 yield from stream.on_event(states[index], event)
             if request.include_usage:
                 yield stream.usage_chunk(states)
@@ -138,9 +139,10 @@ class OpenAIService:
 
     def _prompt_ids(self, prompt: str | list[int], request: CompletionRequest) -> list[int]:
         if isinstance(prompt, list):
-            vocab = self.engine.model.config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise OpenAIError(400, f"prompt: token ids must be within the vocabulary of {vocab}", param="prompt")
+            if request.use_raw_prompt is False:
+                raise OpenAIError(400, "use_raw_prompt=false applies the chat template to text; a token-id prompt "
+                                       "is used as given", param="use_raw_prompt")
+            check_token_ids(prompt, self.engine.model.config.vocab_size, "prompt")
             return prompt
         if request.use_raw_prompt is False:  # the one transformation we know: the chat template
             if not getattr(self.tokenizer, "chat_template", None):
@@ -204,8 +206,9 @@ class OpenAIService:
 
 def _with_running_usage(chunks: Iterator[Chunk], request, prompt_tokens: int,
                         states: list[ChoiceState]) -> Iterator[Chunk]:
-    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries the usage so far."""
-    if not (request.stream_options and request.stream_options.continuous_usage_stats):
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`, as vLLM requires): every
+    chunk carries the usage so far, counted when the chunk is taken from `chunks`."""
+    if not (request.include_usage and request.stream_options.continuous_usage_stats):
         yield from chunks
         return
     for chunk in chunks:
