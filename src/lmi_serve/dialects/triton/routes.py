@@ -22,7 +22,7 @@ from .generate import dumps, parse_generate_request, response_object, sse_events
 from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
-from .protocol import TritonError, error_response, json_response, parse_json, read_body
+from .protocol import TritonError, error_response, flatten_below, json_response, parse_json, read_body
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
 from .tensors import WireTensor
@@ -132,12 +132,17 @@ def all_stats() -> Response:
 @blueprint.post("/v2/repository/<repository>/index")
 def repository(repository: str | None = None) -> Response:
     body = read_body(allow_compression=False)
-    options = parse_json(body) if body.strip() else {}
-    if not isinstance(options, dict):
+    if not body.strip():
+        return json_response(repository_index(_registry(), False))
+    # The type of `ready` is checked before the depth of the whole body, as Triton does: the
+    # outer levels are read first with anything deeper emptied.
+    outline = parse_json(flatten_below(body, 2))
+    if not isinstance(outline, dict):
         raise TritonError(400, "Unable to parse the repository index request: expected a JSON object")
-    if not isinstance(options.get("ready", False), bool):
+    if not isinstance(outline.get("ready", False), bool):
         raise TritonError(400, "Invalid value for 'ready': expected a boolean")
-    return json_response(repository_index(_registry(), options.get("ready", False)))
+    parse_json(body)  # the rest of the body must be acceptable JSON too
+    return json_response(repository_index(_registry(), outline.get("ready", False)))
 
 
 @blueprint.post("/v2/repository/models/<model>/<any(load, unload):action>")
