@@ -32,8 +32,9 @@ _MAGIC = b'{"tensor":'
 _ROUTES_HINT = "tensor models are served on the /v2/models/<model>/infer and /generate routes"
 
 
-class TensorRequestError(BadRequest):
-    """The request does not carry the tensors a tensor model needs (a client error, 400)."""
+class TensorRequestError(BadRequest, ValueError):
+    """The request does not carry the tensors a tensor model needs (a client error, 400); still a
+    ValueError, as get_tensors raised before."""
 
 
 class MissingTensor(TensorRequestError, KeyError):
