@@ -26,10 +26,12 @@ from .protocol import TritonError, error_response, flatten_below, json_response,
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
 from .tensors import WireTensor
+from .trace import TraceSettings, parse_update
 
 blueprint = Blueprint("triton", __name__)
 ERROR_PREFIXES = ("/v2",)
-# Only what is implemented; Triton does not list `generate` either.
+# Only what is implemented; Triton does not list `generate` either, and `trace` is left out because
+# its settings are stored but no trace is collected (trace.py).
 EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration", "model_repository", "statistics"]
 LOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
 
@@ -38,6 +40,7 @@ LOAD_REFUSED = "explicit model load / unload is not allowed if polling is enable
 class TritonState:
     server_name: str
     stats: StatsBook = field(default_factory=StatsBook)
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
 
 @blueprint.record_once
@@ -143,6 +146,29 @@ def repository(repository: str | None = None) -> Response:
         raise TritonError(400, "Invalid value for 'ready': expected a boolean")
     parse_json(body)  # the rest of the body must be acceptable JSON too
     return json_response(repository_index(_registry(), outline.get("ready", False)))
+
+
+@blueprint.route("/v2/trace/setting", methods=["GET", "POST"])
+def trace_setting() -> Response:
+    return _trace_setting(None)
+
+
+@model_route("/trace/setting", ["GET", "POST"])
+def model_trace_setting(model: str, version: str | None = None) -> Response:
+    if version is not None:
+        find_model(_registry(), model, _version(version))  # an unknown version is a 404, as on every route
+    service = _registry().services.get(model)
+    if service is None or service.current_status() is not ModelStatus.READY:
+        raise TritonError(400, f"Request for unknown model : {model}")  # Triton's words and status here
+    return _trace_setting(model)
+
+
+def _trace_setting(model: str | None) -> Response:
+    settings = _state().trace
+    if request.method == "GET":
+        return json_response(settings.get(model))
+    changes = parse_update(parse_json(read_body(allow_compression=False)))
+    return json_response(settings.update(changes, model))
 
 
 @blueprint.post("/v2/repository/models/<model>/<any(load, unload):action>")
