@@ -184,3 +184,8 @@ def test_sampling_parameters_strings_are_decoded_by_the_shared_rules(raw, messag
     with pytest.raises(TritonError) as raised:
         _sampling_values({"sampling_parameters": tensor}, {})
     assert raised.value.status == 400 and message in raised.value.message
+
+
+def test_a_deep_repository_index_body_that_is_no_object_reports_its_depth(client):
+    assert_error(client.post("/v2/repository/index", data=b"[" * 200 + b"]" * 200), 400, "nesting depth")
+    assert_error(client.post("/v2/repository/index", data=b"[[1]]"), 400, "expected a JSON object")

@@ -141,6 +141,7 @@ def repository(repository: str | None = None) -> Response:
     # outer levels are read first with anything deeper emptied.
     outline = parse_json(flatten_below(body, 2))
     if not isinstance(outline, dict):
+        parse_json(body)  # a body that is no object at all reports its depth first
         raise TritonError(400, "Unable to parse the repository index request: expected a JSON object")
     if not isinstance(outline.get("ready", False), bool):
         raise TritonError(400, "Invalid value for 'ready': expected a boolean")
