@@ -1,4 +1,5 @@
-"""Triton / KServe v2 HTTP routes: health, metadata, config, statistics, repository, infer, generate.
+"""Triton / KServe v2 HTTP routes: health, metadata, config, statistics, repository, trace settings,
+infer, generate.
 
 Every error is `{"error": "..."}` with Triton's status (400 client errors, 404 unknown model or
 route, 405 wrong method, 501 unsupported, 503 not ready / overloaded / load refused, 500 model
