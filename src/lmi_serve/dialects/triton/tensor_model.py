@@ -13,9 +13,10 @@ A model.py declares its tensors at module level and keeps DJL's `handle(Input) -
 The server checks every request against INPUT_TENSORS (names, datatypes, shapes) before `handle`
 runs, and every output against OUTPUT_TENSORS after. On other routes (/invocations, /predictions)
 `get_tensors` refuses content that is no tensor, and asking it for a missing tensor raises a
-BadRequest (400) naming it, so a handler needs no checks of its own. Each tensor travels inside the Input/Output as
-one content entry named after the tensor, in an encoding of our own (a JSON header line, then the
-binary tensor data): never pickle, so a body sent to /invocations cannot smuggle objects in.
+BadRequest (400) naming it, so a handler needs no checks of its own. Each tensor travels inside
+the Input/Output as one content entry named after the tensor, in an encoding of our own (a JSON
+header line, then the binary tensor data): never pickle, so a body sent to /invocations cannot
+smuggle objects in.
 """
 
 from __future__ import annotations
