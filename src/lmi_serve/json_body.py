@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,8 +67,11 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
-def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """Decode `data` under the rules of the module docstring; raises InvalidJson."""
+def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH,
+          object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+    """Decode `data` under the rules of the module docstring; raises InvalidJson.
+    `object_pairs_hook` builds each object from its (key, value) pairs, as in `json.loads`
+    (e.g. to notice a key given twice); the result must still be a dict."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if not raw.strip():
         raise InvalidJson("empty body", "The request body is empty; a JSON value is required")
@@ -79,7 +83,7 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     except UnicodeDecodeError as exc:
         raise InvalidJson(str(exc), "The request body is not valid UTF-8") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
     except InvalidJson:
         raise
     except (ValueError, RecursionError) as exc:

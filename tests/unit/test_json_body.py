@@ -59,3 +59,18 @@ def test_malformed_bodies_say_why(body, reason):
 
 def test_invalid_json_is_a_value_error_for_callers_that_catch_those():
     assert issubclass(InvalidJson, ValueError)
+
+
+def test_an_object_pairs_hook_sees_every_pair_and_the_rules_still_hold():
+    seen = []
+
+    def keep_pairs(pairs):
+        seen.append(list(pairs))
+        return dict(pairs)
+
+    assert loads(b'{"a": 1, "a": 2, "b": {"c": 3}}', object_pairs_hook=keep_pairs) == {"a": 2, "b": {"c": 3}}
+    assert seen == [[("c", 3)], [("a", 1), ("a", 2), ("b", {"c": 3})]]
+    with pytest.raises(InvalidJson, match="lone UTF-16 surrogate"):
+        loads(b'{"a": {"b": "\\ud800"}}', object_pairs_hook=dict)
+    with pytest.raises(InvalidJson, match="nested 3 levels deep"):
+        loads(b'{"a": {"b": {}}}', max_depth=2, object_pairs_hook=dict)

@@ -11,12 +11,12 @@ asks otherwise (LMI's rule; vLLM would sample by default).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from ... import json_body
 from ...engine.engine import Engine
 from ...engine.types import FinishReason, GenerationRequest, GenerationResult
 from ..lmi.schema import GenerationParameters, LmiRequestError, to_generation_requests
@@ -95,9 +95,9 @@ def _sampling_source(tensors: dict[str, WireTensor], parameters: dict[str, Any])
     if raw is None:
         return {SAMPLING_NAMES[k]: v for k, v in parameters.items() if k in SAMPLING_NAMES}
     try:
-        values = json.loads(_text(raw, "sampling_parameters") or "{}")
-    except ValueError as exc:
-        raise TritonError(400, f"input 'sampling_parameters' must be a JSON object string: {exc}") from None
+        values = json_body.loads(_text(raw, "sampling_parameters").strip() or "{}")
+    except json_body.InvalidJson as exc:
+        raise TritonError(400, f"input 'sampling_parameters' must be a JSON object string: {exc.reason}") from None
     if not isinstance(values, dict):
         raise TritonError(400, "input 'sampling_parameters' must be a JSON object string")
     unknown = sorted(set(values) - set(SAMPLING_NAMES))
@@ -125,7 +125,7 @@ def _sampling_values(tensors: dict[str, WireTensor], parameters: dict[str, Any])
 
 def _parameters(values: dict[str, Any]) -> GenerationParameters:
     try:
-        return GenerationParameters.model_validate(values, strict=False)
+        parameters = GenerationParameters.model_validate(values, strict=False)
     except ValidationError as exc:
         problems = []
         for item in exc.errors():
@@ -133,6 +133,18 @@ def _parameters(values: dict[str, Any]) -> GenerationParameters:
             message = str(item["ctx"]["error"]) if item["type"] == "value_error" else item["msg"]
             problems.append(f"{_FIELD_NAMES.get(field, field)}: {message} (got {item.get('input')!r})")
         raise TritonError(400, "invalid sampling parameter: " + "; ".join(problems)) from None
+    _check_int64(parameters)
+    return parameters
+
+
+def _check_int64(parameters: GenerationParameters) -> None:
+    """Integers reach the engine as int64 tensors and seeds: whatever form they came in (a JSON
+    number, a numeric string, an integral float), a value outside int64 is the client's error."""
+    for field, value in parameters.model_dump().items():
+        for item in value if isinstance(value, list) else [value]:  # stop_token_ids too
+            if isinstance(item, int) and not isinstance(item, bool) and not -2**63 <= item < 2**63:
+                raise TritonError(400, f"invalid sampling parameter: {_FIELD_NAMES.get(field, field)}: must fit "
+                                       f"in int64 (got {item})")
 
 
 def parse_llm_call(engine: Engine, tensors: dict[str, WireTensor], parameters: dict[str, Any],

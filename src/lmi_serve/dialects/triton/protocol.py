@@ -7,10 +7,14 @@ so bodies are read with `request.get_data()` and parsed here, never with `get_js
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from typing import Any
 
+import numpy as np
 from flask import Response, current_app, request
+
+from ... import json_body
 
 MAX_JSON_DEPTH = 100  # Triton's limit on JSON nesting
 # Request-level parameters Triton itself consumes; every other one goes to the model.
@@ -18,10 +22,17 @@ RESERVED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priorit
                        "binary_data_output")
 
 
+def printable(message: object) -> str:
+    """`message` as text that always encodes as UTF-8: a lone surrogate (which can come from a
+    client's JSON or a model) shows as its `\\udXXX` escape instead of breaking the response."""
+    return str(message).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class TritonError(Exception):
     """An error answered as Triton does: `{"error": message}` with `status`."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        message = printable(message)
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
 
@@ -31,8 +42,8 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(data, status=status, mimetype="application/json", headers=headers)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return json_response({"error": message}, status, headers)
+def error_response(status: int, message: object, headers: dict[str, str] | None = None) -> Response:
+    return json_response({"error": printable(message)}, status, headers)
 
 
 # Flask's own errors under /v2 (no blueprint sees them) in Triton's words.
@@ -131,28 +142,33 @@ def _object_hook(pairs: list[tuple[str, Any]]) -> JsonObject:
     return obj
 
 
-def _too_deep(value: Any) -> bool:
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False
-
-
 def parse_json(data: bytes, what: str = "request") -> Any:
-    """JSON with duplicate keys remembered and Triton's nesting limit enforced."""
-    try:
-        value = json.loads(data, object_pairs_hook=_object_hook)
-    except RecursionError:
-        raise TritonError(400, f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise TritonError(400, f"failed to parse the {what} JSON buffer: {exc}") from None
-    if isinstance(value, (dict, list)) and _too_deep(value):
+    """JSON decoded by the shared `json_body` rules (no lone surrogates, NaN or Infinity), with
+    duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first."""
+    if json_body.nesting_depth(data) > MAX_JSON_DEPTH:
         raise TritonError(400, f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})")
-    return value
+    try:
+        return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook)
+    except json_body.InvalidJson as exc:
+        raise TritonError(400, f"failed to parse the {what} JSON buffer: {exc.reason}") from None
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NESTING_STEP = np.zeros(256, dtype=np.int32)  # byte -> +1 opens a level, -1 closes one
+_NESTING_STEP[list(b"[{")] = 1
+_NESTING_STEP[list(b"]}")] = -1
+
+
+def flatten_below(data: bytes, depth: int) -> bytes:
+    """`data` with every array or object nested deeper than `depth` emptied (`[[[1]]]` at depth 1
+    reads `[]`), so the outer levels can be read, and their types checked, whatever lies below."""
+    masked = _STRING.sub(lambda m: b'"' + b" " * (len(m.group()) - 2) + b'"', data)  # same offsets
+    codes = np.frombuffer(masked, dtype=np.uint8)
+    steps = _NESTING_STEP[codes]
+    level = np.cumsum(steps)
+    own_level = level + (steps < 0)  # a closing bracket belongs to the level it closes
+    kept = np.frombuffer(data, dtype=np.uint8)[own_level <= depth]
+    return kept.tobytes()
 
 
 def check_parameter(key: str, value: Any) -> None:
@@ -160,5 +176,6 @@ def check_parameter(key: str, value: Any) -> None:
     if key.startswith("triton_"):
         raise TritonError(400, "parameter keys starting with 'triton_' are reserved for Triton usage and should "
                                "not be specified.")
-    if value is None or isinstance(value, (dict, list)):
+    out_of_int64 = isinstance(value, int) and not -2**63 <= value < 2**63  # Triton's int parameters are int64
+    if value is None or isinstance(value, (dict, list)) or out_of_int64:
         raise TritonError(400, f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")

@@ -1,4 +1,5 @@
-"""Triton / KServe v2 HTTP routes: health, metadata, config, statistics, repository, infer, generate.
+"""Triton / KServe v2 HTTP routes: health, metadata, config, statistics, repository, trace settings,
+infer, generate.
 
 Every error is `{"error": "..."}` with Triton's status (400 client errors, 404 unknown model or
 route, 405 wrong method, 501 unsupported, 503 not ready / overloaded / load refused, 500 model
@@ -22,14 +23,16 @@ from .generate import dumps, parse_generate_request, response_object, sse_events
 from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
-from .protocol import TritonError, error_response, json_response, parse_json, read_body
+from .protocol import TritonError, error_response, flatten_below, json_response, parse_json, read_body
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
 from .tensors import WireTensor
+from .trace import TraceSettings, parse_update
 
 blueprint = Blueprint("triton", __name__)
 ERROR_PREFIXES = ("/v2",)
-# Only what is implemented; Triton does not list `generate` either.
+# Only what is implemented; Triton does not list `generate` either, and `trace` is left out because
+# its settings are stored but no trace is collected (trace.py).
 EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration", "model_repository", "statistics"]
 LOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
 
@@ -38,6 +41,7 @@ LOAD_REFUSED = "explicit model load / unload is not allowed if polling is enable
 class TritonState:
     server_name: str
     stats: StatsBook = field(default_factory=StatsBook)
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
 
 @blueprint.record_once
@@ -132,12 +136,41 @@ def all_stats() -> Response:
 @blueprint.post("/v2/repository/<repository>/index")
 def repository(repository: str | None = None) -> Response:
     body = read_body(allow_compression=False)
-    options = parse_json(body) if body.strip() else {}
-    if not isinstance(options, dict):
+    if not body.strip():
+        return json_response(repository_index(_registry(), False))
+    # The type of `ready` is checked before the depth of the whole body, as Triton does: the
+    # outer levels are read first with anything deeper emptied.
+    outline = parse_json(flatten_below(body, 2))
+    if not isinstance(outline, dict):
+        parse_json(body)  # a body that is no object at all reports its depth first
         raise TritonError(400, "Unable to parse the repository index request: expected a JSON object")
-    if not isinstance(options.get("ready", False), bool):
+    if not isinstance(outline.get("ready", False), bool):
         raise TritonError(400, "Invalid value for 'ready': expected a boolean")
-    return json_response(repository_index(_registry(), options.get("ready", False)))
+    parse_json(body)  # the rest of the body must be acceptable JSON too
+    return json_response(repository_index(_registry(), outline.get("ready", False)))
+
+
+@blueprint.route("/v2/trace/setting", methods=["GET", "POST"])
+def trace_setting() -> Response:
+    return _trace_setting(None)
+
+
+@model_route("/trace/setting", ["GET", "POST"])
+def model_trace_setting(model: str, version: str | None = None) -> Response:
+    if version is not None:
+        find_model(_registry(), model, _version(version))  # an unknown version is a 404, as on every route
+    service = _registry().services.get(model)
+    if service is None or service.current_status() is not ModelStatus.READY:
+        raise TritonError(400, f"Request for unknown model : {model}")  # Triton's words and status here
+    return _trace_setting(model)
+
+
+def _trace_setting(model: str | None) -> Response:
+    settings = _state().trace
+    if request.method == "GET":
+        return json_response(settings.get(model))
+    changes = parse_update(parse_json(read_body(allow_compression=False)))
+    return json_response(settings.update(changes, model))
 
 
 @blueprint.post("/v2/repository/models/<model>/<any(load, unload):action>")

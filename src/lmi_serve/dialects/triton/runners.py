@@ -28,6 +28,9 @@ from .tensor_model import read_output_tensors, tensor_input
 from .tensors import WireTensor, as_wire_tensor
 
 
+HANDLER_FAILURE = 424  # DJL's status for an exception in handle(): the model failed, not the client
+
+
 @dataclass
 class ModelCall:
     """A request that passed validation: what every runner needs."""
@@ -108,6 +111,8 @@ def _handler_output(service: ModelService, request: Input) -> Output:
             message = json.loads(output.body()).get("error") or output.message
         except (ValueError, AttributeError):
             message = output.message
+        if 400 <= output.code < 500 and output.code != HANDLER_FAILURE:  # the handler refused the request
+            raise TritonError(400, str(message))
         raise TritonError(500, f"model '{service.name}' failed: {message}")
     return output
 

@@ -11,9 +11,12 @@ A model.py declares its tensors at module level and keeps DJL's `handle(Input) -
         add_tensors(output, {"OUTPUT0": a + b, ...}, batch_index=...)
 
 The server checks every request against INPUT_TENSORS (names, datatypes, shapes) before `handle`
-runs, and every output against OUTPUT_TENSORS after. Each tensor travels inside the Input/Output as
-one content entry named after the tensor, in an encoding of our own (a JSON header line, then the
-binary tensor data): never pickle, so a body sent to /invocations cannot smuggle objects in.
+runs, and every output against OUTPUT_TENSORS after. On other routes (/invocations, /predictions)
+`get_tensors` refuses content that is no tensor, and asking it for a missing tensor raises a
+BadRequest (400) naming it, so a handler needs no checks of its own. Each tensor travels inside
+the Input/Output as one content entry named after the tensor, in an encoding of our own (a JSON
+header line, then the binary tensor data): never pickle, so a body sent to /invocations cannot
+smuggle objects in.
 """
 
 from __future__ import annotations
@@ -23,11 +26,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...errors import BadRequest
 from ...handler_api import DATA_KEY, Input, Output
-from .tensors import (NUMPY_DTYPES, WireTensor, as_wire_tensor, check_datatype, datatype_of, tensor_from_binary,
-                      tensor_to_binary)
+from .tensors import (NUMPY_DTYPES, WireTensor, as_wire_tensor, check_datatype, datatype_of,
+                      tensor_from_binary, tensor_to_binary)
 
 _MAGIC = b'{"tensor":'
+_ROUTES_HINT = "tensor models are served on the /v2/models/<model>/infer and /generate routes"
+
+
+class TensorRequestError(BadRequest, ValueError):
+    """The request does not carry the tensors a tensor model needs (a client error, 400); still a
+    ValueError, as get_tensors raised before."""
+
+
+class MissingTensor(TensorRequestError, KeyError):
+    """`get_tensors(...)[name]` for a tensor the request lacks; still a KeyError for handlers that catch one."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return self.message
+
+
+class Tensors(dict):
+    """The request's tensors by name; asking for one it lacks raises MissingTensor naming it."""
+
+    def __missing__(self, name: str) -> np.ndarray:
+        given = ", ".join(f"'{key}'" for key in self) or "none"
+        raise MissingTensor(f"input tensor '{name}' is missing from the request (tensors given: {given}); "
+                            f"{_ROUTES_HINT}")
 
 
 @dataclass(frozen=True)
@@ -50,12 +76,25 @@ def encode_tensor(tensor: WireTensor) -> bytes:
 
 
 def decode_tensor(key: str, value: bytes) -> WireTensor:
-    if not value.startswith(_MAGIC):
-        raise ValueError(f"content entry '{key}' is not a tensor: tensor models are served on the "
-                         "/v2/models/<model>/infer and /generate routes")
+    """One content entry as a tensor; raises ValueError for anything else."""
     header, _, raw = value.partition(b"\n")
-    meta = json.loads(header)
-    return tensor_from_binary(meta["tensor"], meta["datatype"], tuple(meta["shape"]), raw, "model")
+    meta = json.loads(header) if value.startswith(_MAGIC) else None  # JSONDecodeError is a ValueError
+    if not isinstance(meta, dict):
+        raise ValueError(f"content entry '{key}' is not a tensor: {_ROUTES_HINT}")
+    datatype = check_datatype(meta.get("datatype"), key)
+    shape = meta.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"content entry '{key}' has no valid tensor shape")
+    return tensor_from_binary(str(meta.get("tensor")), datatype, tuple(shape), raw, "model")
+
+
+def _request_tensor(key: str, value: bytes) -> np.ndarray:
+    """A request's content entry as a tensor: anything else (a body or query parameter sent to
+    /invocations or /predictions) is the client's mistake."""
+    try:
+        return decode_tensor(key, value).array
+    except ValueError:  # TensorError is a ValueError too
+        raise TensorRequestError(f"content entry '{key}' is not a tensor: {_ROUTES_HINT}") from None
 
 
 def tensor_input(tensors: list[WireTensor], properties: dict[str, str]) -> Input:
@@ -66,9 +105,11 @@ def tensor_input(tensors: list[WireTensor], properties: dict[str, str]) -> Input
     return request
 
 
-def get_tensors(inputs: Input) -> dict[str, np.ndarray]:
-    """The request's tensors by name, as numpy arrays (BYTES: object arrays of `bytes`)."""
-    return {key: decode_tensor(key, bytes(value)).array for key, value in inputs.content if key != DATA_KEY}
+def get_tensors(inputs: Input) -> Tensors:
+    """The request's tensors by name, as numpy arrays (BYTES: object arrays of `bytes`). A missing
+    tensor or a content entry that is no tensor raises a BadRequest (400) naming it, so a handler
+    that indexes `tensors["INPUT0"]` answers the client instead of failing with a KeyError."""
+    return Tensors((key, _request_tensor(key, bytes(value))) for key, value in inputs.content if key != DATA_KEY)
 
 
 def add_tensors(output: Output, tensors: dict[str, np.ndarray], batch_index: int | None = None) -> Output:

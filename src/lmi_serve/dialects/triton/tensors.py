@@ -59,6 +59,9 @@ def parse_shape(shape: object, name: str) -> tuple[int, ...]:
         raise TensorError(f"Unable to parse 'shape' of input '{name}': expected an array of unsigned integers")
     if any(d < 0 for d in shape):
         raise TensorError(f"Unable to parse 'shape' of input '{name}': dimensions must be >= 0, got {shape}")
+    if any(d > _MAX_INT64 for d in shape):  # Triton's dims are int64 (and numpy's too)
+        raise TensorError(f"Unable to parse 'shape' of input '{name}': dimensions must be <= {_MAX_INT64}, "
+                          f"got {shape}")
     if prod(shape) > _MAX_INT64:
         raise TensorError(f"Unable to parse 'shape': shape {shape} of input '{name}' causes total element count "
                           f"to exceed maximum size of {_MAX_INT64}")
@@ -126,6 +129,8 @@ def tensor_from_json(name: str, datatype: str, shape: tuple[int, ...], data: obj
     if datatype in _JSON_ONLY_BINARY:
         raise TensorError(f"receiving {datatype} data via JSON is not supported. Please use the binary data "
                           f"format for input {name}")
+    if datatype != "BYTES":
+        byte_size(datatype, shape, name)  # an overflowing shape is named as such, before counting `data`
     flat = _flatten(data)
     expected = prod(shape)
     if len(flat) < expected:
