@@ -133,18 +133,7 @@ def _parameters(values: dict[str, Any]) -> GenerationParameters:
             message = str(item["ctx"]["error"]) if item["type"] == "value_error" else item["msg"]
             problems.append(f"{_FIELD_NAMES.get(field, field)}: {message} (got {item.get('input')!r})")
         raise TritonError(400, "invalid sampling parameter: " + "; ".join(problems)) from None
-    _check_int64(parameters)
     return parameters
-
-
-def _check_int64(parameters: GenerationParameters) -> None:
-    """Integers reach the engine as int64 tensors and seeds: whatever form they came in (a JSON
-    number, a numeric string, an integral float), a value outside int64 is the client's error."""
-    for field, value in parameters.model_dump().items():
-        for item in value if isinstance(value, list) else [value]:  # stop_token_ids too
-            if isinstance(item, int) and not isinstance(item, bool) and not -2**63 <= item < 2**63:
-                raise TritonError(400, f"invalid sampling parameter: {_FIELD_NAMES.get(field, field)}: must fit "
-                                       f"in int64 (got {item})")
 
 
 def parse_llm_call(engine: Engine, tensors: dict[str, WireTensor], parameters: dict[str, Any],
