@@ -81,7 +81,8 @@ def test_guided_json_parses_and_follows_the_schema(client):
                         extra_body=body)
         value = json.loads(response.choices[0].message.content)
         assert set(value) == {"city", "population"}
-        assert isinstance(value["city"], str) and isinstance(value["population"], int) and 0 <= value["population"] <= 99999999
+        assert isinstance(value["city"], str) and len(value["city"]) <= 20
+        assert isinstance(value["population"], int) and 0 <= value["population"] <= 99999999
 
 
 def test_json_object_and_grammar_constraints(client):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -184,10 +184,31 @@ class VllmChatFields(VllmFields):
         return self.prompt_logprobs
 
 
+class CompletionJsonSchema(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class CompletionResponseFormat(BaseModel):
+    """vLLM's `response_format` on /v1/completions (chat has its own, in schema.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: CompletionJsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
 class VllmCompletionFields(VllmFields):
     vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = REFUSED_COMPLETION
 
     add_special_tokens: bool = True  # e.g. BOS, when the tokenizer adds one
+    response_format: CompletionResponseFormat | None = None
 
 
 # ---- request side ---------------------------------------------------------------------------------
@@ -213,6 +234,10 @@ def _guided_fields(fields: VllmFields) -> list[tuple[str, GuidedDecoding]]:
         value = getattr(fields, f"guided_{name}")
         if value is not None:
             found.append((f"guided_{name}", _grammar(name, value)))
+    fmt = getattr(fields, "response_format", None)
+    if isinstance(fmt, CompletionResponseFormat) and fmt.type != "text":
+        kind, value = ("json", fmt.json_schema.schema_) if fmt.type == "json_schema" else ("json_object", True)
+        found.append(("response_format", _grammar(kind, value)))
     return found
 
 
