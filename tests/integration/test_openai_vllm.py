@@ -97,6 +97,14 @@ def test_json_object_and_grammar_constraints(client):
     assert answer.choices[0].message.content in ("yes", "no")
 
 
+def test_completions_honour_response_format(client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["Paris", "Lyon"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    body = {"response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}}
+    response = complete(client, "The capital of France as JSON:", max_tokens=30, extra_body=body)
+    assert json.loads(response.choices[0].text)["answer"] in ("Paris", "Lyon")
+
+
 def test_constraint_errors_name_the_field(client):
     cases = [({"guided_regex": "(unclosed"}, "guided_regex"),
              ({"guided_grammar": 'root ::= "a"'}, "guided_grammar"),
