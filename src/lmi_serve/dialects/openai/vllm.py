@@ -121,7 +121,7 @@ class StructuredOutputs(BaseModel):
 class VllmFields(BaseModel):
     """vLLM's sampling and output fields shared by chat and completions (see the module docstring)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow")
     vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = REFUSED
 
     min_tokens: int = Field(0, ge=0)
