@@ -326,11 +326,15 @@ def test_prompt_tokens_carry_ranks_and_requested_alternatives(tiny_model, smollm
         logp = torch.log_softmax(tiny_model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
     first = run.events["top"][0]
     assert first.prompt_tokens[0].rank is None
+    # A random model's logprobs lie close together: the batched (padded) forward may differ from this
+    # plain one in the last digits, so a rank is checked against the counts just below and above.
     for i, token in enumerate(first.prompt_tokens[1:], start=1):
-        assert token.rank == int((logp[i - 1] > logp[i - 1, prompt[i]]).sum()) + 1
+        value = logp[i - 1, prompt[i]]
+        assert int((logp[i - 1] > value + 1e-4).sum()) + 1 <= token.rank <= int((logp[i - 1] > value - 1e-4).sum()) + 1
     alternatives = first.prompt_top_tokens
     assert len(alternatives) == len(prompt) and alternatives[0] == ()
     for i, best in enumerate(alternatives[1:], start=1):
         assert [t.rank for t in best] == [1, 2, 3]
-        assert [t.token_id for t in best] == torch.topk(logp[i - 1], 3).indices.tolist()
+        assert [t.logprob for t in best] == pytest.approx(torch.topk(logp[i - 1], 3).values.tolist(), abs=1e-4)
+        assert [logp[i - 1, t.token_id].item() for t in best] == pytest.approx([t.logprob for t in best], abs=1e-4)
     assert run.events["plain"][0].prompt_top_tokens is None
