@@ -108,13 +108,13 @@ class StructuredOutputs(BaseModel):
         if self.disable_additional_properties:
             raise ValueError("disable_additional_properties is not supported; "
                              "set additionalProperties: false in the schema")
-        set_ = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self._value(name)]
+        set_ = [name for name in ("json", "regex", "choice", "grammar", "json_object") if self.value_of(name)]
         if len(set_) != 1:
             raise ValueError("set exactly one of json, regex, choice, grammar, json_object"
                              + (f" (got {', '.join(set_)})" if set_ else ""))
         return self
 
-    def _value(self, name: str):
+    def value_of(self, name: str):
         return self.json_ if name == "json" else getattr(self, name)
 
 
@@ -228,8 +228,8 @@ def _guided_fields(fields: VllmFields) -> list[tuple[str, GuidedDecoding]]:
     so = fields.structured_outputs
     if so is not None:
         for name in ("json", "regex", "choice", "grammar", "json_object"):
-            if so._value(name):
-                found.append((f"structured_outputs.{name}", _grammar(name, so._value(name))))
+            if so.value_of(name):
+                found.append((f"structured_outputs.{name}", _grammar(name, so.value_of(name))))
     for name in ("json", "regex", "choice", "grammar"):
         value = getattr(fields, f"guided_{name}")
         if value is not None:
