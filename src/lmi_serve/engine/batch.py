@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .detokenizer import IncrementalDetokenizer
-from .grammar import Constraint, allowed_tokens
+from .grammar import Constraint
 from .sampling import HeterogeneousSampler, SampleOutput
+from .token_masks import token_mask
 from .types import FinishReason, GenerationRequest, TokenEvent, TopToken
 
 
@@ -34,11 +35,14 @@ class Row:
     generated: int = 0
     finished: bool = False
     prompt_tokens: tuple[TopToken, ...] | None = None  # sent with the first event
+    prompt_top_tokens: tuple[tuple[TopToken, ...], ...] | None = None  # sent with the first event
     constraint: Constraint | None = None  # the row's grammar, when its output is constrained
+    token_ids: list[int] = field(default_factory=list)  # generated so far (banned sequences look back)
 
     def advance(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenEvent:
         """Account one chosen token: stop checks and detokenization, in that order."""
         self.generated += 1
+        self.token_ids.append(token_id)
         stop = self.request.stop
         finish = None
         if (token_id in stop.eos_token_ids and not stop.ignore_eos) or token_id in stop.stop_token_ids:
@@ -50,7 +54,7 @@ class Row:
                 except ValueError as exc:  # cannot happen under the mask; if it does, end this row only
                     self.finished = True
                     return TokenEvent(token_id, "", logprob, False, FinishReason.ERROR, error=str(exc))
-            text, hit_stop = self.detokenizer.add(token_id)
+            text, hit_stop = self.detokenizer.add(token_id, check_stops=self.generated > stop.min_new_tokens)
             if hit_stop:
                 finish = FinishReason.STOP_SEQUENCE
             elif self.constraint is not None and self.constraint.complete:
@@ -63,12 +67,17 @@ class Row:
         self.finished = finish is not None
         alternatives = tuple(TopToken(t, self.token_text(t), lp, t in self.special_ids) for t, lp in top)
         prompt, self.prompt_tokens = self.prompt_tokens, None
-        return TokenEvent(token_id, text, logprob, token_id in self.special_ids, finish, alternatives, prompt)
+        prompt_top, self.prompt_top_tokens = self.prompt_top_tokens, None
+        return TokenEvent(token_id, text, logprob, token_id in self.special_ids, finish, alternatives, prompt,
+                          prompt_top_tokens=prompt_top)
 
 
 def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None) -> Row:
+    options = request.detokenize
     detokenizer = IncrementalDetokenizer(tokenizer, request.stop.stop_sequences,
-                                         request.stop.include_stop_str_in_output)
+                                         request.stop.include_stop_str_in_output,
+                                         skip_special_tokens=options.skip_special_tokens,
+                                         spaces_between_special_tokens=options.spaces_between_special_tokens)
     return Row(request, detokenizer, lambda t: tokenizer.decode([t]), frozenset(tokenizer.all_special_ids), owner,
                constraint=constraint)
 
@@ -83,13 +92,24 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[to
     return input_ids.to(device), mask.to(device)
 
 
-def _prompt_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, row: Row) -> tuple[TopToken, ...]:
-    """Each prompt token's logprob given the tokens before it; the first has none."""
+def _prompt_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, row: Row) -> None:
+    """Set `row.prompt_tokens`: each prompt token's logprob and rank given the tokens before it (the
+    first has neither), and with `prompt_top_n` each position's best alternatives."""
     start = int(mask.shape[0] - mask.sum())
     ids = input_ids[start:]
-    logprobs = torch.log_softmax(logits[start:-1].float(), dim=-1).gather(1, ids[1:, None]).squeeze(1).tolist()
-    values = [None, *logprobs]
-    return tuple(TopToken(t, row.token_text(t), lp, t in row.special_ids) for t, lp in zip(ids.tolist(), values))
+    all_logprobs = torch.log_softmax(logits[start:-1].float(), dim=-1)
+    picked = all_logprobs.gather(1, ids[1:, None])
+    ranks = [None, *((all_logprobs > picked).sum(dim=-1) + 1).tolist()]
+    values = [None, *picked.squeeze(1).tolist()]
+    row.prompt_tokens = tuple(TopToken(t, row.token_text(t), lp, t in row.special_ids, rank)
+                              for t, lp, rank in zip(ids.tolist(), values, ranks))
+    n = row.request.prompt_top_n
+    if n:
+        best, best_ids = torch.topk(all_logprobs, min(n, all_logprobs.shape[-1]), dim=-1)
+        row.prompt_top_tokens = ((), *(
+            tuple(TopToken(t, row.token_text(t), lp, t in row.special_ids, rank + 1)
+                  for rank, (t, lp) in enumerate(zip(position_ids, position_lps)))
+            for position_ids, position_lps in zip(best_ids.tolist(), best.tolist())))
 
 
 @dataclass
@@ -120,7 +140,7 @@ class Batch:
                         use_cache=True, logits_to_keep=0 if want_prompt else 1)
         for i, row in enumerate(rows):
             if row.request.prompt_logprobs:
-                row.prompt_tokens = _prompt_logprobs(out.logits[i], input_ids[i], mask[i], row)
+                _prompt_logprobs(out.logits[i], input_ids[i], mask[i], row)
         vocab = out.logits.shape[-1]
         seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
         # Padding columns point at the row's last real token, so only real tokens are marked.
@@ -143,7 +163,7 @@ class Batch:
     def sample(self) -> SampleOutput:
         """Choose each row's next token from the last forward and record it as pending."""
         history = self.sampler.needs_token_history
-        allowed = allowed_tokens([row.constraint for row in self.rows], self.logits.shape[-1], self.logits.device)
+        allowed = token_mask(self.rows, self.logits.shape[-1], self.logits.device)
         choice = self.sampler(self.logits, self.seen if history else None, self.counts if history else None,
                               allowed)
         self.logits = None

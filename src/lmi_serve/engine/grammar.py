@@ -73,6 +73,8 @@ class GrammarCompiler:
         try:
             if guided.json_schema is not None:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(guided.json_schema, overrides=JSON_LAYOUT)
+            elif guided.regex is not None:
+                grammar = llguidance.LLMatcher.grammar_from_regex(guided.regex)
             else:
                 grammar = llguidance.LLMatcher.grammar_from_lark(guided.lark or "")
         except ValueError as exc:

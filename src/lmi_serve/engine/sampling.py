@@ -4,7 +4,8 @@ Order of operations for one step (`HeterogeneousSampler.__call__`):
 1. log-softmax of the raw logits: the logprob reported for a token (chosen or top-n) is the model's own.
 2. penalties, only if some row uses them: repetition (prompt + generated tokens, HF semantics),
    then presence and frequency (generated tokens, OpenAI semantics); then logit biases; then the
-   grammar mask of constrained rows (`allowed`), so greedy and sampled rows alike obey it.
+   token mask (`allowed`: grammars, allowed ids, bans; see token_masks.py), so greedy and sampled
+   rows alike obey it.
 3. greedy rows: argmax of the penalised scores; all greedy rows share one argmax.
 4. sampled rows: temperature, then min-p, typical-p, top-k and top-p masks (each a no-op for rows
    with the neutral value), then one uniform draw per row from that row's own `torch.Generator`,
@@ -139,7 +140,7 @@ class HeterogeneousSampler:
                  counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> SampleOutput:
         """Choose one token per row. `seen` ([rows, vocab] bool: prompt + generated tokens) and
         `counts` ([rows, vocab]: generated-token counts) are needed when `needs_token_history`;
-        `allowed` ([rows, vocab] bool) masks what a grammar forbids."""
+        `allowed` ([rows, vocab] bool) masks what a row may not choose now."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         scores = self._penalise(logits, seen, counts)

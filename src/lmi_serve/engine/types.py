@@ -31,6 +31,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # on generated tokens, times their count
     seed: int | None = None  # None: a fresh random seed per request
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the scores
+    allowed_token_ids: frozenset[int] | None = None  # None: every token; else only these may be chosen
+    # Token sequences that must not be generated: the last token of one is banned at a step where the
+    # tokens generated just before equal the rest of it (a one-token sequence is always banned).
+    banned_sequences: tuple[tuple[int, ...], ...] = ()
 
     @property
     def needs_penalties(self) -> bool:
@@ -39,11 +43,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GuidedDecoding:
-    """Constrain the output to a grammar: a JSON Schema (JSON text) or a Lark grammar (llguidance's
-    dialect, which may embed `%json{...}` schemas). Exactly one is set."""
+    """Constrain the output to a grammar: a JSON Schema (JSON text), a Lark grammar (llguidance's
+    dialect, which may embed `%json{...}` schemas) or a regular expression (llguidance's syntax,
+    matched against the whole output). Exactly one is set."""
 
     json_schema: str | None = None
     lark: str | None = None
+    regex: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,24 @@ class StopParams:
     """When a sequence ends. `eos_token_ids` is filled from the model's generation config."""
 
     max_new_tokens: int = 30
+    # Until this many tokens are generated, EOS and stop_token_ids cannot be chosen and stop strings
+    # are not looked for (a finished grammar still ends the sequence).
+    min_new_tokens: int = 0
     stop_sequences: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     eos_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True)
+class DetokenizeParams:
+    """How generated tokens become text."""
+
+    skip_special_tokens: bool = True
+    # With special tokens shown: False writes two special tokens in a row as their bare text, with
+    # no space the tokenizer's decoder might put between them.
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,7 +84,9 @@ class GenerationRequest:
     stop: StopParams = StopParams()
     top_n_tokens: int = 0  # alternatives reported per generated token
     prompt_logprobs: bool = False  # report each prompt token's logprob (decoder_input_details)
+    prompt_top_n: int = 0  # with prompt_logprobs: alternatives reported per prompt token
     guided: GuidedDecoding | None = None  # constrained decoding (structured output, tool calls)
+    detokenize: DetokenizeParams = DetokenizeParams()
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,7 @@ class TopToken:
     text: str
     logprob: float | None
     special: bool = False
+    rank: int | None = None  # 1 for the most likely token at that position; None where not computed
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     top_tokens: tuple[TopToken, ...] = ()
     prompt_tokens: tuple[TopToken, ...] | None = None  # on the first event, when prompt_logprobs
+    # On the first event, when prompt_top_n: each prompt position's best alternatives (none for the first).
+    prompt_top_tokens: tuple[tuple[TopToken, ...], ...] | None = None
     error: str | None = None
 
     @classmethod

@@ -314,3 +314,27 @@ def test_stop_token_ids_end_a_row_with_eos_token(tiny_model, smollm2_tokenizer, 
     assert all(e.finish_reason is None for e in stopped[:-1])
     assert "".join(e.text for e in stopped) == tok.decode(free[:k], skip_special_tokens=True)
     assert len(run.events["other"]) == 8 and run.events["other"][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_prompt_tokens_carry_ranks_and_requested_alternatives(tiny_model, smollm2_tokenizer, prompt_ids):
+    tok = smollm2_tokenizer
+    prompt = list(prompt_ids[2])
+    run = Runner(tiny_model, tok)
+    run.finish(run.prefill({"top": greedy(prompt, 1, prompt_logprobs=True, prompt_top_n=3),
+                            "plain": greedy(prompt_ids[4], 1, prompt_logprobs=True)}))
+    with torch.inference_mode():
+        logp = torch.log_softmax(tiny_model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    first = run.events["top"][0]
+    assert first.prompt_tokens[0].rank is None
+    # A random model's logprobs lie close together: the batched (padded) forward may differ from this
+    # plain one in the last digits, so a rank is checked against the counts just below and above.
+    for i, token in enumerate(first.prompt_tokens[1:], start=1):
+        value = logp[i - 1, prompt[i]]
+        assert int((logp[i - 1] > value + 1e-4).sum()) + 1 <= token.rank <= int((logp[i - 1] > value - 1e-4).sum()) + 1
+    alternatives = first.prompt_top_tokens
+    assert len(alternatives) == len(prompt) and alternatives[0] == ()
+    for i, best in enumerate(alternatives[1:], start=1):
+        assert [t.rank for t in best] == [1, 2, 3]
+        assert [t.logprob for t in best] == pytest.approx(torch.topk(logp[i - 1], 3).values.tolist(), abs=1e-4)
+        assert [logp[i - 1, t.token_id].item() for t in best] == pytest.approx([t.logprob for t in best], abs=1e-4)
+    assert run.events["plain"][0].prompt_top_tokens is None

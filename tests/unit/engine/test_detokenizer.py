@@ -207,3 +207,47 @@ def test_slow_path_is_used_without_backend_tokenizer(smollm2_tokenizer):
     for token_id in encode(smollm2_tokenizer, "abc 東京"):
         detok.add(token_id)
     assert slow.decode_calls > 0
+
+
+class RecordingTokenizer:
+    """A slow tokenizer that shows each call's options in its output."""
+
+    def __init__(self):
+        self.options = []
+
+    def decode(self, ids, **options):
+        self.options.append(options)
+        return "x" * len(ids)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_slow_path_hands_special_token_options_to_decode(spaces):
+    tok = RecordingTokenizer()
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    assert detok.add(5) == ("x", False)
+    expected = {"skip_special_tokens": False}
+    if not spaces:
+        expected["spaces_between_special_tokens"] = False
+    assert tok.options == [expected]
+
+
+def test_fast_path_without_spaces_writes_consecutive_special_tokens_bare(smollm2_tokenizer):
+    ids = encode(smollm2_tokenizer, "hi<|im_end|><|im_start|>user")
+    detok = IncrementalDetokenizer(smollm2_tokenizer, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert "".join(run(detok, ids)[0]) == "hi<|im_end|><|im_start|>user"
+    shown = IncrementalDetokenizer(smollm2_tokenizer, skip_special_tokens=False)
+    assert "".join(run(shown, ids)[0]) == smollm2_tokenizer.decode(ids, skip_special_tokens=False)
+    hidden = IncrementalDetokenizer(smollm2_tokenizer)
+    assert "".join(run(hidden, ids)[0]) == "hiuser"
+
+
+def test_stop_strings_skipped_while_not_checked_are_not_found_later(smollm2_tokenizer):
+    ids = encode(smollm2_tokenizer, "stop here and stop there")
+    detok = IncrementalDetokenizer(smollm2_tokenizer, ["stop"])
+    released = ""
+    for i, token_id in enumerate(ids):
+        piece, stopped = detok.add(token_id, check_stops=i >= 3)
+        released += piece
+        if stopped:
+            break
+    assert stopped and released == detok.text == "stop here and "  # the first "stop" went by unchecked

@@ -21,6 +21,7 @@ from ...errors import Overloaded
 from ..lmi.schema import MAX_SEED
 from .errors import OpenAIError
 from .schema import SamplingFields
+from .vllm import extend
 
 
 
@@ -88,9 +89,10 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
                       ignore_eos=fields.ignore_eos, include_stop_str_in_output=fields.include_stop_str_in_output)
     vocab = engine.model.config.vocab_size
     check_token_ids(fields.stop_token_ids or (), vocab, "stop_token_ids")
-    return [GenerationRequest(prompt, sampling_params(fields, None if seed is None else seed + i, vocab), stop,
-                              top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided)
-            for i in range(count)]
+    return extend(engine, fields, [
+        GenerationRequest(prompt, sampling_params(fields, None if seed is None else seed + i, vocab), stop,
+                          top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided)
+        for i in range(count)])
 
 
 def submit(engine: Engine, requests: list[GenerationRequest]) -> list[RequestHandle]:

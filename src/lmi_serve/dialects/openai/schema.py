@@ -5,7 +5,8 @@ Rules (see README "OpenAI-compatible API"):
 - unknown fields are ignored and logged, so `vllm bench serve`, guidellm and other tools work;
 - known OpenAI fields this server cannot honour are rejected (`REJECTED_FIELDS`), never dropped;
 - vLLM's sampling extensions that the engine supports are honoured: top_k, min_p,
-  repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output.
+  repetition_penalty, ignore_eos, stop_token_ids, include_stop_str_in_output; the rest of vLLM's
+  fields are honoured or refused in `vllm.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from .errors import OpenAIError
+from .vllm import VllmChatFields, VllmCompletionFields, refuse
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +194,7 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(VllmChatFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -232,7 +234,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.tool_choice
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(VllmCompletionFields, SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     suffix: str | None = None
@@ -313,6 +315,7 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
     for field, reason in REJECTED_FIELDS.items():
         if body.get(field) is not None:
             raise OpenAIError(400, f"Unsupported parameter `{field}`: {reason}", param=field)
+    refuse(model, body)
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:

@@ -15,7 +15,7 @@ from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import TokenEvent
 from ...errors import RequestTimeout
-from . import chat
+from . import chat, vllm
 from .errors import OpenAIError, error_body
 from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, interleave, submit
 from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
@@ -105,7 +105,8 @@ class OpenAIService:
 
     def chat(self, request: ChatCompletionRequest) -> Reply:
         prompt_text = chat.render_prompt(self.tokenizer, request)
-        ids = self.tokenizer(prompt_text, add_special_tokens=False).input_ids
+        ids = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids
+        ids = vllm.truncate_prompt(ids, request, self.engine.max_model_len)
         prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
                                             where="messages", param="messages")
         top = request.top_logprobs or 0 if request.logprobs else 0
@@ -113,12 +114,13 @@ class OpenAIService:
                                   guided=chat.guided_decoding(request))
         handles = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
-        meta = ResponseMeta.new("chatcmpl", self.model_name)
+        meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
         states = [ChoiceState(len(prompt), index=i) for i in range(request.n)]
         if not request.stream:
             _results(handles, states)
-            return Reply(body=chat_completion(meta, states, logprobs=request.logprobs, top_logprobs=top,
-                                              tools_enabled=tools_enabled, token_text=self.token_text))
+            return Reply(body=vllm.finish_chat(chat_completion(
+                meta, states, logprobs=request.logprobs, top_logprobs=top, tools_enabled=tools_enabled,
+                token_text=self.token_text), request, states))
         events = _first_event(handles)
         stream = ChatStream(meta, include_usage=request.include_usage, logprobs=request.logprobs, top_logprobs=top,
                             tools_enabled=tools_enabled, token_text=self.token_text)
@@ -133,7 +135,8 @@ class OpenAIService:
             if request.include_usage:
                 yield stream.usage_chunk(states)
 
-        return Reply(chunks=_guarded(_with_running_usage(chunks(), request, len(prompt), states), handles))
+        return Reply(chunks=_guarded(_with_running_usage(vllm.echo_chunks(chunks(), request), request, len(prompt),
+                                                         states), handles))
 
     # ---- completions --------------------------------------------------------------------------
 
@@ -151,7 +154,7 @@ class OpenAIService:
             prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                         add_generation_prompt=True)
             return self.tokenizer(prompt, add_special_tokens=False).input_ids
-        return self.tokenizer(prompt).input_ids
+        return self.tokenizer(prompt, add_special_tokens=request.add_special_tokens).input_ids
 
     def completions(self, request: CompletionRequest) -> Reply:
         per_prompt = request.best_of or request.n
@@ -160,7 +163,7 @@ class OpenAIService:
         prompt_tokens = 0
         try:
             for p, prompt in enumerate(request.prompts):
-                ids = self._prompt_ids(prompt, request)
+                ids = vllm.truncate_prompt(self._prompt_ids(prompt, request), request, self.engine.max_model_len)
                 ids, max_tokens = fit_to_context(ids, request.max_tokens, self.engine.max_model_len, where="prompt",
                                                  param="prompt", truncate=request.error_behavior == "truncate")
                 prompt_tokens += len(ids)
@@ -175,12 +178,13 @@ class OpenAIService:
             for handle in handles:
                 handle.cancel()
             raise
-        meta = ResponseMeta.new("cmpl", self.model_name)
+        meta = vllm.response_meta(ResponseMeta.new("cmpl", self.model_name), request)
         if not request.stream:
             _results(handles, [c.state for c in choices])
             choices = _best_of(choices, request.n, per_prompt)
-            return Reply(body=completion(meta, choices, logprobs=request.logprobs, token_text=self.token_text,
-                                         prompt_tokens=prompt_tokens))
+            return Reply(body=vllm.finish_completion(completion(
+                meta, choices, logprobs=request.logprobs, token_text=self.token_text, prompt_tokens=prompt_tokens),
+                request, [c.state for c in choices]))
         events = _first_event(handles)
 
         def chunks() -> Iterator[Chunk]:
