@@ -99,13 +99,20 @@ class Route:
     guards: tuple[tuple[str, ...], ...] = ()
     binary: bool = False  # Triton /infer: binary tensor data and Inference-Header-Content-Length
     streams: bool = False
+    # Paths into seeds[0] for the catalog (`catalog`): a string field, a number field, and a
+    # nested object where deep nesting goes (a missing last key is created).
+    text: str = ""
+    number: str = ""
+    nest: str = "parameters"
 
     @property
     def id(self) -> str:
         return self.path
 
 
-STOPS = [" ", "\n", "."]
+# Every printable ASCII character is a stop string: an accepted request ends at its first token
+# with one in it, so a mutated length (2**63 is capped to the context, not refused) stays cheap.
+STOPS = ["\n"] + [chr(c) for c in range(32, 127)]
 LMI_PARAMS = {"max_new_tokens": 2, "stop_sequences": STOPS}
 LMI_OPTIONAL = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "typical_p": 0.9, "min_p": 0.05,
                 "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 7,
@@ -140,7 +147,7 @@ SIMPLE_BINARY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "IN
                  "parameters": {"binary_data_output": True}}
 LLM_INFER = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]},
                         {"name": "max_tokens", "shape": [1], "datatype": "INT32", "data": [2]},
-                        {"name": "stop_words", "shape": [3], "datatype": "BYTES", "data": STOPS},
+                        {"name": "stop_words", "shape": [len(STOPS)], "datatype": "BYTES", "data": STOPS},
                         {"name": "temperature", "shape": [1], "datatype": "FP32", "data": [0.5]},
                         {"name": "return_finish_reason", "shape": [1], "datatype": "BOOL", "data": [True]}],
              "parameters": {"seed": 1}}
@@ -157,33 +164,44 @@ V2 = "/v2/models"
 ROUTES = [
     Route("/invocations", "lmi", ({"inputs": "Hello", "parameters": LMI_PARAMS, "stream": False},
                                   {"messages": CHAT["messages"], "max_tokens": 2, "stop": STOPS, "stream": True}),
-          guards=LMI_GUARDS + OPENAI_GUARDS, streams=True),
+          guards=LMI_GUARDS + OPENAI_GUARDS, streams=True, text="inputs", number="parameters.max_new_tokens"),
     Route(f"/predictions/{TEXT_MODEL}", "lmi", ({"inputs": "Hello", "parameters": LMI_PARAMS, "stream": True},),
-          guards=LMI_GUARDS, streams=True),
-    Route(f"/predictions/{EMBEDDING_MODEL}", "lmi", ({"inputs": ["a cat", "a kitten"]}, {"inputs": "a cat"})),
-    Route(f"/predictions/{TENSOR_MODEL}", "lmi", (SIMPLE_GENERATE,)),
+          guards=LMI_GUARDS, streams=True, text="inputs", number="parameters.top_k"),
+    Route(f"/predictions/{EMBEDDING_MODEL}", "lmi", ({"inputs": ["a cat", "a kitten"]}, {"inputs": "a cat"}),
+          text="inputs.0", number="inputs.1", nest="inputs"),
+    Route(f"/predictions/{TENSOR_MODEL}", "lmi", (SIMPLE_GENERATE,), text="id", number="INPUT0.0"),
     Route("/", "tgi", ({"inputs": "Hello", "parameters": LMI_PARAMS, "stream": False},), guards=LMI_GUARDS,
-          streams=True),
-    Route("/generate", "tgi", ({"inputs": "Hello", "parameters": LMI_PARAMS},), guards=LMI_GUARDS, streams=True),
+          streams=True, text="inputs", number="parameters.max_new_tokens"),
+    Route("/generate", "tgi", ({"inputs": "Hello", "parameters": LMI_PARAMS},), guards=LMI_GUARDS, streams=True,
+          text="parameters.stop_sequences.0", number="parameters.temperature"),
     Route("/generate_stream", "tgi", ({"inputs": "Hello", "parameters": LMI_PARAMS},), guards=LMI_GUARDS,
-          streams=True),
-    Route("/v1/chat/completions", "openai", (CHAT,), guards=OPENAI_GUARDS, streams=True),
+          streams=True, text="inputs", number="parameters.seed"),
+    Route("/v1/chat/completions", "openai", (CHAT,), guards=OPENAI_GUARDS, streams=True,
+          text="messages.0.content", number="max_tokens", nest="tools"),
     Route("/v1/completions", "openai", (COMPLETION, {**COMPLETION, "prompt": [[9906, 11], "Hi"]}),
-          guards=OPENAI_GUARDS, streams=True),
+          guards=OPENAI_GUARDS, streams=True, text="prompt", number="temperature", nest="logit_bias"),
     Route("/v1/embeddings", "openai", ({"model": EMBEDDING_MODEL, "input": ["a cat", "a dog"],
                                         "encoding_format": "base64", "instruction": "Embed:", "user": "u"},
-                                       {"input": [[101, 102], [2003]], "dimensions": 384})),
-    Route(f"{V2}/{TENSOR_MODEL}/infer", "triton", (SIMPLE_JSON, SIMPLE_BINARY), binary=True),
-    Route(f"{V2}/{TEXT_MODEL}/versions/1/infer", "triton", (LLM_INFER,), guards=INFER_GUARDS, binary=True),
-    Route(f"{V2}/{EMBEDDING_MODEL}/infer", "triton", (EMBED_INFER,), binary=True),
-    Route(f"{V2}/{TEXT_MODEL}/generate", "triton", (LLM_GENERATE, LLM_GENERATE_SAMPLING), guards=GENERATE_GUARDS),
+                                       {"input": [[101, 102], [2003]], "dimensions": 384}),
+          text="input.0", number="dimensions", nest="input"),
+    Route(f"{V2}/{TENSOR_MODEL}/infer", "triton", (SIMPLE_JSON, SIMPLE_BINARY), binary=True,
+          text="inputs.0.datatype", number="inputs.0.data.0"),
+    Route(f"{V2}/{TEXT_MODEL}/versions/1/infer", "triton", (LLM_INFER,), guards=INFER_GUARDS, binary=True,
+          text="inputs.0.data.0", number="inputs.3.data.0"),
+    Route(f"{V2}/{EMBEDDING_MODEL}/infer", "triton", (EMBED_INFER,), binary=True, text="inputs.0.data.0",
+          number="inputs.0.shape.0", nest="inputs.0.data"),
+    Route(f"{V2}/{TEXT_MODEL}/generate", "triton", (LLM_GENERATE, LLM_GENERATE_SAMPLING), guards=GENERATE_GUARDS,
+          text="text_input", number="temperature"),
     Route(f"{V2}/{TEXT_MODEL}/generate_stream", "triton", (LLM_GENERATE, LLM_GENERATE_SAMPLING),
-          guards=GENERATE_GUARDS, streams=True),
-    Route(f"{V2}/{TENSOR_MODEL}/versions/1/generate", "triton", (SIMPLE_GENERATE,)),
-    Route(f"{V2}/{TENSOR_MODEL}/generate_stream", "triton", (SIMPLE_GENERATE,), streams=True),
-    Route("/v2/repository/index", "triton", ({"ready": True}, {})),
-    Route(f"/v2/repository/models/{TENSOR_MODEL}/load", "triton", ({"parameters": {"config": "{}"}},)),
-    Route(f"/v2/repository/models/{TENSOR_MODEL}/unload", "triton", ({"parameters": {"unload_dependents": True}},)),
+          guards=GENERATE_GUARDS, streams=True, text="stop_words.0", number="parameters.top_p"),
+    Route(f"{V2}/{TENSOR_MODEL}/versions/1/generate", "triton", (SIMPLE_GENERATE,), text="id", number="INPUT0.0"),
+    Route(f"{V2}/{TENSOR_MODEL}/generate_stream", "triton", (SIMPLE_GENERATE,), streams=True, text="id",
+          number="INPUT1.15"),
+    Route("/v2/repository/index", "triton", ({"ready": True}, {}), text="ready", number="ready", nest="ready"),
+    Route(f"/v2/repository/models/{TENSOR_MODEL}/load", "triton", ({"parameters": {"config": "{}"}},),
+          text="parameters.config", number="parameters.config"),
+    Route(f"/v2/repository/models/{TENSOR_MODEL}/unload", "triton", ({"parameters": {"unload_dependents": True}},),
+          text="parameters.unload_dependents", number="parameters.unload_dependents"),
 ]
 TEXT_ROUTES = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
                "/v1/chat/completions", "/v1/completions"}
@@ -217,9 +235,11 @@ class Case:
 
 
 def paths(value: Any, prefix: str = "") -> list[str]:
-    """Every dotted path into dicts and lists of `value` (list items by index)."""
+    """Every dotted path into dicts and lists of `value` (list items by index; not into long lists
+    such as STOPS, which are mutated as a whole)."""
     found = []
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    children = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) and len(value) <= 32 else ()
     for key, child in children:
         path = f"{prefix}.{key}" if prefix else str(key)
         found.append(path)
@@ -343,7 +363,7 @@ def requests_for(draw, route: Route) -> Case:
         length = len(json_header) if json_header is not None else len(body)
         valid = str(length) if json_header is not None and len(body) > length else None  # binary data follows
         ihcl = valid if draw(st.integers(min_value=0, max_value=9)) < 6 else draw(st.sampled_from(
-            [None, str(length), "0", "-1", str(length + 1000), str(len(body) + 1), "abc", "", "1.5", " 12 ",
+            [None, str(length), "0", "-1", str(length + 1000), str(len(body) + 1), "abc", "", "1.5", "+12",
              str(2**63), "9" * 30, "-0"]))
         if ihcl is not None:
             headers["Inference-Header-Content-Length"] = ihcl
@@ -351,3 +371,42 @@ def requests_for(draw, route: Route) -> Case:
         headers["X-Amzn-SageMaker-Custom-Attributes"] = draw(st.sampled_from(
             ["a=b;c=d", "=", ";;", "no-equals", "k=" + "v" * 500, "handler=handle", "Content-Type=text/plain"]))
     return Case(body, headers, note)
+
+
+# --- the catalog: the cases every route gets, whatever hypothesis draws -------------------------
+
+def _with(doc: Any, path: str, value: Any) -> Any:
+    doc = _copy(doc)
+    parent, key = _parent(doc, path)
+    parent[key] = value
+    return doc
+
+
+def catalog(route: Route) -> list[Case]:
+    """The hostile inputs the fuzz test must always cover on `route`: NaN/Infinity/1e309 and
+    numbers beyond 64 bits in a number field, lone surrogates and invalid UTF-8 in a string field,
+    1,000 and 5,000 levels of nesting inside the body and as the body, empty, non-JSON and
+    oversized bodies, wrong Content-Type, Content-Encoding, and Inference-Header-Content-Length."""
+    seed = route.seeds[0]
+    cases = [Case(b"", note="empty body"), Case(b"not json", note="not JSON"), Case(b"NaN", note="NaN body"),
+             Case(_nested(1000, "list"), note="1,000 levels"), Case(_nested(5000, "list"), note="5,000 levels"),
+             Case(_nested(5000, "dict"), note="5,000 levels of objects"),
+             Case(b'{"inputs": "' + b"a" * (MAX_REQUEST_SIZE + 10) + b'"}', note="over the max request size")]
+    for literal in (b"NaN", b"Infinity", b"1e309", b"9223372036854775808", b"-9223372036854775809"):
+        cases.append(Case(render(_with(seed, route.number, Raw(literal))), note=f"{route.number} = {literal[:12]!r}"))
+    for literal in (b'"a\\udfffb"', b'"\xff\xfe"', b'"\xed\xa0\x80"'):
+        cases.append(Case(render(_with(seed, route.text, Raw(literal))), note=f"{route.text} = {literal!r}"))
+    for depth in (1000, 5000):
+        for kind in ("list", "dict"):
+            cases.append(Case(render(_with(seed, route.nest, Raw(_nested(depth, kind)))),
+                              note=f"{route.nest} nested {depth} levels of {kind}s"))
+    body = render(seed)
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        cases.append(Case(body, {"Content-Type": content_type}, note="Content-Type"))
+    for encoding in ("gzip", "deflate", "gzip-bogus", "garbage"):
+        encoded, header = _encode(body, encoding)
+        cases.append(Case(encoded, {"Content-Encoding": header}, note="Content-Encoding"))
+    if route.binary:
+        for length in ("-1", str(len(body) + 1000), "abc", str(2**63), "0"):
+            cases.append(Case(body, {"Inference-Header-Content-Length": length}, note="Inference-Header-Content-Length"))
+    return cases
