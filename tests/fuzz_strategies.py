@@ -369,7 +369,7 @@ def requests_for(draw, route: Route) -> Case:
             headers["Inference-Header-Content-Length"] = ihcl
     if route.dialect == "lmi" and draw(st.booleans()):
         headers["X-Amzn-SageMaker-Custom-Attributes"] = draw(st.sampled_from(
-            ["a=b;c=d", "=", ";;", "no-equals", "k=" + "v" * 500, "handler=handle", "Content-Type=text/plain"]))
+            ["a=b;c=d", "=", ";;", "no-equals", "k=" + "v" * 500, "handler=handle", "Content-Type=application/json"]))
     return Case(body, headers, note)
 
 
@@ -394,7 +394,7 @@ def catalog(route: Route) -> list[Case]:
              Case(b'{"inputs": "' + b"a" * (MAX_REQUEST_SIZE + 10) + b'"}', note="over the max request size")]
     for literal in (b"NaN", b"Infinity", b"1e309", b"9223372036854775808", b"-9223372036854775809"):
         cases.append(Case(render(_with(seed, route.number, Raw(literal))), note=f"{route.number} = {literal[:12]!r}"))
-    for literal in (b'"a\\udfffb"', b'"\xff\xfe"', b'"\xed\xa0\x80"'):
+    for literal in (b'"\\ud800"', b'"\xff\xfe"', b'"\xed\xa0\x80"'):
         cases.append(Case(render(_with(seed, route.text, Raw(literal))), note=f"{route.text} = {literal!r}"))
     for depth in (1000, 5000):
         for kind in ("list", "dict"):
@@ -402,7 +402,9 @@ def catalog(route: Route) -> list[Case]:
                               note=f"{route.nest} nested {depth} levels of {kind}s"))
     body = render(seed)
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
-        cases.append(Case(body, {"Content-Type": content_type}, note="Content-Type"))
+        # On LMI routes a text/plain body is the prompt (README): send a prompt, not 500 bytes of JSON.
+        plain = route.dialect == "lmi" and content_type == "text/plain"
+        cases.append(Case(b"Hello" if plain else body, {"Content-Type": content_type}, note="Content-Type"))
     for encoding in ("gzip", "deflate", "gzip-bogus", "garbage"):
         encoded, header = _encode(body, encoding)
         cases.append(Case(encoded, {"Content-Encoding": header}, note="Content-Encoding"))
