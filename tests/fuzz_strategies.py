@@ -393,7 +393,7 @@ def catalog(route: Route) -> list[Case]:
              Case(_nested(5000, "dict"), note="5,000 levels of objects"),
              Case(b'{"inputs": "' + b"a" * (MAX_REQUEST_SIZE + 10) + b'"}', note="over the max request size")]
     for literal in (b"NaN", b"Infinity", b"1e309", b"9223372036854775808", b"-9223372036854775809"):
-        cases.append(Case(render(_with(seed, route.number, Raw(literal))), note=f"{route.number} = {literal[:12]!r}"))
+        cases.append(Case(render(_with(seed, route.number, Raw(literal))), note=f"{route.number} = {literal.decode()}"))
     for literal in (b'"\\ud800"', b'"\xff\xfe"', b'"\xed\xa0\x80"'):
         cases.append(Case(render(_with(seed, route.text, Raw(literal))), note=f"{route.text} = {literal!r}"))
     for depth in (1000, 5000):
@@ -404,11 +404,13 @@ def catalog(route: Route) -> list[Case]:
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
         # On LMI routes a text/plain body is the prompt (README): send a prompt, not 500 bytes of JSON.
         plain = route.dialect == "lmi" and content_type == "text/plain"
-        cases.append(Case(b"Hello" if plain else body, {"Content-Type": content_type}, note="Content-Type"))
+        cases.append(Case(b"Hello" if plain else body, {"Content-Type": content_type},
+                          note=f"Content-Type: {content_type}"))
     for encoding in ("gzip", "deflate", "gzip-bogus", "garbage"):
         encoded, header = _encode(body, encoding)
-        cases.append(Case(encoded, {"Content-Encoding": header}, note="Content-Encoding"))
+        cases.append(Case(encoded, {"Content-Encoding": header}, note=f"Content-Encoding: {encoding}"))
     if route.binary:
         for length in ("-1", str(len(body) + 1000), "abc", str(2**63), "0"):
-            cases.append(Case(body, {"Inference-Header-Content-Length": length}, note="Inference-Header-Content-Length"))
+            cases.append(Case(body, {"Inference-Header-Content-Length": length},
+                              note=f"Inference-Header-Content-Length: {length}"))
     return cases
