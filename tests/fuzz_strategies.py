@@ -77,6 +77,7 @@ HOSTILE_VALUES = WRONG_TYPES + HUGE_NUMBERS + RAW_LITERALS + DEEP
 def hostile_values() -> st.SearchStrategy[Any]:
     return st.one_of(
         st.sampled_from(HOSTILE_VALUES),
+        st.sampled_from(HOSTILE_VALUES),  # twice: half of the values come from the list
         st.integers(min_value=-2**64, max_value=2**64),
         st.floats(allow_nan=False, allow_infinity=False),
         st.text(max_size=40),
@@ -375,6 +376,21 @@ def requests_for(draw, route: Route) -> Case:
 
 # --- the catalog: the cases every route gets, whatever hypothesis draws -------------------------
 
+def _wrong_type(value: Any) -> Any:
+    """A value of another JSON type than `value`."""
+    if isinstance(value, bool):
+        return "true"
+    if isinstance(value, (int, float)):
+        return "1"
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, list):
+        return {"0": value[0]} if value else {}
+    if isinstance(value, dict):
+        return [value]
+    return []
+
+
 def _with(doc: Any, path: str, value: Any) -> Any:
     doc = _copy(doc)
     parent, key = _parent(doc, path)
@@ -400,6 +416,15 @@ def catalog(route: Route) -> list[Case]:
         for kind in ("list", "dict"):
             cases.append(Case(render(_with(seed, route.nest, Raw(_nested(depth, kind)))),
                               note=f"{route.nest} nested {depth} levels of {kind}s"))
+    for path in paths(seed):
+        if any(part.isdigit() and int(part) > 1 for part in path.split(".")):
+            continue  # the first two items of a list stand for the rest
+        cases.append(Case(render(_with(seed, path, _wrong_type(_get(seed, path)))), note=f"{path}: wrong type"))
+        if "." not in path:
+            missing = _copy(seed)
+            del missing[path]
+            cases.append(Case(render(missing), note=f"{path}: missing"))
+    cases.append(Case(render({**seed, "unknown_field": 1}), note="an unknown field"))
     body = render(seed)
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
         # On LMI routes a text/plain body is the prompt (README): send a prompt, not 500 bytes of JSON.

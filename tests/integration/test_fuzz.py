@@ -34,7 +34,7 @@ ALLOWED_5XX = {
 }
 TRITON_ALLOWED_5XX = {501: "unsupported Content-Encoding on /infer (README, Triton: 501 Unsupported compression type)"}
 # Examples per route: generation routes cost a prefill and two tokens for each accepted request.
-EXAMPLES = {"cheap": 40, "generation": 15}
+EXAMPLES = {"cheap": 100, "generation": 40}
 GENERATION = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
               "/v1/chat/completions", "/v1/completions", f"/v2/models/{TEXT_MODEL}/versions/1/infer",
               f"/v2/models/{TEXT_MODEL}/generate", f"/v2/models/{TEXT_MODEL}/generate_stream"}
