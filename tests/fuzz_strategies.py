@@ -114,7 +114,8 @@ class Route:
 # Every printable ASCII character is a stop string: an accepted request ends at its first token
 # with one in it, so a mutated length (2**63 is capped to the context, not refused) stays cheap.
 STOPS = ["\n"] + [chr(c) for c in range(32, 127)]
-LMI_PARAMS = {"max_new_tokens": 2, "stop_sequences": STOPS}
+LMI_PARAMS = {"max_new_tokens": 2, "stop_sequences": STOPS, "do_sample": True, "temperature": 0.5, "top_k": 5,
+              "top_p": 0.9, "seed": 1, "details": True}
 LMI_OPTIONAL = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "typical_p": 0.9, "min_p": 0.05,
                 "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 7,
                 "stop_token_ids": [2], "ignore_eos_token": False, "details": True, "decoder_input_details": True,
@@ -128,12 +129,13 @@ OPENAI_SAMPLING = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05, 
                    "stream": True, "stream_options": {"include_usage": True}}
 CHAT = {"model": TEXT_MODEL, "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-        "max_tokens": 2, "stop": STOPS}
+        "max_tokens": 2, "stop": STOPS, "temperature": 0.5, "top_p": 0.9, "seed": 1, "n": 1, "logprobs": False}
 CHAT_OPTIONAL = {**OPENAI_SAMPLING, "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 2,
                  "response_format": {"type": "json_object"}, "parallel_tool_calls": True, "metadata": {"a": "b"},
                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
                  "tool_choice": "none", "modalities": ["text"], "store": False}
-COMPLETION = {"model": TEXT_MODEL, "prompt": "Hello", "max_tokens": 2, "stop": STOPS}
+COMPLETION = {"model": TEXT_MODEL, "prompt": "Hello", "max_tokens": 2, "stop": STOPS, "temperature": 0.5, "seed": 1,
+              "echo": False, "logprobs": 1}
 COMPLETION_OPTIONAL = {**OPENAI_SAMPLING, "suffix": "!", "echo": True, "logprobs": 2, "best_of": 1,
                        "error_behavior": "truncate", "use_raw_prompt": False}
 OPENAI_GUARDS = (("max_tokens", "max_completion_tokens", "stop"),)
