@@ -16,6 +16,7 @@ refuses to write: `Raw` values are spliced in as bytes.
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 import zlib
@@ -75,9 +76,10 @@ HOSTILE_VALUES = WRONG_TYPES + HUGE_NUMBERS + RAW_LITERALS + DEEP
 
 
 def hostile_values() -> st.SearchStrategy[Any]:
+    listed = st.sampled_from(HOSTILE_VALUES).map(copy.deepcopy)  # a later mutation may edit it in place
     return st.one_of(
-        st.sampled_from(HOSTILE_VALUES),
-        st.sampled_from(HOSTILE_VALUES),  # twice: half of the values come from the list
+        listed,
+        listed,  # twice: half of the values come from the list
         st.integers(min_value=-2**64, max_value=2**64),
         st.floats(allow_nan=False, allow_infinity=False),
         st.text(max_size=40),
