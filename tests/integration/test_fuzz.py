@@ -1,7 +1,10 @@
 """Property-based fuzzing of every POST route of the four dialects against the real default server.
 
-For each route, hypothesis sends requests built from the route's real schema and then mutated
-(tests/fuzz_strategies.py), with derandomized generation so CI sees the same requests every run.
+For each route, a fixed catalog of hostile requests (one test each: NaN/Infinity/1e309, 2**63,
+lone surrogates, invalid UTF-8, 1,000 and 5,000 levels of nesting, every field with a wrong type or
+missing, empty/non-JSON/oversized bodies, Content-Type, Content-Encoding, Triton's
+Inference-Header-Content-Length), then hypothesis sends requests built from the route's real schema
+and mutated (tests/fuzz_strategies.py), derandomized so CI sees the same requests every run.
 Every answer must hold, whatever was sent:
 - no 5xx except the few the README documents for load (ALLOWED_5XX below);
 - JSON, never an HTML page: a whole body parses as JSON; a stream that answered 200 is well-formed
