@@ -238,6 +238,9 @@ class Case:
         shown = self.body if len(self.body) <= 300 else self.body[:200] + b"..." + self.body[-60:]
         return f"Case(note={self.note!r}, headers={self.headers!r}, body={shown!r} ({len(self.body)} bytes))"
 
+    def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis prints falsifying examples with this
+        printer.text(repr(self))
+
 
 def paths(value: Any, prefix: str = "") -> list[str]:
     """Every dotted path into dicts and lists of `value` (list items by index; not into long lists
