@@ -246,6 +246,8 @@ def _raw_request(server, head: bytes, body: bytes = b"") -> bytes:
                 chunk = sock.recv(65536)
             except ConnectionResetError:
                 break
+            except TimeoutError:
+                pytest.fail(f"no answer within {TIMEOUT} s to {head!r}")
             if not chunk:
                 break
             chunks.append(chunk)
