@@ -79,9 +79,9 @@ def test_a_tensor_model_without_its_input_is_a_400_and_no_traceback(default_serv
     ({"text_input": "Hi", "max_tokens": 2, "parameters": {"top_k": 2**63}},
      ("a value of input 'top_k' is out of range for INT32", "parameter 'top_k' has invalid type")),
     ({"text_input": "Hi", "max_tokens": 2, "top_k": "9223372036854775808"},
-     ("attempt to access JSON non-signed-integer as signed integer", "top_k: must fit in int64")),
+     ("attempt to access JSON non-signed-integer as signed integer", "top_k: Input should be less than or equal to 2147483647")),
     ({"text_input": "Hi", "max_tokens": 2, "sampling_parameters": json.dumps({"top_k": 2**63})},
-     ("top_k: must fit in int64",) * 2),
+     ("top_k: Input should be less than or equal to 2147483647",) * 2),
     ({"text_input": "Hi", "max_tokens": 2**31}, ("out of range for INT32",) * 2),
 ])
 @pytest.mark.parametrize("route", ["generate", "infer"])
