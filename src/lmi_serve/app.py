@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 
 from flask import Flask, Response, g, request
+from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from .config import ServerConfig
@@ -102,6 +103,12 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         if status == 413:
             message = f"Request body exceeds the maximum request size of {config.max_request_size} bytes"
         return render_error(status, error_type, message or exc.description or exc.name)
+
+    @app.errorhandler(ParseException)
+    @app.errorhandler(NoMoreData)
+    def unreadable_body(exc: Exception) -> Response:
+        # gunicorn parses a chunked or short body lazily, while a route reads it: the client's fault.
+        return render_error(400, "BadRequestException", f"The request body could not be read: {exc}")
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:

@@ -79,3 +79,13 @@ def test_model_name_header_selects_the_model(store_server):
     assert by_header.json() == by_query.json() != default.json()
     unknown = requests.post(store_server.url("/invocations"), json=body, headers={"model_name": "nope"}, timeout=60)
     assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+
+
+@pytest.mark.parametrize("route", [*ROUTES[:4], "/v2/models/simple/infer"])
+def test_a_malformed_chunked_body_is_a_400_in_the_routes_shape(default_server, route):
+    raw = (f"POST {route} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+           "Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n").encode()
+    status, headers, body = exchange(default_server, raw)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert "could not be read" in json.dumps(json.loads(body))
+    assert requests.get(default_server.url("/ping"), timeout=30).status_code == 200
