@@ -141,9 +141,8 @@ class Batch:
         logits, self.logits = self.logits, None
         allowed = token_mask(self.rows, logits.shape[-1], logits.device)
         choice = self.history.choose(logits, allowed)
-        chosen = torch.tensor(choice.token_ids, dtype=torch.long, device=logits.device)
-        self.history.record(chosen)
-        self.kv.feed(chosen)
+        self.history.record(choice.chosen)
+        self.kv.feed(choice.chosen)  # still on the device: `emit` reads the ids as Python ints
         return choice
 
     def filter(self, keep: Sequence[int]) -> None:
