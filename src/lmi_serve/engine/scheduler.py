@@ -11,7 +11,7 @@ Order of operations in `Scheduler.step`:
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
-7. evict finished rows at once, trimming padding that no remaining row needs.
+7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`).
 An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
 in a decode fails the running rows. Either way the loop goes on with new requests.
 """

@@ -1,7 +1,7 @@
 """One batched generation for a fixed set of requests (the dynamic-batch path).
 
-The prompts share one left-padded prefill; then every step runs one decode forward for the rows
-still going. A finished row leaves the batch (and its KV cache) at once.
+The prompts share one prefill (by default left-padded, kv_dynamic.py); then every step runs one
+decode forward for the rows still going. A finished row leaves the batch (and its KV cache) at once.
 """
 
 from __future__ import annotations
