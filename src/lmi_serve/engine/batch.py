@@ -1,9 +1,11 @@
-"""A batch of sequences being generated together: tensors, KV cache, and per-row Python state.
+"""A batch of sequences being generated together: per-row Python state, the KV batch, the sampling history.
 
-Row i of every tensor (cache, mask, positions, last token, token history) and of the sampler is
-`rows[i]`. Three verbs change the set of rows: `Batch.prefill` (new rows), `filter` (rows leave)
-and `concatenate` (two batches become one). Left padding plus per-row position ids keep padding
-invisible to the model, so a row's greedy output does not depend on its neighbours.
+Three parts, row i of each being `rows[i]`: the `Row`s (request, detokenizer, stop state), the
+`KVBatch` that runs the model (kv.py; by default the left-padded `DynamicCache` of kv_dynamic.py)
+and the `SamplingHistory` (history.py: sampler, seen tokens, counts). Three verbs change the set of
+rows, and each passes to every part: `Batch.prefill` (new rows), `filter` (rows leave) and
+`concatenate` (two batches become one). The KV contract keeps a row's logits independent of its
+neighbours, so a row's greedy output does not depend on the batch it runs in.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
 from .detokenizer import IncrementalDetokenizer
 from .grammar import Constraint
-from .sampling import HeterogeneousSampler, SampleOutput
+from .history import SamplingHistory
+from .kv import KVBatch, KVFactory
+from .kv_dynamic import DynamicKV
+from .sampling import SampleOutput
 from .token_masks import token_mask
 from .types import FinishReason, GenerationRequest, TokenEvent, TopToken
 
@@ -82,22 +85,12 @@ def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constrain
                constraint=constraint)
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[i, width - len(prompt):] = 1
-    return input_ids.to(device), mask.to(device)
-
-
-def _prompt_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, row: Row) -> None:
-    """Set `row.prompt_tokens`: each prompt token's logprob and rank given the tokens before it (the
-    first has neither), and with `prompt_top_n` each position's best alternatives."""
-    start = int(mask.shape[0] - mask.sum())
-    ids = input_ids[start:]
-    all_logprobs = torch.log_softmax(logits[start:-1].float(), dim=-1)
+def _prompt_logprobs(logits: torch.Tensor, row: Row) -> None:
+    """Set `row.prompt_tokens` from `logits` ([len(prompt), vocab]: every prompt position's): each
+    prompt token's logprob and rank given the tokens before it (the first has neither), and with
+    `prompt_top_n` each position's best alternatives."""
+    ids = torch.tensor(row.request.prompt_ids, dtype=torch.long, device=logits.device)
+    all_logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
     picked = all_logprobs.gather(1, ids[1:, None])
     ranks = [None, *((all_logprobs > picked).sum(dim=-1) + 1).tolist()]
     values = [None, *picked.squeeze(1).tolist()]
@@ -114,96 +107,57 @@ def _prompt_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.
 
 @dataclass
 class Batch:
+    """Rows generated together: the Python rows, the KV batch that runs the model for them (kv.py)
+    and their sampling history (history.py). Row i of each is the same request."""
+
     rows: list[Row]
-    cache: DynamicCache
-    mask: torch.Tensor  # [rows, cached length + pending]: 1 for real tokens
-    next_pos: torch.Tensor  # [rows]: position id of the pending token
-    last: torch.Tensor  # [rows]: the pending token, fed to the next decode forward
-    seen: torch.Tensor  # [rows, vocab] bool: prompt + generated tokens (repetition penalty)
-    counts: torch.Tensor  # [rows, vocab] int: generated-token counts (presence/frequency)
-    sampler: HeterogeneousSampler
+    kv: KVBatch
+    history: SamplingHistory
     logits: torch.Tensor | None = field(default=None, repr=False)  # of the last forward, not yet sampled
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @classmethod
-    def prefill(cls, model, rows: list[Row], pad_id: int, device) -> "Batch":
-        """One left-padded forward over the prompts of `rows`; leaves logits ready to sample."""
+    def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_factory: KVFactory = DynamicKV.prefill
+                ) -> "Batch":
+        """One forward over the prompts of `rows` (by `kv_factory`); leaves logits ready to sample."""
         requests = [r.request for r in rows]
-        input_ids, mask = _left_pad([r.prompt_ids for r in requests], pad_id, device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
         want_prompt = any(r.prompt_logprobs for r in requests)
-        with torch.inference_mode():
-            out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=0 if want_prompt else 1)
+        out = kv_factory(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
+                         prompt_logits=want_prompt)
         for i, row in enumerate(rows):
             if row.request.prompt_logprobs:
-                _prompt_logprobs(out.logits[i], input_ids[i], mask[i], row)
-        vocab = out.logits.shape[-1]
-        seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
-        # Padding columns point at the row's last real token, so only real tokens are marked.
-        seen.scatter_(1, torch.where(mask.bool(), input_ids, input_ids[:, -1:]), True)
-        sampler = HeterogeneousSampler([r.sampling for r in requests], device, vocab,
-                                       top_n=[r.top_n_tokens for r in requests])
-        return cls(rows, cache, mask, mask.sum(dim=-1), input_ids[:, -1], seen,
-                   torch.zeros((len(rows), vocab), dtype=torch.int32, device=device), sampler,
-                   out.logits[:, -1, :])
+                _prompt_logprobs(out.prompt_logits[i], row)
+        history = SamplingHistory.start(requests, out.logits.shape[-1], device)
+        return cls(rows, out.kv, history, out.logits)
 
-    def decode(self, model) -> None:
+    def decode(self) -> None:
         """One forward feeding every row its pending token."""
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        with torch.inference_mode():
-            out = model(input_ids=self.last[:, None], attention_mask=self.mask, position_ids=self.next_pos[:, None],
-                        past_key_values=self.cache, use_cache=True)
-        self.next_pos = self.next_pos + 1
-        self.logits = out.logits[:, -1, :]
+        self.logits = self.kv.decode()
 
     def sample(self) -> SampleOutput:
-        """Choose each row's next token from the last forward and record it as pending."""
-        history = self.sampler.needs_token_history
-        allowed = token_mask(self.rows, self.logits.shape[-1], self.logits.device)
-        choice = self.sampler(self.logits, self.seen if history else None, self.counts if history else None,
-                              allowed)
-        self.logits = None
-        self.last = torch.tensor(choice.token_ids, dtype=torch.long, device=self.mask.device)
-        self.seen.scatter_(1, self.last[:, None], True)
-        self.counts.scatter_add_(1, self.last[:, None], torch.ones_like(self.counts[:, :1]))
+        """Choose each row's next token from the last forward, record it and make it pending."""
+        logits, self.logits = self.logits, None
+        allowed = token_mask(self.rows, logits.shape[-1], logits.device)
+        choice = self.history.choose(logits, allowed)
+        self.history.record(choice.chosen)
+        self.kv.feed(choice.chosen)  # still on the device: `emit` reads the ids as Python ints
         return choice
 
     def filter(self, keep: Sequence[int]) -> None:
-        """Keep only the rows at `keep`; drop leading columns that became padding in every row."""
+        """Keep only the rows at `keep`, in that order."""
         if list(keep) == list(range(len(self.rows))):
             return
-        index = torch.tensor(list(keep), dtype=torch.long, device=self.mask.device)
         self.rows = [self.rows[i] for i in keep]
-        self.cache.batch_select_indices(index)
-        for name in ("mask", "next_pos", "last", "seen", "counts"):
-            setattr(self, name, getattr(self, name)[index])
-        self.sampler.filter(keep)
-        used = self.mask.any(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else 0
-        if first:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.mask = self.mask[:, first:]
+        self.kv.keep(keep)
+        self.history.keep(keep)
 
     def concatenate(self, other: "Batch") -> None:
-        """Append `other`'s rows, left-padding whichever cache is shorter."""
-        width = max(self.mask.shape[1], other.mask.shape[1])
-        layers = []
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            keys = [F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.keys, theirs.keys)]
-            values = [F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.values, theirs.values)]
-            layers.append((torch.cat(keys), torch.cat(values)))
-        for layer, (keys, values) in zip(self.cache.layers, layers):
-            layer.keys, layer.values = keys, values
-        self.mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
+        """Append `other`'s rows after this batch's."""
         self.rows += other.rows
-        for name in ("next_pos", "last", "seen", "counts"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
-        self.sampler.extend(other.sampler)
+        self.kv.extend(other.kv)
+        self.history.extend(other.history)
 
     def emit(self, choice: SampleOutput) -> list[tuple[Row, TokenEvent]]:
         """Advance every row by its chosen token: the one Python loop over rows per step

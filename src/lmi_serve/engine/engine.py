@@ -14,6 +14,8 @@ import time
 from .beam_search import beam_search
 from .grammar import GrammarCompiler
 from .handle import RequestHandle
+from .kv import KVFactory
+from .kv_dynamic import DynamicKV
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
 from .types import GenerationRequest, GenerationResult
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 512, name: str = "model"):
+                 max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory = DynamicKV.prefill):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -34,7 +36,7 @@ class Engine:
         vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   max_prefill_tokens=max_prefill_tokens)
+                                   max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -25,9 +26,30 @@ from .types import SamplingParams
 
 @dataclass
 class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]]  # per row: the n best (id, logprob), n from `top_n`
+    """One chosen token per row. The tensors stay on the device (the batch feeds `chosen` to the next
+    forward); the Python lists are read once each, when the rows' events are built."""
+
+    chosen: torch.Tensor  # [rows] long: the chosen token ids
+    chosen_logprobs: torch.Tensor  # [rows] float: their logprobs
+    top_n: list[int]  # per row: how many best alternatives to report
+    top_values: torch.Tensor | None = None  # [rows, max(top_n)] logprobs, best first; None when no row asks
+    top_ids: torch.Tensor | None = None  # [rows, max(top_n)] their token ids
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        return self.chosen.tolist()
+
+    @cached_property
+    def logprobs(self) -> list[float]:
+        return self.chosen_logprobs.tolist()
+
+    @cached_property
+    def top(self) -> list[list[tuple[int, float]]]:
+        """Per row: the n best (id, logprob), n from `top_n`."""
+        if self.top_ids is None:
+            return [[] for _ in self.top_n]
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        return [list(zip(ids[r][:n], values[r][:n])) for r, n in enumerate(self.top_n)]
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
@@ -160,11 +182,8 @@ class HeterogeneousSampler:
             target = (uniform.to(cdf.device)[:, None] * cdf[:, -1:])
             position = torch.searchsorted(cdf, target).clamp(max=cdf.shape[-1] - 1)
             chosen[idx] = order.gather(-1, position).squeeze(-1)
-        token_ids = chosen.tolist()
-        picked = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
-        if self.max_top_n:
-            values, ids = torch.topk(logprobs, self.max_top_n, dim=-1)
-            values, ids = values.tolist(), ids.tolist()
-            top = [list(zip(ids[r][:n], values[r][:n])) for r, n in enumerate(self.top_n)]
-        return SampleOutput(token_ids, picked, top)
+        picked = logprobs.gather(1, chosen[:, None]).squeeze(1)
+        if not self.max_top_n:
+            return SampleOutput(chosen, picked, self.top_n)
+        values, ids = torch.topk(logprobs, self.max_top_n, dim=-1)
+        return SampleOutput(chosen, picked, self.top_n, values, ids)

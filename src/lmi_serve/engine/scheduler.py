@@ -11,7 +11,7 @@ Order of operations in `Scheduler.step`:
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
-7. evict finished rows at once, trimming padding that no remaining row needs.
+7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`).
 An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
 in a decode fails the running rows. Either way the loop goes on with new requests.
 """
@@ -30,6 +30,8 @@ from typing import Any
 from ..errors import Overloaded, RequestTimeout
 from .batch import Batch, Row, make_row
 from .handle import RequestHandle
+from .kv import KVFactory
+from .kv_dynamic import DynamicKV
 from .types import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,11 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
-                 max_prefill_tokens: int = 512, max_padding: float = 0.25):
+                 max_prefill_tokens: int = 512, max_padding: float = 0.25,
+                 kv_factory: KVFactory = DynamicKV.prefill):
+        """`kv_factory` prefills new rows into a KV batch (kv.py): the KV cache layout is its choice."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.kv_factory = kv_factory
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -182,7 +187,7 @@ class Scheduler:
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         try:
-            batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device)
+            batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
             self._deliver(batch.emit(batch.sample()))
         except Exception as exc:
             self.stats.failed_steps += 1
@@ -210,7 +215,7 @@ class Scheduler:
     def _decode(self) -> None:
         batch = self.batch
         try:
-            batch.decode(self.model)
+            batch.decode()
             events = batch.emit(batch.sample())
         except Exception as exc:
             self.stats.failed_steps += 1

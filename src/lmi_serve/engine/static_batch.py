@@ -1,7 +1,7 @@
 """One batched generation for a fixed set of requests (the dynamic-batch path).
 
-The prompts share one left-padded prefill; then every step runs one decode forward for the rows
-still going. A finished row leaves the batch (and its KV cache) at once.
+The prompts share one prefill (by default left-padded, kv_dynamic.py); then every step runs one
+decode forward for the rows still going. A finished row leaves the batch (and its KV cache) at once.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from .batch import Batch, make_row
+from .kv import KVFactory
+from .kv_dynamic import DynamicKV
 from .types import GenerationRequest, TokenEvent
 
 
@@ -25,19 +27,19 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def generate_static_batch(model, tokenizer, device, requests: Sequence[GenerationRequest]
-                          ) -> Iterator[tuple[int, TokenEvent]]:
+def generate_static_batch(model, tokenizer, device, requests: Sequence[GenerationRequest],
+                          kv_factory: KVFactory = DynamicKV.prefill) -> Iterator[tuple[int, TokenEvent]]:
     """Yield (request index, event) for every generated token until all requests finished.
 
     Order of operations per step: sample every row -> advance rows (stop checks, detokenization,
     events) -> drop finished rows -> one decode forward for the rest.
     """
     rows = [make_row(r, tokenizer, owner=i) for i, r in enumerate(requests)]
-    batch = Batch.prefill(model, rows, tokenizer.pad_token_id, device)
+    batch = Batch.prefill(model, rows, tokenizer.pad_token_id, device, kv_factory)
     while True:
         for row, event in batch.emit(batch.sample()):
             yield row.owner, event
         batch.evict_finished()
         if not len(batch):
             return
-        batch.decode(model)
+        batch.decode()

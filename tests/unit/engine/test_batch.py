@@ -51,7 +51,7 @@ class Runner:
         return batch
 
     def step(self, batch: Batch) -> None:
-        batch.decode(self.model)
+        batch.decode()
         self._emit(batch)
 
     def _emit(self, batch: Batch) -> None:
@@ -65,16 +65,17 @@ class Runner:
     @staticmethod
     def check(batch: Batch) -> None:
         """The invariants that tie the tensors to the rows."""
-        n, width = len(batch), batch.mask.shape[1]
-        assert batch.mask.shape[0] == batch.next_pos.shape[0] == batch.last.shape[0] == n
-        assert batch.seen.shape[0] == batch.counts.shape[0] == len(batch.sampler.params) == n
-        for layer in batch.cache.layers:
+        kv, history = batch.kv, batch.history
+        n, width = len(batch), kv.mask.shape[1]
+        assert len(kv) == kv.mask.shape[0] == kv.next_pos.shape[0] == kv.pending.shape[0] == n
+        assert history.seen.shape[0] == history.counts.shape[0] == len(history.sampler.params) == n
+        for layer in kv.cache.layers:
             assert layer.keys.shape[0] == layer.values.shape[0] == n
             assert layer.keys.shape[2] == layer.values.shape[2] == width
         if n:
             # The pending token's position is the number of real tokens already cached.
-            assert batch.next_pos.tolist() == batch.mask.sum(dim=1).tolist()
-            assert bool(batch.mask.any(dim=0)[0]), "a leading column is padding in every row"
+            assert kv.next_pos.tolist() == kv.mask.sum(dim=1).tolist()
+            assert bool(kv.mask.any(dim=0)[0]), "a leading column is padding in every row"
 
     def finish(self, batch: Batch, limit: int = 100) -> None:
         for _ in range(limit):
@@ -115,9 +116,9 @@ def test_concatenate_of_prefilled_batches_is_invisible(tiny_model, smollm2_token
     joining = [k for k in requests if k != older]
     joiners = run.prefill({k: requests[k] for k in joining})
     if older == "long":
-        assert running.mask.shape[1] > joiners.mask.shape[1], "test premise: the running cache is longer"
+        assert running.kv.mask.shape[1] > joiners.kv.mask.shape[1], "test premise: the running cache is longer"
     else:
-        assert running.mask.shape[1] < joiners.mask.shape[1], "test premise: the joiners' cache is longer"
+        assert running.kv.mask.shape[1] < joiners.kv.mask.shape[1], "test premise: the joiners' cache is longer"
     running.concatenate(joiners)
     run.check(running)
     assert [row.owner for row in running.rows] == [older, *joining]
@@ -154,11 +155,11 @@ def test_filter_after_some_steps_trims_padding_and_keeps_outputs(tiny_model, smo
     batch = run.prefill(requests)
     for _ in range(3):
         run.step(batch)
-    width = batch.mask.shape[1]
+    width = batch.kv.mask.shape[1]
     # Drop the longest prompt (4) and one more: the leading columns were padding for all the others.
     batch.filter([0, 1, 3])
     run.check(batch)
-    trimmed = width - batch.mask.shape[1]
+    trimmed = width - batch.kv.mask.shape[1]
     longest_left = max(len(prompt_ids[i]) for i in (0, 1, 3))
     assert trimmed == len(prompt_ids[4]) - longest_left, "padding nobody needs must be trimmed"
     assert [row.owner for row in batch.rows] == [0, 1, 3]
@@ -225,9 +226,9 @@ def test_penalty_history_follows_rows_through_concatenate_and_filter(tiny_model,
 def test_filter_keeping_every_row_is_a_no_op_and_to_nothing_is_empty(tiny_model, smollm2_tokenizer, prompt_ids):
     run = Runner(tiny_model, smollm2_tokenizer)
     batch = run.prefill({0: greedy(prompt_ids[0]), 1: greedy(prompt_ids[2])})
-    mask = batch.mask
+    mask = batch.kv.mask
     batch.filter([0, 1])
-    assert batch.mask is mask
+    assert batch.kv.mask is mask
     batch.filter([])
     assert len(batch) == 0
     run.check(batch)

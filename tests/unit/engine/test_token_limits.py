@@ -41,7 +41,7 @@ def run_batch(model, tok, requests, constraints=None) -> list[GenerationResult]:
         batch.evict_finished()
         if not len(batch):
             return results
-        batch.decode(model)
+        batch.decode()
 
 
 def ids(result: GenerationResult) -> list[int]:

@@ -1,0 +1,96 @@
+"""The left-padded transformers `DynamicCache`: the engine's default KV implementation (see kv.py).
+
+Every row's cache is as long as the longest one; shorter rows are padded on the left, and the
+attention mask plus per-row position ids keep padding invisible to the model, so a row's logits do
+not depend on its neighbours. `keep` drops leading columns that became padding in every row;
+`extend` left-pads whichever cache is shorter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from .kv import Prefilled
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, width - len(prompt):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+class DynamicKV:
+    """Row i of `cache`, `mask`, `next_pos` and `pending` is the batch's row i."""
+
+    def __init__(self, model: Any, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
+                 pending: torch.Tensor):
+        self.model = model
+        self.cache = cache
+        self.mask = mask  # [rows, cached length]: 1 for real tokens, 0 for left padding
+        self.next_pos = next_pos  # [rows]: position id of the pending token (= real tokens cached)
+        self.pending = pending  # [rows]: the token the next decode feeds
+
+    @classmethod
+    def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
+                prompt_logits: bool = False) -> Prefilled:
+        """The `KVFactory`: one left-padded forward over `prompts`. Until the first `feed`, a row's
+        pending token is its last prompt token (a placeholder that keeps every tensor [rows] long)."""
+        input_ids, mask = _left_pad(prompts, pad_id, device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=0 if prompt_logits else 1)
+        width = input_ids.shape[1]
+        per_row = [out.logits[i, width - len(p):] for i, p in enumerate(prompts)] if prompt_logits else None
+        kv = cls(model, cache, mask, mask.sum(dim=-1), input_ids[:, -1])
+        return Prefilled(kv, out.logits[:, -1, :], per_row)
+
+    def __len__(self) -> int:
+        return self.mask.shape[0]
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        self.pending = tokens
+
+    def decode(self) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        with torch.inference_mode():
+            out = self.model(input_ids=self.pending[:, None], attention_mask=self.mask,
+                             position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :]
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
+        index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.next_pos, self.pending = self.mask[index], self.next_pos[index], self.pending[index]
+        used = self.mask.any(dim=0).nonzero()
+        first = int(used[0]) if used.numel() else 0
+        if first:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.mask = self.mask[:, first:]
+
+    def extend(self, other: "DynamicKV") -> None:
+        """Append `other`'s rows, left-padding whichever cache is shorter."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        layers = []
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            keys = [F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.keys, theirs.keys)]
+            values = [F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.values, theirs.values)]
+            layers.append((torch.cat(keys), torch.cat(values)))
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            layer.keys, layer.values = keys, values
+        self.mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        self.pending = torch.cat([self.pending, other.pending])

@@ -1,0 +1,139 @@
+"""The KV seam (engine/kv.py): the scheduler reaches the model only through a KVFactory and the
+KVBatch verbs, and the DynamicCache implementation meets the contract that keep/extend never
+change a row's logits."""
+
+from __future__ import annotations
+
+import torch
+
+from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.kv import KVBatch, Prefilled
+from lmi_serve.engine.kv_dynamic import DynamicKV
+from lmi_serve.engine.scheduler import Scheduler
+from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
+
+from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
+
+CPU = torch.device("cpu")
+PROMPTS = ALL_PROMPTS[:5]
+
+
+class CountingKV:
+    """A KVBatch without a model: a row's logits always favour its last token + 1, so a greedy row
+    generates last+1, last+2, ... Only the protocol's verbs exist; every call is logged."""
+
+    vocab = 0
+    log: list[str] = []
+
+    def __init__(self, last: list[int]):
+        self._last = last
+        self._pending: torch.Tensor | None = None
+
+    @classmethod
+    def prefill(cls, model, prompts, *, pad_id, device, prompt_logits=False) -> Prefilled:
+        assert model is None, "the scheduler hands the factory its model and never runs it itself"
+        cls.log.append(f"prefill {len(prompts)}")
+        kv = cls([p[-1] for p in prompts])
+        return Prefilled(kv, kv._logits())
+
+    def _logits(self) -> torch.Tensor:
+        logits = torch.zeros((len(self._last), self.vocab))
+        logits[torch.arange(len(self._last)), torch.tensor(self._last, dtype=torch.long) + 1] = 10.0
+        return logits
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        assert tokens.shape == (len(self),)
+        self._pending = tokens
+
+    def decode(self) -> torch.Tensor:
+        self.log.append(f"decode {len(self)}")
+        self._last = self._pending.tolist()
+        return self._logits()
+
+    def keep(self, indices) -> None:
+        self.log.append(f"keep {list(indices)}")
+        self._last = [self._last[i] for i in indices]
+        self._pending = self._pending[torch.tensor(list(indices), dtype=torch.long)]
+
+    def extend(self, other: "CountingKV") -> None:
+        self.log.append(f"extend {len(other)}")
+        self._last = self._last + other._last
+        self._pending = torch.cat([self._pending, other._pending])
+
+
+def test_the_scheduler_runs_any_kv_batch_through_the_interface(smollm2_tokenizer, prompt_ids, monkeypatch):
+    assert isinstance(CountingKV([]), KVBatch)
+    monkeypatch.setattr(CountingKV, "vocab", len(smollm2_tokenizer))
+    monkeypatch.setattr(CountingKV, "log", [])
+    scheduler = Scheduler(None, smollm2_tokenizer, CPU, max_batch_size=2, max_queue=10,
+                          kv_factory=CountingKV.prefill)
+    lengths = [5, 2, 4, 3]
+    requests = [GenerationRequest(p, SamplingParams(), StopParams(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompt_ids, lengths)]
+    handles = [RequestHandle(r, deadline=None) for r in requests]
+    for handle in handles:
+        scheduler.add(handle)
+    for _ in range(20):
+        scheduler.step()
+        if not scheduler.waiting and not scheduler.batch:
+            break
+    for handle, request, n in zip(handles, requests, lengths):
+        result = handle.result()
+        last = request.prompt_ids[-1]
+        assert [e.token_id for e in result.events] == list(range(last + 1, last + 1 + n))
+        assert result.finish_reason is FinishReason.LENGTH
+    # Rows left (keep) and joined (extend) while others ran; the batch never outgrew max_batch_size.
+    assert any(entry.startswith("keep") for entry in CountingKV.log)
+    assert any(entry.startswith("extend") for entry in CountingKV.log)
+    assert all(int(entry.split()[1]) <= 2 for entry in CountingKV.log if entry.startswith(("decode", "prefill")))
+
+
+def fresh_logits(model, sequences) -> torch.Tensor:
+    """Each sequence's next-token logits from a new prefill of the whole sequence."""
+    return DynamicKV.prefill(model, sequences, pad_id=0, device=CPU).logits
+
+
+def test_dynamic_kv_keep_and_extend_match_a_fresh_prefill(tiny_model, smollm2_tokenizer, prompt_ids):
+    """After rows joined, left and decoded, every row's logits equal those of a fresh prefill of
+    its prompt plus the tokens it was fed."""
+    pad = smollm2_tokenizer.pad_token_id
+    sequences = [list(p) for p in prompt_ids]
+    first = DynamicKV.prefill(tiny_model, [sequences[i] for i in (4, 0, 2)], pad_id=pad, device=CPU)
+    kv, order = first.kv, [4, 0, 2]
+    assert isinstance(kv, KVBatch) and len(kv) == 3
+
+    def step(tokens: list[int]) -> torch.Tensor:
+        kv.feed(torch.tensor(tokens, dtype=torch.long))
+        for i, token in zip(order, tokens):
+            sequences[i].append(token)
+        return kv.decode()
+
+    step([101, 102, 103])
+    joined = DynamicKV.prefill(tiny_model, [sequences[i] for i in (1, 3)], pad_id=pad, device=CPU)
+    joined.kv.feed(torch.tensor([0, 0]))  # placeholders; the next feed sets the real ones
+    kv.extend(joined.kv)
+    order += [1, 3]
+    logits = step([201, 202, 203, 204, 205])
+    assert torch.allclose(logits, fresh_logits(tiny_model, [sequences[i] for i in order]), atol=1e-4)
+
+    kv.keep([1, 3, 4])  # the longest prompt (4) leaves: its padding columns go too
+    order = [order[i] for i in (1, 3, 4)]
+    assert len(kv) == 3
+    logits = step([301, 302, 303])
+    assert torch.allclose(logits, fresh_logits(tiny_model, [sequences[i] for i in order]), atol=1e-4)
+    for i, row in zip(order, logits):  # and each row alone
+        assert torch.allclose(row, fresh_logits(tiny_model, [sequences[i]])[0], atol=1e-4)
+
+
+def test_dynamic_kv_prompt_logits_are_each_rows_own(tiny_model, prompt_ids):
+    prompts = [prompt_ids[1], prompt_ids[4]]
+    out = DynamicKV.prefill(tiny_model, prompts, pad_id=0, device=CPU, prompt_logits=True)
+    assert [t.shape[0] for t in out.prompt_logits] == [len(p) for p in prompts]
+    with torch.inference_mode():
+        alone = tiny_model(input_ids=torch.tensor([prompts[0]])).logits[0]
+    assert torch.allclose(out.prompt_logits[0], alone, atol=1e-4)
+    assert torch.allclose(out.logits, torch.stack([t[-1] for t in out.prompt_logits]))
+    assert DynamicKV.prefill(tiny_model, prompts, pad_id=0, device=CPU).prompt_logits is None
