@@ -41,6 +41,17 @@ class RequestHandle:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
 
+    def next_event(self, timeout: float) -> TokenEvent | None:
+        """The next event, or None when `timeout` seconds pass without one (the failure, if the
+        engine failed the handle, is raised): for a consumer that checks something between events."""
+        try:
+            item = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def __iter__(self) -> Iterator[TokenEvent]:
         while True:
             item = self._events.get()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
+from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import GenerationResult, TokenEvent
@@ -144,11 +145,7 @@ class RollingBatchService:
 
     def _whole(self, ctx: RenderContext, formatter: OutputFormatter, handles: list[RequestHandle],
                n: int) -> Output:
-        try:
-            results = [handle.result() for handle in handles]
-        finally:
-            for handle in handles:
-                handle.cancel()  # no-op for finished ones; frees the rest if we were interrupted
+        results = wait_for_results(handles)  # cancels them all if the client goes away meanwhile
         ranked_ctx, ranked = rank_with_seeds(ctx, handles, results, n)
         return self._render_whole(ranked_ctx, formatter, ranked, _any_failed(results))
 

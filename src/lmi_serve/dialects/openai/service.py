@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ...disconnect import wait_for_events
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import TokenEvent
@@ -48,12 +49,8 @@ def _dumps(value) -> str:
 
 def _results(handles: list[RequestHandle], states: list[ChoiceState]) -> None:
     """Fill `states` from `handles` (index-aligned); a sequence that failed raises a 500."""
-    try:
-        for handle, state in zip(handles, states):
-            state.events.extend(handle)
-    finally:
-        for handle in handles:
-            handle.cancel()  # no-op for finished ones; frees the rest if we were interrupted
+    for events, state in zip(wait_for_events(handles), states):  # cancels them all if the client goes away
+        state.events.extend(events)
     for state in states:
         if state.events and state.events[-1].error:
             raise OpenAIError(500, f"Generation failed: {state.events[-1].error}")

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from flask import Blueprint, Response, current_app, request
 
 from ... import json_body
+from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...errors import Overloaded, RequestTimeout, ServingError
@@ -141,12 +142,9 @@ def _generate(as_list: bool) -> Response:
         return _stream(parsed)
     ctx, handles = _submit(parsed)
     try:
-        results = [h.result() for h in handles]
+        results = wait_for_results(handles)  # cancels them all if the client goes away meanwhile
     except RequestTimeout as exc:
         raise TgiError(424, f"Request failed during generation: {exc.message}") from None
-    finally:
-        for handle in handles:
-            handle.cancel()
     ctx, ranked = rank_with_seeds(ctx, handles, results, parsed.parameters.n)
     body = tgi_response(ctx, ranked[0].events, [r.events for r in ranked[1:]])
     status = 424 if "error" in body else 200

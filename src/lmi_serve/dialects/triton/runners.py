@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import GenerationResult
@@ -63,11 +64,9 @@ def _complete(engine: Engine, llm: LlmCall) -> list[WireTensor]:
     """The whole generation as one response (/infer, /generate, and generate_stream without `stream`)."""
     handle = _submit(engine, llm)
     try:
-        result = handle.result()
+        (result,) = wait_for_results([handle])  # cancels it if the client goes away meanwhile
     except RequestTimeout as exc:
         raise TritonError(503, exc.message) from None
-    finally:
-        handle.cancel()  # no-op when finished; frees the row if this thread was interrupted
     if result.error:
         raise TritonError(500, result.error)
     return llm_outputs(llm, result.text, result, final=True, prepend_prompt=not llm.exclude_input)
