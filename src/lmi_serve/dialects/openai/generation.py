@@ -81,7 +81,7 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
     do_sample = fields.temperature is None or fields.temperature > 0
     seed = fields.seed
     if seed is not None:
-        seed %= MAX_SEED - count  # any integer the client sends is a valid seed here
+        seed %= MAX_SEED - count  # the schema bounds seeds to int64; negatives map into [0, MAX_SEED) here
     elif do_sample:
         seed = random.randrange(MAX_SEED - count)
     stop = StopParams(max_new_tokens=max_new_tokens, stop_sequences=fields.stops,
