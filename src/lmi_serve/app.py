@@ -11,13 +11,16 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
 from flask import Flask, Response, g, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from .config import ServerConfig
+from .dialects.lmi import errors as lmi_errors
 from .dialects.lmi import routes as lmi_routes
+from .dialects.openai import errors as openai_errors
 from .dialects.openai import routes as openai_routes
 from .dialects.tgi import routes as tgi_routes
 from .dialects.triton import protocol as triton_protocol
@@ -27,14 +30,32 @@ from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
-# URL prefix -> renderer of (status, error type, message). Longest prefix wins; "" is LMI, which
-# also answers paths that no dialect owns.
-ErrorRenderer = Callable[[int, str, str], Response]
-ERROR_RENDERERS: dict[str, ErrorRenderer] = {
-    "": lmi_routes.error_response,
-    **{prefix: tgi_routes.error_response for prefix in tgi_routes.ERROR_PREFIXES},
-    **{prefix: openai_routes.error_response for prefix in openai_routes.ERROR_PREFIXES},
-    **{prefix: triton_protocol.app_error_response for prefix in triton_routes.ERROR_PREFIXES},
+class ErrorRenderers(NamedTuple):
+    """How one dialect answers errors: `http` renders an HTTP-level error that comes with its
+    status (Flask's 404/405/413, gunicorn's parse errors, an unexpected exception's 500); `kind`
+    renders one of the core's error kinds through the dialect's own table."""
+
+    http: Callable[[int, str, str], Response]
+    kind: Callable[[ServingError], Response]
+
+
+LMI_ERRORS = ErrorRenderers(lmi_errors.error_response, lmi_errors.render_kind)
+TGI_ERRORS = ErrorRenderers(tgi_routes.error_response, tgi_routes.render_kind)
+OPENAI_ERRORS = ErrorRenderers(openai_errors.error_response, openai_errors.render_kind)
+TRITON_ERRORS = ErrorRenderers(triton_protocol.app_error_response, triton_protocol.render_kind)
+
+# URL prefix -> the dialect answering errors there. Longest prefix wins; "" is LMI, which also
+# answers paths that no dialect owns.
+ERROR_RENDERERS: dict[str, ErrorRenderers] = {
+    "": LMI_ERRORS,
+    **{prefix: TGI_ERRORS for prefix in tgi_routes.ERROR_PREFIXES},
+    **{prefix: OPENAI_ERRORS for prefix in openai_routes.ERROR_PREFIXES},
+    **{prefix: TRITON_ERRORS for prefix in triton_routes.ERROR_PREFIXES},
+}
+
+# Exact (method, path) pairs owned by a dialect other than their prefix's: TGI's `POST /`.
+ROUTE_ERROR_RENDERERS: dict[tuple[str, str], ErrorRenderers] = {
+    ("POST", path): TGI_ERRORS for path in tgi_routes.ERROR_POST_PATHS
 }
 
 _HTTP_ERROR_TYPES = {
@@ -44,18 +65,17 @@ _HTTP_ERROR_TYPES = {
 }
 
 
-# Exact (method, path) pairs owned by a dialect other than their prefix's: TGI's `POST /`.
-ROUTE_ERROR_RENDERERS: dict[tuple[str, str], ErrorRenderer] = {
-    ("POST", path): tgi_routes.error_response for path in tgi_routes.ERROR_POST_PATHS
-}
+def error_renderers() -> ErrorRenderers:
+    """The renderers of the dialect that owns the current request's URL."""
+    renderers = ROUTE_ERROR_RENDERERS.get((request.method, request.path))
+    if renderers is None:
+        prefix = max((p for p in ERROR_RENDERERS if request.path.startswith(p)), key=len)
+        renderers = ERROR_RENDERERS[prefix]
+    return renderers
 
 
 def render_error(status: int, error_type: str, message: str) -> Response:
-    renderer = ROUTE_ERROR_RENDERERS.get((request.method, request.path))
-    if renderer is None:
-        prefix = max((p for p in ERROR_RENDERERS if request.path.startswith(p)), key=len)
-        renderer = ERROR_RENDERERS[prefix]
-    return renderer(status, error_type, message)
+    return error_renderers().http(status, error_type, message)
 
 
 def configure_threads(workers: int) -> int:
@@ -94,7 +114,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
 
     @app.errorhandler(ServingError)
     def serving_error(exc: ServingError) -> Response:
-        return render_error(exc.status, exc.error_type, exc.message)
+        return error_renderers().kind(exc)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:

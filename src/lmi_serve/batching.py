@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import Overloaded, RequestTimeout, ServingError
+from .errors import Overloaded, ServingError, Timeout
 from .handler_api import Input, Output
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,17 @@ class Job:
     deadline: float
     ready: threading.Event = field(default_factory=threading.Event)
     output: Output | None = None
+    error: ServingError | None = None  # the handler raised one of the core's error kinds instead
     chunks: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
 
     def finish(self, output: Output) -> None:
         self.output = output
+        self.ready.set()
+
+    def fail(self, error: ServingError) -> None:
+        """End the job with an error kind; the route raises it and the dialect renders it."""
+        self.error = error
         self.ready.set()
 
     def stream(self) -> Iterator[bytes]:
@@ -138,7 +144,9 @@ class DynamicBatcher:
         """Block the request thread until the job's Output (or its stream's headers) is ready."""
         if not job.ready.wait(max(0.0, job.deadline - time.monotonic())):
             job.cancelled = True
-            raise RequestTimeout(f"Prediction for model {self.name} timed out after {self._timeout:g} s")
+            raise Timeout(f"Prediction for model {self.name} timed out after {self._timeout:g} s")
+        if job.error is not None:
+            raise job.error
         assert job.output is not None
         return job.output
 
@@ -165,8 +173,10 @@ class DynamicBatcher:
         request = Input.batch_of([j.input for j in jobs]) if batched else jobs[0].input
         try:
             output = call_handler(self._handle, request, self.name)
-        except ServingError as exc:
-            output = Output().error(exc.message, code=exc.status, message=exc.error_type)
+        except ServingError as exc:  # the whole batch shares one handle() call, so it shares the error
+            for job in jobs:
+                job.fail(exc)
+            return
         outputs = output.get_batch_outputs(len(jobs)) if batched else [output]
         for job, out in zip(jobs, outputs):
             if out.is_stream():

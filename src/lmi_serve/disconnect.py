@@ -5,7 +5,7 @@ generator, and closing it cancels the engine request. A whole response writes no
 generation ends, so the request thread watches the connection while it waits instead:
 `wait_for_events(handles)` (or `wait_for_results`) gathers every handle's events, checks the client's socket each time it
 wakes (an event arrived, or `POLL_SECONDS` passed), and if the client closed its connection it
-cancels all the handles (the engine drops them at its next step) and raises ClientDisconnected.
+cancels all the handles (the engine drops them at its next step) and raises ClientGone.
 Every dialect's non-streaming route waits through it.
 
 The connection is gunicorn's `gunicorn.socket` in the WSGI environ. The check peeks without
@@ -25,20 +25,12 @@ from flask import has_request_context, request
 
 from .engine.handle import RequestHandle
 from .engine.types import GenerationResult, TokenEvent
-from .errors import ServingError
+from .errors import ClientGone
 
 # How long the request thread waits for an event before it looks at the socket again. A running
 # request gets an event every engine step, so the check runs at least once per step; this bounds
 # it for a request still waiting for a row (or in a long prefill).
 POLL_SECONDS = 0.05
-
-
-class ClientDisconnected(ServingError):
-    """The client closed the connection before its whole response was generated. Nobody reads
-    the answer; 499 is nginx's "client closed request", for the access log."""
-
-    error_type = "ClientClosedRequest"
-    status = 499
 
 
 class ClientConnection:
@@ -73,7 +65,7 @@ class ClientConnection:
 def wait_for_events(handles: list[RequestHandle],
                     connection: ClientConnection | None = None) -> list[list[TokenEvent]]:
     """Every handle's events up to its last, index-aligned; one handle's failure (e.g.
-    RequestTimeout) raises. `connection` defaults to the current request's. Whatever happens (all
+    Timeout) raises. `connection` defaults to the current request's. Whatever happens (all
     finished, a failure, a gone client), every handle is cancelled on the way out: a no-op for the
     finished ones, and the engine drops the rest at its next step."""
     if connection is None:
@@ -103,4 +95,4 @@ def _events(handle: RequestHandle, connection: ClientConnection | None) -> list[
             if event.finish_reason is not None:
                 return events
         if connection.closed():
-            raise ClientDisconnected("The client closed the connection before the response was complete")
+            raise ClientGone("The client closed the connection before the response was complete")

@@ -1,45 +1,73 @@
-"""Neutral error types. Each dialect maps them to its own status code and body shape."""
+"""The kinds of failure the core (engine, registry, service, shared parsers) raises.
+
+They carry a message and, for a bad request, the field at fault; never an HTTP status or a
+dialect's vocabulary. Each dialect maps kinds to its own status code and body shape in one table
+(`render_kind` below walks a class's MRO, so a subclass such as ContextOverflow finds its own row
+or its parent's).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
 
 class ServingError(Exception):
-    """Base class; `error_type` is stable and dialect mappers switch on it."""
+    """Base of every kind. `param`: the request field at fault, when one is (OpenAI reports it);
+    `code`: a machine-readable reason within the kind (e.g. "context_length_exceeded")."""
 
-    error_type = "ServingError"
-    status = 500
-
-    def __init__(self, message: str):
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.message = message
+        self.message, self.param, self.code = message, param, code
 
 
-class BadRequest(ServingError):
-    error_type = "BadRequestException"
-    status = 400
+class InvalidRequest(ServingError):
+    """The request itself is wrong (a field out of range, a prompt that does not fit): the client
+    must change it; retrying the same request fails the same way."""
 
 
-class ModelNotFound(ServingError):
-    error_type = "ModelNotFoundException"
-    status = 404
+class ContextOverflow(InvalidRequest):
+    """The prompt (and the output asked for) does not fit the model's context."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message, param=param, code="context_length_exceeded")
 
 
-class ModelNotReady(ServingError):
-    """The model is still loading or failed to load."""
+class NotFound(ServingError):
+    """The model (or another named thing) the request names is not served here."""
 
-    error_type = "ServiceUnavailableException"
-    status = 503
+
+class NotReady(ServingError):
+    """The model is still loading, or failed to load."""
 
 
 class Overloaded(ServingError):
-    """The job queue is full."""
-
-    error_type = "WlmCapacityException"
-    status = 503
+    """No room to queue the request now; the same request may succeed later."""
 
 
-class RequestTimeout(ServingError):
-    """The request waited longer than predict_timeout."""
+class Timeout(ServingError):
+    """The request waited longer than predict_timeout for the model."""
 
-    error_type = "TimeoutException"
-    status = 504
+
+class GenerationFailed(ServingError):
+    """The model failed while working on this request (the request was valid)."""
+
+
+class ClientGone(ServingError):
+    """The client closed its connection before its whole response was ready: nobody reads the
+    answer, but the access log still gets a status."""
+
+
+KINDS: tuple[type[ServingError], ...] = (InvalidRequest, ContextOverflow, NotFound, NotReady, Overloaded, Timeout,
+                                         GenerationFailed, ClientGone)
+
+Row = TypeVar("Row")
+
+
+def lookup(table: Mapping[type[ServingError], Row], error: ServingError) -> Row:
+    """`table`'s row for `error`'s kind: its own class's, else the nearest base class's. A table
+    must have a row for ServingError itself, the fallback for a kind it does not list."""
+    for cls in type(error).__mro__:
+        if cls in table:
+            return table[cls]
+    raise KeyError(f"no row for {type(error).__name__} and no ServingError fallback")

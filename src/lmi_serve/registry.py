@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from .config import ServerConfig
-from .errors import BadRequest, ModelNotFound
+from .errors import InvalidRequest, NotFound
 from .service import ModelService, ModelStatus
 
 
@@ -30,7 +30,7 @@ class ModelRegistry:
         try:
             return self.services[name]
         except KeyError:
-            raise ModelNotFound(f"Model not found: {name}") from None
+            raise NotFound(f"Model not found: {name}") from None
 
     def for_invocations(self, model_name: str | None) -> ModelService:
         """The model `model_name` names; else the only model; else the first text-generation
@@ -42,18 +42,18 @@ class ModelRegistry:
         for service in self.services.values():
             if service.task == "text-generation":
                 return service
-        raise BadRequest("Parameter model_name is required.")
+        raise InvalidRequest("Parameter model_name is required.")
 
-    def health(self) -> tuple[int, dict]:
-        """(status code, body) for /ping: 200 all healthy, 500 any failed, 503 any still loading."""
+    def health(self) -> tuple[ModelStatus, dict]:
+        """(overall status, per-model body) for the health routes: FAILED if any model failed,
+        else LOADING if any is still loading, else READY."""
         statuses = {name: s.current_status() for name, s in self.services.items()}
         body = {}
         for name, status in statuses.items():
             body[name] = {"status": status.value}
             if status is ModelStatus.FAILED:
                 body[name]["error"] = self.services[name].error
-        if any(s is ModelStatus.FAILED for s in statuses.values()):
-            return 500, body
-        if any(s is ModelStatus.LOADING for s in statuses.values()):
-            return 503, body
-        return 200, body
+        for overall in (ModelStatus.FAILED, ModelStatus.LOADING):
+            if overall in statuses.values():
+                return overall, body
+        return ModelStatus.READY, body

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .batching import DirectDispatcher, DynamicBatcher, Job
 from .config import ModelConfig
-from .errors import ModelNotReady
+from .errors import NotReady
 from .handler_api import Input, Output
 from .handler_loader import load_handler
 
@@ -134,26 +134,5 @@ class ModelService:
     def submit(self, request: Input) -> Job:
         if self.current_status() is not ModelStatus.READY or self.dispatcher is None:
             detail = f": {self.error}" if self.error else ""
-            raise ModelNotReady(f"Model {self.name} is {self.status.value.lower()}{detail}")
+            raise NotReady(f"Model {self.name} is {self.status.value.lower()}{detail}")
         return self.dispatcher.submit(request)
-
-    def describe(self) -> dict:
-        """LMI's GET /models/<m> entry, plus our batching counters."""
-        stats = self.dispatcher.stats if self.dispatcher else None
-        return {
-            "modelName": self.name,
-            "modelUrl": self.config.model_dir or self.config.model_id,
-            "task": self.task,
-            "batchSize": self.config.batch_size,
-            "maxBatchDelayMillis": self.config.max_batch_delay,
-            "queueSize": self.config.job_queue_size,
-            "rollingBatch": self.rolling_batch,
-            "requestInQueue": self.dispatcher.queued if self.dispatcher else 0,
-            "status": self.current_status().value,
-            **({"error": self.error} if self.error else {}),
-            "loadedAtStartup": True,
-            "batchStats": {"batches": stats.batches, "requests": stats.requests,
-                           "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
-            if stats else None,
-            **({"engine": self.engine.stats()} if self.engine else {}),
-        }

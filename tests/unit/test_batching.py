@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lmi_serve.batching import DynamicBatcher
-from lmi_serve.errors import Overloaded, RequestTimeout
+from lmi_serve.errors import Overloaded, Timeout
 from lmi_serve.handler_api import Input, Output
 
 
@@ -106,9 +106,9 @@ def test_waiting_past_predict_timeout_raises_and_the_job_is_skipped():
     batcher = make(handler, batch_size=1, max_batch_delay_ms=0, predict_timeout=0.3)
     blocker = batcher.submit(request({"value": 1}))
     late = batcher.submit(request({"value": 2}))
-    with pytest.raises(RequestTimeout, match="timed out"):
+    with pytest.raises(Timeout, match="timed out"):
         batcher.wait(late)
-    with pytest.raises(RequestTimeout):
+    with pytest.raises(Timeout):
         batcher.wait(blocker)  # predict_timeout bounds queueing and inference together
     gate.set()
     deadline = time.monotonic() + 5

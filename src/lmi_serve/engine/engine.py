@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from .beam_search import beam_search
 from .grammar import GrammarCompiler
@@ -21,6 +22,20 @@ from .static_batch import eos_token_ids
 from .types import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters; each dialect renders it in its own words."""
+
+    running: int  # rows in the batch now
+    waiting: int  # requests queued for a row
+    steps: int
+    prefills: int
+    admitted: int  # requests that got a row, ever
+    largest_batch: int
+    failed_steps: int  # steps whose forward raised (their rows failed; the engine went on)
+    max_batch_size: int
 
 
 class Engine:
@@ -85,11 +100,11 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s = self.scheduler.stats
-        return {"running": self.scheduler.running, "waiting": len(self.scheduler.waiting), "steps": s.steps,
-                "prefills": s.prefills, "admitted": s.admitted, "largestBatch": s.largest_batch,
-                "failedSteps": s.failed_steps, "maxBatchSize": self.scheduler.max_batch_size}
+        return EngineStats(running=self.scheduler.running, waiting=len(self.scheduler.waiting), steps=s.steps,
+                           prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
+                           failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import Overloaded, RequestTimeout
+from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
 from .handle import RequestHandle
 from .kv import KVFactory
@@ -133,7 +133,7 @@ class Scheduler:
                     handle.push(TokenEvent.cancelled())
                     continue
                 if handle.expired(now):
-                    handle.fail(RequestTimeout(
+                    handle.fail(Timeout(
                         f"Request waited {now - handle.submitted_at:.1f} s for a free slot, over predict_timeout"))
                     continue
                 keep.append(handle)

@@ -97,14 +97,15 @@ def test_the_error_renderer_takes_any_message():
 def test_get_tensors_names_a_missing_tensor():
     from lmi_serve.dialects.triton.tensor_model import MissingTensor, get_tensors, tensor_input
     from lmi_serve.dialects.triton.tensors import WireTensor
-    from lmi_serve.errors import BadRequest
+    from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
+    from lmi_serve.errors import InvalidRequest, lookup
 
     tensors = get_tensors(tensor_input([WireTensor("INPUT1", "INT32", (1,), np.array([1], dtype=np.int32))], {}))
     assert tensors["INPUT1"].tolist() == [1]
     with pytest.raises(MissingTensor) as raised:
         tensors["INPUT0"]
-    assert isinstance(raised.value, BadRequest) and isinstance(raised.value, KeyError)  # old handlers catch KeyError
-    assert raised.value.status == 400
+    assert isinstance(raised.value, InvalidRequest) and isinstance(raised.value, KeyError)  # old handlers catch KeyError
+    assert lookup(TRITON_ERROR_TABLE, raised.value) == 400
     assert str(raised.value) == ("input tensor 'INPUT0' is missing from the request (tensors given: 'INPUT1'); "
                                  "tensor models are served on the /v2/models/<model>/infer and /generate routes")
 

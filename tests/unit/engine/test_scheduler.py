@@ -19,7 +19,7 @@ from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import (
     FinishReason, GenerationRequest, GenerationResult, SamplingParams, StopParams,
 )
-from lmi_serve.errors import Overloaded, RequestTimeout
+from lmi_serve.errors import Overloaded, Timeout
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
 
@@ -84,7 +84,7 @@ def poll(condition, timeout: float = WAIT, what: str = "condition") -> None:
 
 def idle(engine: Engine) -> bool:
     stats = engine.stats()
-    return stats["running"] == 0 and stats["waiting"] == 0
+    return stats.running == 0 and stats.waiting == 0
 
 
 @pytest.fixture
@@ -138,9 +138,9 @@ def test_staggered_requests_equal_each_run_alone(make_engine, tiny_model, smollm
         assert [e.token_id for e in events] == expected[i], f"request {i}"
     poll(lambda: idle(engine), what="idle engine")
     stats = engine.stats()
-    assert stats["admitted"] == len(requests)
-    assert 1 < stats["largestBatch"] <= 4
-    assert stats["failedSteps"] == 0
+    assert stats.admitted == len(requests)
+    assert 1 < stats.largest_batch <= 4
+    assert stats.failed_steps == 0
 
 
 def test_rows_joining_and_leaving_step_by_step(make_engine, tiny_model, smollm2_tokenizer, prompt_ids):
@@ -187,7 +187,7 @@ def test_batch_never_exceeds_max_batch_size_and_waiting_requests_finish(make_eng
     engine = make_engine(start=False, max_batch_size=2)
     requests = [greedy(p, n) for p, n in zip(prompt_ids, [5, 8, 3, 6, 4, 7])]
     handles = [engine.submit(r) for r in requests]
-    assert engine.stats()["waiting"] == 6 and engine.stats()["running"] == 0
+    assert engine.stats().waiting == 6 and engine.stats().running == 0
     engine.start()
     for request, handle in zip(requests, handles):
         res = result(handle)
@@ -195,8 +195,8 @@ def test_batch_never_exceeds_max_batch_size_and_waiting_requests_finish(make_eng
         assert ids_of(res) == alone(tiny_model, smollm2_tokenizer, request)
     poll(lambda: idle(engine), what="idle engine")
     stats = engine.stats()
-    assert stats["largestBatch"] == stats["maxBatchSize"] == 2
-    assert stats["admitted"] == 6
+    assert stats.largest_batch == stats.max_batch_size == 2
+    assert stats.admitted == 6
 
 
 def test_queue_overflow_raises_overloaded(make_engine, prompt_ids):
@@ -204,7 +204,7 @@ def test_queue_overflow_raises_overloaded(make_engine, prompt_ids):
     first, second = engine.submit(greedy(prompt_ids[0], 3)), engine.submit(greedy(prompt_ids[1], 3))
     with pytest.raises(Overloaded):
         engine.submit(greedy(prompt_ids[2], 3))
-    assert engine.stats()["waiting"] == 2
+    assert engine.stats().waiting == 2
     engine.start()
     assert result(first).generated_tokens == 3
     assert result(second).generated_tokens == 3
@@ -245,7 +245,7 @@ def test_cancelled_waiting_request_is_never_admitted(make_engine, prompt_ids):
     assert result(first).generated_tokens == 4
     assert result(last).generated_tokens == 4
     poll(lambda: idle(engine), what="idle engine")
-    assert engine.stats()["admitted"] == 2
+    assert engine.stats().admitted == 2
 
 
 def test_request_waiting_past_predict_timeout_raises(make_engine, tiny_model, smollm2_tokenizer, prompt_ids):
@@ -255,9 +255,9 @@ def test_request_waiting_past_predict_timeout_raises(make_engine, tiny_model, sm
     within(lambda: next(iter(blocker)))
     engine.predict_timeout = 0.2
     late = engine.submit(greedy(prompt_ids[0], 3))
-    with pytest.raises(RequestTimeout):
+    with pytest.raises(Timeout):
         within(lambda: list(late))
-    assert engine.stats()["waiting"] == 0
+    assert engine.stats().waiting == 0
     blocker.cancel()
     poll(lambda: idle(engine), what="idle engine")
     engine.predict_timeout = WAIT
@@ -298,8 +298,8 @@ def test_failed_prefill_fails_only_the_poisoned_request(make_engine, tiny_model,
         assert ids_of(res) == alone(tiny_model, tok, request)
         assert res.finish_reason is FinishReason.LENGTH and res.error is None
     poll(lambda: idle(engine), what="idle engine")
-    assert engine.stats()["failedSteps"] >= 1  # a joint prefill (if grouped), then the poisoned one alone
-    assert engine.stats()["admitted"] == 3
+    assert engine.stats().failed_steps >= 1  # a joint prefill (if grouped), then the poisoned one alone
+    assert engine.stats().admitted == 3
 
     # Later requests still work, poisoned ones still fail alone.
     later = [engine.submit(good[2]), engine.submit(poisoned)]
@@ -330,7 +330,7 @@ def test_failed_decode_fails_the_running_requests_and_the_engine_goes_on(make_en
     # The waiting request is admitted into the freed rows and runs normally.
     assert ids_of(result(handles[2])) == alone(tiny_model, tok, requests[2])
     poll(lambda: idle(engine), what="idle engine")
-    assert engine.stats()["failedSteps"] == 1
+    assert engine.stats().failed_steps == 1
     # And new requests keep working.
     request = greedy(prompt_ids[4], 5)
     assert ids_of(result(engine.submit(request))) == alone(tiny_model, tok, request)
@@ -352,4 +352,4 @@ def test_stats_running_reads_the_batch_once(make_engine):
             return 1
 
     scheduler.batch = Vanishing()
-    assert engine.stats()["running"] in (0, 1)
+    assert engine.stats().running in (0, 1)

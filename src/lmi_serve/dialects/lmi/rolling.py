@@ -15,7 +15,7 @@ from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import GenerationResult, TokenEvent
-from ...errors import Overloaded, RequestTimeout
+from ...errors import Overloaded, Timeout
 from ...handler_api import Input, Output
 from ...handler_utils import read_payload
 from ..openai.errors import OpenAIError
@@ -160,7 +160,7 @@ class RollingBatchService:
 
     def _stream(self, ctx: RenderContext, formatter: OutputFormatter, handle: RequestHandle) -> Output:
         events_iter = iter(handle)
-        first = next(events_iter)  # errors before generation (e.g. RequestTimeout) raise here
+        first = next(events_iter)  # errors before generation (e.g. Timeout) raise here
         if first.error is not None:  # failed before any token: still time for a real status code
             return self._error(first.error, error_type="generation")
         output = Output().add_property("Content-Type", formatter.mimetype)
@@ -177,7 +177,7 @@ def _render_stream(ctx: RenderContext, formatter: OutputFormatter, handle: Reque
         for event in rest:
             events.append(event)
             yield formatter.render_chunk(ctx, events)
-    except RequestTimeout as exc:
+    except Timeout as exc:
         events.append(TokenEvent.failure(exc.message))
         yield formatter.render_chunk(ctx, events)
     finally:

@@ -7,26 +7,25 @@ Routes turn HTTP into an `Input`, hand it to the model's job queue, and turn the
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, current_app, g, request
 
 from ...handler_api import Input, Output
 from ...registry import ModelRegistry
-from ...service import ModelService
+from ...service import ModelService, ModelStatus
+
+if TYPE_CHECKING:  # the engine imports torch; these routes need only the name
+    from ...engine.engine import EngineStats
 
 blueprint = Blueprint("lmi", __name__)
+
+# /ping: 200 all healthy, 500 any model failed, 503 any still loading (DJL's answers).
+_PING_STATUS = {ModelStatus.READY: 200, ModelStatus.FAILED: 500, ModelStatus.LOADING: 503}
 
 JSON = "application/json"
 # Hop-by-hop and framing headers are Werkzeug's to set, never a handler's.
 _RESERVED_HEADERS = {"content-length", "transfer-encoding", "connection"}
-
-
-def error_response(status: int, error_type: str, message: str) -> Response:
-    """LMI's management-style error body, plus `error` (the message again): the LMI renderer also
-    answers paths no dialect owns, and clients of the other dialects (the `text-generation`
-    client, for one) read `error` from any error body."""
-    body = {"code": status, "type": error_type, "message": message, "error": message}
-    return Response(json.dumps(body), status=status, mimetype=JSON)
 
 
 def _registry() -> ModelRegistry:
@@ -62,7 +61,7 @@ def _invoke(service: ModelService) -> Response:
 @blueprint.get("/ping")
 def ping() -> Response:
     status, body = _registry().health()
-    return Response(json.dumps(body), status=status, mimetype=JSON)
+    return Response(json.dumps(body), status=_PING_STATUS[status], mimetype=JSON)
 
 
 @blueprint.post("/invocations")
@@ -87,4 +86,33 @@ def list_models() -> Response:
 @blueprint.get("/models/<model_name>")
 def describe_model(model_name: str) -> Response:
     service = _registry().get(model_name)
-    return Response(json.dumps([{"workflowName": service.name, "models": [service.describe()]}]), mimetype=JSON)
+    return Response(json.dumps([{"workflowName": service.name, "models": [_describe(service)]}]), mimetype=JSON)
+
+
+def _describe(service: ModelService) -> dict:
+    """LMI's GET /models/<m> entry, plus our batching and engine counters."""
+    stats = service.dispatcher.stats if service.dispatcher else None
+    config = service.config
+    return {
+        "modelName": service.name,
+        "modelUrl": config.model_dir or config.model_id,
+        "task": service.task,
+        "batchSize": config.batch_size,
+        "maxBatchDelayMillis": config.max_batch_delay,
+        "queueSize": config.job_queue_size,
+        "rollingBatch": service.rolling_batch,
+        "requestInQueue": service.dispatcher.queued if service.dispatcher else 0,
+        "status": service.current_status().value,
+        **({"error": service.error} if service.error else {}),
+        "loadedAtStartup": True,
+        "batchStats": {"batches": stats.batches, "requests": stats.requests,
+                       "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
+        if stats else None,
+        **({"engine": _engine_stats(service.engine.stats())} if service.engine else {}),
+    }
+
+
+def _engine_stats(stats: EngineStats) -> dict:
+    return {"running": stats.running, "waiting": stats.waiting, "steps": stats.steps, "prefills": stats.prefills,
+            "admitted": stats.admitted, "largestBatch": stats.largest_batch, "failedSteps": stats.failed_steps,
+            "maxBatchSize": stats.max_batch_size}

@@ -6,6 +6,10 @@ import json
 
 from flask import Response
 
+from ...errors import (
+    ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
+)
+
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable",
           504: "timeout"}
@@ -35,3 +39,21 @@ def error_response(status: int, error_type: str, message: str, *, param: str | N
     if status == 429:
         response.headers["retry-after"] = "1"
     return response
+
+
+# kind -> (status, OpenAI's `code` when the kind does not bring its own)
+ERROR_TABLE: dict[type[ServingError], tuple[int, str | None]] = {
+    InvalidRequest: (400, None),
+    NotFound: (404, "model_not_found"),
+    NotReady: (503, None),
+    Overloaded: (429, "rate_limit_exceeded"),
+    Timeout: (504, "timeout"),
+    GenerationFailed: (500, None),
+    ClientGone: (499, None),
+    ServingError: (500, None),
+}
+
+
+def render_kind(error: ServingError) -> Response:
+    status, code = lookup(ERROR_TABLE, error)
+    return error_response(status, type(error).__name__, error.message, param=error.param, code=error.code or code)

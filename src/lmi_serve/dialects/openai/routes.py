@@ -17,7 +17,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, request
 
 from ... import json_body
-from ...errors import ModelNotReady, Overloaded, ServingError
+from ...errors import NotReady
 from ...handler_api import Input
 from ...json_body import InvalidJson
 from ...registry import ModelRegistry
@@ -41,13 +41,6 @@ def _openai_error(exc: OpenAIError) -> Response:
     return error_response(exc.status, "", exc.message, param=exc.param, code=exc.code)
 
 
-@blueprint.errorhandler(ServingError)
-def _serving_error(exc: ServingError) -> Response:
-    status = 429 if isinstance(exc, Overloaded) else exc.status
-    code = {404: "model_not_found", 429: "rate_limit_exceeded", 504: "timeout"}.get(status)
-    return error_response(status, exc.error_type, exc.message, code=code)
-
-
 def _body() -> Any:
     """The decoded body; too deep, lone surrogates, NaN and non-JSON are a 400 (json_body's rules)."""
     try:
@@ -69,7 +62,7 @@ def _service(name: str | None, task: str) -> ModelService:
         if service is None:
             raise OpenAIError(404, f"No {task} model is served", param="model", code="model_not_found")
     if service.current_status() is not ModelStatus.READY:
-        raise ModelNotReady(f"Model {service.name} is {service.current_status().value.lower()}")
+        raise NotReady(f"Model {service.name} is {service.current_status().value.lower()}")
     return service
 
 

@@ -15,7 +15,7 @@ from ...disconnect import wait_for_events
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import TokenEvent
-from ...errors import RequestTimeout
+from ...errors import Timeout
 from . import chat, vllm
 from .errors import OpenAIError, error_body
 from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, interleave, submit
@@ -81,7 +81,7 @@ def _guarded(chunks: Iterator[Chunk], handles: list[RequestHandle]) -> Iterator[
     """Errors after the first chunk become an error chunk; closing the stream cancels generation."""
     try:
         yield from chunks
-    except RequestTimeout as exc:
+    except Timeout as exc:
         yield error_body(504, exc.message)
     except OpenAIError as exc:
         yield exc.body()

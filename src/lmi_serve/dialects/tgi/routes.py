@@ -24,7 +24,9 @@ from ... import json_body
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
-from ...errors import Overloaded, RequestTimeout, ServingError
+from ...errors import (
+    ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
+)
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from ..lmi.formatters import RenderContext, tgi_response, tgi_stream_frame
@@ -143,7 +145,7 @@ def _generate(as_list: bool) -> Response:
     ctx, handles = _submit(parsed)
     try:
         results = wait_for_results(handles)  # cancels them all if the client goes away meanwhile
-    except RequestTimeout as exc:
+    except Timeout as exc:
         raise TgiError(424, f"Request failed during generation: {exc.message}") from None
     ctx, ranked = rank_with_seeds(ctx, handles, results, parsed.parameters.n)
     body = tgi_response(ctx, ranked[0].events, [r.events for r in ranked[1:]])
@@ -162,7 +164,7 @@ def _stream(parsed: RollingRequest) -> Response:
             for event in handle:
                 events.append(event)
                 yield "data: " + json.dumps(tgi_stream_frame(ctx, events), ensure_ascii=False) + "\n\n"
-        except RequestTimeout as exc:
+        except Timeout as exc:
             yield "data: " + json.dumps({"error": f"Request failed during generation: {exc.message}",
                                          "error_type": "generation"}) + "\n\n"
         finally:
@@ -176,10 +178,22 @@ def tgi_error(exc: TgiError) -> Response:
     return error_response(exc.status, "", exc.message)
 
 
-@blueprint.errorhandler(ServingError)
-def serving_error(exc: ServingError) -> Response:
-    status = {404: 404, 400: 422}.get(exc.status, exc.status)
-    return error_response(status, exc.error_type, exc.message)
+# kind -> (status, TGI's error_type)
+ERROR_TABLE: dict[type[ServingError], tuple[int, str]] = {
+    InvalidRequest: (422, "validation"),
+    NotFound: (404, "not_found"),
+    NotReady: (503, "healthcheck"),
+    Overloaded: (429, "overloaded"),
+    Timeout: (424, "generation"),
+    GenerationFailed: (424, "generation"),
+    ClientGone: (499, "client_closed_request"),
+    ServingError: (500, "internal"),
+}
+
+
+def render_kind(error: ServingError) -> Response:
+    status, error_type = lookup(ERROR_TABLE, error)
+    return error_response(status, error_type, error.message)
 
 
 @blueprint.post("/")
@@ -202,7 +216,7 @@ def generate_stream() -> Response:
 @blueprint.get("/health")
 def health() -> Response:
     status, _ = _registry().health()
-    if status != 200:
+    if status is not ModelStatus.READY:
         return error_response(503, "healthcheck", "unhealthy")
     return Response(status=200)
 

@@ -15,6 +15,9 @@ import numpy as np
 from flask import Response, current_app, request
 
 from ... import json_body
+from ...errors import (
+    ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
+)
 
 MAX_JSON_DEPTH = 100  # Triton's limit on JSON nesting
 # Request-level parameters Triton itself consumes; every other one goes to the model.
@@ -55,6 +58,23 @@ def app_error_response(status: int, error_type: str, message: str) -> Response:
     if status == 413:  # Triton answers an oversized body with 400 and this wording
         return error_response(400, size_limit_message(request.content_length))
     return error_response(status, _HTTP_ERROR_MESSAGES.get(status, message))
+
+
+# kind -> status (Triton answers every server-side failure with 503 and `{"error"}`)
+ERROR_TABLE: dict[type[ServingError], int] = {
+    InvalidRequest: 400,
+    NotFound: 404,
+    NotReady: 503,
+    Overloaded: 503,
+    Timeout: 503,
+    GenerationFailed: 503,
+    ClientGone: 499,
+    ServingError: 503,
+}
+
+
+def render_kind(error: ServingError) -> Response:
+    return error_response(lookup(ERROR_TABLE, error), error.message)
 
 
 def max_input_size() -> int:

@@ -16,7 +16,6 @@ import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
 from ... import __version__
-from ...errors import ServingError
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from .generate import dumps, parse_generate_request, response_object, sse_events
@@ -78,11 +77,6 @@ def _triton_error(exc: TritonError) -> Response:
     return error_response(exc.status, exc.message, exc.headers)
 
 
-@blueprint.errorhandler(ServingError)
-def _serving_error(exc: ServingError) -> Response:
-    return error_response(503 if exc.status >= 500 else exc.status, exc.message)
-
-
 @blueprint.get("/v2")
 def server_metadata() -> Response:
     return json_response({"name": _state().server_name, "version": __version__, "extensions": EXTENSIONS})
@@ -96,7 +90,7 @@ def live() -> Response:
 @blueprint.get("/v2/health/ready")
 def ready() -> Response:
     status, body = _registry().health()
-    if status != 200:
+    if status is not ModelStatus.READY:
         waiting = sorted(name for name, entry in body.items() if entry["status"] != ModelStatus.READY.value)
         return error_response(400, f"Server not ready: model(s) {waiting} not ready")
     return Response(status=200)

@@ -19,7 +19,7 @@ from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.handle import RequestHandle
 from ...engine.types import GenerationResult
-from ...errors import ModelNotReady, Overloaded, RequestTimeout
+from ...errors import NotReady, Overloaded, Timeout
 from ...handler_api import Input, Output, PairList
 from ...service import ModelService
 from .llm import LlmCall, llm_outputs, parse_llm_call
@@ -65,7 +65,7 @@ def _complete(engine: Engine, llm: LlmCall) -> list[WireTensor]:
     handle = _submit(engine, llm)
     try:
         (result,) = wait_for_results([handle])  # cancels it if the client goes away meanwhile
-    except RequestTimeout as exc:
+    except Timeout as exc:
         raise TritonError(503, exc.message) from None
     if result.error:
         raise TritonError(500, result.error)
@@ -93,7 +93,7 @@ def _llm_responses(llm: LlmCall, handle: RequestHandle) -> Iterator[list[WireTen
             final = event.finish_reason is not None
             if event.text or final:  # skip tokens whose text is still held back
                 yield llm_outputs(llm, event.text, result, final=final, prepend_prompt=False)
-    except RequestTimeout as exc:
+    except Timeout as exc:
         raise TritonError(503, exc.message) from None
     finally:
         handle.cancel()
@@ -103,7 +103,7 @@ def _handler_output(service: ModelService, request: Input) -> Output:
     try:
         job = service.submit(request)
         output = service.dispatcher.wait(job)
-    except (Overloaded, RequestTimeout, ModelNotReady) as exc:
+    except (Overloaded, Timeout, NotReady) as exc:
         raise TritonError(503, exc.message) from None
     if output.code != 200:
         try:

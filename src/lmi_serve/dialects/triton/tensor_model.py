@@ -13,7 +13,7 @@ A model.py declares its tensors at module level and keeps DJL's `handle(Input) -
 The server checks every request against INPUT_TENSORS (names, datatypes, shapes) before `handle`
 runs, and every output against OUTPUT_TENSORS after. On other routes (/invocations, /predictions)
 `get_tensors` refuses content that is no tensor, and asking it for a missing tensor raises a
-BadRequest (400) naming it, so a handler needs no checks of its own. Each tensor travels inside
+InvalidRequest (400) naming it, so a handler needs no checks of its own. Each tensor travels inside
 the Input/Output as one content entry named after the tensor, in an encoding of our own (a JSON
 header line, then the binary tensor data): never pickle, so a body sent to /invocations cannot
 smuggle objects in.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import BadRequest
+from ...errors import InvalidRequest
 from ...handler_api import DATA_KEY, Input, Output
 from .tensors import (NUMPY_DTYPES, WireTensor, as_wire_tensor, check_datatype, datatype_of,
                       tensor_from_binary, tensor_to_binary)
@@ -35,7 +35,7 @@ _MAGIC = b'{"tensor":'
 _ROUTES_HINT = "tensor models are served on the /v2/models/<model>/infer and /generate routes"
 
 
-class TensorRequestError(BadRequest, ValueError):
+class TensorRequestError(InvalidRequest, ValueError):
     """The request does not carry the tensors a tensor model needs (a client error, 400); still a
     ValueError, as get_tensors raised before."""
 
@@ -107,7 +107,7 @@ def tensor_input(tensors: list[WireTensor], properties: dict[str, str]) -> Input
 
 def get_tensors(inputs: Input) -> Tensors:
     """The request's tensors by name, as numpy arrays (BYTES: object arrays of `bytes`). A missing
-    tensor or a content entry that is no tensor raises a BadRequest (400) naming it, so a handler
+    tensor or a content entry that is no tensor raises a InvalidRequest (400) naming it, so a handler
     that indexes `tensors["INPUT0"]` answers the client instead of failing with a KeyError."""
     return Tensors((key, _request_tensor(key, bytes(value))) for key, value in inputs.content if key != DATA_KEY)
 
