@@ -3,16 +3,18 @@ on a real socket pair (the server's end is watched, the test plays the client)."
 
 from __future__ import annotations
 
+import queue
 import socket
 import struct
 import threading
 
 import pytest
 
-from lmi_serve.disconnect import ClientConnection, ClientGone, wait_for_events, wait_for_results
+from lmi_serve.disconnect import ClientConnection, wait_for_results
+from lmi_serve.engine.generation import Generation
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.types import FinishReason, GenerationRequest, TokenEvent
-from lmi_serve.errors import ServingError, Timeout
+from lmi_serve.errors import ClientGone, Timeout
 
 PIPELINED = b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -44,8 +46,15 @@ def pair():
     client.close()
 
 
-def handle(prompt_len: int = 3) -> RequestHandle:
-    return RequestHandle(GenerationRequest(prompt_ids=tuple(range(prompt_len))), deadline=None)
+def generation(*prompt_lens: int) -> Generation:
+    """A Generation of one sequence per prompt length, fed by the test instead of an engine."""
+    sink = queue.SimpleQueue()
+    return Generation([RequestHandle(GenerationRequest(prompt_ids=tuple(range(n))), None, sink=sink, index=i)
+                       for i, n in enumerate(prompt_lens)], sink)
+
+
+def texts(results) -> list[str]:
+    return [r.text for r in results]
 
 
 def finish_after_checks(connection: CountingConnection, target: RequestHandle) -> threading.Thread:
@@ -90,69 +99,77 @@ def test_pipelined_bytes_mean_the_client_is_there_and_are_left_unread(pair):
     assert server.recv(len(PIPELINED), socket.MSG_WAITALL) == PIPELINED
 
 
-def test_peer_closing_while_waiting_cancels_every_handle(pair):
+def test_peer_closing_while_waiting_cancels_every_sequence(pair):
     server, client = pair
-    handles = [handle(), handle()]
-    handles[0].push(token("a"))  # generation under way, never finishing
+    gen = generation(3, 3)
+    gen.handles[0].push(token("a"))  # generation under way, never finishing
     client.close()
-    with pytest.raises(ClientGone) as caught:
-        wait_for_events(handles, ClientConnection(server))
-    assert isinstance(caught.value, ServingError)  # each dialect renders it (its 499 is in their tables)
-    assert all(h.cancelled for h in handles)
+    with pytest.raises(ClientGone):
+        wait_for_results(gen, ClientConnection(server))
+    assert all(h.cancelled for h in gen.handles)
 
 
 def test_peer_closing_while_still_queued_cancels_it(pair):
     """No event at all (the request waits for a row): the poll timeout still gets the socket looked at."""
     server, client = pair
-    waiting = handle()
+    gen = generation(3)
     connection = CountingConnection(server)
     closer = threading.Thread(target=lambda: (connection.checked_thrice.wait(60), client.close()), daemon=True)
     closer.start()
     with pytest.raises(ClientGone):
-        wait_for_events([waiting], connection)
-    assert waiting.cancelled
+        wait_for_results(gen, connection)
+    assert gen.handles[0].cancelled
 
 
 def test_peer_sending_data_is_no_disconnect(pair):
     server, client = pair
     client.sendall(PIPELINED)
-    target = handle(prompt_len=4)
+    gen = generation(4)
     connection = CountingConnection(server)
-    pusher = finish_after_checks(connection, target)
-    (result,) = wait_for_results([target], connection)
+    pusher = finish_after_checks(connection, gen.handles[0])
+    (result,) = wait_for_results(gen, connection)
     pusher.join()
     assert result.prompt_tokens == 4 and result.text == "ab" and result.finish_reason is FinishReason.LENGTH
     assert connection.checks >= 3
     assert server.recv(len(PIPELINED), socket.MSG_WAITALL) == PIPELINED
 
 
-def test_every_handle_is_waited_for_in_order(pair):
+def test_every_sequence_is_waited_for_and_kept_in_order(pair):
     server, _client = pair
-    first, second = handle(), handle()
-    second.push(token("x", FinishReason.EOS_TOKEN))
+    gen = generation(3, 3)
+    gen.handles[1].push(token("x", FinishReason.EOS_TOKEN))
     connection = CountingConnection(server)
-    pusher = finish_after_checks(connection, first)
-    events = wait_for_events([first, second], connection)
+    pusher = finish_after_checks(connection, gen.handles[0])
+    results = wait_for_results(gen, connection)
     pusher.join()
-    assert ["".join(e.text for e in seq) for seq in events] == ["ab", "x"]
+    assert texts(results) == ["ab", "x"]
 
 
-def test_a_failed_handle_raises_and_cancels_the_others(pair):
+def test_a_sequence_failing_before_any_token_raises_its_kind_and_cancels_the_others(pair):
     server, _client = pair
-    failed, other = handle(), handle()
-    failed.fail(Timeout("waited too long"))
-    with pytest.raises(Timeout):
-        wait_for_events([failed, other], ClientConnection(server))
-    assert other.cancelled
+    gen = generation(3, 3)
+    gen.handles[0].push(TokenEvent.failure("waited too long", kind=Timeout))
+    with pytest.raises(Timeout, match="waited too long"):
+        wait_for_results(gen, ClientConnection(server))
+    assert gen.handles[1].cancelled
+
+
+def test_a_failure_after_tokens_is_the_sequences_last_event(pair):
+    server, _client = pair
+    gen = generation(3)
+    gen.handles[0].push(token("a"))
+    gen.handles[0].push(TokenEvent.failure("the model broke"))
+    (result,) = wait_for_results(gen, ClientConnection(server))
+    assert result.text == "a" and result.error == "the model broke"
 
 
 def test_without_a_connection_waiting_is_plain_waiting():
     """Outside a request (or with Flask's test client) there is no socket: nothing is watched."""
-    target = handle()
-    target.push(token("a", FinishReason.LENGTH))
+    gen = generation(3)
+    gen.handles[0].push(token("a", FinishReason.LENGTH))
     assert ClientConnection.current() is None
-    (result,) = wait_for_results([target])
-    assert result.text == "a" and target.cancelled  # cancelling a finished request is a no-op
+    (result,) = wait_for_results(gen)
+    assert result.text == "a" and gen.handles[0].cancelled  # cancelling a finished request is a no-op
 
 
 def test_the_current_connection_is_the_gunicorn_socket(pair):

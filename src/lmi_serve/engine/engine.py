@@ -1,20 +1,24 @@
 """Engine: the rolling-batch text generator one model process owns.
 
-`submit(request)` returns a RequestHandle at once (or raises Overloaded when the waiting queue is
-full); the scheduler thread does the rest. The engine imports no Flask, no JSON and no dialect
-names: dialects build GenerationRequests and render TokenEvents.
+`generate(requests)` queues every sequence of one client request and returns their Generation at
+once (or raises Overloaded when the waiting queue is full); the scheduler thread does the rest.
+The engine imports no Flask, no JSON and no dialect names: dialects build GenerationRequests and
+render TokenEvents.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .beam_search import beam_search
 from .grammar import GrammarCompiler
-from .handle import RequestHandle
+from .generation import Generation
+from .handle import RequestHandle, Sink
 from .kv import KVFactory
 from .kv_dynamic import DynamicKV
 from .scheduler import Scheduler
@@ -67,27 +71,28 @@ class Engine:
         self._thread.join(timeout=10)
         self.scheduler.abort_all("the engine stopped")
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
-        Overloaded when the waiting queue is full."""
+    def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
+        """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
+        Overloaded when the waiting queue is full. Dialects use `generate`."""
         constraint = self.grammars.constraint(request.guided) if request.guided is not None else None
         deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
-        handle = RequestHandle(request, deadline, constraint)
+        handle = RequestHandle(request, deadline, constraint, sink=sink, index=index)
         self.scheduler.add(handle)
         return handle
 
-    def submit_all(self, requests) -> list[RequestHandle]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> Generation:
         """Queue every sequence of one client request, or none: if one cannot be queued (Overloaded,
         GrammarError), the ones already queued are cancelled and the error is raised."""
+        sink: Sink = queue.SimpleQueue()
         handles: list[RequestHandle] = []
         try:
-            for request in requests:
-                handles.append(self.submit(request))
+            for index, request in enumerate(requests):
+                handles.append(self.submit(request, sink=sink, index=index))
         except BaseException:
             for handle in handles:
                 handle.cancel()
             raise
-        return handles
+        return Generation(handles, sink)
 
     def beam_search(self, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
         """Beam search for one request, run alone between two steps; blocks until done. Returns

@@ -1,4 +1,4 @@
-"""RequestHandle: one request's event stream between the scheduler thread and its consumer."""
+"""RequestHandle: one sequence's place in the engine, between the scheduler thread and its reader."""
 
 from __future__ import annotations
 
@@ -11,29 +11,32 @@ from .types import GenerationRequest, GenerationResult, TokenEvent
 
 _ids = itertools.count(1)
 
+Sink = queue.SimpleQueue  # of (sequence index, TokenEvent)
+
 
 class RequestHandle:
-    """Iterate it to receive TokenEvents until the one carrying a finish_reason.
+    """The engine pushes TokenEvents until the one carrying a finish_reason; every failure,
+    including a queue timeout, is such a terminal event (`TokenEvent.failure`, with its kind).
 
-    The engine either pushes events or fails the handle with an exception (raised to the consumer
-    before any event, e.g. a timeout while waiting for a slot). `cancel()` asks the engine to drop
-    the request at its next step; closing a consumer's generator should call it.
+    Events go to `sink` as (index, event): a Generation gives all its sequences one sink, so one
+    reader sees them in arrival order. A handle made alone has a sink of its own and can be
+    iterated directly (engine tests do). `cancel()` asks the engine to drop the sequence at its
+    next step; dialects never call it: leaving a Generation does.
     """
 
-    def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None):
+    def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None, *,
+                 sink: Sink | None = None, index: int = 0):
         self.id = next(_ids)
         self.request = request
         self.constraint = constraint  # the engine's grammar state for a guided request
         self.deadline = deadline  # monotonic time by which the request must have been admitted
         self.submitted_at = time.monotonic()
         self.cancelled = False
-        self._events: queue.SimpleQueue[TokenEvent | BaseException] = queue.SimpleQueue()
+        self.index = index
+        self._sink: Sink = sink if sink is not None else queue.SimpleQueue()
 
     def push(self, event: TokenEvent) -> None:
-        self._events.put(event)
-
-    def fail(self, error: BaseException) -> None:
-        self._events.put(error)
+        self._sink.put((self.index, event))
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -41,28 +44,16 @@ class RequestHandle:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
 
-    def next_event(self, timeout: float) -> TokenEvent | None:
-        """The next event, or None when `timeout` seconds pass without one (the failure, if the
-        engine failed the handle, is raised): for a consumer that checks something between events."""
-        try:
-            item = self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
     def __iter__(self) -> Iterator[TokenEvent]:
+        """This handle's events, for a handle made alone (its sink is its own)."""
         while True:
-            item = self._events.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finish_reason is not None:
+            _, event = self._sink.get()
+            yield event
+            if event.finish_reason is not None:
                 return
 
     def result(self) -> GenerationResult:
-        """Wait for the whole generation."""
+        """Wait for the whole generation (a handle made alone)."""
         result = GenerationResult(len(self.request.prompt_ids))
         result.events.extend(self)
         return result

@@ -133,8 +133,9 @@ class Scheduler:
                     handle.push(TokenEvent.cancelled())
                     continue
                 if handle.expired(now):
-                    handle.fail(Timeout(
-                        f"Request waited {now - handle.submitted_at:.1f} s for a free slot, over predict_timeout"))
+                    handle.push(TokenEvent.failure(
+                        f"Request waited {now - handle.submitted_at:.1f} s for a free slot, over predict_timeout",
+                        kind=Timeout))
                     continue
                 keep.append(handle)
             self.waiting = keep

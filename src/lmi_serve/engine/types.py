@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..errors import GenerationFailed, ServingError
+
 
 class FinishReason(enum.Enum):
     """Why a sequence ended. Dialects own the strings they show for these."""
@@ -117,10 +119,16 @@ class TokenEvent:
     # On the first event, when prompt_top_n: each prompt position's best alternatives (none for the first).
     prompt_top_tokens: tuple[tuple[TopToken, ...], ...] | None = None
     error: str | None = None
+    error_kind: type[ServingError] = GenerationFailed  # with `error`: which kind of failure ended it
 
     @classmethod
-    def failure(cls, message: str) -> "TokenEvent":
-        return cls(-1, "", -1.0, True, FinishReason.ERROR, error=message)
+    def failure(cls, message: str, kind: type[ServingError] = GenerationFailed) -> "TokenEvent":
+        return cls(-1, "", -1.0, True, FinishReason.ERROR, error=message, error_kind=kind)
+
+    def raise_failure(self) -> None:
+        """Raise this event's failure as its kind, if it is one."""
+        if self.error is not None:
+            raise self.error_kind(self.error)
 
     @classmethod
     def cancelled(cls) -> "TokenEvent":

@@ -13,20 +13,20 @@ def result(logprob: float) -> GenerationResult:
     return GenerationResult(1, [TokenEvent(5, "x", logprob, False, FinishReason.LENGTH)])
 
 
-def handle(seed: int | None) -> SimpleNamespace:
-    return SimpleNamespace(request=SimpleNamespace(sampling=SimpleNamespace(seed=seed)))
+def request(seed: int | None) -> SimpleNamespace:
+    return SimpleNamespace(sampling=SimpleNamespace(seed=seed))
 
 
 def test_each_ranked_sequence_reports_the_seed_it_was_sampled_with():
     results = [result(-3.0), result(-1.0), result(-2.0)]
-    handles = [handle(100), handle(101), handle(102)]
-    ctx, ranked = rank_with_seeds(RenderContext("p", tgi_compat=True, seed=100), handles, results, n=1)
+    requests = [request(100), request(101), request(102)]
+    ctx, ranked = rank_with_seeds(RenderContext("p", tgi_compat=True, seed=100), requests, results, n=1)
     assert ranked == [results[1], results[2], results[0]]
     assert ctx.seed == 101 and ctx.other_seeds == (102, 100)
 
 
 def test_n_keeps_the_best_n_with_their_seeds():
     results = [result(-3.0), result(-1.0), result(-2.0)]
-    ctx, ranked = rank_with_seeds(RenderContext("p", seed=7), [handle(7), handle(8), handle(9)], results, n=2)
+    ctx, ranked = rank_with_seeds(RenderContext("p", seed=7), [request(7), request(8), request(9)], results, n=2)
     assert ranked == [results[1], results[2]]
     assert ctx.seed == 8 and ctx.other_seeds == (9,)

@@ -3,6 +3,7 @@ model (vocabulary) before anything is queued. The tokenizer is SmolLM2's; no mod
 
 from __future__ import annotations
 
+import queue
 from types import SimpleNamespace
 
 import pytest
@@ -10,22 +11,14 @@ import pytest
 from lmi_serve.dialects.openai.errors import OpenAIError
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService
+from lmi_serve.engine.generation import Generation
+from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.types import FinishReason, TokenEvent
 
 VOCAB = 49152
 OUTPUT = [(1, "One"), (2, ","), (3, " two"), (4, "."), (5, "")]  # the last: EOS, no text
 USER = [{"role": "user", "content": "Count."}]
 
-
-class ScriptedHandle:
-    def __init__(self, events: list[TokenEvent]):
-        self.events = events
-
-    def __iter__(self):
-        return iter(self.events)
-
-    def cancel(self) -> None:
-        pass
 
 
 class ScriptedEngine:
@@ -36,11 +29,16 @@ class ScriptedEngine:
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB))
         self.submitted = []
 
-    def submit_all(self, requests):
+    def generate(self, requests):
+        """Every sequence's events already queued, one sequence after the other."""
         self.submitted += requests
         last = len(OUTPUT) - 1
-        return [ScriptedHandle([TokenEvent(t, text, -0.5, False, FinishReason.EOS_TOKEN if i == last else None)
-                                for i, (t, text) in enumerate(OUTPUT)]) for _ in requests]
+        sink = queue.SimpleQueue()
+        handles = [RequestHandle(request, None, sink=sink, index=index) for index, request in enumerate(requests)]
+        for handle in handles:
+            for i, (t, text) in enumerate(OUTPUT):
+                handle.push(TokenEvent(t, text, -0.5, False, FinishReason.EOS_TOKEN if i == last else None))
+        return Generation(handles, sink)
 
 
 @pytest.fixture

@@ -117,19 +117,19 @@ def test_a_token_the_grammar_rejects_ends_only_that_row(smollm2_tokenizer):
     assert event.finish_reason is FinishReason.ERROR and "rejected" in event.error and row.finished
 
 
-def test_submit_all_queues_all_or_none(engine, smollm2_tokenizer):
+def test_generate_queues_all_or_none(engine, smollm2_tokenizer):
     queued = []
     original = engine.submit
 
-    def recording(req):
-        handle = original(req)
+    def recording(req, **where):
+        handle = original(req, **where)
         queued.append(handle)
         return handle
 
     engine.submit = recording
     try:
         with pytest.raises(GrammarError):
-            engine.submit_all([request(smollm2_tokenizer, max_new_tokens=50),
+            engine.generate([request(smollm2_tokenizer, max_new_tokens=50),
                                request(smollm2_tokenizer, GuidedDecoding(lark="start: undefined_rule"))])
     finally:
         del engine.submit

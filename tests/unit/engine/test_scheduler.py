@@ -248,15 +248,17 @@ def test_cancelled_waiting_request_is_never_admitted(make_engine, prompt_ids):
     assert engine.stats().admitted == 2
 
 
-def test_request_waiting_past_predict_timeout_raises(make_engine, tiny_model, smollm2_tokenizer, prompt_ids):
+def test_request_waiting_past_predict_timeout_ends_with_a_timeout_event(make_engine, tiny_model, smollm2_tokenizer, prompt_ids):
     engine = make_engine(max_batch_size=1)
     engine.predict_timeout = None  # the request holding the only row has no deadline
     blocker = engine.submit(greedy(prompt_ids[2], 100_000))
     within(lambda: next(iter(blocker)))
     engine.predict_timeout = 0.2
     late = engine.submit(greedy(prompt_ids[0], 3))
+    (ended,) = within(lambda: list(late))  # the timeout is the request's one terminal event, of its kind
+    assert ended.finish_reason is FinishReason.ERROR and "predict_timeout" in ended.error
     with pytest.raises(Timeout):
-        within(lambda: list(late))
+        ended.raise_failure()
     assert engine.stats().waiting == 0
     blocker.cancel()
     poll(lambda: idle(engine), what="idle engine")

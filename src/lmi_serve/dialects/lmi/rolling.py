@@ -13,9 +13,9 @@ from dataclasses import replace
 
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
-from ...engine.handle import RequestHandle
-from ...engine.types import GenerationResult, TokenEvent
-from ...errors import Overloaded, Timeout
+from ...engine.generation import Generation
+from ...engine.types import GenerationRequest, GenerationResult
+from ...errors import GenerationFailed, Overloaded
 from ...handler_api import Input, Output
 from ...handler_utils import read_payload
 from ..openai.errors import OpenAIError
@@ -38,12 +38,12 @@ def _ranking(results: Sequence[GenerationResult], n: int) -> list[int]:
     return ranked[:n] if n > 1 else ranked
 
 
-def rank_with_seeds(ctx: RenderContext, handles: Sequence[RequestHandle], results: Sequence[GenerationResult],
+def rank_with_seeds(ctx: RenderContext, requests: Sequence[GenerationRequest], results: Sequence[GenerationResult],
                     n: int) -> tuple[RenderContext, list[GenerationResult]]:
     """`best_first(results, n)`, and `ctx` reporting each ranked sequence's own sampling seed
-    (`handles[i]` produced `results[i]`): the best one's as `seed`, the others' as `other_seeds`."""
+    (`requests[i]` produced `results[i]`): the best one's as `seed`, the others' as `other_seeds`."""
     order = _ranking(results, n)
-    seeds = [handles[i].request.sampling.seed for i in order]
+    seeds = [requests[i].sampling.seed for i in order]
     return replace(ctx, seed=seeds[0], other_seeds=tuple(seeds[1:])), [results[i] for i in order]
 
 
@@ -102,14 +102,14 @@ class RollingBatchService:
         if request.parameters.num_beams > 1:
             return self._beams(ctx, formatter, requests[0], request.parameters)
         try:
-            handles = self.engine.submit_all(requests)
+            generation = self.engine.generate(requests)
         except Overloaded:
             if self.tgi_compat:
                 return self._error("Model is overloaded", 429, "overloaded")
             raise  # the LMI front answers 503
         if formatter.streams(request.stream):
-            return self._stream(ctx, formatter, handles[0])
-        return self._whole(ctx, formatter, handles, request.parameters.n)
+            return self._stream(ctx, formatter, generation)
+        return self._whole(ctx, formatter, generation, request.parameters.n)
 
     def _chat(self, item: Input, payload: dict) -> Output:
         """LMI's chat schema: an OpenAI chat request; the same chat.completion object back, and a
@@ -143,10 +143,12 @@ class RollingBatchService:
             return self._error(f"exception occurred during beam search: {exc}", error_type="generation")
         return self._render_whole(ctx, formatter, best_first(results, parameters.n), _any_failed(results))
 
-    def _whole(self, ctx: RenderContext, formatter: OutputFormatter, handles: list[RequestHandle],
-               n: int) -> Output:
-        results = wait_for_results(handles)  # cancels them all if the client goes away meanwhile
-        ranked_ctx, ranked = rank_with_seeds(ctx, handles, results, n)
+    def _whole(self, ctx: RenderContext, formatter: OutputFormatter, generation: Generation, n: int) -> Output:
+        try:
+            results = wait_for_results(generation)  # cancelled if the client goes away meanwhile
+        except GenerationFailed as exc:  # failed before any token: LMI's handler-failure answer
+            return self._error(exc.message, error_type="generation")
+        ranked_ctx, ranked = rank_with_seeds(ctx, generation.requests, results, n)
         return self._render_whole(ranked_ctx, formatter, ranked, _any_failed(results))
 
     @staticmethod
@@ -158,28 +160,19 @@ class RollingBatchService:
         output = Output(code=424 if failed else 200, message="invoke handler failure" if failed else "OK")
         return output.add(body).add_property("Content-Type", formatter.mimetype)
 
-    def _stream(self, ctx: RenderContext, formatter: OutputFormatter, handle: RequestHandle) -> Output:
-        events_iter = iter(handle)
-        first = next(events_iter)  # errors before generation (e.g. Timeout) raise here
-        if first.error is not None:  # failed before any token: still time for a real status code
-            return self._error(first.error, error_type="generation")
+    def _stream(self, ctx: RenderContext, formatter: OutputFormatter, generation: Generation) -> Output:
+        try:
+            generation.start()  # a failure before any token still gets a real status code
+        except GenerationFailed as exc:
+            return self._error(exc.message, error_type="generation")
         output = Output().add_property("Content-Type", formatter.mimetype)
-        return output.add_stream_content(_render_stream(ctx, formatter, handle, first, events_iter),
+        return output.add_stream_content(_render_stream(ctx, formatter, generation),
                                          output_formatter=lambda chunk: chunk)
 
 
-def _render_stream(ctx: RenderContext, formatter: OutputFormatter, handle: RequestHandle, first: TokenEvent,
-                   rest: Iterator[TokenEvent]) -> Iterator[str]:
+def _render_stream(ctx: RenderContext, formatter: OutputFormatter, generation: Generation) -> Iterator[str]:
     """Chunks for each event; closing this generator (client gone) cancels the engine request."""
-    events = [first]
-    try:
+    events = []
+    for _, event in generation.events():
+        events.append(event)
         yield formatter.render_chunk(ctx, events)
-        for event in rest:
-            events.append(event)
-            yield formatter.render_chunk(ctx, events)
-    except Timeout as exc:
-        events.append(TokenEvent.failure(exc.message))
-        yield formatter.render_chunk(ctx, events)
-    finally:
-        handle.cancel()
-

@@ -7,16 +7,14 @@ choice; choices still differ). Limits follow OpenAI: prompt + max_tokens beyond 
 
 from __future__ import annotations
 
-import queue
 import random
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...engine.engine import Engine
 from ...engine.grammar import GrammarError
-from ...engine.handle import RequestHandle
-from ...engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams, TokenEvent
+from ...engine.generation import Generation
+from ...engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams
 from ...errors import Overloaded
 from ..lmi.schema import MAX_SEED
 from .errors import OpenAIError
@@ -95,10 +93,10 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
         for i in range(count)])
 
 
-def submit(engine: Engine, requests: list[GenerationRequest]) -> list[RequestHandle]:
+def submit(engine: Engine, requests: list[GenerationRequest]) -> Generation:
     """Queue every sequence (all or none), with the engine's refusals in OpenAI's terms."""
     try:
-        return engine.submit_all(requests)
+        return engine.generate(requests)
     except Overloaded:
         raise OpenAIError(429, "The model is overloaded: too many requests are waiting. Retry shortly.",
                           code="rate_limit_exceeded") from None
@@ -119,31 +117,3 @@ class ChoiceState(GenerationResult):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-def interleave(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:
-    """(handle index, event) in arrival order across handles; a handle's exception is raised here.
-    One handle is read directly; several are read by one helper thread each."""
-    if len(handles) == 1:
-        for event in handles[0]:
-            yield 0, event
-        return
-    merged: queue.SimpleQueue = queue.SimpleQueue()
-
-    def pump(index: int, handle: RequestHandle) -> None:
-        try:
-            for event in handle:
-                merged.put((index, event))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            merged.put((index, exc))
-
-    for index, handle in enumerate(handles):
-        threading.Thread(target=pump, args=(index, handle), daemon=True, name="openai-choice").start()
-    remaining = len(handles)
-    while remaining:
-        index, item = merged.get()
-        if isinstance(item, BaseException):
-            raise item
-        if item.finish_reason is not None:
-            remaining -= 1
-        yield index, item

@@ -11,14 +11,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ...disconnect import wait_for_events
+from ...disconnect import wait_for_results
 from ...engine.engine import Engine
-from ...engine.handle import RequestHandle
-from ...engine.types import TokenEvent
-from ...errors import Timeout
+from ...engine.generation import Generation
+from ...engine.types import GenerationRequest
 from . import chat, vllm
-from .errors import OpenAIError, error_body
-from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, interleave, submit
+from .errors import OpenAIError
+from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
 from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -47,47 +46,23 @@ def _dumps(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _results(handles: list[RequestHandle], states: list[ChoiceState]) -> None:
-    """Fill `states` from `handles` (index-aligned); a sequence that failed raises a 500."""
-    for events, state in zip(wait_for_events(handles), states):  # cancels them all if the client goes away
-        state.events.extend(events)
+def _results(generation: Generation, states: list[ChoiceState]) -> None:
+    """Fill `states` from the generation (index-aligned); a sequence that failed raises a 500."""
+    for result, state in zip(wait_for_results(generation), states):  # cancelled if the client goes away
+        state.events.extend(result.events)
     for state in states:
         if state.events and state.events[-1].error:
             raise OpenAIError(500, f"Generation failed: {state.events[-1].error}")
 
 
-def _first_event(handles: list[RequestHandle]) -> Iterator[tuple[int, TokenEvent]]:
-    """The interleaved events, with the first one already received (errors before it raise here)."""
-    events = interleave(handles)
-    try:
-        first = next(events)
-    except BaseException:
-        for handle in handles:
-            handle.cancel()
-        raise
-    if first[1].error is not None:
-        for handle in handles:
-            handle.cancel()
-        raise OpenAIError(500, f"Generation failed: {first[1].error}")
-
-    def replay():
-        yield first
-        yield from events
-
-    return replay()
-
-
-def _guarded(chunks: Iterator[Chunk], handles: list[RequestHandle]) -> Iterator[Chunk]:
+def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]:
     """Errors after the first chunk become an error chunk; closing the stream cancels generation."""
     try:
         yield from chunks
-    except Timeout as exc:
-        yield error_body(504, exc.message)
     except OpenAIError as exc:
         yield exc.body()
     finally:
-        for handle in handles:
-            handle.cancel()
+        generation.close()
 
 
 class OpenAIService:
@@ -109,21 +84,21 @@ class OpenAIService:
         top = request.top_logprobs or 0 if request.logprobs else 0
         requests = build_requests(self.engine, request, prompt, max_tokens, count=request.n, top_n=top,
                                   guided=chat.guided_decoding(request))
-        handles = submit(self.engine, requests)
+        generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
         meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
         states = [ChoiceState(len(prompt), index=i) for i in range(request.n)]
         if not request.stream:
-            _results(handles, states)
+            _results(generation, states)
             return Reply(body=vllm.finish_chat(chat_completion(
                 meta, states, logprobs=request.logprobs, top_logprobs=top, tools_enabled=tools_enabled,
                 token_text=self.token_text), request, states))
-        events = _first_event(handles)
+        generation.start()  # a failure before the first token raises here, before any status line
         stream = ChatStream(meta, include_usage=request.include_usage, logprobs=request.logprobs, top_logprobs=top,
                             tools_enabled=tools_enabled, token_text=self.token_text)
 
         def chunks() -> Iterator[Chunk]:
-            for index, event in events:
+            for index, event in generation.events():
                 if event.error:
                     raise OpenAIError(500, f"Generation failed: {event.error}")
                 yield from stream.start(index)
@@ -133,7 +108,7 @@ class OpenAIService:
                 yield stream.usage_chunk(states)
 
         return Reply(chunks=_guarded(_with_running_usage(vllm.echo_chunks(chunks(), request), request, len(prompt),
-                                                         states), handles))
+                                                         states), generation))
 
     # ---- completions --------------------------------------------------------------------------
 
@@ -156,36 +131,31 @@ class OpenAIService:
     def completions(self, request: CompletionRequest) -> Reply:
         per_prompt = request.best_of or request.n
         choices: list[CompletionChoice] = []
-        handles: list[RequestHandle] = []
+        requests: list[GenerationRequest] = []
         prompt_tokens = 0
-        try:
-            for p, prompt in enumerate(request.prompts):
-                ids = vllm.truncate_prompt(self._prompt_ids(prompt, request), request, self.engine.max_model_len)
-                ids, max_tokens = fit_to_context(ids, request.max_tokens, self.engine.max_model_len, where="prompt",
-                                                 param="prompt", truncate=request.error_behavior == "truncate")
-                prompt_tokens += len(ids)
-                text = self.tokenizer.decode(ids) if request.echo else ""  # after any truncation
-                requests = build_requests(self.engine, request, ids, max_tokens, count=per_prompt,
-                                          top_n=request.logprobs or 0,
-                                          prompt_logprobs=request.echo and request.logprobs is not None)
-                handles += submit(self.engine, requests)
-                choices += [CompletionChoice(ChoiceState(len(ids), index=p * per_prompt + j), text, request.echo,
-                                             request.suffix) for j in range(per_prompt)]
-        except BaseException:
-            for handle in handles:
-                handle.cancel()
-            raise
+        for p, prompt in enumerate(request.prompts):
+            ids = vllm.truncate_prompt(self._prompt_ids(prompt, request), request, self.engine.max_model_len)
+            ids, max_tokens = fit_to_context(ids, request.max_tokens, self.engine.max_model_len, where="prompt",
+                                             param="prompt", truncate=request.error_behavior == "truncate")
+            prompt_tokens += len(ids)
+            text = self.tokenizer.decode(ids) if request.echo else ""  # after any truncation
+            requests += build_requests(self.engine, request, ids, max_tokens, count=per_prompt,
+                                       top_n=request.logprobs or 0,
+                                       prompt_logprobs=request.echo and request.logprobs is not None)
+            choices += [CompletionChoice(ChoiceState(len(ids), index=p * per_prompt + j), text, request.echo,
+                                         request.suffix) for j in range(per_prompt)]
+        generation = submit(self.engine, requests)  # every prompt's sequences, all or none
         meta = vllm.response_meta(ResponseMeta.new("cmpl", self.model_name), request)
         if not request.stream:
-            _results(handles, [c.state for c in choices])
+            _results(generation, [c.state for c in choices])
             choices = _best_of(choices, request.n, per_prompt)
             return Reply(body=vllm.finish_completion(completion(
                 meta, choices, logprobs=request.logprobs, token_text=self.token_text, prompt_tokens=prompt_tokens),
                 request, [c.state for c in choices]))
-        events = _first_event(handles)
+        generation.start()  # a failure before the first token raises here, before any status line
 
         def chunks() -> Iterator[Chunk]:
-            for index, event in events:
+            for index, event in generation.events():
                 choice = choices[index]
                 first = not choice.state.events
                 choice.state.events.append(event)
@@ -202,7 +172,7 @@ class OpenAIService:
                                                 "total_tokens": prompt_tokens + generated}}
 
         return Reply(chunks=_guarded(_with_running_usage(chunks(), request, prompt_tokens,
-                                                         [c.state for c in choices]), handles))
+                                                         [c.state for c in choices]), generation))
 
 
 def _with_running_usage(chunks: Iterator[Chunk], request, prompt_tokens: int,

@@ -23,13 +23,13 @@ from flask import Blueprint, Response, current_app, request
 from ... import json_body
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
-from ...engine.handle import RequestHandle
+from ...engine.generation import Generation
 from ...errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )
 from ...registry import ModelRegistry
 from ...service import ModelStatus
-from ..lmi.formatters import RenderContext, tgi_response, tgi_stream_frame
+from ..lmi.formatters import TGI_ERROR_PREFIX, RenderContext, tgi_response, tgi_stream_frame
 from ..lmi.rolling import rank_with_seeds
 from ..lmi.schema import (
     GenerationParameters, LmiRequestError, RollingRequest, parse_generation_parameters, to_generation_requests,
@@ -114,7 +114,7 @@ def _check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:
                             "formatters apply on /invocations")
 
 
-def _submit(parsed: RollingRequest) -> tuple[RenderContext, list[RequestHandle]]:
+def _submit(parsed: RollingRequest) -> tuple[RenderContext, Generation]:
     _, engine = _engine()
     prompt_ids = engine.tokenizer(parsed.inputs).input_ids
     if parsed.parameters.truncate:
@@ -128,26 +128,23 @@ def _submit(parsed: RollingRequest) -> tuple[RenderContext, list[RequestHandle]]
         requests = to_generation_requests(parsed.parameters, prompt_ids,
                                           eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
                                           max_input_len=engine.max_model_len - 1)
-        handles = engine.submit_all(requests)
+        generation = engine.generate(requests)
     except LmiRequestError as exc:
         raise TgiError(422, f"Input validation error: {exc}") from None
     except Overloaded:
         raise TgiError(429, "Model is overloaded") from None
     ctx = RenderContext.for_request(parsed, tgi_compat=True, seed=requests[0].sampling.seed,
                                     prompt_tokens_count=len(requests[0].prompt_ids))
-    return ctx, handles
+    return ctx, generation
 
 
 def _generate(as_list: bool) -> Response:
     parsed = _parse(route_default_full_text=as_list, stream_route=False)
     if parsed.stream:
         return _stream(parsed)
-    ctx, handles = _submit(parsed)
-    try:
-        results = wait_for_results(handles)  # cancels them all if the client goes away meanwhile
-    except Timeout as exc:
-        raise TgiError(424, f"Request failed during generation: {exc.message}") from None
-    ctx, ranked = rank_with_seeds(ctx, handles, results, parsed.parameters.n)
+    ctx, generation = _submit(parsed)
+    results = wait_for_results(generation)  # cancelled if the client goes away meanwhile
+    ctx, ranked = rank_with_seeds(ctx, generation.requests, results, parsed.parameters.n)
     body = tgi_response(ctx, ranked[0].events, [r.events for r in ranked[1:]])
     status = 424 if "error" in body else 200
     headers = {"x-prompt-tokens": str(ctx.prompt_tokens_count), "x-generated-tokens": str(ranked[0].generated_tokens)}
@@ -156,19 +153,14 @@ def _generate(as_list: bool) -> Response:
 
 
 def _stream(parsed: RollingRequest) -> Response:
-    ctx, (handle,) = _submit(parsed)
+    ctx, generation = _submit(parsed)
+    generation.start()  # a failure before the first token is an error status, not a 200 and an error frame
 
     def frames() -> Iterator[str]:
         events = []
-        try:
-            for event in handle:
-                events.append(event)
-                yield "data: " + json.dumps(tgi_stream_frame(ctx, events), ensure_ascii=False) + "\n\n"
-        except Timeout as exc:
-            yield "data: " + json.dumps({"error": f"Request failed during generation: {exc.message}",
-                                         "error_type": "generation"}) + "\n\n"
-        finally:
-            handle.cancel()  # also when the client went away
+        for _, event in generation.events():  # closing it (client gone) cancels the request
+            events.append(event)
+            yield "data: " + json.dumps(tgi_stream_frame(ctx, events), ensure_ascii=False) + "\n\n"
 
     return Response(frames(), mimetype="text/event-stream", headers={"X-Accel-Buffering": "no"})
 
@@ -178,22 +170,22 @@ def tgi_error(exc: TgiError) -> Response:
     return error_response(exc.status, "", exc.message)
 
 
-# kind -> (status, TGI's error_type)
-ERROR_TABLE: dict[type[ServingError], tuple[int, str]] = {
-    InvalidRequest: (422, "validation"),
-    NotFound: (404, "not_found"),
-    NotReady: (503, "healthcheck"),
-    Overloaded: (429, "overloaded"),
-    Timeout: (424, "generation"),
-    GenerationFailed: (424, "generation"),
-    ClientGone: (499, "client_closed_request"),
-    ServingError: (500, "internal"),
+# kind -> (status, TGI's error_type, what the message starts with)
+ERROR_TABLE: dict[type[ServingError], tuple[int, str, str]] = {
+    InvalidRequest: (422, "validation", ""),
+    NotFound: (404, "not_found", ""),
+    NotReady: (503, "healthcheck", ""),
+    Overloaded: (429, "overloaded", ""),
+    Timeout: (424, "generation", TGI_ERROR_PREFIX),
+    GenerationFailed: (424, "generation", TGI_ERROR_PREFIX),
+    ClientGone: (499, "client_closed_request", ""),
+    ServingError: (500, "internal", ""),
 }
 
 
 def render_kind(error: ServingError) -> Response:
-    status, error_type = lookup(ERROR_TABLE, error)
-    return error_response(status, error_type, error.message)
+    status, error_type, prefix = lookup(ERROR_TABLE, error)
+    return error_response(status, error_type, prefix + error.message)
 
 
 @blueprint.post("/")

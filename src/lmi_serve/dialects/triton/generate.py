@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+from ...errors import ServingError
 from .models import MODEL_VERSION, ModelContract
 from .protocol import JsonObject, TritonError, check_parameter, parse_json
 from .tensor_model import TensorSpec
@@ -128,7 +129,7 @@ def sse_events(model: str, request_id: str, responses: Iterator[list[WireTensor]
             yield "data: " + dumps(response_object(model, request_id, first)) + "\n\n"
         for outputs in responses:
             yield "data: " + dumps(response_object(model, request_id, outputs)) + "\n\n"
-    except TritonError as exc:
+    except (TritonError, ServingError) as exc:
         yield "data: " + dumps({"error": exc.message}) + "\n\n"
     finally:
         close = getattr(responses, "close", None)

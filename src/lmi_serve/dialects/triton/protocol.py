@@ -67,7 +67,7 @@ ERROR_TABLE: dict[type[ServingError], int] = {
     NotReady: 503,
     Overloaded: 503,
     Timeout: 503,
-    GenerationFailed: 503,
+    GenerationFailed: 500,
     ClientGone: 499,
     ServingError: 503,
 }
@@ -75,6 +75,11 @@ ERROR_TABLE: dict[type[ServingError], int] = {
 
 def render_kind(error: ServingError) -> Response:
     return error_response(lookup(ERROR_TABLE, error), error.message)
+
+
+def error_status(error: TritonError | ServingError) -> int:
+    """The status Triton answers `error` with (a TritonError carries its own)."""
+    return error.status if isinstance(error, TritonError) else lookup(ERROR_TABLE, error)
 
 
 def max_input_size() -> int:

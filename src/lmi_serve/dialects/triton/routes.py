@@ -16,13 +16,16 @@ import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
 from ... import __version__
+from ...errors import ServingError
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from .generate import dumps, parse_generate_request, response_object, sse_events
 from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
-from .protocol import TritonError, error_response, flatten_below, json_response, parse_json, read_body
+from .protocol import (
+    TritonError, error_response, error_status, flatten_below, json_response, parse_json, read_body,
+)
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
 from .tensors import WireTensor
@@ -213,9 +216,9 @@ def generate_stream(model: str, version: str | None = None) -> Response:
     responses = stream_model(call)  # validation and submission errors raise here: a JSON error
     try:
         first = next(responses, None)
-    except TritonError as exc:  # the model failed before its first response
+    except (TritonError, ServingError) as exc:  # the model failed before its first response
         _state().stats.record(call.service.name, success=False, elapsed_ns=time.perf_counter_ns() - started)
-        return Response("data: " + dumps({"error": exc.message}) + "\n\n", status=exc.status,
+        return Response("data: " + dumps({"error": exc.message}) + "\n\n", status=error_status(exc),
                         mimetype="text/event-stream")
     events = _recorded(sse_events(call.service.name, request_id, responses, first), _state().stats,
                        call.service.name, started)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
-from ...engine.handle import RequestHandle
+from ...engine.generation import Generation
 from ...engine.types import GenerationResult
 from ...errors import NotReady, Overloaded, Timeout
 from ...handler_api import Input, Output, PairList
@@ -44,11 +44,8 @@ class ModelCall:
     requested_outputs: list[str] | None  # None: the model's default outputs
 
 
-def _submit(engine: Engine, call: LlmCall) -> RequestHandle:
-    try:
-        return engine.submit(call.request)
-    except Overloaded as exc:
-        raise TritonError(503, exc.message) from None
+def _submit(engine: Engine, call: LlmCall) -> Generation:
+    return engine.generate([call.request])  # Overloaded: Triton's table answers 503
 
 
 def _llm_call(call: ModelCall) -> tuple[Engine, LlmCall]:
@@ -62,11 +59,7 @@ def _run_llm(call: ModelCall) -> list[WireTensor]:
 
 def _complete(engine: Engine, llm: LlmCall) -> list[WireTensor]:
     """The whole generation as one response (/infer, /generate, and generate_stream without `stream`)."""
-    handle = _submit(engine, llm)
-    try:
-        (result,) = wait_for_results([handle])  # cancels it if the client goes away meanwhile
-    except Timeout as exc:
-        raise TritonError(503, exc.message) from None
+    (result,) = wait_for_results(_submit(engine, llm))  # cancelled if the client goes away meanwhile
     if result.error:
         raise TritonError(500, result.error)
     return llm_outputs(llm, result.text, result, final=True, prepend_prompt=not llm.exclude_input)
@@ -83,20 +76,16 @@ def stream_llm(call: ModelCall) -> Iterator[list[WireTensor]]:
     return _llm_responses(llm, _submit(engine, llm))
 
 
-def _llm_responses(llm: LlmCall, handle: RequestHandle) -> Iterator[list[WireTensor]]:
+def _llm_responses(llm: LlmCall, generation: Generation) -> Iterator[list[WireTensor]]:
+    """Closing it (the client went away) cancels the generation."""
     result = GenerationResult(len(llm.request.prompt_ids))
-    try:
-        for event in handle:
-            result.events.append(event)
-            if event.error:
-                raise TritonError(500, event.error)
-            final = event.finish_reason is not None
-            if event.text or final:  # skip tokens whose text is still held back
-                yield llm_outputs(llm, event.text, result, final=final, prepend_prompt=False)
-    except Timeout as exc:
-        raise TritonError(503, exc.message) from None
-    finally:
-        handle.cancel()
+    for _, event in generation.events():
+        result.events.append(event)
+        if event.error:
+            event.raise_failure()  # a queue timeout is 503, a failed model 500: Triton's table
+        final = event.finish_reason is not None
+        if event.text or final:  # skip tokens whose text is still held back
+            yield llm_outputs(llm, event.text, result, final=final, prepend_prompt=False)
 
 
 def _handler_output(service: ModelService, request: Input) -> Output:
