@@ -4,21 +4,21 @@ A handler module is a user's ``model.py`` (or ``option.entryPoint``) or a built-
 repository's ``handlers/`` folder. Only the entry point is required; everything else is optional
 and unlocks a feature. The small Protocols below list every capability, grouped by who uses it:
 
-=========================  ===================  ==================================================
-capability                 Protocol             used by
-=========================  ===================  ==================================================
-``handle(inputs)``         `Handler`            every route (the name is ``option.handler``)
-``load(config, context)``  `TypedLoad`          the service, for built-in handlers only
-``SUPPORTS_ROLLING_BATCH`` `RollingBatch`       the service (``option.rolling_batch``)
-``get_engine()``           `RollingBatch`       TGI, OpenAI, KServe/Triton generation, ``/models``
-``INPUT_TENSORS``          `TensorModel`        KServe v2 / Triton tensor routes, task inference
-``OUTPUT_TENSORS``         `TensorModel`        KServe v2 / Triton tensor routes
-``count_tokens(texts)``    `EmbeddingModel`     OpenAI ``/v1/embeddings`` (usage, limits)
-``embedding_limits()``     `EmbeddingModel`     OpenAI ``/v1/embeddings`` (dimensions, limits)
-``vocabulary_size()``      `TokenIdInputs`      OpenAI ``/v1/embeddings`` token-id inputs
-``@input_formatter``       (decorated function) the built-in text handler's rolling batch
-``@output_formatter``      (decorated function) the built-in text handler's rolling batch
-=========================  ===================  ==================================================
+==========================  ====================  ==================================================
+capability                  Protocol              used by
+==========================  ====================  ==================================================
+``handle(inputs)``          `Handler`             every route (the name is ``option.handler``)
+``load(config, context)``   `TypedLoad`           the service, for built-in handlers only
+``SUPPORTS_ROLLING_BATCH``  `RollingBatch`        the service (``option.rolling_batch``)
+``get_engine()``            `RollingBatch`        TGI, OpenAI, KServe/Triton generation, ``/models``
+``INPUT_TENSORS``           `TensorModel`         KServe v2 / Triton tensor routes, task inference
+``OUTPUT_TENSORS``          `TensorModel`         KServe v2 / Triton tensor routes
+``count_tokens(texts)``     `EmbeddingModel`      OpenAI ``/v1/embeddings`` (usage, limits)
+``embedding_limits()``      `EmbeddingModel`      OpenAI ``/v1/embeddings`` (dimensions, limits)
+``vocabulary_size()``       `TokenIdInputs`       OpenAI ``/v1/embeddings`` token-id inputs
+``@input_formatter``        (decorated function)  the built-in text handler's rolling batch
+``@output_formatter``       (decorated function)  the built-in text handler's rolling batch
+==========================  ====================  ==================================================
 
 The formatter hooks are found by their decoration (``lmi_serve.input_formatter`` /
 ``output_formatter``), not by name, in a ``model.py`` that has no ``handle()`` and is therefore
