@@ -6,13 +6,18 @@ dynamic batch go through one padded forward.
 
 An input given as token ids is the model's whole input, used as given: nothing is decoded, and no
 special tokens are added (the ids of `[CLS] hello world [SEP]` give the vector of "hello world").
+
+The server calls `load(config, context)` with the validated ModelConfig (handler_protocol.py); DJL's
+first `handle()` call with string properties still loads it too, validated back into a ModelConfig.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lmi_serve.config import ModelConfig
 from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.loader import load_encoder
 
@@ -40,10 +45,9 @@ def _parse(item: Input) -> list[EmbeddingInput]:
 
 
 class EmbeddingService:
-    def __init__(self, props: dict[str, str]):
-        loaded = load_encoder(props.get("model_id") or props["model_dir"], dtype=props.get("dtype", "auto"),
-                              device_map=props.get("device_map") or None, revision=props.get("revision") or None,
-                              trust_remote_code=str(props.get("trust_remote_code", "false")).lower() == "true")
+    def __init__(self, config: ModelConfig):
+        loaded = load_encoder(config.model_id or config.model_dir, dtype=config.dtype, device_map=config.device_map,
+                              revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         self.max_length = min(self.tokenizer.model_max_length, 512)
         self.embed(["warm up"])
@@ -106,6 +110,12 @@ class EmbeddingService:
 _service: EmbeddingService | None = None
 
 
+def load(config: ModelConfig, context: HandlerContext) -> None:
+    """The server's typed first call (handler_protocol.TypedLoad): load the model once."""
+    global _service
+    _service = EmbeddingService(config)
+
+
 def count_tokens(texts: list[str]) -> list[int]:
     """Each text's token count, special tokens included (what the model reads): usage and limits."""
     return [len(ids) for ids in _service.tokenizer(texts).input_ids]
@@ -123,10 +133,9 @@ def vocabulary_size() -> int:
 
 
 def handle(inputs: Input) -> Output | None:
-    """DJL contract: the first call (no content) carries the model options and loads the model."""
-    global _service
+    """Requests; before `load`, DJL's first call (no content, the options as string properties)."""
     if _service is None:
-        _service = EmbeddingService(inputs.get_properties())
+        load(*typed_from_properties(inputs.get_properties(), "text-embedding"))
         return None
     if inputs.is_empty():
         return None

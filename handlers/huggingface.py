@@ -1,6 +1,9 @@
-"""Built-in text-generation handler: `handle(inputs) -> Output`.
+"""Built-in text-generation handler: `load(config, context)`, then `handle(inputs) -> Output`.
 
-Two modes, chosen once at start-up (the `rolling_batch` property the server resolves):
+The server calls `load` with the validated ModelConfig (handler_protocol.py); a model.py that
+delegates to this handler through DJL's contract reaches it by a first `handle()` call with string
+properties instead, validated back into a ModelConfig. Two modes, chosen once at start-up
+(`context.rolling_batch`, which the server resolves):
 - rolling batch: each request goes to the shared Engine (continuous batching) with the LMI
   rolling-batch schema and output formatters; this handler is then called on request threads.
 - dynamic batch: every request of a batch is parsed on its own, so a bad request fails alone (424)
@@ -11,58 +14,48 @@ from __future__ import annotations
 
 import logging
 
+from lmi_serve.config import ModelConfig
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
-from lmi_serve.handler_api import Input, Output, find_annotated
+from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.loader import load_causal_lm
 
 log = logging.getLogger(__name__)
 
 
-def _flag(props: dict, key: str) -> bool:
-    return str(props.get(key, "false")).lower() == "true"
-
-
-def _optional_int(props: dict, key: str) -> int | None:
-    value = props.get(key)
-    return int(value) if value not in (None, "", "None") else None
-
-
 class TextGenerationService:
-    def __init__(self, props: dict[str, str]):
+    def __init__(self, config: ModelConfig, context: HandlerContext):
         loaded = load_causal_lm(
-            props.get("model_id") or props["model_dir"], gguf_file=props.get("gguf_file") or None,
-            dtype=props.get("dtype", "auto"), device_map=props.get("device_map") or None,
-            tensor_parallel_degree=props.get("tensor_parallel_degree", "1"),
-            revision=props.get("revision") or None, trust_remote_code=_flag(props, "trust_remote_code"),
-            cache_dir=props.get("cache_dir", "~/.cache/lmi-serve"))
+            config.model_id or config.model_dir, gguf_file=config.gguf_file, dtype=config.dtype,
+            device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
+            revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        context = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(_optional_int(props, "max_model_len") or context, context)
-        self.max_input_len = _optional_int(props, "max_input_len") or self.max_model_len - 1
-        self.streaming = _flag(props, "enable_streaming")
+        window = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or window, window)
+        self.max_input_len = config.max_input_len or self.max_model_len - 1
+        self.streaming = config.enable_streaming
         self._warm_up()
         self.engine: Engine | None = None
         self.rolling: RollingBatchService | None = None
-        if props.get("rolling_batch") == "scheduler":
+        if context.rolling_batch:
             self.engine = Engine(self.model, self.tokenizer, self.device,
-                                 max_batch_size=int(props.get("max_rolling_batch_size", 32)),
-                                 max_queue=int(props.get("job_queue_size", 1000)),
-                                 predict_timeout=float(props.get("predict_timeout", 120)),
-                                 max_prefill_tokens=int(props.get("max_rolling_batch_prefill_tokens", 512)),
-                                 max_model_len=self.max_model_len, name=props.get("model_name", "model")).start()
-            user = USER_MODULE  # a model.py without handle() may still bring formatter hooks
+                                 max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
+                                 predict_timeout=config.predict_timeout,
+                                 max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
+                                 max_model_len=self.max_model_len, name=config.name).start()
+            # A model.py without handle() may still bring formatter hooks (context.*_formatter).
             self.rolling = RollingBatchService(
-                self.engine, max_input_len=self.max_input_len, tgi_compat=_flag(props, "tgi_compat"),
-                output_formatter=props.get("output_formatter") or None,
-                custom_input=find_annotated(user, "is_input_formatter") if user else None,
-                custom_output=find_annotated(user, "is_output_formatter") if user else None,
-                model_name=props.get("model_name", "model"))
+                self.engine, max_input_len=self.max_input_len, tgi_compat=config.tgi_compat,
+                output_formatter=config.output_formatter,
+                custom_input=context.input_formatter,
+                custom_output=context.output_formatter,
+                model_name=config.name)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
@@ -120,8 +113,13 @@ class TextGenerationService:
 
 
 SUPPORTS_ROLLING_BATCH = True  # thread-safe in rolling mode: the server calls it per request
-USER_MODULE = None  # set by the handler loader when a model.py without handle() is served
 _service: TextGenerationService | None = None
+
+
+def load(config: ModelConfig, context: HandlerContext) -> None:
+    """The server's typed first call (handler_protocol.TypedLoad): load the model once."""
+    global _service
+    _service = TextGenerationService(config, context)
 
 
 def get_engine() -> Engine | None:
@@ -130,10 +128,9 @@ def get_engine() -> Engine | None:
 
 
 def handle(inputs: Input) -> Output | None:
-    """DJL contract: the first call (no content) carries the model options and loads the model."""
-    global _service
+    """Requests; before `load`, DJL's first call (no content, the options as string properties)."""
     if _service is None:
-        _service = TextGenerationService(inputs.get_properties())
+        load(*typed_from_properties(inputs.get_properties(), "text-generation"))
         return None
     if inputs.is_empty():
         return None

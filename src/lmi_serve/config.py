@@ -201,6 +201,18 @@ class ModelConfig(BaseModel):
                 props[field] = _text(value)
         return props
 
+    @classmethod
+    def from_handler_properties(cls, props: Mapping[str, str]) -> ModelConfig:
+        """The inverse of :meth:`handler_properties`: DJL-style string properties validated back
+        into a ModelConfig (keys that name no field stay in ``options``). For a built-in handler
+        reached through DJL's first ``handle()`` call, e.g. from a user's model.py delegating to it.
+        Without ``name`` (or DJL's ``model_name``) the model is called ``model``."""
+        fields = set(cls.model_fields) - {"options", "unknown_options"}
+        values: dict[str, Any] = {k: v for k, v in props.items() if k in fields and v not in (None, "")}
+        values.setdefault("name", props.get("model_name") or "model")
+        values["options"] = {k: str(v) for k, v in props.items() if k not in fields}
+        return _validated(lambda: cls.model_validate(values), values, {})
+
 
 class ServerConfig(BaseModel):
     """Process-wide settings plus every model; serialised to JSON for the worker processes."""

@@ -3,7 +3,11 @@
 Order (as DJL): `option.entryPoint` (a file path, a file in the model dir, or a module name) >
 `model.py` in the model dir > the built-in handler for the task. Built-in handlers live in the
 repository's `handlers/` folder and are loaded exactly like a user's file, so the two cannot drift.
-A user module without the handler function falls back to the built-in one (DJL does the same).
+A user module without the handler function falls back to the built-in one (DJL does the same);
+its formatter hooks then reach the built-in through `HandlerContext` (handler_protocol.py).
+
+What a loaded module declares is read once, by `HandlerCapabilities.read` in handler_protocol.py;
+no other code looks attributes up on a handler module.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -49,10 +54,20 @@ def builtin_handler_path(task: str) -> Path:
         raise HandlerLoadError(f"no built-in handler for task {task!r}; supported: {sorted(BUILTIN_BY_TASK)}") from None
 
 
-def load_handler(model_name: str, model_dir: str | None, entry_point: str | None, task: str,
-                 function_name: str = "handle") -> tuple[ModuleType, Callable]:
-    """Return (module, handle function) for one model. Each model gets its own module object, so
-    module-level state in a handler is per model."""
+@dataclass(frozen=True)
+class LoadedHandler:
+    """The module serving one model, and how it was found."""
+
+    module: ModuleType
+    function_name: str  # the entry point's name in `module` (option.handler; `handle` for a built-in)
+    builtin: bool  # one of handlers/*.py, which receives the typed config (handler_protocol.py)
+    user_module: ModuleType | None = None  # the model.py a built-in serves (formatter hooks), if any
+
+
+def resolve_handler(model_name: str, model_dir: str | None, entry_point: str | None, task: str,
+                    function_name: str = "handle") -> LoadedHandler:
+    """Import the module serving one model. Each model gets its own module object, so module-level
+    state in a handler is per model."""
     unique = f"lmi_serve_model_{model_name.replace('-', '_').replace('.', '_')}"
     user_module = None
     if entry_point:
@@ -72,11 +87,17 @@ def load_handler(model_name: str, model_dir: str | None, entry_point: str | None
     if user_module is not None:
         fn = getattr(user_module, function_name, None)
         if callable(fn):
-            return user_module, fn
+            return LoadedHandler(user_module, function_name, builtin=False)
         log.warning("%s: %s defines no %s(); using the built-in %s handler",
                     model_name, user_module.__name__, function_name, task)
     builtin = _load_file(builtin_handler_path(task), unique + "_builtin")
-    if user_module is not None:
-        # Formatter hooks in a model.py still apply when the built-in handler serves it.
-        builtin.USER_MODULE = user_module
-    return builtin, getattr(builtin, "handle")
+    # Formatter hooks in a model.py still apply when the built-in handler serves it.
+    return LoadedHandler(builtin, "handle", builtin=True, user_module=user_module)
+
+
+def load_handler(model_name: str, model_dir: str | None, entry_point: str | None, task: str,
+                 function_name: str = "handle") -> tuple[ModuleType, Callable]:
+    """(module, handle function) for one model, for code driving a handler through DJL's contract
+    alone (its first `handle()` call carries the string properties)."""
+    loaded = resolve_handler(model_name, model_dir, entry_point, task, function_name)
+    return loaded.module, getattr(loaded.module, loaded.function_name)

@@ -15,7 +15,8 @@ from .batching import DirectDispatcher, DynamicBatcher, Job
 from .config import ModelConfig
 from .errors import NotReady
 from .handler_api import Input, Output
-from .handler_loader import load_handler
+from .handler_loader import resolve_handler
+from .handler_protocol import HandlerCapabilities, HandlerContext
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ModelService:
         self.dispatcher: DynamicBatcher | DirectDispatcher | None = None
         self.rolling_batch = False
         self.engine = None  # the handler's rolling-batch Engine, for dialects that talk to it directly
-        self.handler_module = None  # the loaded handler module, for dialects reading what it declares
+        self.capabilities: HandlerCapabilities | None = None  # what the handler declares (handler_protocol.py)
 
     def load(self) -> None:
         """Load the handler and model; never raises (a failure becomes the FAILED status)."""
@@ -72,26 +73,33 @@ class ModelService:
         started = time.monotonic()
         try:
             self.task = infer_task(self.config)
-            module, handle = load_handler(self.name, self.config.model_dir, self.config.entry_point,
-                                          self.task, self.config.handler)
-            if not self.config.task and getattr(module, "INPUT_TENSORS", None) is not None:
+            loaded = resolve_handler(self.name, self.config.model_dir, self.config.entry_point,
+                                     self.task, self.config.handler)
+            caps = HandlerCapabilities.read(loaded.module, loaded.function_name, builtin=loaded.builtin,
+                                            user_module=loaded.user_module)
+            if not self.config.task and caps.serves_tensors:
                 self.task = "tensor"  # a model.py declaring its tensors is no text model for /invocations
-            rolling = self._resolve_rolling_batch(module)
-            init = Input(properties={**self.config.handler_properties(), "task": self.task,
-                                     "cache_dir": self.cache_dir, "model_name": self.name,
-                                     "rolling_batch": "scheduler" if rolling else "disable"})
-            result = handle(init)  # DJL contract: the first call carries the options and no content
-            if isinstance(result, Output) and result.code >= 400:
-                raise RuntimeError(result.body().decode("utf-8", "replace"))
-            if rolling:
-                dispatcher = DirectDispatcher(self.name, handle)
+            rolling = self._resolve_rolling_batch(caps)
+            if caps.load is not None:  # a built-in handler: the validated config, typed
+                caps.load(self.config, HandlerContext(
+                    task=self.task, cache_dir=self.cache_dir, rolling_batch=rolling, user_module=loaded.user_module,
+                    input_formatter=caps.input_formatter, output_formatter=caps.output_formatter))
             else:
-                dispatcher = DynamicBatcher(self.name, handle, batch_size=self.config.batch_size,
+                init = Input(properties={**self.config.handler_properties(), "task": self.task,
+                                         "cache_dir": self.cache_dir, "model_name": self.name,
+                                         "rolling_batch": "scheduler" if rolling else "disable"})
+                result = caps.handle(init)  # DJL contract: the first call carries the options and no content
+                if isinstance(result, Output) and result.code >= 400:
+                    raise RuntimeError(result.body().decode("utf-8", "replace"))
+            if rolling:
+                dispatcher = DirectDispatcher(self.name, caps.handle)
+            else:
+                dispatcher = DynamicBatcher(self.name, caps.handle, batch_size=self.config.batch_size,
                                             max_batch_delay_ms=self.config.max_batch_delay,
                                             job_queue_size=self.config.job_queue_size,
                                             predict_timeout=self.config.predict_timeout)
                 dispatcher.start()
-            engine = getattr(module, "get_engine", lambda: None)()
+            engine = caps.get_engine() if caps.get_engine is not None else None
         except Exception as exc:
             log.exception("Model %s failed to load", self.name)
             self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
@@ -103,15 +111,15 @@ class ModelService:
             log.error("Model %s: %s", self.name, self.error)
             return
         self.dispatcher, self.engine, self.rolling_batch = dispatcher, engine, rolling
-        self.handler_module = module
+        self.capabilities = caps
         self.loaded_at = time.time()
         self.status = ModelStatus.READY
-        log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, module.__name__, elapsed)
+        log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, caps.module_name, elapsed)
 
-    def _resolve_rolling_batch(self, module) -> bool:
+    def _resolve_rolling_batch(self, caps: HandlerCapabilities) -> bool:
         """`auto` means the rolling batch when the built-in text-generation handler serves the
         model with batch_size 1 and no legacy streaming; `scheduler` insists on it."""
-        supported = getattr(module, "SUPPORTS_ROLLING_BATCH", False) and self.task == "text-generation"
+        supported = caps.supports_rolling_batch and self.task == "text-generation"
         mode = self.config.rolling_batch
         if mode == "scheduler" and not supported:
             raise ValueError("option.rolling_batch=scheduler needs the built-in text-generation handler; "

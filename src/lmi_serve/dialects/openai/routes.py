@@ -96,16 +96,16 @@ def completions() -> Response:
 def embeddings() -> Response:
     parsed: EmbeddingRequest = parse(EmbeddingRequest, _body())
     service = _service(parsed.model, _EMBEDDING_TASK)
-    module = service.handler_module
-    if not hasattr(module, "count_tokens") or not hasattr(module, "embedding_limits"):
+    handler = service.capabilities
+    if handler.count_tokens is None or handler.embedding_limits is None:
         raise OpenAIError(400, f"The model `{service.name}`'s handler does not expose count_tokens and "
                                "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")
-    inputs = _embedding_inputs(parsed, module)
-    dimension, max_tokens = module.embedding_limits()
+    inputs = _embedding_inputs(parsed, handler)
+    dimension, max_tokens = handler.embedding_limits()
     if parsed.dimensions is not None and parsed.dimensions != dimension:
         raise OpenAIError(400, f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
                                "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
-    counts = _token_counts(inputs, module)
+    counts = _token_counts(inputs, handler)
     for i, count in enumerate(counts):
         if count > max_tokens:
             raise OpenAIError(400, f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
@@ -123,10 +123,10 @@ def embeddings() -> Response:
                                 "usage": {"prompt_tokens": total, "total_tokens": total}}), mimetype="application/json")
 
 
-def _embedding_inputs(parsed: EmbeddingRequest, module) -> list[str | list[int]]:
+def _embedding_inputs(parsed: EmbeddingRequest, handler) -> list[str | list[int]]:
     """What the handler embeds: texts (with the instruction), or token-id lists exactly as sent."""
     if parsed.token_id_inputs is not None:
-        return _checked_token_ids(parsed, module)
+        return _checked_token_ids(parsed, handler)
     texts = [parsed.input] if isinstance(parsed.input, str) else list(parsed.input)
     if any(not t for t in texts):
         raise OpenAIError(400, "input: texts must not be empty", param="input")
@@ -137,8 +137,8 @@ def _embedding_inputs(parsed: EmbeddingRequest, module) -> list[str | list[int]]
     return texts
 
 
-def _checked_token_ids(parsed: EmbeddingRequest, module) -> list[list[int]]:
-    if not hasattr(module, "vocabulary_size"):
+def _checked_token_ids(parsed: EmbeddingRequest, handler) -> list[list[int]]:
+    if handler.vocabulary_size is None:
         raise OpenAIError(400, "This model's handler takes text input only (it has no vocabulary_size())",
                           param="input")
     if parsed.instruction:
@@ -146,14 +146,14 @@ def _checked_token_ids(parsed: EmbeddingRequest, module) -> list[list[int]]:
                                "ids themselves", param="instruction")
     lists = parsed.token_id_inputs
     for ids in lists:
-        check_token_ids(ids, module.vocabulary_size(), "input")
+        check_token_ids(ids, handler.vocabulary_size(), "input")
     return lists
 
 
-def _token_counts(inputs: list[str | list[int]], module) -> list[int]:
+def _token_counts(inputs: list[str | list[int]], handler) -> list[int]:
     """Tokens the model reads per input: the handler counts texts; token ids count themselves."""
     texts = [x for x in inputs if isinstance(x, str)]
-    text_counts = iter(module.count_tokens(texts) if texts else ())
+    text_counts = iter(handler.count_tokens(texts) if texts else ())
     return [next(text_counts) if isinstance(x, str) else len(x) for x in inputs]
 
 

@@ -65,10 +65,9 @@ def contract_for(service: ModelService) -> ModelContract:
         dim = embedding_dimension(service.config.model_id, service.config.model_dir)
         return ModelContract("embedding", (TensorSpec("text_input", "BYTES", (-1,)),),
                              (TensorSpec("embedding", "FP32", (-1, dim)),))
-    module = getattr(service, "handler_module", None)
-    inputs, outputs = getattr(module, "INPUT_TENSORS", None), getattr(module, "OUTPUT_TENSORS", None)
-    if inputs is not None and outputs is not None:
-        return ModelContract("tensor", tuple(inputs), tuple(outputs))
+    caps = service.capabilities
+    if caps is not None and caps.serves_tensors:
+        return ModelContract("tensor", caps.input_tensors, caps.output_tensors)
     raise TritonError(400, f"model '{service.name}' does not speak tensors: a text-generation model needs the "
                            "rolling batch, and a custom model.py must declare INPUT_TENSORS and OUTPUT_TENSORS")
 
