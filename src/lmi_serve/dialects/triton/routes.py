@@ -95,9 +95,9 @@ def live() -> Response:
 
 @blueprint.get("/v2/health/ready")
 def ready() -> Response:
-    status, body = _registry().health()
-    if status is not ModelStatus.READY:
-        waiting = sorted(name for name, entry in body.items() if entry["status"] != ModelStatus.READY.value)
+    waiting = sorted(name for name, service in _registry().services.items()
+                     if service.current_status() is not ModelStatus.READY)
+    if waiting:
         return error_response(400, f"Server not ready: model(s) {waiting} not ready")
     return Response(status=200)
 
