@@ -19,9 +19,9 @@ from flask import Blueprint, Response, current_app, g, request
 
 from ... import __version__
 from ...errors import ServingError, lookup
-from ...streaming import SSE_HEADERS, SSE_MIMETYPE
 from ...registry import ModelRegistry
 from ...service import ModelStatus
+from ...streaming import SSE_HEADERS, SSE_MIMETYPE
 from .generate import dumps, error_event, parse_generate_request, response_object, sse_events
 from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
