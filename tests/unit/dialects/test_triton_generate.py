@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from lmi_serve.dialects.triton.models import ModelContract
 from lmi_serve.dialects.triton.protocol import TritonError
 from lmi_serve.dialects.triton.tensor_model import TensorSpec
 from lmi_serve.dialects.triton.tensors import WireTensor
+from lmi_serve.errors import GenerationFailed
 
 LLM = ModelContract("llm", LLM_INPUTS, LLM_OUTPUTS, lenient_single_elements=True)
 
@@ -90,16 +93,30 @@ def test_sse_frames_are_data_lines_only_and_an_error_ends_the_stream():
 
     def responses():
         try:
+            yield text("Hello")
             yield text(" world")
-            raise TritonError(500, "An Error Occurred")
+            raise GenerationFailed("An Error Occurred")  # the model failed after its first response
         finally:
             closed.append(True)
 
-    frames = list(sse_events("llm", "", responses(), text("Hello")))
+    frames = list(sse_events("llm", "", responses()))
     assert frames == ['data: {"model_name":"llm","model_version":"1","text_output":"Hello"}\n\n',
                       'data: {"model_name":"llm","model_version":"1","text_output":" world"}\n\n',
                       'data: {"error":"An Error Occurred"}\n\n']
     assert closed == [True]
+
+
+def test_a_triton_protocol_error_mid_stream_and_a_lone_surrogate_end_the_stream_as_an_error_event():
+    def responses(error):
+        yield text("Hi")
+        raise error
+
+    for error, message in ((TritonError(400, "bad tensor"), "bad tensor"),
+                           (GenerationFailed("bad \ud800 text"), "bad \\ud800 text")):
+        frames = list(sse_events("llm", "", responses(error)))
+        assert frames[-1].startswith('data: {"error":') and frames[-1].endswith("}\n\n")
+        assert json.loads(frames[-1].removeprefix("data: "))["error"] == message
+        frames[-1].encode("utf-8")  # a lone surrogate from the model must not break the response
 
 
 def test_closing_the_sse_stream_closes_the_model_responses():
@@ -112,7 +129,50 @@ def test_closing_the_sse_stream_closes_the_model_responses():
         finally:
             closed.append(True)  # the LLM runner cancels its engine request here
 
-    events = sse_events("llm", "", responses(), text("first"))
+    events = sse_events("llm", "", responses())
     next(events), next(events)
     events.close()
     assert closed == [True]
+
+
+def llm_stream(*events):
+    """A streaming LLM call whose engine already pushed `events` to its one sequence."""
+    import queue
+
+    from lmi_serve.dialects.triton.llm import LlmCall
+    from lmi_serve.dialects.triton.runners import ModelStream, _llm_responses
+    from lmi_serve.engine.generation import Generation
+    from lmi_serve.engine.handle import RequestHandle
+    from lmi_serve.engine.types import GenerationRequest
+
+    sink = queue.SimpleQueue()
+    handle = RequestHandle(GenerationRequest(prompt_ids=(1, 2, 3)), None, sink=sink)
+    for event in events:
+        handle.push(event)
+    call = LlmCall("prompt", handle.request, True, True, (), (1,))
+    generation = Generation([handle], sink)
+    return ModelStream(_llm_responses(call, generation), generation), handle
+
+
+def test_a_failure_before_the_first_token_raises_its_kind_at_start():
+    from lmi_serve.engine.types import TokenEvent
+    from lmi_serve.errors import Timeout
+
+    stream, handle = llm_stream(TokenEvent.failure("waited too long", kind=Timeout))
+    with pytest.raises(Timeout, match="waited too long"):
+        stream.start()
+    assert handle.cancelled
+
+
+def test_start_keeps_the_first_event_for_the_stream_and_close_cancels_an_unread_stream():
+    from lmi_serve.engine.types import FinishReason, TokenEvent
+
+    stream, handle = llm_stream(TokenEvent(5, "Hi", -0.1, False), TokenEvent(6, "!", -0.1, False, FinishReason.LENGTH))
+    stream.start()
+    assert [tensors[0].array.tolist() for tensors in stream] == [[b"Hi"], [b"!"]]
+
+    unread, handle = llm_stream(TokenEvent(5, "Hi", -0.1, False))
+    unread.start()
+    assert not handle.cancelled
+    unread.close()  # the client left before the body was read: no generator ever ran
+    assert handle.cancelled

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from lmi_serve.dialects.triton.llm import parse_llm_call
-from lmi_serve.dialects.triton.protocol import TritonError
+from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
 from lmi_serve.dialects.triton.tensor_model import (TensorSpec, add_tensors, get_tensors, read_output_tensors,
                                                     tensor_input)
 from lmi_serve.dialects.triton.tensors import WireTensor
+from lmi_serve.errors import InvalidRequest, lookup
 from lmi_serve.handler_api import Input, Output
 
 
@@ -110,6 +111,6 @@ def test_stop_words_and_return_flags(engine):
     (scalar("stream", "BOOL", False), {"temperature": "hot"}, "temperature: "),
 ])
 def test_llm_refuses_invalid_values_with_400(engine, tensor, parameters, message):
-    with pytest.raises(TritonError, match=message) as caught:
+    with pytest.raises(InvalidRequest, match=message) as caught:
         call(engine, tensor, parameters=parameters)
-    assert caught.value.status == 400
+    assert lookup(TRITON_ERROR_TABLE, caught.value) == 400

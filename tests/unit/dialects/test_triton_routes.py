@@ -121,8 +121,9 @@ def test_lmi_routes_to_a_tensor_model_without_tensors_are_a_400_without_a_traceb
 
 
 def test_a_model_refusing_a_request_is_a_400_and_a_model_failure_a_500():
-    from lmi_serve.dialects.triton.protocol import TritonError
+    from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
     from lmi_serve.dialects.triton.runners import _handler_output
+    from lmi_serve.errors import GenerationFailed, InvalidRequest, lookup
     from lmi_serve.handler_api import Output
 
     class Refusing:
@@ -138,12 +139,12 @@ def test_a_model_refusing_a_request_is_a_400_and_a_model_failure_a_500():
         def wait(self, job):
             return self.output
 
-    with pytest.raises(TritonError) as refused:
+    with pytest.raises(InvalidRequest) as refused:
         _handler_output(Refusing(Output().error("input tensor 'X' is missing", code=400)), None)
-    assert (refused.value.status, refused.value.message) == (400, "input tensor 'X' is missing")
-    with pytest.raises(TritonError) as failed:
+    assert (lookup(TRITON_ERROR_TABLE, refused.value), refused.value.message) == (400, "input tensor 'X' is missing")
+    with pytest.raises(GenerationFailed) as failed:
         _handler_output(Refusing(Output().error("boom")), None)  # 424: an exception in handle()
-    assert (failed.value.status, failed.value.message) == (500, "model 'm' failed: boom")
+    assert (lookup(TRITON_ERROR_TABLE, failed.value), failed.value.message) == (500, "model 'm' failed: boom")
 
 
 @pytest.mark.parametrize("path, body", [
@@ -163,13 +164,14 @@ def test_integer_request_parameters_beyond_int64_are_a_400(client, path, body):
 ])
 def test_sampling_integers_beyond_what_the_engine_takes_are_a_400(sampling, message):
     from lmi_serve.dialects.triton.llm import _parameters, _sampling_values
-    from lmi_serve.dialects.triton.protocol import TritonError
+    from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
     from lmi_serve.dialects.triton.tensors import WireTensor
+    from lmi_serve.errors import InvalidRequest, lookup
 
     tensor = WireTensor("sampling_parameters", "BYTES", (1,), np.array([json.dumps(sampling).encode()], dtype=object))
-    with pytest.raises(TritonError) as raised:
+    with pytest.raises(InvalidRequest) as raised:
         _parameters(_sampling_values({"sampling_parameters": tensor}, {}))
-    assert raised.value.status == 400 and message in raised.value.message
+    assert lookup(TRITON_ERROR_TABLE, raised.value) == 400 and message in raised.value.message
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -178,13 +180,14 @@ def test_sampling_integers_beyond_what_the_engine_takes_are_a_400(sampling, mess
 ])
 def test_sampling_parameters_strings_are_decoded_by_the_shared_rules(raw, message):
     from lmi_serve.dialects.triton.llm import _sampling_values
-    from lmi_serve.dialects.triton.protocol import TritonError
+    from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
     from lmi_serve.dialects.triton.tensors import WireTensor
+    from lmi_serve.errors import InvalidRequest, lookup
 
     tensor = WireTensor("sampling_parameters", "BYTES", (1,), np.array([raw], dtype=object))
-    with pytest.raises(TritonError) as raised:
+    with pytest.raises(InvalidRequest) as raised:
         _sampling_values({"sampling_parameters": tensor}, {})
-    assert raised.value.status == 400 and message in raised.value.message
+    assert lookup(TRITON_ERROR_TABLE, raised.value) == 400 and message in raised.value.message
 
 
 def test_a_deep_repository_index_body_that_is_no_object_reports_its_depth(client):

@@ -11,14 +11,15 @@ given, and every output tensor as a key: one element as a bare value, otherwise 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
 from ...errors import ServingError
+from ...streaming import sse_event
 from .models import MODEL_VERSION, ModelContract
-from .protocol import JsonObject, TritonError, check_parameter, parse_json
+from .protocol import JsonObject, TritonError, check_parameter, parse_json, printable
 from .tensor_model import TensorSpec
 from .tensors import TensorError, WireTensor, tensor_to_json_data, values_to_array
 
@@ -117,20 +118,24 @@ def response_object(model: str, request_id: str, outputs: list[WireTensor]) -> d
 
 
 def dumps(body: dict) -> str:
-    """Compact, keys in byte order (as Triton builds them)."""
+    """Compact, keys in byte order (as Triton builds them): Triton's JSON options, which the shared
+    `streaming.dumps` does not take (it keeps insertion order)."""
     return json.dumps(body, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
-def sse_events(model: str, request_id: str, responses: Iterator[list[WireTensor]],
-               first: list[WireTensor] | None) -> Iterator[str]:
-    """`data: {json}\\n\\n` per response, nothing else; an error ends the stream as a `data:` event."""
+def error_event(message: object) -> str:
+    """An error as Triton streams it: one `data: {"error": ...}` event."""
+    return sse_event(dumps({"error": printable(message)}))
+
+
+def sse_events(model: str, request_id: str, responses: Iterable[list[WireTensor]]) -> Iterator[str]:
+    """One `data: {json}` event per response, nothing else (no `[DONE]`); an error ends the stream
+    as a `data: {"error": ...}` event (the status line has been sent: it cannot change now)."""
     try:
-        if first is not None:
-            yield "data: " + dumps(response_object(model, request_id, first)) + "\n\n"
         for outputs in responses:
-            yield "data: " + dumps(response_object(model, request_id, outputs)) + "\n\n"
-    except (TritonError, ServingError) as exc:
-        yield "data: " + dumps({"error": exc.message}) + "\n\n"
+            yield sse_event(dumps(response_object(model, request_id, outputs)))
+    except (TritonError, ServingError) as exc:  # a Triton protocol error, or the model's failure kind
+        yield error_event(exc.message)
     finally:
         close = getattr(responses, "close", None)
         if close is not None:

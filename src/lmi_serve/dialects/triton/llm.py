@@ -19,8 +19,9 @@ from pydantic import ValidationError
 from ... import json_body
 from ...engine.engine import Engine
 from ...engine.types import FinishReason, GenerationRequest, GenerationResult
+from ...errors import InvalidRequest
+from ...validation import field_problems
 from ..lmi.schema import GenerationParameters, LmiRequestError, to_generation_requests
-from .protocol import TritonError
 from .tensor_model import TensorSpec
 from .tensors import WireTensor, as_wire_tensor
 
@@ -87,7 +88,7 @@ def _text(value: Any, name: str) -> str:
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:
-        raise TritonError(400, f"input '{name}' must be UTF-8 text") from None
+        raise InvalidRequest(f"input '{name}' must be UTF-8 text") from None
 
 
 def _sampling_source(tensors: dict[str, WireTensor], parameters: dict[str, Any]) -> dict[str, Any]:
@@ -97,13 +98,13 @@ def _sampling_source(tensors: dict[str, WireTensor], parameters: dict[str, Any])
     try:
         values = json_body.loads(_text(raw, "sampling_parameters").strip() or "{}")
     except json_body.InvalidJson as exc:
-        raise TritonError(400, f"input 'sampling_parameters' must be a JSON object string: {exc.reason}") from None
+        raise InvalidRequest(f"input 'sampling_parameters' must be a JSON object string: {exc.reason}") from None
     if not isinstance(values, dict):
-        raise TritonError(400, "input 'sampling_parameters' must be a JSON object string")
+        raise InvalidRequest("input 'sampling_parameters' must be a JSON object string")
     unknown = sorted(set(values) - set(SAMPLING_NAMES))
     if unknown:
-        raise TritonError(400, f"sampling_parameters: unsupported key(s) {unknown}; "
-                               f"supported: {sorted(SAMPLING_NAMES)}")
+        raise InvalidRequest(f"sampling_parameters: unsupported key(s) {unknown}; "
+                             f"supported: {sorted(SAMPLING_NAMES)}")
     return {SAMPLING_NAMES[k]: v for k, v in values.items() if v is not None}
 
 
@@ -126,13 +127,9 @@ def _sampling_values(tensors: dict[str, WireTensor], parameters: dict[str, Any])
 def _parameters(values: dict[str, Any]) -> GenerationParameters:
     try:
         parameters = GenerationParameters.model_validate(values, strict=False)
-    except ValidationError as exc:
-        problems = []
-        for item in exc.errors():
-            field = str(item["loc"][0]) if item["loc"] else ""
-            message = str(item["ctx"]["error"]) if item["type"] == "value_error" else item["msg"]
-            problems.append(f"{_FIELD_NAMES.get(field, field)}: {message} (got {item.get('input')!r})")
-        raise TritonError(400, "invalid sampling parameter: " + "; ".join(problems)) from None
+    except ValidationError as exc:  # named as the client sent them (max_tokens, not max_new_tokens)
+        problems = [f"{_FIELD_NAMES.get(p.field, p.field)}: {p.message} (got {p.input!r})" for p in field_problems(exc)]
+        raise InvalidRequest("invalid sampling parameter: " + "; ".join(problems)) from None
     return parameters
 
 
@@ -151,8 +148,8 @@ def parse_llm_call(engine: Engine, tensors: dict[str, WireTensor], parameters: d
         (request,) = to_generation_requests(generation, engine.tokenizer(prompt).input_ids,
                                             eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
                                             max_input_len=engine.max_model_len - 1)
-    except LmiRequestError as exc:
-        raise TritonError(400, str(exc)) from None
+    except LmiRequestError as exc:  # a prompt that does not fit (LMI's parser's own error type)
+        raise InvalidRequest(str(exc)) from None
     return LlmCall(prompt, request, stream, exclude, tuple(extra), tensors["text_input"].shape)
 
 

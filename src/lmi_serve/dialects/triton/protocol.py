@@ -32,7 +32,9 @@ def printable(message: object) -> str:
 
 
 class TritonError(Exception):
-    """An error answered as Triton does: `{"error": message}` with `status`."""
+    """An error of Triton's own protocol, in Triton's words, status and headers: `{"error": message}`
+    with `status`. Everything else (a bad sampling value, a model that failed, a full queue) is one of
+    the core's kinds, answered through ERROR_TABLE."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         message = printable(message)
@@ -60,7 +62,9 @@ def app_error_response(status: int, error_type: str, message: str) -> Response:
     return error_response(status, _HTTP_ERROR_MESSAGES.get(status, message))
 
 
-# kind -> status (Triton answers every server-side failure with 503 and `{"error"}`)
+# kind -> status; the body is always `{"error": message}`. A model that cannot take the request now is
+# a 503 (Triton's status for an unavailable model), one that failed on it a 500; ContextOverflow is an
+# InvalidRequest (400); an unlisted kind falls back to 503.
 ERROR_TABLE: dict[type[ServingError], int] = {
     InvalidRequest: 400,
     NotFound: 404,
@@ -75,11 +79,6 @@ ERROR_TABLE: dict[type[ServingError], int] = {
 
 def render_kind(error: ServingError) -> Response:
     return error_response(lookup(ERROR_TABLE, error), error.message)
-
-
-def error_status(error: TritonError | ServingError) -> int:
-    """The status Triton answers `error` with (a TritonError carries its own)."""
-    return error.status if isinstance(error, TritonError) else lookup(ERROR_TABLE, error)
 
 
 def max_input_size() -> int:

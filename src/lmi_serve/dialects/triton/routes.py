@@ -3,7 +3,9 @@ infer, generate.
 
 Every error is `{"error": "..."}` with Triton's status (400 client errors, 404 unknown model or
 route, 405 wrong method, 501 unsupported, 503 not ready / overloaded / load refused, 500 model
-failure). Flask's own 404/405/413 under /v2 reach `protocol.app_error_response` through app.py.
+failure). A TritonError (Triton's own protocol wording, its own status) is rendered here; the core's
+kinds reach `protocol.render_kind` (Triton's one table) through app.py, as do Flask's own
+404/405/413 under /v2 (`protocol.app_error_response`).
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
 from ... import __version__
-from ...errors import ServingError
+from ...errors import ServingError, lookup
 from ...registry import ModelRegistry
 from ...service import ModelStatus
-from .generate import dumps, parse_generate_request, response_object, sse_events
+from ...streaming import SSE_HEADERS, SSE_MIMETYPE
+from .generate import dumps, error_event, parse_generate_request, response_object, sse_events
 from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
 from .protocol import (
-    TritonError, error_response, error_status, flatten_below, json_response, parse_json, read_body,
+    ERROR_TABLE, TritonError, error_response, flatten_below, json_response, parse_json, read_body,
 )
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
@@ -92,9 +95,9 @@ def live() -> Response:
 
 @blueprint.get("/v2/health/ready")
 def ready() -> Response:
-    status, body = _registry().health()
-    if status is not ModelStatus.READY:
-        waiting = sorted(name for name, entry in body.items() if entry["status"] != ModelStatus.READY.value)
+    waiting = sorted(name for name, service in _registry().services.items()
+                     if service.current_status() is not ModelStatus.READY)
+    if waiting:
         return error_response(400, f"Server not ready: model(s) {waiting} not ready")
     return Response(status=200)
 
@@ -215,15 +218,15 @@ def generate_stream(model: str, version: str | None = None) -> Response:
     started = time.perf_counter_ns()
     responses = stream_model(call)  # validation and submission errors raise here: a JSON error
     try:
-        first = next(responses, None)
-    except (TritonError, ServingError) as exc:  # the model failed before its first response
+        responses.start()  # the status line waits for the model's first event
+    except ServingError as exc:  # the model failed before its first token: a real status, Triton's SSE body
         _state().stats.record(call.service.name, success=False, elapsed_ns=time.perf_counter_ns() - started)
-        return Response("data: " + dumps({"error": exc.message}) + "\n\n", status=error_status(exc),
-                        mimetype="text/event-stream")
-    events = _recorded(sse_events(call.service.name, request_id, responses, first), _state().stats,
-                       call.service.name, started)
-    return Response(events if first is not None else iter(()), mimetype="text/event-stream",
-                    headers={"X-Accel-Buffering": "no"})
+        return Response(error_event(exc.message), status=lookup(ERROR_TABLE, exc), mimetype=SSE_MIMETYPE)
+    events = _recorded(sse_events(call.service.name, request_id, responses), _state().stats, call.service.name,
+                       started)
+    response = Response(events, mimetype=SSE_MIMETYPE, headers=SSE_HEADERS)
+    response.call_on_close(responses.close)  # cancels the generation even if the body is never read
+    return response
 
 
 def _stream_flag() -> WireTensor:

@@ -2,8 +2,9 @@
 
 The LLM goes straight to the engine (neutral GenerationRequest in, TokenEvents out); the embedding
 model and custom tensor models go through their handler's job queue as DJL Inputs, like
-/invocations does. Failures become TritonErrors: 400 for the client's mistakes, 503 when the model
-cannot take the request now, 500 when the model itself failed.
+/invocations does. Failures are the core's kinds, answered by Triton's one table (protocol.py):
+InvalidRequest (400) for the client's mistakes, Overloaded / Timeout / NotReady (503) when the
+model cannot take the request now, GenerationFailed (500) when the model itself failed.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
 from ...engine.types import GenerationResult
-from ...errors import NotReady, Overloaded, Timeout
+from ...errors import GenerationFailed, InvalidRequest
 from ...handler_api import Input, Output, PairList
 from ...service import ModelService
 from .llm import LlmCall, llm_outputs, parse_llm_call
 from .models import ModelContract
-from .protocol import TritonError
 from .tensor_model import read_output_tensors, tensor_input
 from .tensors import WireTensor, as_wire_tensor
 
@@ -48,6 +48,36 @@ def _submit(engine: Engine, call: LlmCall) -> Generation:
     return engine.generate([call.request])  # Overloaded: Triton's table answers 503
 
 
+class ModelStream:
+    """generate_stream's responses, validated and submitted but not read yet.
+
+    `start()` waits for the model's first event: a failure before any token (a queue timeout, a
+    failed prefill) raises its kind there, before the route commits to a status line. Iterating
+    yields one response (a list of tensors) at a time; `close()` (the client went away, or the
+    response is done) cancels the generation, even one whose responses were never read.
+    """
+
+    def __init__(self, responses: Iterator[list[WireTensor]], generation: Generation | None = None):
+        self._responses, self._generation = responses, generation
+
+    def start(self) -> None:
+        if self._generation is not None:
+            self._generation.start()
+
+    def __iter__(self) -> Iterator[list[WireTensor]]:
+        return self
+
+    def __next__(self) -> list[WireTensor]:
+        return next(self._responses)
+
+    def close(self) -> None:
+        close = getattr(self._responses, "close", None)
+        if close is not None:
+            close()
+        if self._generation is not None:
+            self._generation.close()  # a generator never started runs no finally of its own
+
+
 def _llm_call(call: ModelCall) -> tuple[Engine, LlmCall]:
     engine = call.service.engine
     return engine, parse_llm_call(engine, call.tensors, call.parameters, call.requested_outputs)
@@ -61,19 +91,20 @@ def _complete(engine: Engine, llm: LlmCall) -> list[WireTensor]:
     """The whole generation as one response (/infer, /generate, and generate_stream without `stream`)."""
     (result,) = wait_for_results(_submit(engine, llm))  # cancelled if the client goes away meanwhile
     if result.error:
-        raise TritonError(500, result.error)
+        result.events[-1].raise_failure()  # a failure after some tokens: its kind (GenerationFailed, 500)
     return llm_outputs(llm, result.text, result, final=True, prepend_prompt=not llm.exclude_input)
 
 
-def stream_llm(call: ModelCall) -> Iterator[list[WireTensor]]:
+def stream_llm(call: ModelCall) -> ModelStream:
     """Validate and submit now (errors raise before any response), then one response per released
-    piece of text. Closing the iterator (the client went away) cancels the generation."""
+    piece of text (see ModelStream for `start()` and cancelling)."""
     engine, llm = _llm_call(call)
     if not llm.stream:
-        return iter([_complete(engine, llm)])
+        return ModelStream(iter([_complete(engine, llm)]))
     if not llm.exclude_input:
-        raise TritonError(400, "When streaming, `exclude_input_in_output` = False is not allowed.")
-    return _llm_responses(llm, _submit(engine, llm))
+        raise InvalidRequest("When streaming, `exclude_input_in_output` = False is not allowed.")
+    generation = _submit(engine, llm)
+    return ModelStream(_llm_responses(llm, generation), generation)
 
 
 def _llm_responses(llm: LlmCall, generation: Generation) -> Iterator[list[WireTensor]]:
@@ -89,19 +120,16 @@ def _llm_responses(llm: LlmCall, generation: Generation) -> Iterator[list[WireTe
 
 
 def _handler_output(service: ModelService, request: Input) -> Output:
-    try:
-        job = service.submit(request)
-        output = service.dispatcher.wait(job)
-    except (Overloaded, Timeout, NotReady) as exc:
-        raise TritonError(503, exc.message) from None
+    # A full queue, a timeout or a model not ready raise their kinds: Triton's table answers 503.
+    output = service.dispatcher.wait(service.submit(request))
     if output.code != 200:
         try:
             message = json.loads(output.body()).get("error") or output.message
         except (ValueError, AttributeError):
             message = output.message
         if 400 <= output.code < 500 and output.code != HANDLER_FAILURE:  # the handler refused the request
-            raise TritonError(400, str(message))
-        raise TritonError(500, f"model '{service.name}' failed: {message}")
+            raise InvalidRequest(str(message))
+        raise GenerationFailed(f"model '{service.name}' failed: {message}")
     return output
 
 
@@ -109,13 +137,13 @@ def _texts(tensor: WireTensor) -> list[str]:
     try:
         return [value.decode("utf-8") for value in tensor.array.reshape(-1)]
     except UnicodeDecodeError:
-        raise TritonError(400, f"input '{tensor.name}' must be UTF-8 text") from None
+        raise InvalidRequest(f"input '{tensor.name}' must be UTF-8 text") from None
 
 
 def _run_embedding(call: ModelCall) -> list[WireTensor]:
     texts = _texts(call.tensors["text_input"])
     if not texts:
-        raise TritonError(400, "input 'text_input' must hold at least one text")
+        raise InvalidRequest("input 'text_input' must hold at least one text")
     body = json.dumps({"inputs": texts}).encode("utf-8")
     request = Input({"Content-Type": "application/json", "requestId": call.request_id}, PairList([("data", body)]))
     vectors = json.loads(_handler_output(call.service, request).body())
@@ -130,8 +158,8 @@ def _run_tensor_model(call: ModelCall) -> list[WireTensor]:
     output = _handler_output(call.service, tensor_input(list(call.tensors.values()), properties))
     try:
         return read_output_tensors(output, list(call.contract.outputs), call.service.name)
-    except (ValueError, KeyError) as exc:
-        raise TritonError(500, str(exc)) from None
+    except (ValueError, KeyError) as exc:  # handle() returned tensors it does not declare: the model failed
+        raise GenerationFailed(str(exc)) from None
 
 
 _RUNNERS = {"llm": _run_llm, "embedding": _run_embedding, "tensor": _run_tensor_model}
@@ -145,8 +173,8 @@ def run_model(call: ModelCall) -> list[WireTensor]:
     return outputs
 
 
-def stream_model(call: ModelCall) -> Iterator[list[WireTensor]]:
+def stream_model(call: ModelCall) -> ModelStream:
     """Responses for generate_stream: token deltas from the LLM when `stream` is set, else one."""
     if call.contract.kind == "llm":
         return stream_llm(call)
-    return iter([run_model(call)])
+    return ModelStream(iter([run_model(call)]))
