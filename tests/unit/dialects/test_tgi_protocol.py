@@ -9,12 +9,12 @@ import sys
 import pytest
 from flask import Flask
 
+from lmi_serve.dialects.tgi.protocol import (
+    ERROR_TABLE, NotJson, check_context, error_response, parse_request, render_kind, tgi_error_body,
+)
 from lmi_serve.errors import (
     KINDS, ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
     Timeout,
-)
-from lmi_serve.dialects.tgi.protocol import (
-    ERROR_TABLE, NotJson, check_context, error_response, parse_request, render_kind, tgi_error_body,
 )
 
 
