@@ -22,6 +22,7 @@ from .dialects.lmi import errors as lmi_errors
 from .dialects.lmi import routes as lmi_routes
 from .dialects.openai import errors as openai_errors
 from .dialects.openai import routes as openai_routes
+from .dialects.tgi import protocol as tgi_protocol
 from .dialects.tgi import routes as tgi_routes
 from .dialects.triton import protocol as triton_protocol
 from .dialects.triton import routes as triton_routes
@@ -40,7 +41,7 @@ class ErrorRenderers(NamedTuple):
 
 
 LMI_ERRORS = ErrorRenderers(lmi_errors.error_response, lmi_errors.render_kind)
-TGI_ERRORS = ErrorRenderers(tgi_routes.error_response, tgi_routes.render_kind)
+TGI_ERRORS = ErrorRenderers(tgi_protocol.error_response, tgi_protocol.render_kind)
 OPENAI_ERRORS = ErrorRenderers(openai_errors.error_response, openai_errors.render_kind)
 TRITON_ERRORS = ErrorRenderers(triton_protocol.app_error_response, triton_protocol.render_kind)
 

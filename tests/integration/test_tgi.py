@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import requests
 from text_generation import AsyncClient, Client
-from text_generation.errors import NotFoundError, UnknownError, ValidationError
+from text_generation.errors import GenerationError, NotFoundError, UnknownError, ValidationError
 from text_generation.types import FinishReason
 
 pytestmark = pytest.mark.integration
@@ -182,3 +182,33 @@ def test_async_client_concurrent_equals_sequential(client, default_server):
     for a, b in zip(sequential, concurrent):
         assert b.generated_text == a.generated_text
         assert [t.id for t in b.details.tokens] == [t.id for t in a.details.tokens]
+
+
+POISONED = {"inputs": "Play the xylophone please", "parameters": {"max_new_tokens": 4}}
+
+
+def test_a_stream_that_fails_before_its_first_token_answers_an_error_status(store_server):
+    """The store's `faulty` model raises in any prefill whose prompt has "xylophone": nothing was
+    streamed yet, so the client gets TGI's error body with its status, not a 200 and an error frame."""
+    for path, body in (("/generate_stream", POISONED), ("/generate", {**POISONED, "stream": True}),
+                       ("/", {**POISONED, "stream": True})):
+        response = requests.post(store_server.url(path), headers={"model_name": "faulty"}, json=body, timeout=180)
+        assert response.status_code == 424 and response.headers["Content-Type"] == "application/json"
+        error = response.json()
+        assert set(error) == {"error", "error_type"} and error["error_type"] == "generation"
+        assert error["error"].startswith("Request failed during generation: ") and "injected fault" in error["error"]
+    client = Client(store_server.base, headers={"model_name": "faulty"}, timeout=180)
+    with pytest.raises(GenerationError, match="injected fault"):
+        list(client.generate_stream(POISONED["inputs"], max_new_tokens=4))
+    healthy = list(client.generate_stream("Hello", max_new_tokens=2))  # the fault failed only its request
+    assert len(healthy) == 2 and healthy[-1].details.finish_reason == FinishReason.Length
+
+
+def test_models_the_tgi_routes_cannot_serve_get_tgi_errors(store_server):
+    unknown = requests.post(store_server.url("/generate"), params={"model_name": "nope"}, json=POISONED, timeout=30)
+    assert unknown.status_code == 404
+    assert unknown.json() == {"error": "Model not found: nope", "error_type": "not_found"}
+    dynamic = requests.post(store_server.url("/generate_stream"), params={"model_name": "dynamic"}, json=POISONED,
+                            timeout=30)
+    assert dynamic.status_code == 422 and dynamic.json()["error_type"] == "validation"
+    assert "dynamic batching" in dynamic.json()["error"]

@@ -37,6 +37,8 @@ from typing import Any
 
 from ...engine.types import FinishReason, TokenEvent, TopToken
 from ...handler_api import Input
+from ..tgi.protocol import tgi_error_body as _tgi_error
+from ..tgi.protocol import tgi_stream_frame
 from .schema import LmiRequestError, RollingRequest, parse_rolling_request
 
 Events = Sequence[TokenEvent]
@@ -47,7 +49,6 @@ _LMI_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "eos_token
                FinishReason.STOP_SEQUENCE: "stop_sequence", FinishReason.ERROR: "error",
                FinishReason.CANCELLED: "abort"}
 _TGI_FINISH = {**_LMI_FINISH, FinishReason.CANCELLED: "length"}
-TGI_ERROR_PREFIX = "Request failed during generation: "
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,6 @@ def _details(ctx: RenderContext, events: Events, others: Sequence[Events]) -> di
     return details
 
 
-def _tgi_error(message: str | None) -> dict:
-    return {"error": TGI_ERROR_PREFIX + (message or "unknown error"), "error_type": "generation"}
-
-
 def render_json(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> str:
     """Non-streaming body: `{"generated_text", "details"?}`; tgi_compat: `[{...}]` with details."""
     failed = next((f for f in (_failure(s) for s in (events, *others)) if f is not None), None)
@@ -184,17 +181,6 @@ def render_json(ctx: RenderContext, events: Events, others: Sequence[Events] = (
     if ctx.details or ctx.tgi_compat:
         body["details"] = _details(ctx, events, others)
     return _dumps([body] if ctx.tgi_compat else body)
-
-
-def tgi_response(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> dict:
-    """One TGI GenerateResponse (`details` only when asked), or TGI's generation-error object."""
-    failed = next((f for f in (_failure(s) for s in (events, *others)) if f is not None), None)
-    if failed is not None:
-        return _tgi_error(failed.error)
-    body: dict[str, Any] = {"generated_text": _text(ctx, events, full=True)}
-    if ctx.details or ctx.decoder_input_details:
-        body["details"] = _details(ctx, events, others)
-    return body
 
 
 # --- chunks (jsonlines, sse) ----------------------------------------------------------------
@@ -217,21 +203,6 @@ def _lmi_line(ctx: RenderContext, events: Events) -> dict:
                 details["prefill"] = _prefill(ctx, events)
             line["details"] = details
     return line
-
-
-def tgi_stream_frame(ctx: RenderContext, events: Events) -> dict:
-    """A TGI StreamResponse; `index` counts frames from 1."""
-    last = events[-1]
-    if _is_failure(last):
-        return _tgi_error(last.error)
-    frame: dict[str, Any] = {"index": len(events), "token": _event_token(ctx, last)}
-    if ctx.top_n_tokens > 0:
-        frame["top_tokens"] = _top_tokens(ctx, last)
-    done = last.finish_reason is not None
-    frame["generated_text"] = _text(ctx, events, full=True) if done else None
-    frame["details"] = {"finish_reason": _finish(ctx, events), "generated_tokens": len(_generated(events)),
-                        "seed": ctx.seed, "input_length": ctx.prompt_tokens_count} if done else None
-    return frame
 
 
 def _chunk_object(ctx: RenderContext, events: Events) -> dict:
