@@ -177,11 +177,19 @@ class HeterogeneousSampler:
         if self.sample_rows:
             idx = torch.tensor(self.sample_rows, device=logits.device)
             probs, order = self._filtered_sorted(scores[idx])
-            cdf = probs.cumsum(dim=-1)
+            # Draw over the vocabulary in token-id order, not in probability order: among 49k tokens
+            # many have near-equal scores, and the last-bit differences a different batch makes in
+            # the logits reorder them, so a draw in sorted order picked another token for ~1 in 5
+            # seeds (a seed replayed alone diverged from the same seed in a batch). In id order the
+            # same noise moves each boundary by ~1e-7 of the mass.
+            by_id = torch.zeros_like(probs).scatter_(-1, order, probs)
+            cdf = by_id.cumsum(dim=-1)
             uniform = torch.stack([torch.rand((), generator=self.generators[r]) for r in self.sample_rows])
             target = (uniform.to(cdf.device)[:, None] * cdf[:, -1:])
             position = torch.searchsorted(cdf, target).clamp(max=cdf.shape[-1] - 1)
-            chosen[idx] = order.gather(-1, position).squeeze(-1)
+            # searchsorted finds the first id whose cumulative mass reaches the target; an id of zero
+            # probability cannot be it unless the target is 0 exactly, which is measure zero.
+            chosen[idx] = position.squeeze(-1)
         picked = logprobs.gather(1, chosen[:, None]).squeeze(1)
         if not self.max_top_n:
             return SampleOutput(chosen, picked, self.top_n)
