@@ -22,7 +22,8 @@ from ..openai.errors import OpenAIError
 from ..openai.schema import ChatCompletionRequest
 from ..openai.schema import parse as parse_openai
 from ..openai.service import OpenAIService
-from .formatters import OutputFormatter, RenderContext, apply_input_formatter, choose_formatter
+from .formatters import OutputFormatter, RenderContext, choose_formatter
+from .hooks import apply_input_formatter, custom_formatter
 from .schema import LmiRequestError, RollingRequest, parse_rolling_request, to_generation_requests
 
 
@@ -88,8 +89,10 @@ class RollingBatchService:
                 return self._chat(item, payload)
         try:
             request = self._parse(item)
+            custom = (custom_formatter(self.custom_output, stream=request.stream)
+                      if self.custom_output is not None else None)
             formatter = choose_formatter(request.parameters.output_formatter, self.output_formatter,
-                                         request.stream, self.tgi_compat, custom=self.custom_output)
+                                         request.stream, self.tgi_compat, custom=custom)
             prompt_ids = self.engine.tokenizer(request.inputs).input_ids
             requests = to_generation_requests(request.parameters, prompt_ids,
                                               eos_token_ids=self.engine.eos_token_ids,

@@ -39,6 +39,10 @@ class LmiRequestError(ValueError):
 MAX_SEED = 2**63 - 1
 MAX_COUNT = 2**31 - 1
 
+# The output formatters a request or option.output_formatter may name; `formatters.FORMATTERS`
+# implements exactly these (a unit test checks). Listed here so the schema does not import its renderers.
+OUTPUT_FORMATTERS = ("json", "jsonlines", "sse")
+
 
 class DynamicBatchParameters(BaseModel):
     """GenerationParameters honoured by the dynamic-batch path (rolling_batch=disable)."""
@@ -170,10 +174,8 @@ class GenerationParameters(BaseModel):
     @field_validator("output_formatter")
     @classmethod
     def _known_formatter(cls, value: str | None) -> str | None:
-        from .formatters import FORMATTERS  # formatters imports this module
-
-        if value is not None and value not in FORMATTERS:
-            raise ValueError(f"unknown output formatter {value!r}; choose one of {sorted(FORMATTERS)}")
+        if value is not None and value not in OUTPUT_FORMATTERS:
+            raise ValueError(f"unknown output formatter {value!r}; choose one of {sorted(OUTPUT_FORMATTERS)}")
         return value
 
     @property
