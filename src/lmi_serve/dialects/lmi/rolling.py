@@ -32,7 +32,7 @@ from ..openai.schema import parse as parse_openai
 from ..openai.service import OpenAIService
 from .formatters import OutputFormatter, RenderContext, choose_formatter
 from .hooks import apply_input_formatter, custom_formatter
-from .schema import RollingRequest, parse_rolling_request, to_generation_requests
+from .schema import parse_rolling_request, to_generation_requests
 
 # kind -> the status of plain LMI's `{"error", "code"}` answer; None: the kind propagates.
 LMI_HANDLER_ERRORS: dict[type[ServingError], int | None] = {
