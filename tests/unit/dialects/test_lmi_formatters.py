@@ -8,10 +8,11 @@ import pytest
 from text_generation.types import Response, StreamResponse
 
 from lmi_serve.dialects.lmi.formatters import (
-    FORMATTERS, GenerationOutput, OutputFormatter, RenderContext, apply_input_formatter, choose_formatter,
-    custom_formatter, render_json, render_jsonlines_chunk, render_sse_chunk,
+    FORMATTERS, OutputFormatter, RenderContext, choose_formatter, render_json, render_jsonlines_chunk,
+    render_sse_chunk,
 )
-from lmi_serve.dialects.lmi.schema import LmiRequestError, RollingRequest, parse_rolling_request
+from lmi_serve.dialects.lmi.hooks import GenerationOutput, apply_input_formatter, custom_formatter
+from lmi_serve.dialects.lmi.schema import OUTPUT_FORMATTERS, LmiRequestError, RollingRequest, parse_rolling_request
 from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 from lmi_serve.handler_api import Input
 
@@ -270,6 +271,11 @@ def test_request_beats_configured():
     assert choose_formatter(None, "jsonlines", False, False).name == "jsonlines"
 
 
+def test_registry_implements_the_schema_names():
+    # The schema validates `output_formatter` against its own list, so it need not import the renderers.
+    assert sorted(FORMATTERS) == sorted(OUTPUT_FORMATTERS)
+
+
 def test_unknown_names():
     with pytest.raises(LmiRequestError, match=r"parameters.output_formatter: unknown output formatter 'xml'; "
                                               r"choose one of \['json', 'jsonlines', 'sse'\]"):
@@ -309,7 +315,7 @@ def test_custom_output_formatter_per_event():
         seen.append(out)
         return json.dumps({"text": out.generated_text}) + "\n" if out.finished else ""
 
-    formatter = choose_formatter(None, "json", True, False, custom=fmt)
+    formatter = choose_formatter(None, "json", True, False, custom=custom_formatter(fmt, stream=True))
     assert formatter.name == "fmt" and formatter.mimetype == "application/jsonlines"
     out = chunks(formatter.render_chunk, ctx(), events())
     assert out == ["", "", "", '{"text": " a field."}\n']
@@ -328,7 +334,7 @@ def test_custom_output_formatter_once_at_end():
         return {"answer": out.generated_text, "n": len(out.details["best_of_sequences"])}
 
     fmt.content_type = "application/x-custom"
-    formatter = choose_formatter(None, None, False, False, custom=fmt)
+    formatter = choose_formatter(None, None, False, False, custom=custom_formatter(fmt, stream=False))
     assert formatter.mimetype == "application/x-custom"
     other = [TokenEvent(20, " x", -1.0, False, FinishReason.LENGTH)]
     assert formatter.render_final(ctx(), events(), [other]) == '{"answer": " a field.", "n": 1}'
@@ -345,7 +351,8 @@ def test_custom_formatter_defaults_and_error_view():
 
 
 def test_request_name_beats_custom():
-    assert choose_formatter("jsonlines", None, False, False, custom=lambda out: "").name == "jsonlines"
+    custom = custom_formatter(lambda out: "")
+    assert choose_formatter("jsonlines", None, False, False, custom=custom).name == "jsonlines"
 
 
 def test_input_formatter():

@@ -9,6 +9,7 @@ from lmi_serve.dialects.lmi.schema import (
     to_generation_requests,
 )
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
+from lmi_serve.errors import InvalidRequest
 
 EOS = frozenset({2})
 
@@ -293,6 +294,26 @@ def test_no_room_to_generate():
 def test_empty_prompt():
     with pytest.raises(LmiRequestError, match="no tokens"):
         translate(params(), prompt=())
+
+
+def test_refusals_are_invalid_requests():
+    # Every dialect's table renders an InvalidRequest; the dynamic-batch path catches ValueError.
+    with pytest.raises(InvalidRequest) as caught:
+        params(top_k="many")
+    assert isinstance(caught.value, ValueError) and caught.value.message.startswith("parameters.top_k: ")
+    for kwargs in ({"max_input_len": 3}, {"max_model_len": 4}):
+        with pytest.raises(LmiRequestError) as caught:
+            translate(params(), **kwargs)
+        assert caught.value.code == "context_length_exceeded"
+    with pytest.raises(LmiRequestError) as caught:
+        translate(params(), prompt=())
+    assert caught.value.code is None
+
+
+def test_over_the_input_limit_beats_no_room():
+    # A prompt over max_input_len that also fills the context is refused for the input limit.
+    with pytest.raises(LmiRequestError, match="over the limit of 3"):
+        translate(params(), max_input_len=3, max_model_len=4)
 
 
 def test_max_new_tokens_capped_to_context():

@@ -6,8 +6,9 @@ failure ends it with `TokenEvent.failure(msg)` (finish_reason ERROR).
 
 Registry (`FORMATTERS`, name -> OutputFormatter): `json` renders one final body, `jsonlines` and
 `sse` render one chunk per event. `choose_formatter` picks: per-request `parameters.output_formatter`,
-then a model.py `@output_formatter`, then `option.output_formatter`, then the default (`json`, or
-`jsonlines` when streaming, or `sse` when streaming with tgi_compat).
+then a model.py `@output_formatter` (wrapped by `hooks.custom_formatter`), then
+`option.output_formatter`, then the default (`json`, or `jsonlines` when streaming, or `sse` when
+streaming with tgi_compat). The framing of a chunk (an SSE event, a JSON line) is `streaming`'s.
 
 Decisions:
 - The formatter decides the framing (`OutputFormatter.streams`): a chunk-only formatter streams even
@@ -29,17 +30,17 @@ Decisions:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ...engine.types import FinishReason, TokenEvent, TopToken
-from ...handler_api import Input
+from ...streaming import JSONLINES_MIMETYPE, SSE_MIMETYPE, json_line, sse_event
+from ...streaming import dumps as _dumps  # the one JSON writer, under the name the renderers use
 from ..tgi.protocol import tgi_error_body as _tgi_error
 from ..tgi.protocol import tgi_stream_frame
-from .schema import LmiRequestError, RollingRequest, parse_rolling_request
+from .schema import LmiRequestError, RollingRequest
 
 Events = Sequence[TokenEvent]
 FinalRenderer = Callable[["RenderContext", Events, Sequence[Events]], str]
@@ -74,10 +75,6 @@ class RenderContext:
 
 
 # --- pieces ---------------------------------------------------------------------------------
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
@@ -213,12 +210,12 @@ def _chunk_object(ctx: RenderContext, events: Events) -> dict:
 
 def render_jsonlines_chunk(ctx: RenderContext, events: Events) -> str:
     """The jsonlines line for the last event (see the module docstring)."""
-    return _dumps(_chunk_object(ctx, events)) + "\n"
+    return json_line(_chunk_object(ctx, events))
 
 
 def render_sse_chunk(ctx: RenderContext, events: Events) -> str:
     """One server-sent event for the last event; never a `[DONE]` sentinel."""
-    return "data: " + _dumps(_chunk_object(ctx, events)) + "\n\n"
+    return sse_event(_chunk_object(ctx, events))
 
 
 # --- registry -------------------------------------------------------------------------------
@@ -246,8 +243,8 @@ class OutputFormatter:
 
 FORMATTERS: dict[str, OutputFormatter] = {
     "json": OutputFormatter("json", "application/json", render_final=render_json),
-    "jsonlines": OutputFormatter("jsonlines", "application/jsonlines", render_chunk=render_jsonlines_chunk),
-    "sse": OutputFormatter("sse", "text/event-stream", render_chunk=render_sse_chunk),
+    "jsonlines": OutputFormatter("jsonlines", JSONLINES_MIMETYPE, render_chunk=render_jsonlines_chunk),
+    "sse": OutputFormatter("sse", SSE_MIMETYPE, render_chunk=render_sse_chunk),
 }
 
 
@@ -260,79 +257,15 @@ def _lookup(name: str, where: str) -> OutputFormatter:
 
 
 def choose_formatter(requested: str | None, configured: str | None, stream: bool, tgi_compat: bool, *,
-                     custom: Callable[..., Any] | None = None) -> OutputFormatter:
-    """Per-request name > model.py `@output_formatter` (`custom`) > option.output_formatter > default."""
+                     custom: OutputFormatter | None = None) -> OutputFormatter:
+    """Per-request name > model.py `@output_formatter` (`custom`, see `hooks.custom_formatter`) >
+    option.output_formatter > default."""
     if requested:
         return _lookup(requested, "parameters.output_formatter")
     if custom is not None:
-        return custom_formatter(custom, stream=stream)
+        return custom
     if configured:
         return _lookup(configured, "option.output_formatter")
     if not stream:
         return FORMATTERS["json"]
     return FORMATTERS["sse" if tgi_compat else "jsonlines"]
-
-
-# --- model.py formatters --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GenerationOutput:
-    """What a model.py `@output_formatter` function sees, once per event or once at the end."""
-
-    inputs: str
-    generated_text: str  # with the prompt when return_full_text
-    tokens: list[dict]  # LMI Token dicts of the tokens so far
-    finished: bool
-    finish_reason: str | None  # LMI strings: length | eos_token | stop_sequence | error | abort
-    details: dict  # LMI details (always filled, whatever `details` says); best_of_sequences at the end
-    error: str | None = None
-
-
-def generation_output(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> GenerationOutput:
-    lmi = replace(ctx, details=True, tgi_compat=False)
-    last = events[-1] if events else None
-    details = _details(lmi, events, others)
-    return GenerationOutput(
-        inputs=ctx.inputs, generated_text=_text(lmi, events, full=True), tokens=details["tokens"],
-        finished=last is not None and last.finish_reason is not None, finish_reason=details["finish_reason"],
-        details=details, error=last.error if last is not None else None)
-
-
-def _as_text(value: Any) -> str:
-    """A formatter returns a str ("" emits nothing); None is "", other values are sent as JSON."""
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else _dumps(value)
-
-
-def custom_formatter(fn: Callable[[GenerationOutput], Any], *, stream: bool = False) -> OutputFormatter:
-    """Wrap a model.py `@output_formatter`: called per event when streaming, once otherwise.
-
-    The MIME type is `fn.content_type` when set, else application/jsonlines for a stream and
-    application/json otherwise."""
-    mimetype = getattr(fn, "content_type", None) or ("application/jsonlines" if stream else "application/json")
-
-    def render_final(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> str:
-        return _as_text(fn(generation_output(ctx, events, others)))
-
-    def render_chunk(ctx: RenderContext, events: Events) -> str:
-        return _as_text(fn(generation_output(ctx, events)))
-
-    return OutputFormatter(getattr(fn, "__name__", "custom"), mimetype, render_final, render_chunk)
-
-
-def apply_input_formatter(fn: Callable[..., Any], item: Input, **kwargs: Any) -> RollingRequest:
-    """Run a model.py `@input_formatter` and parse what it returns with the rolling-batch schema.
-
-    `fn(item, **kwargs)` returns `{"inputs", "parameters"?, "stream"?}` (or a RollingRequest).
-    Any exception becomes an LmiRequestError carrying its message."""
-    try:
-        payload = fn(item, **kwargs)
-    except LmiRequestError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - user code; the message goes back to the client
-        raise LmiRequestError(f"Input formatter {getattr(fn, '__name__', 'input_formatter')} failed: "
-                              f"{exc}") from exc
-    if isinstance(payload, RollingRequest):
-        return payload
-    return parse_rolling_request(payload)

@@ -1,29 +1,70 @@
 """The LMI rolling-batch schema on the engine: one request Input -> one Output (whole or streamed).
 
 Path: parse (schema or a model.py @input_formatter) -> tokenize -> GenerationRequests (n/best_of
-sequences) -> engine.submit -> events -> the chosen formatter renders them. The first event of a
+sequences) -> engine.generate -> events -> the chosen formatter renders them. The first event of a
 stream is awaited before the Output is returned, so errors before generation starts still get a
 real status code; later errors become the formatter's final error line.
+
+Errors: every step raises the core's kinds (errors.py); `inference` turns them into the handler's
+Output in one place, `handler_error`, through two small tables: plain LMI answers a bad request or
+a failed generation with `{"error", "code"}` and 424 (DJL's handler failure), tgi_compat with TGI's
+`{"error", "error_type"}` and 422 / 424 / 429. A kind a table does not answer propagates, and the
+route renders it with LMI's ERROR_TABLE (Overloaded 503, Timeout 504, ClientGone 499), as DJL's
+front end answers those before any handler runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
+from ... import streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
 from ...engine.types import GenerationRequest, GenerationResult
-from ...errors import GenerationFailed, Overloaded
+from ...errors import GenerationFailed, InvalidRequest, Overloaded, ServingError, lookup
 from ...handler_api import Input, Output
 from ...handler_utils import read_payload
-from ..openai.errors import OpenAIError
 from ..openai.schema import ChatCompletionRequest
 from ..openai.schema import parse as parse_openai
 from ..openai.service import OpenAIService
-from .formatters import OutputFormatter, RenderContext, apply_input_formatter, choose_formatter
-from .schema import LmiRequestError, RollingRequest, parse_rolling_request, to_generation_requests
+from .formatters import OutputFormatter, RenderContext, choose_formatter
+from .hooks import apply_input_formatter, custom_formatter
+from .schema import parse_rolling_request, to_generation_requests
+
+# kind -> the status of plain LMI's `{"error", "code"}` answer; None: the kind propagates.
+LMI_HANDLER_ERRORS: dict[type[ServingError], int | None] = {
+    InvalidRequest: 424,
+    GenerationFailed: 424,
+    ServingError: None,
+}
+
+# kind -> (status, TGI error_type, TGI's own wording or None for the kind's message); None: propagates.
+TGI_COMPAT_HANDLER_ERRORS: dict[type[ServingError], tuple[int, str, str | None] | None] = {
+    InvalidRequest: (422, "validation", None),
+    GenerationFailed: (424, "generation", None),
+    Overloaded: (429, "overloaded", "Model is overloaded"),
+    ServingError: None,
+}
+
+
+def handler_error(error: ServingError, *, tgi_compat: bool) -> Output | None:
+    """The handler's Output for `error` (see the module docstring), or None when the kind is the
+    route's to render."""
+    if tgi_compat:
+        row = lookup(TGI_COMPAT_HANDLER_ERRORS, error)
+        if row is None:
+            return None
+        status, error_type, wording = row
+        body: dict[str, Any] = {"error": wording or error.message, "error_type": error_type}
+    else:
+        status = lookup(LMI_HANDLER_ERRORS, error)
+        if status is None:
+            return None
+        body = {"error": error.message, "code": status}
+    return Output(code=status, message="invoke handler failure").add(body)
 
 
 def best_first(results: Sequence[GenerationResult], n: int) -> list[GenerationResult]:
@@ -63,50 +104,40 @@ class RollingBatchService:
         self.custom_input = custom_input
         self.custom_output = custom_output
 
-    def _error(self, message: str, code: int = 424, error_type: str = "validation") -> Output:
-        """LMI: `{"error", "code"}` with 424; tgi_compat: TGI's `{"error", "error_type"}` and codes."""
-        if self.tgi_compat:
-            status = {"validation": 422, "generation": 424, "overloaded": 429}.get(error_type, code)
-            body = {"error": message, "error_type": error_type}
-        else:
-            status, body = code, {"error": message, "code": code}
-        return Output(code=status, message="invoke handler failure").add(body)
-
-    def _parse(self, item: Input) -> RollingRequest:
-        if self.custom_input is not None:
-            return apply_input_formatter(self.custom_input, item)
-        payload = read_payload(item)
-        return parse_rolling_request({"inputs": payload} if isinstance(payload, str) else payload)
-
     def inference(self, item: Input) -> Output:
-        if self.custom_input is None:
-            try:
-                payload = read_payload(item)
-            except ValueError as exc:
-                return self._error(str(exc))
-            if isinstance(payload, dict) and "messages" in payload:
-                return self._chat(item, payload)
         try:
-            request = self._parse(item)
+            return self._answer(item)
+        except ServingError as exc:
+            output = handler_error(exc, tgi_compat=self.tgi_compat)
+            if output is None:
+                raise
+            return output
+
+    def _answer(self, item: Input) -> Output:
+        payload = None if self.custom_input is not None else _read_payload(item)
+        if isinstance(payload, dict) and "messages" in payload:
+            return self._chat(item, payload)
+        try:
+            request = (apply_input_formatter(self.custom_input, item) if self.custom_input is not None
+                       else parse_rolling_request({"inputs": payload} if isinstance(payload, str) else payload))
+            custom = (custom_formatter(self.custom_output, stream=request.stream)
+                      if self.custom_output is not None else None)
             formatter = choose_formatter(request.parameters.output_formatter, self.output_formatter,
-                                         request.stream, self.tgi_compat, custom=self.custom_output)
+                                         request.stream, self.tgi_compat, custom=custom)
             prompt_ids = self.engine.tokenizer(request.inputs).input_ids
             requests = to_generation_requests(request.parameters, prompt_ids,
                                               eos_token_ids=self.engine.eos_token_ids,
                                               max_model_len=self.engine.max_model_len,
                                               max_input_len=self.max_input_len)
-        except (LmiRequestError, ValueError, KeyError) as exc:
-            return self._error(str(exc))
+        except ServingError:
+            raise
+        except (ValueError, KeyError) as exc:  # what the tokenizer refuses, as the parsers' refusals
+            raise InvalidRequest(str(exc)) from None
         ctx = RenderContext.for_request(request, tgi_compat=self.tgi_compat, seed=requests[0].sampling.seed,
                                         prompt_tokens_count=len(requests[0].prompt_ids))
         if request.parameters.num_beams > 1:
             return self._beams(ctx, formatter, requests[0], request.parameters)
-        try:
-            generation = self.engine.generate(requests)
-        except Overloaded:
-            if self.tgi_compat:
-                return self._error("Model is overloaded", 429, "overloaded")
-            raise  # the LMI front answers 503
+        generation = self.engine.generate(requests)
         if formatter.streams(request.stream):
             return self._stream(ctx, formatter, generation)
         return self._whole(ctx, formatter, generation, request.parameters.n)
@@ -116,38 +147,28 @@ class RollingBatchService:
         stream of chat.completion.chunk objects as JSON lines (SSE with [DONE] when the client
         accepts text/event-stream or option.output_formatter=sse)."""
         chat = OpenAIService(self.engine, self.model_name)
-        try:
-            reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
-        except OpenAIError as exc:
-            if exc.status == 429:
-                raise Overloaded(exc.message) from None
-            return self._error(exc.message, error_type="generation" if exc.status >= 500 else "validation")
+        reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
         if reply.chunks is None:
             return Output().add(reply.body).add_property("Content-Type", "application/json")
-        wants_sse = ("text/event-stream" in (item.get_property("Accept") or "")
+        wants_sse = (streaming.SSE_MIMETYPE in (item.get_property("Accept") or "")
                      or self.output_formatter == "sse")
         if wants_sse:
-            return Output().add_property("Content-Type", "text/event-stream").add_stream_content(
-                reply.sse(), output_formatter=lambda chunk: chunk)
-        return Output().add_property("Content-Type", "application/jsonlines").add_stream_content(
-            reply.jsonlines(), output_formatter=lambda chunk: chunk)
+            return Output().add_property("Content-Type", streaming.SSE_MIMETYPE).add_stream_content(
+                streaming.sse(reply.chunks, done=True), output_formatter=lambda chunk: chunk)
+        return Output().add_property("Content-Type", streaming.JSONLINES_MIMETYPE).add_stream_content(
+            streaming.jsonlines(reply.chunks), output_formatter=lambda chunk: chunk)
 
     def _beams(self, ctx: RenderContext, formatter: OutputFormatter, request, parameters) -> Output:
         try:
             results = self.engine.beam_search(request, parameters.num_beams)
-        except Overloaded:
-            if self.tgi_compat:
-                return self._error("Model is overloaded", 429, "overloaded")
+        except ServingError:
             raise
         except Exception as exc:  # a failed beam search fails this request only
-            return self._error(f"exception occurred during beam search: {exc}", error_type="generation")
+            raise GenerationFailed(f"exception occurred during beam search: {exc}") from exc
         return self._render_whole(ctx, formatter, best_first(results, parameters.n), _any_failed(results))
 
     def _whole(self, ctx: RenderContext, formatter: OutputFormatter, generation: Generation, n: int) -> Output:
-        try:
-            results = wait_for_results(generation)  # cancelled if the client goes away meanwhile
-        except GenerationFailed as exc:  # failed before any token: LMI's handler-failure answer
-            return self._error(exc.message, error_type="generation")
+        results = wait_for_results(generation)  # cancelled if the client goes away meanwhile
         ranked_ctx, ranked = rank_with_seeds(ctx, generation.requests, results, n)
         return self._render_whole(ranked_ctx, formatter, ranked, _any_failed(results))
 
@@ -161,13 +182,17 @@ class RollingBatchService:
         return output.add(body).add_property("Content-Type", formatter.mimetype)
 
     def _stream(self, ctx: RenderContext, formatter: OutputFormatter, generation: Generation) -> Output:
-        try:
-            generation.start()  # a failure before any token still gets a real status code
-        except GenerationFailed as exc:
-            return self._error(exc.message, error_type="generation")
+        generation.start()  # a failure before any token raises its kind here: still a real status code
         output = Output().add_property("Content-Type", formatter.mimetype)
         return output.add_stream_content(_render_stream(ctx, formatter, generation),
                                          output_formatter=lambda chunk: chunk)
+
+
+def _read_payload(item: Input) -> Any:
+    try:
+        return read_payload(item)
+    except ValueError as exc:  # a body that is not JSON, or text/plain that is not UTF-8
+        raise InvalidRequest(str(exc)) from None
 
 
 def _render_stream(ctx: RenderContext, formatter: OutputFormatter, generation: Generation) -> Iterator[str]:

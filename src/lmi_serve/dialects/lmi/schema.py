@@ -20,24 +20,33 @@ Rolling-batch rules beyond single-field ranges (`_check_rules`):
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ...engine.policy import MAX_SEED, fit_to_context, sequence_seeds  # MAX_SEED: others import it here too
 from ...engine.types import GenerationRequest, SamplingParams, StopParams
+from ...errors import InvalidRequest
+from ...validation import field_problems
 
 
-class LmiRequestError(ValueError):
-    """The payload does not fit the schema; the message says which field and why."""
+class LmiRequestError(InvalidRequest, ValueError):
+    """The payload does not fit the schema; the message says which field and why.
+
+    An InvalidRequest, so each dialect renders it through its error table; also a ValueError,
+    because the dynamic-batch path (`handler_utils.parse_batch`) answers a ValueError of one
+    batch member with that member's own 424 instead of failing the whole batch."""
 
 
-# Upper bounds of the integer fields: larger values would overflow the engine's int64 tensors and
-# torch's seeding (a 500 instead of a 4xx). Counts and token ids stay far below int32.
-MAX_SEED = 2**63 - 1
+# Upper bound of the count fields (seeds are bounded by MAX_SEED, int64): larger values would
+# overflow the engine's tensors (a 500 instead of a 4xx). Counts and token ids stay far below int32.
 MAX_COUNT = 2**31 - 1
+
+# The output formatters a request or option.output_formatter may name; `formatters.FORMATTERS`
+# implements exactly these (a unit test checks). Listed here so the schema does not import its renderers.
+OUTPUT_FORMATTERS = ("json", "jsonlines", "sse")
 
 
 class DynamicBatchParameters(BaseModel):
@@ -80,13 +89,7 @@ class DynamicBatchRequest:
 
 
 def _describe(error: ValidationError, prefix: str) -> str:
-    parts = []
-    for item in error.errors():
-        where = ".".join(str(p) for p in (prefix, *item["loc"]) if p != "")
-        # Our own validators raise ValueError; show their text without pydantic's "Value error, ".
-        message = str(item["ctx"]["error"]) if item["type"] == "value_error" else item["msg"]
-        parts.append(f"{where}: {message}")
-    return "; ".join(parts)
+    return "; ".join(f"{problem.where(prefix)}: {problem.message}" for problem in field_problems(error))
 
 
 def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
@@ -170,10 +173,8 @@ class GenerationParameters(BaseModel):
     @field_validator("output_formatter")
     @classmethod
     def _known_formatter(cls, value: str | None) -> str | None:
-        from .formatters import FORMATTERS  # formatters imports this module
-
-        if value is not None and value not in FORMATTERS:
-            raise ValueError(f"unknown output formatter {value!r}; choose one of {sorted(FORMATTERS)}")
+        if value is not None and value not in OUTPUT_FORMATTERS:
+            raise ValueError(f"unknown output formatter {value!r}; choose one of {sorted(OUTPUT_FORMATTERS)}")
         return value
 
     @property
@@ -315,35 +316,38 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
     """Neutral requests for one rolling-batch request: one per sequence, max(n, best_of).
 
     1. `truncate` keeps the last N prompt ids; the prompt must then fit `max_input_len`.
-    2. `max_new_tokens` is capped to what is left of `max_model_len`.
+    2. `max_new_tokens` is capped to what is left of `max_model_len` (`engine.policy.fit_to_context`,
+       over="cap", as DJL does).
     3. Beam search (num_beams > 1) gives one request: the engine runs the beams itself.
-    4. Seeds: sequence i uses base_seed + i (modulo 2**63, so every seed reported can be sent
-       back as a `seed`). The base seed is the client's `seed`, or one random seed drawn here for
-       an unseeded sampled request. `requests[0].sampling.seed` is the base
-       seed to report (e.g. TGI `details.seed`); it is None exactly when the request is greedy.
+    4. Seeds (`engine.policy.sequence_seeds`): sequence i uses base_seed + i, the base being the
+       client's `seed` or one drawn for an unseeded sampled request. `requests[0].sampling.seed`
+       is the base seed to report (e.g. TGI `details.seed`); it is None exactly when greedy.
+
+    Every refusal is an LmiRequestError (an InvalidRequest; `code` context_length_exceeded when
+    the prompt does not fit).
     """
     prompt = tuple(prompt_ids)
     if parameters.truncate is not None:
         prompt = prompt[-parameters.truncate:]
-    if not prompt:
-        raise LmiRequestError("The input encodes to no tokens")
-    if len(prompt) > max_input_len:
-        raise LmiRequestError(f"Input has {len(prompt)} tokens, over the limit of {max_input_len}")
-    room = max_model_len - len(prompt)
-    if room < 1:
+    if 0 < len(prompt) <= max_input_len and len(prompt) >= max_model_len:
+        # LMI's own wording for "no room"; the shared rule words it the OpenAI way.
         raise LmiRequestError(f"Input has {len(prompt)} tokens, which leaves no room to generate within "
-                              f"the model's context of {max_model_len} tokens")
-    stop = parameters.stopping(min(parameters.max_new_tokens, room), eos_token_ids)
-    base_seed = parameters.seed
-    if base_seed is None and parameters.do_sample_resolved:
-        base_seed = random.randrange(MAX_SEED + 1)
+                              f"the model's context of {max_model_len} tokens", code="context_length_exceeded")
+    try:
+        prompt, max_new_tokens = fit_to_context(prompt, parameters.max_new_tokens, max_model_len, over="cap",
+                                                max_input_len=max_input_len)
+    except InvalidRequest as exc:  # same message; the schema's one error type, which TGI and Triton catch
+        raise LmiRequestError(exc.message, param=exc.param, code=exc.code) from None
+    stop = parameters.stopping(max_new_tokens, eos_token_ids)
+    count = 1 if parameters.num_beams > 1 else parameters.num_sequences
+    seeds = sequence_seeds(parameters.seed, count, sampled=parameters.do_sample_resolved)
     return [
         GenerationRequest(
             prompt_ids=prompt,
-            sampling=parameters.sampling(None if base_seed is None else (base_seed + i) % (MAX_SEED + 1)),
+            sampling=parameters.sampling(seed),
             stop=stop,
             top_n_tokens=parameters.top_n_tokens,
             prompt_logprobs=parameters.decoder_input_details,
         )
-        for i in range(1 if parameters.num_beams > 1 else parameters.num_sequences)
+        for seed in seeds
     ]
