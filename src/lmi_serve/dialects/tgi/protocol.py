@@ -8,16 +8,15 @@
 - `tgi_response`, `tgi_stream_frame`, `tgi_error_body`: TGI's GenerateResponse, StreamResponse
   and generation-error shapes, also used by the LMI formatters in `tgi_compat` mode.
 
-Import order: lmi.formatters imports this module, so this module reaches the formatters' shared
-pieces (tokens, details, text) only when it renders, never at import time.
+The shapes are built from `lmi.shapes` (tokens, details, text), which LMI's own formatters use too;
+lmi.formatters imports this module for tgi_compat, never the other way round.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from flask import Response
 
@@ -27,10 +26,9 @@ from ...errors import (
     Timeout, lookup,
 )
 from ..lmi.schema import GenerationParameters, LmiRequestError, RollingRequest, parse_generation_parameters
-
-if TYPE_CHECKING:
-    from ...engine.types import TokenEvent
-    from ..lmi.formatters import RenderContext
+from ..lmi.shapes import (
+    Events, RenderContext, _details, _event_token, _failure, _finish, _generated, _is_failure, _text, _top_tokens,
+)
 
 TGI_ERROR_PREFIX = "Request failed during generation: "
 VALIDATION_PREFIX = "Input validation error: "
@@ -150,17 +148,6 @@ def render_kind(error: ServingError) -> Response:
 
 # --- response shapes ------------------------------------------------------------------------
 
-Events = Sequence["TokenEvent"]
-
-
-def _pieces() -> ModuleType:
-    """The LMI formatters' shared pieces (tokens, details, text): imported on use, since
-    lmi.formatters imports this module."""
-    from ..lmi import formatters
-
-    return formatters
-
-
 def tgi_error_body(message: str | None) -> dict:
     """TGI's object for a request that failed during generation (a response body or a last frame)."""
     return {"error": TGI_ERROR_PREFIX + (message or "unknown error"), "error_type": "generation"}
@@ -168,27 +155,25 @@ def tgi_error_body(message: str | None) -> dict:
 
 def tgi_response(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> dict:
     """One TGI GenerateResponse (`details` only when asked), or TGI's generation-error object."""
-    lmi = _pieces()
-    failed = next((f for f in (lmi._failure(s) for s in (events, *others)) if f is not None), None)
+    failed = next((f for f in (_failure(s) for s in (events, *others)) if f is not None), None)
     if failed is not None:
         return tgi_error_body(failed.error)
-    body: dict[str, Any] = {"generated_text": lmi._text(ctx, events, full=True)}
+    body: dict[str, Any] = {"generated_text": _text(ctx, events, full=True)}
     if ctx.details or ctx.decoder_input_details:
-        body["details"] = lmi._details(ctx, events, others)
+        body["details"] = _details(ctx, events, others)
     return body
 
 
 def tgi_stream_frame(ctx: RenderContext, events: Events) -> dict:
     """A TGI StreamResponse; `index` counts frames from 1."""
-    lmi = _pieces()
     last = events[-1]
-    if lmi._is_failure(last):
+    if _is_failure(last):
         return tgi_error_body(last.error)
-    frame: dict[str, Any] = {"index": len(events), "token": lmi._event_token(ctx, last)}
+    frame: dict[str, Any] = {"index": len(events), "token": _event_token(ctx, last)}
     if ctx.top_n_tokens > 0:
-        frame["top_tokens"] = lmi._top_tokens(ctx, last)
+        frame["top_tokens"] = _top_tokens(ctx, last)
     done = last.finish_reason is not None
-    frame["generated_text"] = lmi._text(ctx, events, full=True) if done else None
-    frame["details"] = {"finish_reason": lmi._finish(ctx, events), "generated_tokens": len(lmi._generated(events)),
+    frame["generated_text"] = _text(ctx, events, full=True) if done else None
+    frame["details"] = {"finish_reason": _finish(ctx, events), "generated_tokens": len(_generated(events)),
                         "seed": ctx.seed, "input_length": ctx.prompt_tokens_count} if done else None
     return frame
