@@ -16,7 +16,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from ... import json_body
+from ... import json_body, streaming
 from ...errors import NotReady
 from ...handler_api import Input
 from ...json_body import InvalidJson
@@ -77,7 +77,7 @@ def _generation(name: str | None) -> OpenAIService:
 def _reply(reply: Reply) -> Response:
     if reply.chunks is None:
         return Response(json.dumps(reply.body), mimetype="application/json")
-    return Response(reply.sse(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(reply.sse(), mimetype=streaming.SSE_MIMETYPE, headers=streaming.SSE_HEADERS)
 
 
 @blueprint.post("/chat/completions")

@@ -7,10 +7,10 @@ timeout, a prefill error) still get a real status code; later failures become an
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ... import streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
@@ -33,17 +33,10 @@ class Reply:
     chunks: Iterator[Chunk] | None = None
 
     def sse(self) -> Iterator[str]:
-        for chunk in self.chunks:
-            yield f"data: {_dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        return streaming.sse(self.chunks, done=True)
 
     def jsonlines(self) -> Iterator[str]:
-        for chunk in self.chunks:
-            yield _dumps(chunk) + "\n"
-
-
-def _dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
+        return streaming.jsonlines(self.chunks)
 
 
 def _results(generation: Generation, states: list[ChoiceState]) -> None:
