@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models.
 
 `model` picks among the served models (unknown: 404 `model_not_found`); without it, the first model
-of the route's task. Errors use OpenAI's envelope (errors.py): 400 for every validation error,
-404, 429 with `retry-after` when the queue is full, 503 while loading, 500 only for real faults.
+of the route's task. Errors are the core's kinds, answered in OpenAI's envelope by the one table in
+errors.py: 400 for every validation error, 404, 429 with `retry-after` when the queue is full, 503
+while loading, 504 on a queue timeout, 500 only for real faults.
 Streams are SSE ending with `data: [DONE]`.
 """
 
