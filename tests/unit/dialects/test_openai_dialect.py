@@ -8,12 +8,13 @@ import json
 import pytest
 
 from lmi_serve.dialects.openai import chat
-from lmi_serve.dialects.openai.errors import OpenAIError
+from lmi_serve.dialects.openai.errors import status
 from lmi_serve.dialects.openai.generation import ChoiceState, fit_to_context
 from lmi_serve.dialects.openai.render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion,
                                               completion, completion_chunk)
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
+from lmi_serve.errors import InvalidRequest
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -25,10 +26,10 @@ def chat_request(**fields) -> ChatCompletionRequest:
     return parse(ChatCompletionRequest, {"messages": USER, **fields})
 
 
-def bad(model, body) -> OpenAIError:
-    with pytest.raises(OpenAIError) as caught:
+def bad(model, body) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
         parse(model, body)
-    assert caught.value.status == 400
+    assert status(caught.value) == 400
     return caught.value
 
 
@@ -181,16 +182,16 @@ def test_parse_tool_calls():
 def test_fit_to_context():
     assert fit_to_context(range(10), None, 100, where="prompt", param="prompt") == (tuple(range(10)), 90)
     assert fit_to_context(range(10), 5, 100, where="prompt", param="prompt")[1] == 5
-    with pytest.raises(OpenAIError) as caught:
+    with pytest.raises(InvalidRequest) as caught:
         fit_to_context(range(10), 95, 100, where="messages", param="messages")
     assert caught.value.code == "context_length_exceeded"
     assert "maximum context length is 100 tokens. However, you requested 105 tokens (10 in the messages, " \
            "95 in the completion)" in caught.value.message
     prompt, room = fit_to_context(range(10), 95, 100, where="prompt", param="prompt", truncate=True)
     assert prompt == (5, 6, 7, 8, 9) and room == 95
-    with pytest.raises(OpenAIError):
+    with pytest.raises(InvalidRequest):
         fit_to_context(range(10), 100, 100, where="prompt", param="prompt", truncate=True)
-    with pytest.raises(OpenAIError):
+    with pytest.raises(InvalidRequest):
         fit_to_context([], 1, 100, where="prompt", param="prompt")
 
 

@@ -3,17 +3,20 @@ model (vocabulary) before anything is queued. The tokenizer is SmolLM2's; no mod
 
 from __future__ import annotations
 
+import json
 import queue
 from types import SimpleNamespace
 
 import pytest
 
-from lmi_serve.dialects.openai.errors import OpenAIError
+from lmi_serve.dialects.openai.errors import status
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService
 from lmi_serve.engine.generation import Generation
+from lmi_serve.engine.grammar import GrammarError
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.types import FinishReason, TokenEvent
+from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded
 
 VOCAB = 49152
 OUTPUT = [(1, "One"), (2, ","), (3, " two"), (4, "."), (5, "")]  # the last: EOS, no text
@@ -86,10 +89,10 @@ def test_token_ids_outside_the_vocabulary_are_400_naming_field_and_id(engine):
     service = OpenAIService(engine, "m")
     for body, param, token in (({"prompt": [[5, VOCAB]]}, "prompt", VOCAB),
                                ({"prompt": "Hi", "stop_token_ids": [7, VOCAB + 3]}, "stop_token_ids", VOCAB + 3)):
-        with pytest.raises(OpenAIError) as caught:
+        with pytest.raises(InvalidRequest) as caught:
             service.completions(parse(CompletionRequest, body))
-        assert caught.value.status == 400 and caught.value.param == param and str(token) in caught.value.message
-    with pytest.raises(OpenAIError) as caught:
+        assert status(caught.value) == 400 and caught.value.param == param and str(token) in caught.value.message
+    with pytest.raises(InvalidRequest) as caught:
         service.chat(parse(ChatCompletionRequest, {"messages": USER, "stop_token_ids": [VOCAB]}))
     assert caught.value.param == "stop_token_ids"
     assert not engine.submitted
@@ -104,7 +107,61 @@ def test_in_range_seeds_reach_the_engine_as_valid_seeds(engine):
 
 
 def test_use_raw_prompt_false_with_token_ids_is_400_not_ignored(engine):
-    with pytest.raises(OpenAIError) as caught:
+    with pytest.raises(InvalidRequest) as caught:
         OpenAIService(engine, "m").completions(parse(CompletionRequest, {"prompt": [5, 6], "use_raw_prompt": False}))
-    assert caught.value.status == 400 and caught.value.param == "use_raw_prompt"
+    assert status(caught.value) == 400 and caught.value.param == "use_raw_prompt"
     assert not engine.submitted
+
+
+class FailingEngine(ScriptedEngine):
+    """One token, then `failure`; or `refusal` raised at submission."""
+
+    def __init__(self, tokenizer, failure=None, refusal=None):
+        super().__init__(tokenizer)
+        self.failure, self.refusal = failure, refusal
+
+    def generate(self, requests):
+        if self.refusal is not None:
+            raise self.refusal
+        self.submitted += requests
+        sink = queue.SimpleQueue()
+        handles = [RequestHandle(request, None, sink=sink, index=index) for index, request in enumerate(requests)]
+        for handle in handles:
+            handle.push(TokenEvent(1, "One", -0.5, False, None))
+            handle.push(self.failure)
+        return Generation(handles, sink)
+
+
+@pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
+def test_a_failure_after_the_stream_started_is_its_last_chunk_an_openai_error(smollm2_tokenizer, model):
+    engine = FailingEngine(smollm2_tokenizer, failure=TokenEvent.failure("RuntimeError: injected fault"))
+    service = OpenAIService(engine, "m")
+    body = {"stream": True, **({"messages": USER} if model is ChatCompletionRequest else {"prompt": "Count:"})}
+    serve = service.chat if model is ChatCompletionRequest else service.completions
+    reply = serve(parse(model, body))
+    events = list(reply.sse())
+    assert events[-1] == "data: [DONE]\n\n"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last == {"error": {"message": "Generation failed: RuntimeError: injected fault", "type": "server_error",
+                              "param": None, "code": None}}
+    assert any("One" in event for event in events[:-2])  # the token before the failure went out
+
+
+def test_a_failure_after_tokens_fails_a_whole_response_as_generation_failed(smollm2_tokenizer):
+    engine = FailingEngine(smollm2_tokenizer, failure=TokenEvent.failure("RuntimeError: injected fault"))
+    with pytest.raises(GenerationFailed) as caught:
+        OpenAIService(engine, "m").completions(parse(CompletionRequest, {"prompt": "Count:"}))
+    assert caught.value.message == "Generation failed: RuntimeError: injected fault" and status(caught.value) == 500
+
+
+def test_the_engines_refusals_pass_through_as_kinds(smollm2_tokenizer):
+    full = Overloaded("Model is overloaded: the waiting queue is full")
+    with pytest.raises(Overloaded) as caught:
+        OpenAIService(FailingEngine(smollm2_tokenizer, refusal=full), "m").chat(
+            parse(ChatCompletionRequest, {"messages": USER}))
+    assert caught.value is full and status(caught.value) == 429
+    bad_grammar = FailingEngine(smollm2_tokenizer, refusal=GrammarError("unsupported keyword"))
+    with pytest.raises(InvalidRequest) as caught:
+        OpenAIService(bad_grammar, "m").chat(parse(ChatCompletionRequest, {"messages": USER}))
+    assert caught.value.message == "Unsupported or invalid schema: unsupported keyword"
+    assert caught.value.param == "response_format" and status(caught.value) == 400

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from lmi_serve.dialects.openai import vllm
-from lmi_serve.dialects.openai.errors import OpenAIError
+from lmi_serve.dialects.openai.errors import status
 from lmi_serve.dialects.openai.render import ResponseMeta
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, parse
 from lmi_serve.engine.grammar import GrammarError
 from lmi_serve.engine.types import GenerationRequest, GuidedDecoding, StopParams, TokenEvent, TopToken
+from lmi_serve.errors import InvalidRequest
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -22,10 +23,10 @@ def chat_request(**fields) -> ChatCompletionRequest:
     return parse(ChatCompletionRequest, {"messages": USER, **fields})
 
 
-def refused(model, body) -> OpenAIError:
-    with pytest.raises(OpenAIError) as caught:
+def refused(model, body) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as caught:
         parse(model, body)
-    assert caught.value.status == 400
+    assert status(caught.value) == 400
     return caught.value
 
 
@@ -128,13 +129,13 @@ def test_completions_response_format_is_a_constraint_too():
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
 def test_fields_that_cannot_apply_are_a_400_naming_them(body, param):
-    with pytest.raises(OpenAIError) as caught:
+    with pytest.raises(InvalidRequest) as caught:
         extend(chat_request(**body))
-    assert caught.value.status == 400 and caught.value.param == param
+    assert status(caught.value) == 400 and caught.value.param == param
 
 
 def test_a_vllm_constraint_does_not_silently_replace_response_format_or_tools():
-    with pytest.raises(OpenAIError) as caught:
+    with pytest.raises(InvalidRequest) as caught:
         extend(chat_request(guided_regex="a+"), guided=GuidedDecoding(json_schema="{}"))
     assert caught.value.param == "guided_regex"
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from ... import json_body
 from ...engine.types import GuidedDecoding
+from ...errors import InvalidRequest
 from ...json_body import InvalidJson
-from .errors import OpenAIError
 from .schema import ChatCompletionRequest, NamedToolChoice, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -89,7 +89,7 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
 def render_prompt(tokenizer, request: ChatCompletionRequest) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise OpenAIError(400, "This model has no chat template; use /v1/completions", param="messages")
+        raise InvalidRequest("This model has no chat template; use /v1/completions", param="messages")
     knows_tools = isinstance(template, str) and "tools" in template
     messages = template_messages(request, knows_tools)
     extra = {}
@@ -98,7 +98,7 @@ def render_prompt(tokenizer, request: ChatCompletionRequest) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
-        raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
+        raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 
 
 def _call_schema(tools: list[Tool]) -> dict:

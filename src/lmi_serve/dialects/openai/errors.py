@@ -1,4 +1,8 @@
-"""OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`."""
+"""OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}`.
+
+The OpenAI code raises the core's kinds (InvalidRequest for every validation error, with the field
+as `param`); ERROR_TABLE below is the one place that gives them a status and an OpenAI `code`.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,43 @@ import json
 from flask import Response
 
 from ...errors import (
-    ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
+    ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
+    Timeout, lookup,
 )
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable",
           504: "timeout"}
 
+# kind -> (status, OpenAI's `code` when the error does not bring its own)
+ERROR_TABLE: dict[type[ServingError], tuple[int, str | None]] = {
+    InvalidRequest: (400, None),
+    ContextOverflow: (400, "context_length_exceeded"),
+    NotFound: (404, "model_not_found"),
+    NotReady: (503, None),
+    Overloaded: (429, "rate_limit_exceeded"),
+    Timeout: (504, "timeout"),
+    GenerationFailed: (500, None),
+    ClientGone: (499, None),  # nginx's code: nobody reads it, the access log does
+    ServingError: (500, None),
+}
 
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
+def status(error: ServingError) -> int:
+    """The HTTP status OpenAI's routes answer `error` with."""
+    return lookup(ERROR_TABLE, error)[0]
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     error_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def kind_body(error: ServingError) -> dict:
+    """`error`'s OpenAI error object: the response body, or the last chunk of a stream that failed
+    after it started."""
+    status, code = lookup(ERROR_TABLE, error)
+    return error_body(status, error.message, error.param, error.code or code)
 
 
 def error_response(status: int, error_type: str, message: str, *, param: str | None = None,
@@ -39,19 +60,6 @@ def error_response(status: int, error_type: str, message: str, *, param: str | N
     if status == 429:
         response.headers["retry-after"] = "1"
     return response
-
-
-# kind -> (status, OpenAI's `code` when the kind does not bring its own)
-ERROR_TABLE: dict[type[ServingError], tuple[int, str | None]] = {
-    InvalidRequest: (400, None),
-    NotFound: (404, "model_not_found"),
-    NotReady: (503, None),
-    Overloaded: (429, "rate_limit_exceeded"),
-    Timeout: (504, "timeout"),
-    GenerationFailed: (500, None),
-    ClientGone: (499, None),
-    ServingError: (500, None),
-}
 
 
 def render_kind(error: ServingError) -> Response:

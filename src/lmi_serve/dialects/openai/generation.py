@@ -1,26 +1,24 @@
 """OpenAI parameters -> neutral GenerationRequests -> engine handles, and events back per choice.
 
-Shared by chat and completions. Choice i of a prompt uses seed + i (a given seed reproduces every
-choice; choices still differ). Limits follow OpenAI: prompt + max_tokens beyond the context is a
-400 with OpenAI's wording, unless completions ask for `error_behavior: truncate`.
+Shared by chat and completions. Seeds and context follow engine.policy: choice i of a prompt
+uses seed + i modulo 2**63 (a given seed reproduces every choice; choices still differ), and
+prompt + max_tokens beyond the context is refused (a 400 with OpenAI's wording), unless
+completions ask for `error_behavior: truncate`.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ...engine import policy
 from ...engine.engine import Engine
 from ...engine.grammar import GrammarError
 from ...engine.generation import Generation
 from ...engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams
-from ...errors import Overloaded
-from ..lmi.schema import MAX_SEED
-from .errors import OpenAIError
+from ...errors import InvalidRequest
 from .schema import SamplingFields
 from .vllm import extend
-
 
 
 def sampling_params(fields: SamplingFields, seed: int | None, vocab_size: int) -> SamplingParams:
@@ -29,8 +27,8 @@ def sampling_params(fields: SamplingFields, seed: int | None, vocab_size: int) -
     for key, value in (fields.logit_bias or {}).items():
         token_id = int(key)
         if not 0 <= token_id < vocab_size:
-            raise OpenAIError(400, f"logit_bias: token id {token_id} is outside the vocabulary of {vocab_size}",
-                              param="logit_bias")
+            raise InvalidRequest(f"logit_bias: token id {token_id} is outside the vocabulary of {vocab_size}",
+                                 param="logit_bias")
         bias.append((token_id, float(value)))
     return SamplingParams(
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
@@ -44,64 +42,43 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
     """A 400 naming the first id that is not in the model's vocabulary."""
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise OpenAIError(400, f"{param}: token id {bad} is outside the vocabulary of {vocab_size}", param=param)
-
-
-def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int, where: str, param: str) -> OpenAIError:
-    return OpenAIError(
-        400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
-             f"completion). Please reduce the length of the {where} or completion.",
-        param=param, code="context_length_exceeded")
+        raise InvalidRequest(f"{param}: token id {bad} is outside the vocabulary of {vocab_size}", param=param)
 
 
 def fit_to_context(prompt: Sequence[int], max_tokens: int | None, max_model_len: int, *, where: str,
                    param: str, truncate: bool = False) -> tuple[tuple[int, ...], int]:
-    """(prompt ids, max new tokens) within the context; max_tokens None means all that is left."""
+    """(prompt ids, max new tokens) within the context; max_tokens None means all that is left.
+    More than fits is refused (OpenAI's ContextOverflow), unless `truncate` (completions'
+    `error_behavior: truncate`) may drop the prompt's first tokens to make room for max_tokens."""
     prompt = tuple(prompt)
-    if not prompt:
-        raise OpenAIError(400, f"The {where} encodes to no tokens", param=param)
     if truncate and max_tokens is not None and len(prompt) + max_tokens > max_model_len and max_tokens < max_model_len:
         prompt = prompt[len(prompt) + max_tokens - max_model_len:]
-    room = max_model_len - len(prompt)
-    if max_tokens is None:
-        if room < 1:
-            raise context_error(max_model_len, len(prompt), 1, where, param)
-        return prompt, room
-    if max_tokens > room:
-        raise context_error(max_model_len, len(prompt), max_tokens, where, param)
-    return prompt, max_tokens
+    return policy.fit_to_context(prompt, max_tokens, max_model_len, over="refuse", where=where, param=param)
 
 
 def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ...], max_new_tokens: int, *,
                    count: int, top_n: int = 0, prompt_logprobs: bool = False,
                    guided: GuidedDecoding | None = None) -> list[GenerationRequest]:
     do_sample = fields.temperature is None or fields.temperature > 0
-    seed = fields.seed
-    if seed is not None:
-        seed %= MAX_SEED - count  # the schema bounds seeds to int64; negatives map into [0, MAX_SEED) here
-    elif do_sample:
-        seed = random.randrange(MAX_SEED - count)
+    seeds = policy.sequence_seeds(fields.seed, count, sampled=do_sample)
     stop = StopParams(max_new_tokens=max_new_tokens, stop_sequences=fields.stops,
                       stop_token_ids=frozenset(fields.stop_token_ids or ()), eos_token_ids=engine.eos_token_ids,
                       ignore_eos=fields.ignore_eos, include_stop_str_in_output=fields.include_stop_str_in_output)
     vocab = engine.model.config.vocab_size
     check_token_ids(fields.stop_token_ids or (), vocab, "stop_token_ids")
     return extend(engine, fields, [
-        GenerationRequest(prompt, sampling_params(fields, None if seed is None else seed + i, vocab), stop,
+        GenerationRequest(prompt, sampling_params(fields, seed, vocab), stop,
                           top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided)
-        for i in range(count)])
+        for seed in seeds])
 
 
 def submit(engine: Engine, requests: list[GenerationRequest]) -> Generation:
-    """Queue every sequence (all or none), with the engine's refusals in OpenAI's terms."""
+    """Queue every sequence (all or none). The engine's refusals are kinds (Overloaded: a 429) and
+    pass through; an invalid grammar is the client's `response_format`."""
     try:
         return engine.generate(requests)
-    except Overloaded:
-        raise OpenAIError(429, "The model is overloaded: too many requests are waiting. Retry shortly.",
-                          code="rate_limit_exceeded") from None
-    except GrammarError as exc:
-        raise OpenAIError(400, f"Unsupported or invalid schema: {exc}", param="response_format") from None
+    except GrammarError as exc:  # a ValueError from the grammar compiler, not yet a kind
+        raise InvalidRequest(f"Unsupported or invalid schema: {exc}", param="response_format") from None
 
 
 @dataclass

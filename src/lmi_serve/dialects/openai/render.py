@@ -9,7 +9,6 @@ OpenAI's: `stop` (EOS, a stop string, a finished grammar), `length`, `tool_calls
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,10 +41,6 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 # ---- chat ---------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models.
 
 `model` picks among the served models (unknown: 404 `model_not_found`); without it, the first model
-of the route's task. Errors use OpenAI's envelope (errors.py): 400 for every validation error,
-404, 429 with `retry-after` when the queue is full, 503 while loading, 500 only for real faults.
+of the route's task. Errors are the core's kinds, answered in OpenAI's envelope by the one table in
+errors.py: 400 for every validation error, 404, 429 with `retry-after` when the queue is full, 503
+while loading, 504 on a queue timeout, 500 only for real faults.
 Streams are SSE ending with `data: [DONE]`.
 """
 
@@ -16,13 +17,13 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from ... import json_body
-from ...errors import NotReady
+from ... import json_body, streaming
+from ...errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, ServingError
 from ...handler_api import Input
 from ...json_body import InvalidJson
 from ...registry import ModelRegistry
 from ...service import ModelService, ModelStatus
-from .errors import OpenAIError, error_response
+from .errors import render_kind
 from .generation import check_token_ids
 from .schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from .service import OpenAIService, Reply
@@ -36,9 +37,10 @@ def _registry() -> ModelRegistry:
     return current_app.extensions["lmi_serve.registry"]
 
 
-@blueprint.errorhandler(OpenAIError)
-def _openai_error(exc: OpenAIError) -> Response:
-    return error_response(exc.status, "", exc.message, param=exc.param, code=exc.code)
+@blueprint.errorhandler(ServingError)
+def _serving_error(exc: ServingError) -> Response:
+    # app.py renders kinds by URL too; this keeps the blueprint whole on its own (unit tests mount it alone)
+    return render_kind(exc)
 
 
 def _body() -> Any:
@@ -46,7 +48,7 @@ def _body() -> Any:
     try:
         return json_body.loads(request.get_data())
     except InvalidJson as exc:
-        raise OpenAIError(400, str(exc)) from None
+        raise InvalidRequest(str(exc)) from None
 
 
 def _service(name: str | None, task: str) -> ModelService:
@@ -54,13 +56,13 @@ def _service(name: str | None, task: str) -> ModelService:
     if name:
         service = services.get(name)
         if service is None:
-            raise OpenAIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+            raise NotFound(f"The model `{name}` does not exist", param="model")
         if service.task != task:
-            raise OpenAIError(400, f"The model `{name}` serves {service.task}, not {task}", param="model")
+            raise InvalidRequest(f"The model `{name}` serves {service.task}, not {task}", param="model")
     else:
         service = next((s for s in services.values() if s.task == task), None)
         if service is None:
-            raise OpenAIError(404, f"No {task} model is served", param="model", code="model_not_found")
+            raise NotFound(f"No {task} model is served", param="model")
     if service.current_status() is not ModelStatus.READY:
         raise NotReady(f"Model {service.name} is {service.current_status().value.lower()}")
     return service
@@ -69,15 +71,15 @@ def _service(name: str | None, task: str) -> ModelService:
 def _generation(name: str | None) -> OpenAIService:
     service = _service(name, _GENERATION_TASK)
     if service.engine is None:
-        raise OpenAIError(400, f"The model `{service.name}` is served with dynamic batching; the OpenAI routes "
-                               "need the rolling batch (option.rolling_batch=auto or scheduler)", param="model")
+        raise InvalidRequest(f"The model `{service.name}` is served with dynamic batching; the OpenAI routes "
+                             "need the rolling batch (option.rolling_batch=auto or scheduler)", param="model")
     return OpenAIService(service.engine, service.name)
 
 
 def _reply(reply: Reply) -> Response:
     if reply.chunks is None:
         return Response(json.dumps(reply.body), mimetype="application/json")
-    return Response(reply.sse(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(reply.sse(), mimetype=streaming.SSE_MIMETYPE, headers=streaming.SSE_HEADERS)
 
 
 @blueprint.post("/chat/completions")
@@ -98,23 +100,24 @@ def embeddings() -> Response:
     service = _service(parsed.model, _EMBEDDING_TASK)
     handler = service.capabilities
     if handler.count_tokens is None or handler.embedding_limits is None:
-        raise OpenAIError(400, f"The model `{service.name}`'s handler does not expose count_tokens and "
-                               "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")
+        raise InvalidRequest(f"The model `{service.name}`'s handler does not expose count_tokens and "
+                             "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")
     inputs = _embedding_inputs(parsed, handler)
     dimension, max_tokens = handler.embedding_limits()
     if parsed.dimensions is not None and parsed.dimensions != dimension:
-        raise OpenAIError(400, f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
-                               "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
+        raise InvalidRequest(f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
+                             "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
     counts = _token_counts(inputs, handler)
     for i, count in enumerate(counts):
         if count > max_tokens:
-            raise OpenAIError(400, f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
-                              param="input", code="context_length_exceeded")
+            raise ContextOverflow(f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
+                                  param="input")
     job = service.submit(Input.from_http(json.dumps({"inputs": inputs}).encode(),
                                          {"Content-Type": "application/json"}, [], ""))
     output = service.dispatcher.wait(job)
     if output.code != 200:
-        raise OpenAIError(500 if output.code >= 500 else 400, output.body().decode("utf-8", "replace"))
+        message = output.body().decode("utf-8", "replace")
+        raise GenerationFailed(message) if output.code >= 500 else InvalidRequest(message)
     vectors = json.loads(output.body())
     data = [{"object": "embedding", "index": i, "embedding": _encode(vector, parsed.encoding_format)}
             for i, vector in enumerate(vectors)]
@@ -129,7 +132,7 @@ def _embedding_inputs(parsed: EmbeddingRequest, handler) -> list[str | list[int]
         return _checked_token_ids(parsed, handler)
     texts = [parsed.input] if isinstance(parsed.input, str) else list(parsed.input)
     if any(not t for t in texts):
-        raise OpenAIError(400, "input: texts must not be empty", param="input")
+        raise InvalidRequest("input: texts must not be empty", param="input")
     if parsed.instruction:
         # The instruction is prefixed to every text, as instruction-tuned embedders (BGE, Instructor) expect.
         sep = "" if parsed.instruction[-1].isspace() else " "
@@ -139,11 +142,11 @@ def _embedding_inputs(parsed: EmbeddingRequest, handler) -> list[str | list[int]
 
 def _checked_token_ids(parsed: EmbeddingRequest, handler) -> list[list[int]]:
     if handler.vocabulary_size is None:
-        raise OpenAIError(400, "This model's handler takes text input only (it has no vocabulary_size())",
-                          param="input")
+        raise InvalidRequest("This model's handler takes text input only (it has no vocabulary_size())",
+                             param="input")
     if parsed.instruction:
-        raise OpenAIError(400, "instruction is prefixed to text inputs; with token ids, put its tokens in the "
-                               "ids themselves", param="instruction")
+        raise InvalidRequest("instruction is prefixed to text inputs; with token ids, put its tokens in the "
+                             "ids themselves", param="instruction")
     lists = parsed.token_id_inputs
     for ids in lists:
         check_token_ids(ids, handler.vocabulary_size(), "input")
@@ -176,7 +179,7 @@ def list_models() -> Response:
 def get_model(name: str) -> Response:
     service = _registry().services.get(name)
     if service is None:
-        raise OpenAIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+        raise NotFound(f"The model `{name}` does not exist", param="model")
     return Response(json.dumps({"id": service.name, "object": "model", "created": int(service.loaded_at or time.time()),
                                 "owned_by": "lmi-serve"}), mimetype="application/json")
 

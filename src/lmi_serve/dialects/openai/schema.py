@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from .errors import OpenAIError
+from ...errors import InvalidRequest
+from ...validation import FieldProblem, field_problems
 from .vllm import VllmChatFields, VllmCompletionFields, refuse
 
 log = logging.getLogger(__name__)
@@ -301,28 +302,29 @@ class EmbeddingRequest(_Lenient):
 SamplingFields.model_rebuild()
 
 
-def _describe(error: dict) -> tuple[str, str | None]:
-    loc = [str(part) for part in error.get("loc", ()) if not str(part).startswith(("function-after", "union"))]
+def _describe(problem: FieldProblem) -> tuple[str, str | None]:
+    """(message, param) of one problem; param is the dotted field path, without the validator and
+    union-branch names pydantic puts in its location."""
+    loc = [str(part) for part in problem.loc if not str(part).startswith(("function-after", "union"))]
     param = ".".join(loc) or None
-    message = error["msg"].removeprefix("Value error, ")
-    return (f"{param}: {message}" if param else message), param
+    return (f"{param}: {problem.message}" if param else problem.message), param
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
-    """Validate a decoded JSON body; raise OpenAIError(400) naming the first bad field."""
+    """Validate a decoded JSON body; raise InvalidRequest naming the first bad field."""
     if not isinstance(body, dict):
-        raise OpenAIError(400, "The request body must be a JSON object")
+        raise InvalidRequest("The request body must be a JSON object")
     for field, reason in REJECTED_FIELDS.items():
         if body.get(field) is not None:
-            raise OpenAIError(400, f"Unsupported parameter `{field}`: {reason}", param=field)
+            raise InvalidRequest(f"Unsupported parameter `{field}`: {reason}", param=field)
     refuse(model, body)
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:
-        errors = exc.errors()
-        message, param = _describe(errors[0])
-        count = len(errors)
-        raise OpenAIError(400, f"{count} validation error{'s' if count > 1 else ''}: {message}", param=param) from None
+        problems = field_problems(exc)
+        message, param = _describe(problems[0])
+        count = len(problems)
+        raise InvalidRequest(f"{count} validation error{'s' if count > 1 else ''}: {message}", param=param) from None
     if parsed.model_extra:
         log.warning("Ignored unknown request field(s): %s", sorted(parsed.model_extra))
     return parsed

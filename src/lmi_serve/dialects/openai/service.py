@@ -7,16 +7,17 @@ timeout, a prefill error) still get a real status code; later failures become an
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ... import streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
-from ...engine.types import GenerationRequest
+from ...engine.types import GenerationRequest, TokenEvent
+from ...errors import GenerationFailed, InvalidRequest, ServingError
 from . import chat, vllm
-from .errors import OpenAIError
+from .errors import kind_body
 from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
 from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
@@ -33,34 +34,35 @@ class Reply:
     chunks: Iterator[Chunk] | None = None
 
     def sse(self) -> Iterator[str]:
-        for chunk in self.chunks:
-            yield f"data: {_dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        return streaming.sse(self.chunks, done=True)
 
     def jsonlines(self) -> Iterator[str]:
-        for chunk in self.chunks:
-            yield _dumps(chunk) + "\n"
+        return streaming.jsonlines(self.chunks)
 
 
-def _dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
+def _failed(event: TokenEvent) -> ServingError:
+    """The failure `event` ended its sequence with, as its kind, once the response has begun (a
+    failure before any token is raised by the Generation itself)."""
+    kind = event.error_kind
+    return kind(f"Generation failed: {event.error}" if kind is GenerationFailed else event.error)
 
 
 def _results(generation: Generation, states: list[ChoiceState]) -> None:
-    """Fill `states` from the generation (index-aligned); a sequence that failed raises a 500."""
+    """Fill `states` from the generation (index-aligned); a sequence that failed fails the request."""
     for result, state in zip(wait_for_results(generation), states):  # cancelled if the client goes away
         state.events.extend(result.events)
     for state in states:
         if state.events and state.events[-1].error:
-            raise OpenAIError(500, f"Generation failed: {state.events[-1].error}")
+            raise _failed(state.events[-1])
 
 
 def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]:
-    """Errors after the first chunk become an error chunk; closing the stream cancels generation."""
+    """A failure after the first chunk (the status line is sent) becomes the stream's last chunk,
+    an OpenAI error object; closing the stream cancels generation."""
     try:
         yield from chunks
-    except OpenAIError as exc:
-        yield exc.body()
+    except ServingError as exc:
+        yield kind_body(exc)
     finally:
         generation.close()
 
@@ -100,7 +102,7 @@ class OpenAIService:
         def chunks() -> Iterator[Chunk]:
             for index, event in generation.events():
                 if event.error:
-                    raise OpenAIError(500, f"Generation failed: {event.error}")
+                    raise _failed(event)
                 yield from stream.start(index)
                 states[index].events.append(event)
                 yield from stream.on_event(states[index], event)
@@ -115,14 +117,14 @@ class OpenAIService:
     def _prompt_ids(self, prompt: str | list[int], request: CompletionRequest) -> list[int]:
         if isinstance(prompt, list):
             if request.use_raw_prompt is False:
-                raise OpenAIError(400, "use_raw_prompt=false applies the chat template to text; a token-id prompt "
-                                       "is used as given", param="use_raw_prompt")
+                raise InvalidRequest("use_raw_prompt=false applies the chat template to text; a token-id prompt "
+                                     "is used as given", param="use_raw_prompt")
             check_token_ids(prompt, self.engine.model.config.vocab_size, "prompt")
             return prompt
         if request.use_raw_prompt is False:  # the one transformation we know: the chat template
             if not getattr(self.tokenizer, "chat_template", None):
-                raise OpenAIError(400, "use_raw_prompt=false needs a chat template, which this model lacks",
-                                  param="use_raw_prompt")
+                raise InvalidRequest("use_raw_prompt=false needs a chat template, which this model lacks",
+                                     param="use_raw_prompt")
             prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                         add_generation_prompt=True)
             return self.tokenizer(prompt, add_special_tokens=False).input_ids
@@ -160,7 +162,7 @@ class OpenAIService:
                 first = not choice.state.events
                 choice.state.events.append(event)
                 if event.error:
-                    raise OpenAIError(500, f"Generation failed: {event.error}")
+                    raise _failed(event)
                 chunk = completion_chunk(meta, choice, event, first=first, logprobs=request.logprobs,
                                          token_text=self.token_text, include_usage=request.include_usage)
                 if chunk is not None:

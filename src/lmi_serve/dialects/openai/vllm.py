@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ...engine.grammar import GrammarError
 from ...engine.types import DetokenizeParams, GenerationRequest, GuidedDecoding, TokenEvent
-from .errors import OpenAIError
+from ...errors import InvalidRequest
 
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -73,7 +73,7 @@ def refuse(model: type[BaseModel], body: dict) -> None:
     table = getattr(model, "vllm_refused", None)
     for field, (reason, neutral) in (table or {}).items():
         if field in body and not any(_same(body[field], value) for value in neutral):
-            raise OpenAIError(400, f"Unsupported parameter `{field}`: {reason}", param=field)
+            raise InvalidRequest(f"Unsupported parameter `{field}`: {reason}", param=field)
 
 
 def _same(value: Any, neutral: Any) -> bool:
@@ -259,22 +259,22 @@ def _guided(engine, fields: VllmFields, current: GuidedDecoding | None) -> Guide
         return current
     param, guided = found[0]
     if len(found) > 1:
-        raise OpenAIError(400, f"Only one structured output constraint is allowed; got "
-                               f"{', '.join(name for name, _ in found)}", param=found[1][0])
+        raise InvalidRequest(f"Only one structured output constraint is allowed; got "
+                             f"{', '.join(name for name, _ in found)}", param=found[1][0])
     if current is not None:
-        raise OpenAIError(400, f"`{param}` cannot be combined with response_format or tools, which already "
-                               "constrain the output", param=param)
+        raise InvalidRequest(f"`{param}` cannot be combined with response_format or tools, which already "
+                             "constrain the output", param=param)
     try:
         engine.grammars.constraint(guided)  # compiled here too, so an error names the field
     except GrammarError as exc:
-        raise OpenAIError(400, f"{param}: {exc}", param=param) from None
+        raise InvalidRequest(f"{param}: {exc}", param=param) from None
     return guided
 
 
 def _token_ids(values: Sequence[int], vocab: int, param: str) -> frozenset[int]:
     bad = [t for t in values if not 0 <= t < vocab]
     if bad:
-        raise OpenAIError(400, f"{param}: token id {bad[0]} is outside the vocabulary of {vocab}", param=param)
+        raise InvalidRequest(f"{param}: token id {bad[0]} is outside the vocabulary of {vocab}", param=param)
     return frozenset(values)
 
 
@@ -294,10 +294,10 @@ def extend(engine, fields: BaseModel, requests: list[GenerationRequest]) -> list
         return requests
     first = requests[0]
     if fields.min_tokens > first.stop.max_new_tokens:
-        raise OpenAIError(400, f"min_tokens ({fields.min_tokens}) must not exceed max_tokens "
-                               f"({first.stop.max_new_tokens})", param="min_tokens")
+        raise InvalidRequest(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens "
+                             f"({first.stop.max_new_tokens})", param="min_tokens")
     if fields.prompt_logprobs is not None and getattr(fields, "stream", False):
-        raise OpenAIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        raise InvalidRequest("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     vocab = engine.model.config.vocab_size
     allowed = _token_ids(fields.allowed_token_ids, vocab, "allowed_token_ids") \
         if fields.allowed_token_ids is not None else None
