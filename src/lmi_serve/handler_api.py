@@ -274,6 +274,11 @@ class Output:
         self.properties[key] = value
         return self
 
+    @property
+    def failed(self) -> bool:
+        """Whether the handler answered with an error status (4xx or 5xx)."""
+        return self.code >= 400
+
     def content_type(self) -> str | None:
         return _lookup_ci(self.properties, "Content-Type")
 

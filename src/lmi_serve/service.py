@@ -1,7 +1,7 @@
 """One served model inside a worker process: its status, its handler, and its job queue.
 
 Loading runs on a background thread when the worker starts, so `/ping` can answer "loading"
-(non-200) right away and "failed" if loading raised or outlived `model_loading_timeout`.
+(not healthy) right away and "failed" if loading raised or outlived `model_loading_timeout`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class ModelService:
                                          "cache_dir": self.cache_dir, "model_name": self.name,
                                          "rolling_batch": "scheduler" if rolling else "disable"})
                 result = caps.handle(init)  # DJL contract: the first call carries the options and no content
-                if isinstance(result, Output) and result.code >= 400:
+                if isinstance(result, Output) and result.failed:
                     raise RuntimeError(result.body().decode("utf-8", "replace"))
             if rolling:
                 dispatcher = DirectDispatcher(self.name, caps.handle)
