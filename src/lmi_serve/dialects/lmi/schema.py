@@ -323,8 +323,8 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
        client's `seed` or one drawn for an unseeded sampled request. `requests[0].sampling.seed`
        is the base seed to report (e.g. TGI `details.seed`); it is None exactly when greedy.
 
-    Every refusal is an LmiRequestError (an InvalidRequest; `code` context_length_exceeded when
-    the prompt does not fit).
+    Every refusal is an InvalidRequest (`code` context_length_exceeded when the prompt does not
+    fit), which each dialect renders through its own table.
     """
     prompt = tuple(prompt_ids)
     if parameters.truncate is not None:
@@ -333,11 +333,8 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
         # LMI's own wording for "no room"; the shared rule words it the OpenAI way.
         raise LmiRequestError(f"Input has {len(prompt)} tokens, which leaves no room to generate within "
                               f"the model's context of {max_model_len} tokens", code="context_length_exceeded")
-    try:
-        prompt, max_new_tokens = fit_to_context(prompt, parameters.max_new_tokens, max_model_len, over="cap",
-                                                max_input_len=max_input_len)
-    except InvalidRequest as exc:  # same message; the schema's one error type, which TGI and Triton catch
-        raise LmiRequestError(exc.message, param=exc.param, code=exc.code) from None
+    prompt, max_new_tokens = fit_to_context(prompt, parameters.max_new_tokens, max_model_len, over="cap",
+                                            max_input_len=max_input_len)
     stop = parameters.stopping(max_new_tokens, eos_token_ids)
     count = 1 if parameters.num_beams > 1 else parameters.num_sequences
     seeds = sequence_seeds(parameters.seed, count, sampled=parameters.do_sample_resolved)

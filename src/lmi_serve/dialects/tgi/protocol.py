@@ -25,7 +25,7 @@ from ...errors import (
     ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
     Timeout, lookup,
 )
-from ..lmi.schema import GenerationParameters, LmiRequestError, RollingRequest, parse_generation_parameters
+from ..lmi.schema import GenerationParameters, RollingRequest, parse_generation_parameters
 from ..lmi.shapes import (
     Events, RenderContext, _details, _event_token, _failure, _finish, _generated, _is_failure, _text, _top_tokens,
 )
@@ -60,10 +60,7 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
         raw = {"do_sample": True}  # TGI: no parameters object means sampling
     if isinstance(raw, dict) and raw.get("return_full_text") is None and default_full_text:
         raw = {**raw, "return_full_text": True}
-    try:
-        parameters = parse_generation_parameters(raw, stream=stream)
-    except LmiRequestError as exc:  # the LMI schema's own error (a ValueError): TGI's kind here
-        raise InvalidRequest(str(exc), param="parameters") from None
+    parameters = parse_generation_parameters(raw, stream=stream)  # its refusals are InvalidRequests
     check_tgi_rules(parameters, stream)
     return RollingRequest(payload["inputs"], parameters, stream)
 

@@ -21,7 +21,7 @@ from ...engine.engine import Engine
 from ...engine.types import FinishReason, GenerationRequest, GenerationResult
 from ...errors import InvalidRequest
 from ...validation import field_problems
-from ..lmi.schema import GenerationParameters, LmiRequestError, to_generation_requests
+from ..lmi.schema import GenerationParameters, to_generation_requests
 from .tensor_model import TensorSpec
 from .tensors import WireTensor, as_wire_tensor
 
@@ -144,12 +144,9 @@ def parse_llm_call(engine: Engine, tensors: dict[str, WireTensor], parameters: d
     extra = [output for flag, output in _RETURN_FLAGS.items() if _scalar(tensors, flag)]
     if requested_outputs is not None:  # asking for an output is enough to get it
         extra = [name for name in requested_outputs if name != "text_output"]
-    try:
-        (request,) = to_generation_requests(generation, engine.tokenizer(prompt).input_ids,
-                                            eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
-                                            max_input_len=engine.max_model_len - 1)
-    except LmiRequestError as exc:  # a prompt that does not fit (LMI's parser's own error type)
-        raise InvalidRequest(str(exc)) from None
+    (request,) = to_generation_requests(generation, engine.tokenizer(prompt).input_ids,  # refusals: InvalidRequest
+                                        eos_token_ids=engine.eos_token_ids, max_model_len=engine.max_model_len,
+                                        max_input_len=engine.max_model_len - 1)
     return LlmCall(prompt, request, stream, exclude, tuple(extra), tensors["text_input"].shape)
 
 
