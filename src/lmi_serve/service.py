@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .batching import DirectDispatcher, DynamicBatcher, Job
 from .config import ModelConfig
-from .errors import NotReady
+from .errors import InvalidRequest, NotReady
 from .handler_api import Input, Output
 from .handler_loader import resolve_handler
 from .handler_protocol import HandlerCapabilities, HandlerContext
@@ -139,8 +139,21 @@ class ModelService:
             self.status = ModelStatus.FAILED
         return self.status
 
-    def submit(self, request: Input) -> Job:
+    def require_ready(self) -> None:
+        """Raise NotReady unless the model is ready; the message says loading or failed (and why)."""
         if self.current_status() is not ModelStatus.READY or self.dispatcher is None:
             detail = f": {self.error}" if self.error else ""
             raise NotReady(f"Model {self.name} is {self.status.value.lower()}{detail}")
+
+    def rolling_engine(self, routes: str, param: str | None = None):
+        """The engine, for routes that drive it directly (`routes` names them in the refusal);
+        NotReady before the model is ready, InvalidRequest when it is served with dynamic batching."""
+        self.require_ready()
+        if self.engine is None:
+            raise InvalidRequest(f"The model `{self.name}` is served with dynamic batching; {routes} need the "
+                                 "rolling batch (option.rolling_batch=auto or scheduler)", param=param)
+        return self.engine
+
+    def submit(self, request: Input) -> Job:
+        self.require_ready()
         return self.dispatcher.submit(request)

@@ -30,7 +30,7 @@ Decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from ...streaming import JSONLINES_MIMETYPE, SSE_MIMETYPE, json_line, sse_event
 from ...streaming import dumps as _dumps  # the one JSON writer, under the name the renderers use
 from ..tgi.protocol import tgi_error_body as _tgi_error
 from ..tgi.protocol import tgi_stream_frame
-from .schema import LmiRequestError, RollingRequest
+from .schema import LmiRequestError
 from .shapes import (
     ChunkRenderer, Events, FinalRenderer, RenderContext, _details, _event_token, _failure, _finish, _generated,
     _is_failure, _prefill, _text, _top_tokens,

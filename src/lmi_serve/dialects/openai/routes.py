@@ -18,11 +18,11 @@ from typing import Any
 from flask import Blueprint, Response, current_app, request
 
 from ... import json_body, streaming
-from ...errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, ServingError
+from ...errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
 from ...handler_api import Input
 from ...json_body import InvalidJson
 from ...registry import ModelRegistry
-from ...service import ModelService, ModelStatus
+from ...service import ModelService
 from .errors import render_kind
 from .generation import check_token_ids
 from .schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
@@ -63,17 +63,13 @@ def _service(name: str | None, task: str) -> ModelService:
         service = next((s for s in services.values() if s.task == task), None)
         if service is None:
             raise NotFound(f"No {task} model is served", param="model")
-    if service.current_status() is not ModelStatus.READY:
-        raise NotReady(f"Model {service.name} is {service.current_status().value.lower()}")
+    service.require_ready()
     return service
 
 
 def _generation(name: str | None) -> OpenAIService:
     service = _service(name, _GENERATION_TASK)
-    if service.engine is None:
-        raise InvalidRequest(f"The model `{service.name}` is served with dynamic batching; the OpenAI routes "
-                             "need the rolling batch (option.rolling_batch=auto or scheduler)", param="model")
-    return OpenAIService(service.engine, service.name)
+    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name)
 
 
 def _reply(reply: Reply) -> Response:

@@ -26,7 +26,6 @@ from ... import streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
-from ...errors import InvalidRequest, NotReady
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from ..lmi.formatters import RenderContext
@@ -45,12 +44,7 @@ def _registry() -> ModelRegistry:
 
 def _engine() -> tuple[str, Engine]:
     service = _registry().for_invocations(request.args.get("model_name") or request.headers.get("model_name"))
-    if service.current_status() is not ModelStatus.READY:
-        raise NotReady(f"Model {service.name} is {service.current_status().value.lower()}")
-    if service.engine is None:
-        raise InvalidRequest(f"Model {service.name} is served with dynamic batching; the TGI routes need the "
-                             "rolling batch (option.rolling_batch=auto or scheduler)")
-    return service.name, service.engine
+    return service.name, service.rolling_engine("the TGI routes")
 
 
 def _parse(*, default_full_text: bool, stream_route: bool) -> RollingRequest:
