@@ -280,7 +280,7 @@ def test_truncate_keeps_last_ids():
 
 
 def test_input_too_long():
-    with pytest.raises(LmiRequestError, match="^Input has 4 tokens, over the limit of 3$"):
+    with pytest.raises(InvalidRequest, match="^Input has 4 tokens, over the limit of 3$"):
         translate(params(), max_input_len=3)
     [req] = translate(params(truncate=3), max_input_len=3)  # truncation happens first
     assert len(req.prompt_ids) == 3
@@ -292,7 +292,7 @@ def test_no_room_to_generate():
 
 
 def test_empty_prompt():
-    with pytest.raises(LmiRequestError, match="no tokens"):
+    with pytest.raises(InvalidRequest, match="no tokens"):
         translate(params(), prompt=())
 
 
@@ -302,17 +302,17 @@ def test_refusals_are_invalid_requests():
         params(top_k="many")
     assert isinstance(caught.value, ValueError) and caught.value.message.startswith("parameters.top_k: ")
     for kwargs in ({"max_input_len": 3}, {"max_model_len": 4}):
-        with pytest.raises(LmiRequestError) as caught:
+        with pytest.raises(InvalidRequest) as caught:
             translate(params(), **kwargs)
         assert caught.value.code == "context_length_exceeded"
-    with pytest.raises(LmiRequestError) as caught:
+    with pytest.raises(InvalidRequest) as caught:
         translate(params(), prompt=())
     assert caught.value.code is None
 
 
 def test_over_the_input_limit_beats_no_room():
     # A prompt over max_input_len that also fills the context is refused for the input limit.
-    with pytest.raises(LmiRequestError, match="over the limit of 3"):
+    with pytest.raises(InvalidRequest, match="over the limit of 3"):
         translate(params(), max_input_len=3, max_model_len=4)
 
 

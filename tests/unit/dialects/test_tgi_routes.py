@@ -11,19 +11,15 @@ import json
 import pytest
 
 from lmi_serve.app import create_app
-from lmi_serve.config import ServerConfig
-from lmi_serve.service import ModelStatus
+from lmi_serve.config import ModelConfig, ServerConfig
+from lmi_serve.service import ModelService, ModelStatus
 
 ROUTES = ["/", "/generate", "/generate_stream"]
 
 
-class LoadingService:
-    name = "model"
-    engine = None
-
-    @staticmethod
-    def current_status() -> ModelStatus:
-        return ModelStatus.LOADING
+def loading_service() -> ModelService:
+    """A real service whose loading never started: LOADING."""
+    return ModelService(ModelConfig(name="model"), cache_dir="/nonexistent")
 
 
 class FakeRegistry:
@@ -31,15 +27,15 @@ class FakeRegistry:
 
     def __init__(self, failure: Exception | None = None):
         self.failure = failure
-        self.services = {"model": LoadingService()}
+        self.services = {"model": loading_service()}
 
     def for_invocations(self, name):
         if self.failure is not None:
             raise self.failure
-        return LoadingService()
+        return self.services["model"]
 
     def health(self):
-        return 200, {"model": {"status": "Healthy"}}
+        return ModelStatus.READY, {"model": {"status": "Healthy"}}
 
 
 def make_client(registry: FakeRegistry, max_request_size: int = 10_000):
