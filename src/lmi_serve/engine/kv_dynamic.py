@@ -46,7 +46,12 @@ class DynamicKV:
         pending token is its last prompt token (a placeholder that keeps every tensor [rows] long)."""
         input_ids, mask = _left_pad(prompts, pad_id, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
+        # No config: every layer keeps its whole KV. Given the config, transformers trims a
+        # sliding-window layer's KV to the window, which no longer lines up with our per-row mask
+        # (rows of different lengths, left padding) and failed the first mixed batch. With whole
+        # layers, transformers' sliding-window mask applies the window; within a row, column
+        # distance is position distance (padding is only on the left), so the window is exact.
+        cache = DynamicCache()
         with torch.inference_mode():
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                         use_cache=True, logits_to_keep=0 if prompt_logits else 1)
