@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Closed-loop concurrency sweep of the default text model, five systems side by side, one run.
+"""Closed-loop concurrency sweep of one text model (default: the embedded SmolLM2; --model DIR for any),
+five systems side by side, one run.
 
 Systems (each on the same prompts, the same output lengths and the same request order):
 
@@ -52,7 +53,7 @@ sys.path.insert(1, str(ROOT / "src"))
 sys.path.insert(2, str(ROOT / "scripts"))  # the benchmark package next to this file
 
 from benchmark.clients import DynamicClient, closed_loop, stream_one
-from benchmark.common import ALL_SYSTEMS, RESULT_TAG, log
+from benchmark.common import ALL_SYSTEMS, DEFAULT_MODEL, RESULT_TAG, ModelSource, log
 from benchmark.inprocess import inproc_point, run_worker
 from benchmark.monitor import Monitor, hwm_mib, wait_for_quiet
 from benchmark.report import fmt, render_table, target_checks
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, help="at least this many requests per point (default 8; --quick: 3)")
     p.add_argument("--num-prompts", type=int, help="fixed number of requests per point (overrides the two above)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"subset of {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--model", help="the model to serve: a folder, hub id or package: source (default: the "
+                                   "embedded SmolLM2 GGUF)")
+    p.add_argument("--gguf-file", help="with --model: the GGUF file inside it, if it is a GGUF folder")
     p.add_argument("--inproc-concurrency",
                    help="concurrency/batch sizes for cb and static (default: the largest --concurrency)")
     p.add_argument("--output-len", help="min,max output tokens (default 16,128; --quick: 16,48)")
@@ -130,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="lmi-bench-"))
     server_systems = [s for s in ("rolling", "dynamic") if s in args.systems]
-    servers = Servers(workdir, server_systems, args.dynamic_batch_size, args.max_rolling_batch_size)
+    source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
+    log(f"model: {source.describe()}")
+    servers = Servers(workdir, server_systems, args.dynamic_batch_size, args.max_rolling_batch_size, source)
     rows: list[dict] = []
     notes: list[str] = []
     waits: list[tuple[str, float, float]] = []
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from transformers import AutoTokenizer
 
-        folder = model_folder()
+        folder = model_folder(source)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         sizes = {c: requests_for(args, c) for c in sorted(set(args.concurrency) | set(args.inproc_concurrency))}
         workload = build_workload(tokenizer, max(sizes.values()), args.prompt_len, args.output_len)
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         extra_notes: list[str] = []
                         run = functools.partial(inproc_point, kind, workload, c, n, args.threads, workdir,
-                                                servers.pids(), extra_notes)
+                                                servers.pids(), extra_notes, source)
                         try:
                             rows.append(measure(f"{kind}@{c}", run))
                         except Exception as exc:  # noqa: BLE001 - report and go on with the other systems
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(key=lambda r: (order[r["system"]], r["concurrency"]))
     top = max(args.concurrency)
     out = ["## lmi-serve benchmark", "",
+           f"Model {source.describe()}. "
            f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average before "
            f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; total run {time.monotonic() - t_begin:.0f} s. "
            f"Prompts {min(workload.prompt_tokens)}-{max(workload.prompt_tokens)} tokens "

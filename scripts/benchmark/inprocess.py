@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BENCH_SCRIPT, GGUF_FILE, MODEL_ID, RESULT_TAG, ROOT
+from .common import BENCH_SCRIPT, RESULT_TAG, ROOT, ModelSource
 from .monitor import Monitor, tree_cpu
 from .stats import summarize
 from .workload import Workload
@@ -25,7 +25,7 @@ def run_worker(kind: str, spec_path: str) -> dict:
     torch.set_num_threads(spec["threads"])
     from lmi_serve.model.loader import load_causal_lm
 
-    lm = load_causal_lm(MODEL_ID, gguf_file=GGUF_FILE)
+    lm = load_causal_lm(spec["model_id"], gguf_file=spec["gguf_file"])
     model, tok = lm.model, lm.tokenizer
     workload = Workload(spec["prompts"], spec["prompt_tokens"], spec["max_new_tokens"])
     ids = [tok(p).input_ids for p in workload.prompts]
@@ -147,10 +147,10 @@ def worker_static(model, tok, ids: list[list[int]], workload: Workload, spec: di
 
 
 def run_inprocess(kind: str, workload: Workload, concurrency: int, num_requests: int, threads: int,
-                  workdir: Path, server_pids: list[int]) -> tuple[dict, list[str]]:
+                  workdir: Path, server_pids: list[int], source: ModelSource) -> tuple[dict, list[str]]:
     spec = {"prompts": workload.prompts, "prompt_tokens": workload.prompt_tokens,
             "max_new_tokens": workload.max_new_tokens, "concurrency": concurrency, "num_requests": num_requests,
-            "threads": threads}
+            "threads": threads, "model_id": source.model_id, "gguf_file": source.gguf_file}
     spec_path = workdir / f"{kind}-{concurrency}.json"
     spec_path.write_text(json.dumps(spec))
     log_path = workdir / f"{kind}-{concurrency}.log"
@@ -176,7 +176,7 @@ def run_inprocess(kind: str, workload: Workload, concurrency: int, num_requests:
 
 
 def inproc_point(kind: str, workload: Workload, concurrency: int, num_requests: int, threads: int, workdir: Path,
-                 server_pids: list[int], notes_out: list[str]) -> dict:
-    row, notes = run_inprocess(kind, workload, concurrency, num_requests, threads, workdir, server_pids)
+                 server_pids: list[int], notes_out: list[str], source: ModelSource) -> dict:
+    row, notes = run_inprocess(kind, workload, concurrency, num_requests, threads, workdir, server_pids, source)
     notes_out.extend(notes)
     return row

@@ -7,21 +7,22 @@ from pathlib import Path
 from typing import Any
 
 from .clients import DynamicClient, stream_one
-from .common import GGUF_FILE, MODEL_ID, log
+from .common import ModelSource, log
 from .workload import Workload
 
 
-def write_model_dir(parent: Path, name: str, options: dict[str, Any]) -> Path:
+def write_model_dir(parent: Path, name: str, options: dict[str, Any], source: ModelSource) -> Path:
     folder = parent / name
     folder.mkdir(parents=True)
-    lines = [f"option.model_id={MODEL_ID}", f"option.gguf_file={GGUF_FILE}"]
+    lines = source.properties()
     lines += [f"option.{k}={v}" for k, v in options.items()]
     (folder / "serving.properties").write_text("\n".join(lines) + "\n")
     return folder
 
 
 class Servers:
-    def __init__(self, workdir: Path, systems: list[str], dynamic_batch: int, max_rolling: int):
+    def __init__(self, workdir: Path, systems: list[str], dynamic_batch: int, max_rolling: int,
+                 source: ModelSource):
         from server_process import ServerProcess
 
         self.servers: dict[str, Any] = {}
@@ -33,7 +34,7 @@ class Servers:
         env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         for name in systems:
             if name in specs:
-                folder = write_model_dir(workdir, name, specs[name])
+                folder = write_model_dir(workdir, name, specs[name], source)
                 self.servers[name] = ServerProcess("--model-dir", str(folder), env=env)
                 log(f"started {name} server (pid {self.servers[name].proc.pid}, {self.servers[name].base})")
 

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .common import GGUF_FILE, MODEL_ID
+from .common import ModelSource
 
 # Deterministic prompt material: prompts are built by concatenating these, then cut to a token count.
 SENTENCES = [
@@ -77,10 +77,11 @@ def build_workload(tokenizer, size: int, prompt_range: tuple[int, int], output_r
     return Workload(prompts, prompt_tokens, outputs)
 
 
-def model_folder() -> str:
-    """The converted safetensors folder the server also loads (converting the GGUF once if needed)."""
+def model_folder(source: ModelSource) -> str:
+    """The folder the server also loads (a GGUF source converted once into safetensors)."""
     from lmi_serve.model.loader import convert_gguf, find_gguf, resolve_model_source
 
     cache_dir = os.path.expanduser(os.environ.get("LMI_SERVE_CACHE_DIR", "").strip() or "~/.cache/lmi-serve")
-    gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
-    return str(convert_gguf(gguf, cache_dir)) if gguf is not None else resolve_model_source(MODEL_ID)
+    folder = resolve_model_source(source.model_id)
+    gguf = find_gguf(folder, source.gguf_file)
+    return str(convert_gguf(gguf, cache_dir)) if gguf is not None else folder
