@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 # Where the files are lives in source.py (torch-free); these names stay importable from here.
-from .source import PACKAGE_PREFIX, ModelLoadError, find_gguf, resolve_model_source  # noqa: F401
+from .source import ModelLoadError, find_gguf, resolve_model_source
 
 log = logging.getLogger(__name__)
 
