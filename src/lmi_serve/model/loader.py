@@ -20,6 +20,7 @@ import torch
 
 # Where the files are lives in source.py (torch-free); these names stay importable from here.
 from .source import ModelLoadError, find_gguf, resolve_model_source
+from .task import encoder_decoder_refusal
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,10 @@ def load_causal_lm(model_id: str, *, gguf_file: str | None = None, dtype: str = 
                    device_map: str | None = None, tensor_parallel_degree: int | str = 1,
                    revision: str | None = None, trust_remote_code: bool = False,
                    cache_dir: str = "~/.cache/lmi-serve") -> LoadedModel:
-    """Load a causal LM and its tokenizer, in eval mode, placed per `choose_placement`."""
+    """Load a causal LM and its tokenizer, in eval mode, placed per `choose_placement`.
+
+    An encoder-decoder checkpoint (T5, BART) is refused, whatever task brought it here: loaded
+    as a causal LM it would lose its encoder (BART) or not load at all (T5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
@@ -144,6 +148,9 @@ def load_causal_lm(model_id: str, *, gguf_file: str | None = None, dtype: str = 
     gguf = find_gguf(source, gguf_file)
     if gguf is not None:
         source = str(convert_gguf(gguf, cache_dir))
+    refusal = encoder_decoder_refusal(source, revision)
+    if refusal:
+        raise ModelLoadError(refusal)
     placement = choose_placement(dtype, device_map, tensor_parallel_degree)
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
