@@ -54,7 +54,9 @@ __all__ = ["ConfigError", "ModelConfig", "ServerConfig", "build_server_config", 
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
 RollingBatch = Literal["auto", "scheduler", "disable"]
-Task = Literal["text-generation", "text-embedding", "tensor"]  # tensor: a model.py serving tensors (Triton)
+# text2text-generation: encoder-decoder models (T5, BART), decided or set but refused at load until served.
+# tensor: a model.py serving tensors (Triton).
+Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
 }

@@ -65,9 +65,11 @@ class LoadedHandler:
 
 
 def resolve_handler(model_name: str, model_dir: str | None, entry_point: str | None, task: str,
-                    function_name: str = "handle") -> LoadedHandler:
+                    function_name: str = "handle",
+                    before_builtin: Callable[[], None] | None = None) -> LoadedHandler:
     """Import the module serving one model. Each model gets its own module object, so module-level
-    state in a handler is per model."""
+    state in a handler is per model. `before_builtin` runs just before a built-in handler would be
+    loaded, and may raise to refuse it (the task decision does, for a model no built-in serves)."""
     unique = f"lmi_serve_model_{model_name.replace('-', '_').replace('.', '_')}"
     user_module = None
     if entry_point:
@@ -90,6 +92,8 @@ def resolve_handler(model_name: str, model_dir: str | None, entry_point: str | N
             return LoadedHandler(user_module, function_name, builtin=False)
         log.warning("%s: %s defines no %s(); using the built-in %s handler",
                     model_name, user_module.__name__, function_name, task)
+    if before_builtin is not None:
+        before_builtin()
     builtin = _load_file(builtin_handler_path(task), unique + "_builtin")
     # Formatter hooks in a model.py still apply when the built-in handler serves it.
     return LoadedHandler(builtin, "handle", builtin=True, user_module=user_module)

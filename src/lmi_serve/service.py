@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from pathlib import Path
 
 from .batching import DirectDispatcher, DynamicBatcher, Job
 from .config import ModelConfig
@@ -17,6 +16,8 @@ from .errors import InvalidRequest, NotReady
 from .handler_api import Input, Output
 from .handler_loader import resolve_handler
 from .handler_protocol import HandlerCapabilities, HandlerContext
+from .model.source import ModelLoadError
+from .model.task import ModelTaskError, TaskDecision, decide_task
 
 log = logging.getLogger(__name__)
 
@@ -27,37 +28,13 @@ class ModelStatus(enum.Enum):
     FAILED = "Failed"
 
 
-def infer_task(config: ModelConfig) -> str:
-    """`option.task`, else from the model files: sentence-transformers layouts and encoder-only
-    configs are embeddings; everything else (GGUF, *ForCausalLM, ...) is text generation."""
-    if config.task:
-        return config.task
-    if not config.model_id:
-        return "text-generation"
-    from .model.loader import ModelLoadError, resolve_model_source
-
-    try:
-        folder = Path(resolve_model_source(config.model_id))
-    except ModelLoadError:
-        return "text-generation"
-    if (folder / "modules.json").exists() or (folder / "sentence_bert_config.json").exists():
-        return "text-embedding"
-    config_json = folder / "config.json"
-    if config_json.exists():
-        import json
-
-        architectures = json.loads(config_json.read_text()).get("architectures") or []
-        if architectures and all(a.endswith(("Model", "ForMaskedLM")) for a in architectures):
-            return "text-embedding"
-    return "text-generation"
-
-
 class ModelService:
     def __init__(self, config: ModelConfig, cache_dir: str):
         self.config = config
         self.name = config.name
         self.cache_dir = cache_dir
-        self.task = config.task or "text-generation"
+        self.task: str | None = config.task or "text-generation"  # None: no task fits (the load fails)
+        self.task_decision: TaskDecision | None = None  # set when loading begins (model/task.py)
         self.status = ModelStatus.LOADING
         self.error: str | None = None
         self.started_at: float | None = None  # set when this model's loading begins
@@ -72,9 +49,15 @@ class ModelService:
         self.started_at = time.time()
         started = time.monotonic()
         try:
-            self.task = infer_task(self.config)
+            decision = self.task_decision = decide_task(self.config)
+            log.info("Model %s: task %s (%s)", self.name, decision.task or "none", decision.reason)
+            self.task = decision.task
+            # A built-in handler refuses a model no task fits, or an encoder-decoder one (check_builtin);
+            # a model.py of its own serves it, and is told text-generation (DJL's default) when none fits.
             loaded = resolve_handler(self.name, self.config.model_dir, self.config.entry_point,
-                                     self.task, self.config.handler)
+                                     decision.task or "text-generation", self.config.handler,
+                                     before_builtin=decision.check_builtin)
+            self.task = decision.task or "text-generation"
             caps = HandlerCapabilities.read(loaded.module, loaded.function_name, builtin=loaded.builtin,
                                             user_module=loaded.user_module)
             if not self.config.task and caps.serves_tensors:
@@ -100,6 +83,10 @@ class ModelService:
                                             predict_timeout=self.config.predict_timeout)
                 dispatcher.start()
             engine = caps.get_engine() if caps.get_engine is not None else None
+        except (ModelTaskError, ModelLoadError) as exc:  # the message says what to fix; no traceback
+            log.error("Model %s failed to load: %s", self.name, exc)
+            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
+            return
         except Exception as exc:
             log.exception("Model %s failed to load", self.name)
             self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED

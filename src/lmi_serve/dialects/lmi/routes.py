@@ -97,6 +97,8 @@ def _describe(service: ModelService) -> dict:
         "modelName": service.name,
         "modelUrl": config.model_dir or config.model_id,
         "task": service.task,
+        # config.json's architectures the task was decided from; None until loading has begun
+        "architectures": list(service.task_decision.architectures) if service.task_decision else None,
         "batchSize": config.batch_size,
         "maxBatchDelayMillis": config.max_batch_delay,
         "queueSize": config.job_queue_size,

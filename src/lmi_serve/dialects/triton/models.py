@@ -43,7 +43,7 @@ class ModelContract:
 @lru_cache(maxsize=None)
 def embedding_dimension(model_id: str | None, model_dir: str | None) -> int:
     """The vector size from the model's files (sentence-transformers pooling, else hidden_size); -1 if unknown."""
-    from ...model.loader import ModelLoadError, resolve_model_source
+    from ...model.source import ModelLoadError, resolve_model_source
 
     try:
         folder = Path(resolve_model_source(model_id)) if model_id else Path(model_dir or ".")

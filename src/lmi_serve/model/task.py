@@ -1,0 +1,269 @@
+"""Which task serves a model, decided from the model's own files.
+
+In order:
+
+1. ``option.task`` (``OPTION_TASK``, ``HF_TASK``) wins.
+2. A sentence-transformers layout (``modules.json`` or ``sentence_bert_config.json``): text-embedding.
+3. A GGUF file, or a source whose ``config.json`` cannot be read (not found, not in the Hugging Face
+   cache): text-generation, as before; the loader then says what is missing.
+4. ``config.json``, architecture by architecture: transformers' seq2seq-LM mapping ->
+   text2text-generation; its causal-LM mapping -> text-generation; then LMI's suffix rule
+   (``*ForCausalLM``, ``*LMHeadModel`` -> text-generation; ``*ForConditionalGeneration`` ->
+   text2text-generation when the config is encoder-decoder, else text-generation); then encoders
+   without an LM head (transformers' masked-LM and base-model mappings, ``*Model``,
+   ``*ForMaskedLM``) -> text-embedding. A generation task beats embedding, and text2text beats
+   text-generation: an encoder anywhere must not be dropped. Without ``architectures`` the
+   ``model_type`` decides the same way, then a remote-code ``auto_map``.
+5. Nothing fits: no task. The model fails at load, unless a model.py of its own serves it.
+
+``text2text-generation`` is decided but not served yet: the built-in handlers refuse it
+(:meth:`TaskDecision.check_builtin`), and ``load_causal_lm`` refuses any encoder-decoder
+checkpoint whatever the task says (:func:`encoder_decoder_refusal`), so such a model is never
+loaded as a causal LM that drops its encoder and answers wrong text.
+
+transformers' auto mappings are imported on the first decision, not with this module (importing
+them imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .source import ModelLoadError, find_gguf, resolve_model_source
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+TEXT_GENERATION = "text-generation"
+TEXT2TEXT_GENERATION = "text2text-generation"
+TEXT_EMBEDDING = "text-embedding"
+_PRIORITY = (TEXT2TEXT_GENERATION, TEXT_GENERATION, TEXT_EMBEDDING)  # when architectures disagree
+_SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json")
+_AUTO_MAP_TASKS = (("AutoModelForSeq2SeqLM", TEXT2TEXT_GENERATION), ("AutoModelForCausalLM", TEXT_GENERATION),
+                   ("AutoModel", TEXT_EMBEDDING))
+_HOW_TO_SET = "set option.task in serving.properties, or OPTION_TASK / HF_TASK in the environment"
+
+
+class ModelTaskError(RuntimeError):
+    """No built-in handler serves the model's task; the message says why and what to set."""
+
+
+@dataclass(frozen=True)
+class TaskDecision:
+    """The task a model is served as (None: none fits), what it was read from, and why."""
+
+    task: str | None
+    architectures: tuple[str, ...] = ()
+    reason: str = ""
+    model_type: str | None = None
+
+    def explained(self) -> str:
+        """The reason, naming the architectures (when it does not already) and the model_type."""
+        words = self.reason
+        if "architectures [" not in words:
+            words += f"; architectures {list(self.architectures)}"
+        return f"{words} (model_type {self.model_type!r})"
+
+    def refusal(self) -> str | None:
+        """Why no built-in handler may serve this model, or None when one may."""
+        if self.task is None:
+            return (f"no task fits this model: {self.explained()}. If it generates text, set "
+                    f"option.task=text-generation; if it is an encoder, option.task=text-embedding "
+                    f"({_HOW_TO_SET}); or serve it with a model.py of your own")
+        if self.task == TEXT2TEXT_GENERATION:
+            return encoder_decoder_message(self)
+        return None
+
+    def check_builtin(self) -> None:
+        """Raise ModelTaskError when a built-in handler is about to serve a model it must not."""
+        problem = self.refusal()
+        if problem:
+            raise ModelTaskError(problem)
+
+
+def encoder_decoder_message(decision: TaskDecision) -> str:
+    return (f"encoder-decoder models (T5, BART: text2text-generation) are not served yet, and this model is "
+            f"one: {decision.explained()}. Loading it as a causal LM would drop its encoder and answer wrong "
+            f"text, so it is refused whatever option.task says: serve it with a model.py of your own, or "
+            f"choose a decoder-only model")
+
+
+# --- transformers' auto mappings ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Mappings:
+    seq2seq_names: frozenset[str]
+    causal_names: frozenset[str]
+    masked_names: frozenset[str]
+    base_names: frozenset[str]
+    seq2seq_types: frozenset[str]
+    causal_types: frozenset[str]
+    encoder_types: frozenset[str]  # model types with a masked-LM or text-encoding class: BERT-likes
+
+
+def _class_names(mapping: Any) -> frozenset[str]:
+    names: set[str] = set()
+    for value in mapping.values():
+        names.update([value] if isinstance(value, str) else value)
+    return frozenset(names)
+
+
+@lru_cache(maxsize=1)
+def _mappings() -> _Mappings:
+    from transformers.models.auto import modeling_auto as auto
+
+    return _Mappings(
+        seq2seq_names=_class_names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        causal_names=_class_names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        masked_names=_class_names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+        base_names=_class_names(auto.MODEL_MAPPING_NAMES) | _class_names(auto.MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES),
+        seq2seq_types=frozenset(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        causal_types=frozenset(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        encoder_types=frozenset(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+        | frozenset(auto.MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES),
+    )
+
+
+def _architecture_task(arch: str, encoder_decoder: bool, maps: _Mappings) -> tuple[str, str] | None:
+    """(task, why) for one architecture name; `why` completes "architectures [...] ..."."""
+    if arch in maps.seq2seq_names:
+        return TEXT2TEXT_GENERATION, "are in transformers' seq2seq-LM mapping"
+    if arch in maps.causal_names:
+        return TEXT_GENERATION, "are in transformers' causal-LM mapping"
+    for suffix in ("ForCausalLM", "LMHeadModel"):
+        if arch.endswith(suffix):
+            return TEXT_GENERATION, f"end with {suffix} (LMI's suffix rule)"
+    if arch.endswith("ForConditionalGeneration"):
+        if encoder_decoder:
+            return TEXT2TEXT_GENERATION, "end with ForConditionalGeneration and config.json is encoder-decoder"
+        return TEXT_GENERATION, "end with ForConditionalGeneration and config.json is not encoder-decoder"
+    if arch in maps.masked_names:
+        return TEXT_EMBEDDING, "are in transformers' masked-LM mapping (an encoder: embeddings)"
+    if arch in maps.base_names:
+        return TEXT_EMBEDDING, "are in transformers' base-model mapping (no LM head: embeddings)"
+    for suffix in ("ForMaskedLM", "Model"):
+        if arch.endswith(suffix):
+            return TEXT_EMBEDDING, f"end with {suffix} (LMI's suffix rule: no LM head, embeddings)"
+    return None
+
+
+def _model_type_task(model_type: str | None, encoder_decoder: bool, maps: _Mappings) -> tuple[str, str] | None:
+    if model_type in maps.seq2seq_types:
+        return TEXT2TEXT_GENERATION, f"model_type {model_type!r} is in transformers' seq2seq-LM mapping"
+    if encoder_decoder:
+        return TEXT2TEXT_GENERATION, "config.json is encoder-decoder (is_encoder_decoder)"
+    if model_type in maps.causal_types and model_type not in maps.encoder_types:
+        return TEXT_GENERATION, f"model_type {model_type!r} is in transformers' causal-LM mapping"
+    if model_type in maps.encoder_types:
+        return TEXT_EMBEDDING, (f"model_type {model_type!r} is an encoder "
+                                "in transformers' masked-LM or text-encoding mapping")
+    return None
+
+
+def classify_config(config: dict[str, Any]) -> TaskDecision:
+    """The task a parsed config.json asks for (task None when nothing fits)."""
+    maps = _mappings()
+    architectures = tuple(a for a in config.get("architectures") or () if isinstance(a, str))
+    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    encoder_decoder = bool(config.get("is_encoder_decoder"))
+    found: dict[str, dict[str, list[str]]] = {}  # task -> why -> architectures
+    for arch in architectures:
+        hit = _architecture_task(arch, encoder_decoder, maps)
+        if hit:
+            found.setdefault(hit[0], {}).setdefault(hit[1], []).append(arch)
+    for task in _PRIORITY:
+        if task in found:
+            reason = "; ".join(f"architectures {archs} {why}" for why, archs in found[task].items())
+            return TaskDecision(task, architectures, reason, model_type)
+    if not architectures:
+        hit = _model_type_task(model_type, encoder_decoder, maps)
+        if hit:
+            return TaskDecision(hit[0], architectures, f"config.json names no architectures, and {hit[1]}",
+                                model_type)
+    auto_map = config.get("auto_map") if isinstance(config.get("auto_map"), dict) else {}
+    for key, task in _AUTO_MAP_TASKS:
+        if key in auto_map:
+            return TaskDecision(task, architectures, f"config.json's auto_map names {key} (remote code)", model_type)
+    what = f"architectures {list(architectures)} are" if architectures else f"model_type {model_type!r} is"
+    return TaskDecision(None, architectures, f"{what} in none of transformers' causal-LM, seq2seq-LM, masked-LM "
+                        "or base-model mappings, and match none of LMI's suffixes (*ForCausalLM, *LMHeadModel, "
+                        "*ForConditionalGeneration, *Model, *ForMaskedLM)", model_type)
+
+
+# --- reading the model's files -----------------------------------------------------------------
+
+def _model_file(source: str, name: str, revision: str | None) -> Path | None:
+    """`name` in a local model folder, else in the local Hugging Face cache of a hub id; None if absent."""
+    path = Path(source)
+    if path.is_dir():
+        return path / name if (path / name).is_file() else None
+    if path.exists():
+        return None  # a single file (GGUF)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, name, revision=revision)
+    except Exception:  # not a valid repo id, or no cache: the loader reports the model as missing
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _read_config(source: str, revision: str | None) -> dict[str, Any] | None:
+    path = _model_file(source, "config.json", revision)
+    if path is None:
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def encoder_decoder_refusal(source: str, revision: str | None = None) -> str | None:
+    """The refusal for loading the checkpoint at `source` (a resolved source) as a causal LM when
+    its config.json is encoder-decoder; None otherwise (or when there is no config.json to read)."""
+    config = _read_config(source, revision)
+    if config is None:
+        return None
+    decision = classify_config(config)
+    return encoder_decoder_message(decision) if decision.task == TEXT2TEXT_GENERATION else None
+
+
+def decide_task(config: ModelConfig) -> TaskDecision:
+    """The task of one configured model (see the module docstring for the order); never raises."""
+    model_id = config.model_id or config.model_dir
+    try:
+        source = resolve_model_source(model_id) if model_id else None
+    except ModelLoadError as exc:
+        return TaskDecision(config.task or TEXT_GENERATION,
+                            reason=f"{'set by option.task; ' if config.task else ''}the model files are not "
+                                   f"found ({exc}); loading says why")
+    model_config = _read_config(source, config.revision) if source else None
+    architectures = tuple(a for a in (model_config or {}).get("architectures") or () if isinstance(a, str))
+    model_type = (model_config or {}).get("model_type")
+    model_type = model_type if isinstance(model_type, str) else None
+
+    if config.task:
+        return TaskDecision(config.task, architectures, f"set by option.task={config.task} (or OPTION_TASK / HF_TASK)",
+                            model_type)
+    if source is None:
+        return TaskDecision(TEXT_GENERATION, reason="no model_id: the handler loads what it serves "
+                                                    "(text generation by default)")
+    for name in _SENTENCE_TRANSFORMERS_FILES:
+        if _model_file(source, name, config.revision) is not None:
+            return TaskDecision(TEXT_EMBEDDING, architectures, f"a sentence-transformers layout ({name})", model_type)
+    try:
+        gguf = config.gguf_file or find_gguf(source, None)
+    except ModelLoadError as exc:
+        return TaskDecision(TEXT_GENERATION, architectures, f"GGUF files ({exc}); loading says why", model_type)
+    if gguf:
+        return TaskDecision(TEXT_GENERATION, architectures,
+                            f"a GGUF file ({Path(str(gguf)).name}): transformers reads GGUF as a causal LM", model_type)
+    if model_config is None:
+        return TaskDecision(TEXT_GENERATION, reason=f"no readable config.json for {model_id!r} in its folder or the "
+                                                    "local Hugging Face cache: text generation by default")
+    return classify_config(model_config)
