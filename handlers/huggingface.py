@@ -19,6 +19,7 @@ from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
+from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
@@ -35,6 +36,9 @@ class TextGenerationService:
             device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
             revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
+        # fails the load here (UnsupportedModel), before the warm-up runs it.
+        check_supported(self.model)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         window = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or window, window)

@@ -23,6 +23,7 @@ from .kv import KVFactory
 from .kv_dynamic import DynamicKV
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
+from .support import check_supported
 from .types import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
                  max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory = DynamicKV.prefill):
+        check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
         self.eos_token_ids = eos_token_ids(model, tokenizer)

@@ -1,0 +1,265 @@
+"""The architecture matrix: tiny random-weight causal LMs of many families, built from transformers
+configs here (no download), must come out of the engine exactly as transformers' own greedy
+`model.generate()` makes them, token for token:
+
+- alone, one request at a time;
+- in one concurrent batch of prompts of different lengths (left padding; most prompts are longer
+  than the windowed families' window);
+- streamed (`Generation.start()` then `events()`), equal to the same batch read whole;
+- while rows join and leave at different times (the scheduler driven step by step).
+
+The windowed families (sliding window, local/global layers, attention chunks, KV sharing) use a
+window of 8 tokens, so their prompts and generations cross it; a premise test checks that the window
+really changes their output. Every family's weights are redrawn N(0, std) with a std that makes the
+tiny model's greedy output depend on its prompt (another premise test), else equality would prove
+nothing. `support.check_supported` lets all of these load; what it refuses is tested in
+test_support.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.support import layer_types
+from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
+
+CPU = torch.device("cpu")
+WINDOW = 8  # sliding window / attention chunk of the windowed families
+NO_WINDOW = 1024  # the premise twin's window: longer than any sequence here
+PROMPT_LENGTHS = (3, 13, 24, 6, 17)  # all differ; three are longer than WINDOW
+NEW_TOKENS = 10
+WAIT = 60.0  # generous: only reached when something is broken
+
+
+def _common(vocab: int, layers: int = 2, **extra) -> dict:
+    return {**dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128), **extra}
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[int, int], Any]  # (vocabulary size, window) -> model; unwindowed ones ignore the window
+    std: float = 0.02  # the weights' redraw: tiny random models need larger ones to depend on their input
+    window: str | None = None  # the window's kind in config.layer_types, for the windowed families
+
+
+FAMILIES: dict[str, Family] = {
+    # Learned absolute positions, read from our position ids.
+    "gpt2": Family(lambda v, w: tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=128)), std=0.3),
+    "opt": Family(lambda v, w: tf.OPTForCausalLM(tf.OPTConfig(
+        vocab_size=v, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, word_embed_proj_dim=32)), std=0.3),
+    # Rotary variants: partial rotary (NeoX, Phi), llama3 rope scaling, q/k norms (Qwen3).
+    "gpt_neox": Family(lambda v, w: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+        vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128))),
+    "llama_rope_scaling": Family(lambda v, w: tf.LlamaForCausalLM(tf.LlamaConfig(**_common(v), rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 10000.0}))),
+    "qwen2": Family(lambda v, w: tf.Qwen2ForCausalLM(tf.Qwen2Config(**_common(v)))),
+    "qwen3": Family(lambda v, w: tf.Qwen3ForCausalLM(tf.Qwen3Config(**_common(v), head_dim=8))),
+    "phi": Family(lambda v, w: tf.PhiForCausalLM(tf.PhiConfig(**_common(v)))),
+    "falcon": Family(lambda v, w: tf.FalconForCausalLM(tf.FalconConfig(
+        vocab_size=v, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)),
+        std=0.3),
+    # ALiBi: no position ids at all (support.ALIBI_MODEL_TYPES).
+    "bloom": Family(lambda v, w: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=v, hidden_size=32, n_layer=2, n_head=4)),
+                    std=0.3),
+    # Windowed: every layer sliding (Mistral, Phi-3), alternating local/global (Gemma 2 and 3,
+    # gpt-oss with attention sinks), chunked attention (Llama 4), KV shared across layers (Gemma 3n).
+    "mistral": Family(lambda v, w: tf.MistralForCausalLM(tf.MistralConfig(**_common(v), sliding_window=w)),
+                      window="sliding_attention"),
+    "phi3": Family(lambda v, w: tf.Phi3ForCausalLM(tf.Phi3Config(**_common(v), sliding_window=w, pad_token_id=0)),
+                   window="sliding_attention"),
+    "gemma2": Family(lambda v, w: tf.Gemma2ForCausalLM(tf.Gemma2Config(**_common(v, 4), head_dim=8, sliding_window=w)),
+                     window="sliding_attention"),
+    "gemma3": Family(lambda v, w: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+        **_common(v, 4), head_dim=8, sliding_window=w, sliding_window_pattern=2)), window="sliding_attention"),
+    "gpt_oss": Family(lambda v, w: tf.GptOssForCausalLM(tf.GptOssConfig(
+        **_common(v, 2), head_dim=8, sliding_window=w, num_local_experts=2, num_experts_per_tok=1)),
+        window="sliding_attention"),
+    "llama4_chunked": Family(lambda v, w: tf.Llama4ForCausalLM(tf.Llama4TextConfig(
+        **_common(v, 4), head_dim=8, intermediate_size_mlp=64, num_local_experts=2, attention_chunk_size=w)),
+        window="chunked_attention"),
+    "gemma3n_kv_sharing": Family(lambda v, w: tf.Gemma3nForCausalLM(tf.Gemma3nTextConfig(
+        **_common(v, 4, intermediate_size=[64] * 4), head_dim=8, sliding_window=w, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=v, laurel_rank=4, altup_num_inputs=2)),
+        window="sliding_attention"),
+}
+
+
+def build(family: Family, vocab: int, window: int):
+    torch.manual_seed(0)
+    model = family.build(vocab, window)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:  # matrices and embeddings; norms keep their init
+                parameter.normal_(0.0, family.std)
+    model.to(torch.float32).eval()
+    model.generation_config.eos_token_id = None  # every sequence runs its full length
+    return model
+
+
+def reference(model, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> list[int]:
+    """transformers' own greedy generation of exactly n tokens, for one unpadded prompt."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(prompt: tuple[int, ...], n: int = NEW_TOKENS) -> GenerationRequest:
+    return GenerationRequest(prompt, stop=StopParams(max_new_tokens=n, eos_token_ids=frozenset(), ignore_eos=True))
+
+
+def within(fn, timeout: float = WAIT):
+    """fn() in a helper thread: its result or its exception, or a failure after `timeout`."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"no answer within {timeout} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@dataclass
+class Served:
+    name: str
+    family: Family
+    model: Any
+    prompts: list[tuple[int, ...]]
+    expected: list[list[int]]  # reference() of each prompt
+    engine: Engine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small gain nothing from intra-op threads, and on a busy 2-core machine their
+    synchronisation made every forward ~30x slower; results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request, smollm2_tokenizer):
+    """One family: its model (built once), prompts, transformers' references and a running engine."""
+    family = FAMILIES[request.param]
+    vocab = len(smollm2_tokenizer)
+    model = build(family, vocab, WINDOW)
+    generator = torch.Generator().manual_seed(1)
+    first = len(smollm2_tokenizer.all_special_ids) + 1  # plain tokens: the detokenizer shows them all
+    prompts = [tuple(torch.randint(first, vocab, (n,), generator=generator).tolist()) for n in PROMPT_LENGTHS]
+    expected = [reference(model, p) for p in prompts]
+    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=request.param).start()
+    yield Served(request.param, family, model, prompts, expected, engine)
+    engine.stop()
+
+
+def token_ids(result) -> list[int]:
+    assert result.error is None, result.error
+    assert result.finish_reason is FinishReason.LENGTH
+    return [event.token_id for event in result.events]
+
+
+# -- premises: the equalities below would prove nothing without them ----------------------------
+
+def test_premise_greedy_output_depends_on_the_prompt(served):
+    assert len({tuple(e) for e in served.expected}) == len(served.expected), "two prompts, one output"
+    assert max(len(set(e)) for e in served.expected) >= 4, f"degenerate output: {served.expected}"
+
+
+def test_premise_the_window_changes_the_output(served, smollm2_tokenizer):
+    kinds = set(layer_types(served.model.config.get_text_config(decoder=True)))
+    if served.family.window is None:
+        assert kinds == {"full_attention"}
+        return
+    assert served.family.window in kinds
+    twin = build(served.family, len(smollm2_tokenizer), NO_WINDOW)
+    twin.load_state_dict(served.model.state_dict())
+    long_prompts = [(p, e) for p, e in zip(served.prompts, served.expected) if len(p) > WINDOW]
+    assert any(reference(twin, p) != e for p, e in long_prompts), "the window never mattered"
+
+
+# -- the engine equals transformers ----------------------------------------------------------------
+
+def test_alone_equals_generate(served):
+    for prompt, expected in zip(served.prompts, served.expected):
+        [result] = within(lambda p=prompt: served.engine.generate([greedy(p)]).results())
+        assert token_ids(result) == expected, f"{served.name}, prompt of {len(prompt)} tokens"
+
+
+def test_mixed_length_batch_equals_generate(served):
+    results = within(lambda: served.engine.generate([greedy(p) for p in served.prompts]).results())
+    for prompt, result, expected in zip(served.prompts, results, served.expected):
+        assert token_ids(result) == expected, f"{served.name}, prompt of {len(prompt)} tokens"
+
+
+def test_streamed_equals_non_streamed(served):
+    requests = [greedy(p) for p in served.prompts]
+    whole = within(lambda: served.engine.generate(requests).results())
+
+    def stream():
+        generation = served.engine.generate(requests)
+        generation.start()
+        return list(generation.events())
+
+    streamed: list[list] = [[] for _ in requests]
+    for index, event in within(stream):
+        streamed[index].append(event)
+    for events, result, expected in zip(streamed, whole, served.expected):
+        assert [e.token_id for e in events] == token_ids(result) == expected
+        assert "".join(e.text for e in events) == result.text
+        assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_rows_join_and_leave_at_different_times(served, smollm2_tokenizer):
+    """The scheduler stepped by hand: generations join a running batch and rows end at different
+    steps, so the cache is extended (left-padding the shorter side) and trimmed while others run."""
+    engine = Engine(served.model, smollm2_tokenizer, CPU, max_batch_size=8, name=f"{served.name}-steps")
+    scheduler = engine.scheduler
+    p = served.prompts
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            if not scheduler.waiting and not scheduler.batch:
+                return
+            scheduler.step()
+
+    plan = []  # (generation, [(prompt index, new tokens)])
+
+    def submit(*rows: tuple[int, int]) -> None:
+        plan.append((engine.generate([greedy(p[i], n) for i, n in rows]), rows))
+
+    submit((0, 10), (2, 3))  # the short prompt and the longest; the longest leaves after 3 tokens
+    run(2)
+    submit((1, 6), (3, 9))  # joins a running batch
+    run(3)
+    submit((4, 4))  # joins after the first row left
+    run(100)
+    assert not scheduler.waiting and not scheduler.batch
+    for generation, rows in plan:
+        for (i, n), result in zip(rows, within(generation.results)):
+            assert token_ids(result) == served.expected[i][:n], f"{served.name}, prompt {i} ({n} tokens)"
+    assert scheduler.stats.admitted == 5 and scheduler.stats.largest_batch >= 3  # they did run together
