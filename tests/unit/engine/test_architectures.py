@@ -18,7 +18,6 @@ test_support.py.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +29,13 @@ import transformers as tf
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
+from waiting import within
 
 CPU = torch.device("cpu")
 WINDOW = 8  # sliding window / attention chunk of the windowed families
 NO_WINDOW = 1024  # the premise twin's window: longer than any sequence here
 PROMPT_LENGTHS = (3, 13, 24, 6, 17)  # all differ; three are longer than WINDOW
 NEW_TOKENS = 10
-WAIT = 60.0  # generous: only reached when something is broken
 
 
 def _common(vocab: int, layers: int = 2, **extra) -> dict:
@@ -120,26 +119,6 @@ def reference(model, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> list[int]:
 
 def greedy(prompt: tuple[int, ...], n: int = NEW_TOKENS) -> GenerationRequest:
     return GenerationRequest(prompt, stop=StopParams(max_new_tokens=n, eos_token_ids=frozenset(), ignore_eos=True))
-
-
-def within(fn, timeout: float = WAIT):
-    """fn() in a helper thread: its result or its exception, or a failure after `timeout`."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"no answer within {timeout} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 @dataclass

@@ -7,7 +7,6 @@ and fault isolation. No timing assertions: waits are polls with generous timeout
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -22,9 +21,9 @@ from lmi_serve.engine.types import (
 from lmi_serve.errors import Overloaded, Timeout
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
+from waiting import WAIT, within  # noqa: E402
 
 CPU = torch.device("cpu")
-WAIT = 60.0  # generous: only reached when something is broken
 
 PROMPTS = ALL_PROMPTS[:10]
 
@@ -40,26 +39,6 @@ def greedy(prompt, n=8) -> GenerationRequest:
 
 def alone(model, tok, request) -> list[int]:
     return [event.token_id for _, event in generate_static_batch(model, tok, CPU, [request])]
-
-
-def within(fn, timeout: float = WAIT):
-    """fn() in a helper thread: its result or its exception, or a failure after `timeout`."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        pytest.fail(f"no answer within {timeout} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def result(handle: RequestHandle) -> GenerationResult:
