@@ -24,14 +24,14 @@ from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopPara
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
-from lmi_serve.model.loader import load_causal_lm
+from lmi_serve.model.loader import load_generation_model
 
 log = logging.getLogger(__name__)
 
 
 class TextGenerationService:
     def __init__(self, config: ModelConfig, context: HandlerContext):
-        loaded = load_causal_lm(
+        loaded = load_generation_model(
             config.model_id or config.model_dir, gguf_file=config.gguf_file, dtype=config.dtype,
             device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
             revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)

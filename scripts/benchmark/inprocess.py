@@ -23,9 +23,9 @@ def run_worker(kind: str, spec_path: str) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from lmi_serve.model.loader import load_causal_lm
+    from lmi_serve.model.loader import load_generation_model
 
-    lm = load_causal_lm(spec["model_id"], gguf_file=spec["gguf_file"])
+    lm = load_generation_model(spec["model_id"], gguf_file=spec["gguf_file"])
     model, tok = lm.model, lm.tokenizer
     workload = Workload(spec["prompts"], spec["prompt_tokens"], spec["max_new_tokens"])
     ids = [tok(p).input_ids for p in workload.prompts]

@@ -54,7 +54,7 @@ __all__ = ["ConfigError", "ModelConfig", "ServerConfig", "build_server_config", 
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
 RollingBatch = Literal["auto", "scheduler", "disable"]
-# text2text-generation: encoder-decoder models (T5, BART), decided or set but refused at load until served.
+# text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {

@@ -24,7 +24,8 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 HANDLERS_DIR = Path(__file__).resolve().parents[2] / "handlers"
-BUILTIN_BY_TASK = {"text-generation": "huggingface.py", "text-embedding": "embeddings.py"}
+BUILTIN_BY_TASK = {"text-generation": "huggingface.py", "text2text-generation": "huggingface.py",
+                   "text-embedding": "embeddings.py"}
 
 
 class HandlerLoadError(RuntimeError):

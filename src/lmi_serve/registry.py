@@ -40,7 +40,7 @@ class ModelRegistry:
         if len(self.services) == 1:
             return next(iter(self.services.values()))
         for service in self.services.values():
-            if service.task == "text-generation":
+            if service.generates_text:
                 return service
         raise InvalidRequest("Parameter model_name is required.")
 

@@ -17,7 +17,7 @@ from .handler_api import Input, Output
 from .handler_loader import resolve_handler
 from .handler_protocol import HandlerCapabilities, HandlerContext
 from .model.source import ModelLoadError
-from .model.task import ModelTaskError, TaskDecision, decide_task
+from .model.task import GENERATION_TASKS, ModelTaskError, TaskDecision, decide_task
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,16 @@ class ModelService:
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, caps.module_name, elapsed)
 
+    @property
+    def generates_text(self) -> bool:
+        """Whether requests for generated text may come here: text2text-generation (an encoder-
+        decoder model) serves every text-generation route too, as it does in DJL LMI."""
+        return self.task in GENERATION_TASKS
+
     def _resolve_rolling_batch(self, caps: HandlerCapabilities) -> bool:
         """`auto` means the rolling batch when the built-in text-generation handler serves the
         model with batch_size 1 and no legacy streaming; `scheduler` insists on it."""
-        supported = caps.supports_rolling_batch and self.task == "text-generation"
+        supported = caps.supports_rolling_batch and self.generates_text
         mode = self.config.rolling_batch
         if mode == "scheduler" and not supported:
             raise ValueError("option.rolling_batch=scheduler needs the built-in text-generation handler; "

@@ -202,7 +202,7 @@ class Recorder:
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """The built-in text handler without a model: load_causal_lm, Engine and RollingBatchService are
+    """The built-in text handler without a model: load_generation_model, Engine and RollingBatchService are
     recorded, warm-up generation does nothing. Patched where the handler file imports them from, so
     a handler module loaded afterwards (by the service) gets the fakes."""
     import lmi_serve.dialects.lmi.rolling
@@ -212,8 +212,8 @@ def no_model(monkeypatch):
 
     calls: dict = {}
 
-    def load_causal_lm(model_id, **kwargs):
-        calls["load_causal_lm"] = (model_id, kwargs)
+    def load_generation_model(model_id, **kwargs):
+        calls["load_generation_model"] = (model_id, kwargs)
         model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024))
         return SimpleNamespace(model=model, tokenizer=lambda text: SimpleNamespace(input_ids=[1, 2]), device="cpu")
 
@@ -223,7 +223,7 @@ def no_model(monkeypatch):
     class RollingBatchService(Recorder):
         pass
 
-    monkeypatch.setattr(lmi_serve.model.loader, "load_causal_lm", load_causal_lm)
+    monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)
     monkeypatch.setattr(lmi_serve.engine.static_batch, "generate_static_batch", lambda *args: iter(()))
@@ -252,7 +252,7 @@ def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
 def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     handler = built_in_text_handler()
     handler.load(TYPED, HandlerContext(task="text-generation", cache_dir="/tmp/cache", rolling_batch=True))
-    model_id, kwargs = no_model.calls["load_causal_lm"]
+    model_id, kwargs = no_model.calls["load_generation_model"]
     assert model_id == "org/model"
     assert kwargs == {"gguf_file": "m.gguf", "dtype": "bf16", "device_map": "auto", "tensor_parallel_degree": "max",
                       "revision": "main", "trust_remote_code": True, "cache_dir": "/tmp/cache"}
@@ -270,7 +270,7 @@ def test_defaults_come_from_the_model_config_and_dynamic_batching_makes_no_engin
     handler = built_in_text_handler()
     handler.load(ModelConfig(name="m", model_id="x", enable_streaming=True),
                  HandlerContext(task="text-generation", cache_dir="/c", rolling_batch=False))
-    assert no_model.calls["load_causal_lm"][1]["tensor_parallel_degree"] == 1
+    assert no_model.calls["load_generation_model"][1]["tensor_parallel_degree"] == 1
     assert handler.get_engine() is None and not no_model.engines
     assert handler._service.streaming is True and handler._service.max_input_len == 1023
 
@@ -284,7 +284,7 @@ def test_djl_first_call_reaches_the_same_typed_load(no_model):
     engine, rolling = engine_and_rolling(no_model)
     assert engine.kwargs["max_batch_size"] == 5 and engine.kwargs["predict_timeout"] == 3.5
     assert rolling.kwargs["tgi_compat"] is True and rolling.kwargs["model_name"] == "typed-model"
-    assert no_model.calls["load_causal_lm"][1]["cache_dir"] == "/tmp/cache"
+    assert no_model.calls["load_generation_model"][1]["cache_dir"] == "/tmp/cache"
 
 
 def test_the_service_calls_the_typed_load_with_its_config_and_the_model_py_hooks(no_model):

@@ -16,8 +16,7 @@ from transformers import (BartConfig, BertConfig, GPT2Config, GPTNeoXConfig, Lla
 
 from lmi_serve.config import ModelConfig, load_model_config
 from lmi_serve.model.source import ModelLoadError
-from lmi_serve.model.task import (ModelTaskError, TaskDecision, classify_config, decide_task,
-                                  encoder_decoder_refusal)
+from lmi_serve.model.task import ModelTaskError, TaskDecision, classify_config, decide_task
 from lmi_serve.service import ModelService, ModelStatus
 
 
@@ -60,17 +59,12 @@ def test_an_lm_head_model_is_no_embedding_model(tmp_path):
     T5Config(architectures=["T5ForConditionalGeneration"]),
     BartConfig(architectures=["BartForConditionalGeneration"]),
 ], ids=lambda c: c.architectures[0])
-def test_encoder_decoders_are_text2text_and_refused_by_the_built_in_handlers(tmp_path, config):
-    folder = folder_with(tmp_path, config)
-    decision = decide(folder)
+def test_encoder_decoders_are_text2text_and_served_by_the_built_in_handler(tmp_path, config):
+    decision = decide(folder_with(tmp_path, config))
     assert decision.task == "text2text-generation"
     assert "seq2seq-LM mapping" in decision.reason
-    with pytest.raises(ModelTaskError) as info:
-        decision.check_builtin()
-    message = str(info.value)
-    assert message.startswith("encoder-decoder models (T5, BART: text2text-generation) are not served yet")
-    assert config.architectures[0] in message and f"model_type {config.model_type!r}" in message
-    assert encoder_decoder_refusal(str(folder)) == message
+    assert decision.refusal() is None
+    decision.check_builtin()
 
 
 @pytest.mark.parametrize("arch", ["BertModel", "BertForMaskedLM"])
@@ -111,13 +105,11 @@ def test_option_task_overrides_the_files(tmp_path):
     assert decision.reason.startswith("set by option.task=text-embedding")
 
 
-def test_hf_task_sets_the_task_and_text2text_is_a_valid_value_refused_at_load(tmp_path):
+def test_hf_task_sets_the_task_and_text2text_is_a_valid_value(tmp_path):
     folder = folder_with(tmp_path, GPT2Config(architectures=["GPT2LMHeadModel"]))
     config = load_model_config(None, {"HF_MODEL_ID": str(folder), "HF_TASK": "text2text-generation"})
     decision = decide_task(config)
-    assert decision.task == "text2text-generation"
-    with pytest.raises(ModelTaskError, match="are not served yet.*architectures \\['GPT2LMHeadModel'\\]"):
-        decision.check_builtin()
+    assert decision.task == "text2text-generation" and decision.refusal() is None
 
 
 def test_option_task_can_name_a_task_for_an_unknown_architecture(tmp_path):
@@ -181,27 +173,29 @@ def test_gguf_and_unresolved_sources_stay_text_generation(tmp_path):
     assert decide_task(ModelConfig(name="m")).task == "text-generation"  # a model.py without model_id
 
 
-def test_the_causal_loader_refuses_an_encoder_decoder_whatever_the_task(tmp_path):
-    """option.task=text-generation on a BART checkpoint would load BartForCausalLM (no encoder):
-    load_causal_lm reads config.json first and refuses."""
-    from lmi_serve.model.loader import load_causal_lm
+@pytest.mark.parametrize("task", ["text-generation", "text2text-generation"])
+def test_the_loader_keeps_an_encoder_decoder_whole_whatever_the_task(tmp_path, task, smollm2_tokenizer):
+    """option.task=text-generation on a BART checkpoint once loaded BartForCausalLM (no encoder):
+    the loader reads config.json and loads the seq2seq LM, and the service reaches READY."""
+    import torch
+    from transformers import BartForConditionalGeneration
 
-    folder = folder_with(tmp_path, BartConfig(architectures=["BartForConditionalGeneration"]))
-    with pytest.raises(ModelLoadError, match="are not served yet"):
-        load_causal_lm(str(folder))
-    assert encoder_decoder_refusal(str(folder_with(tmp_path, GPT2Config(architectures=["GPT2LMHeadModel"]),
-                                                   "gpt2"))) is None
+    from lmi_serve.model.loader import load_generation_model
 
-
-def test_the_service_fails_an_unservable_model_with_the_message(tmp_path):
-    folder = folder_with(tmp_path, T5Config(architectures=["T5ForConditionalGeneration"]))
-    service = ModelService(ModelConfig(name="t5", model_id=str(folder)), "/tmp/cache")
+    folder = tmp_path / "bart"
+    torch.manual_seed(0)
+    BartForConditionalGeneration(BartConfig(
+        vocab_size=len(smollm2_tokenizer), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        architectures=["BartForConditionalGeneration"])).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    loaded = load_generation_model(str(folder))
+    assert type(loaded.model).__name__ == "BartForConditionalGeneration"
+    service = ModelService(ModelConfig(name="bart", model_id=str(folder), task=task), str(tmp_path / "cache"))
     service.load()
-    assert service.current_status() is ModelStatus.FAILED
-    assert service.error.startswith("ModelTaskError: encoder-decoder models (T5, BART: text2text-generation) "
-                                    "are not served yet")
-    assert service.task == "text2text-generation"
-    assert service.task_decision.architectures == ("T5ForConditionalGeneration",)
+    assert service.current_status() is ModelStatus.READY, service.error
+    assert service.generates_text and service.rolling_batch and service.engine.encoder_decoder
+    service.engine.stop()
 
 
 def test_a_model_py_of_its_own_serves_what_no_built_in_task_fits(tmp_path):

@@ -20,7 +20,7 @@ from .detokenizer import IncrementalDetokenizer
 from .grammar import Constraint
 from .history import SamplingHistory
 from .kv import KVBatch, KVFactory
-from .kv_dynamic import DynamicKV
+from .kv_select import kv_factory_for
 from .sampling import SampleOutput
 from .token_masks import token_mask
 from .types import FinishReason, GenerationRequest, TokenEvent, TopToken
@@ -119,9 +119,11 @@ class Batch:
         return len(self.rows)
 
     @classmethod
-    def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_factory: KVFactory = DynamicKV.prefill
+    def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_factory: KVFactory | None = None
                 ) -> "Batch":
-        """One forward over the prompts of `rows` (by `kv_factory`); leaves logits ready to sample."""
+        """One forward over the prompts of `rows` (by `kv_factory`, by default the model's own:
+        kv_select.py); leaves logits ready to sample."""
+        kv_factory = kv_factory or kv_factory_for(model)
         requests = [r.request for r in rows]
         want_prompt = any(r.prompt_logprobs for r in requests)
         out = kv_factory(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
@@ -129,7 +131,7 @@ class Batch:
         for i, row in enumerate(rows):
             if row.request.prompt_logprobs:
                 _prompt_logprobs(out.prompt_logits[i], row)
-        history = SamplingHistory.start(requests, out.logits.shape[-1], device)
+        history = SamplingHistory.start(requests, out.logits.shape[-1], device, out.seen)
         return cls(rows, out.kv, history, out.logits)
 
     def decode(self) -> None:

@@ -14,25 +14,32 @@ from dataclasses import replace
 import torch
 
 from .batch import make_row
+from .kv_encdec import decoder_prompt
+from .kv_select import is_encoder_decoder
 from .types import FinishReason, GenerationRequest, GenerationResult
 
 
 def beam_search(model, tokenizer, device, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
     """All `num_beams` finished beams, best first (transformers' beam score order)."""
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
+    # An encoder-decoder model's sequences are the decoder's: they start with its decoder prompt.
+    encoder_decoder = is_encoder_decoder(model)
+    start = decoder_prompt(model) if encoder_decoder else request.prompt_ids
+    extra = {"decoder_input_ids": torch.tensor([start], dtype=torch.long, device=device)} if encoder_decoder else {}
     stop = request.stop
     eos = sorted(stop.eos_token_ids | stop.stop_token_ids) if not stop.ignore_eos else sorted(stop.stop_token_ids)
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), num_beams=num_beams,
                              num_return_sequences=num_beams, do_sample=False, max_new_tokens=stop.max_new_tokens,
                              repetition_penalty=request.sampling.repetition_penalty, eos_token_id=eos or None,
-                             pad_token_id=tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True)
+                             pad_token_id=tokenizer.pad_token_id, output_scores=True, return_dict_in_generate=True,
+                             forced_eos_token_id=None, **extra)
         scores = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
     results = []
     for sequence, token_scores, beams in zip(out.sequences.tolist(), scores.tolist(), out.beam_indices.tolist()):
         row = make_row(request, tokenizer)
         result = GenerationResult(len(request.prompt_ids))
-        generated = sequence[len(request.prompt_ids):]
+        generated = sequence[len(start):]
         for token, logprob, beam in zip(generated, token_scores, beams):
             if beam < 0 or row.finished:  # padding after this beam ended
                 break

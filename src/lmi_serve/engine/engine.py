@@ -19,8 +19,9 @@ from .beam_search import beam_search
 from .grammar import GrammarCompiler
 from .generation import Generation
 from .handle import RequestHandle, Sink
+from ..errors import InvalidRequest
 from .kv import KVFactory
-from .kv_dynamic import DynamicKV
+from .kv_select import is_encoder_decoder
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
 from .support import check_supported
@@ -46,10 +47,11 @@ class EngineStats:
 class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory = DynamicKV.prefill):
+                 max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory | None = None):
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
+        self.encoder_decoder = is_encoder_decoder(model)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         context = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or context, context)
@@ -75,7 +77,11 @@ class Engine:
 
     def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
         """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
-        Overloaded when the waiting queue is full. Dialects use `generate`."""
+        Overloaded when the waiting queue is full, InvalidRequest for prompt logprobs from an
+        encoder-decoder model. Dialects use `generate`."""
+        if request.prompt_logprobs and self.encoder_decoder:
+            raise InvalidRequest("This model is an encoder-decoder model: its prompt is the encoder's input, which "
+                                 "gets no logprobs (decoder_input_details, prompt_logprobs, echo with logprobs)")
         constraint = self.grammars.constraint(request.guided) if request.guided is not None else None
         deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
         handle = RequestHandle(request, deadline, constraint, sink=sink, index=index)

@@ -22,12 +22,13 @@ class SamplingHistory:
     sampler: HeterogeneousSampler
 
     @classmethod
-    def start(cls, requests: Sequence[GenerationRequest], vocab: int, device: torch.device) -> "SamplingHistory":
-        """New rows that have seen their prompts and generated nothing yet."""
-        width = max(len(r.prompt_ids) for r in requests)
-        # Short prompts repeat their last token on the left, so only real tokens are marked.
-        index = torch.tensor([(r.prompt_ids[-1],) * (width - len(r.prompt_ids)) + tuple(r.prompt_ids)
-                              for r in requests], dtype=torch.long, device=device)
+    def start(cls, requests: Sequence[GenerationRequest], vocab: int, device: torch.device,
+              seen: Sequence[Sequence[int]] | None = None) -> "SamplingHistory":
+        """New rows that have seen `seen` (by default their prompts) and generated nothing yet."""
+        contexts = [tuple(s) for s in seen] if seen is not None else [tuple(r.prompt_ids) for r in requests]
+        width = max(len(c) for c in contexts)
+        # Short contexts repeat their last token on the left, so only real tokens are marked.
+        index = torch.tensor([(c[-1],) * (width - len(c)) + c for c in contexts], dtype=torch.long, device=device)
         seen = torch.zeros((len(requests), vocab), dtype=torch.bool, device=device)
         seen.scatter_(1, index, True)
         sampler = HeterogeneousSampler([r.sampling for r in requests], device, vocab,

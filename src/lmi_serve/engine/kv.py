@@ -6,8 +6,9 @@ layout wants: masks, positions, block tables) plus each row's pending token, the
 sampling state (`SamplingHistory`) live elsewhere and never look inside.
 
 A KV implementation is one module with a factory (`KVFactory`): `kv_dynamic.py` is today's
-left-padded transformers `DynamicCache`. The scheduler receives the factory, so a slot-based or
-paged cache is a new file, not a change to the scheduler or the batch.
+left-padded transformers `DynamicCache`, `kv_encdec.py` the encoder-decoder rows (T5, BART), and
+`kv_select.py` picks one for a model. The scheduler receives the factory, so a slot-based or paged
+cache is a new file, not a change to the scheduler or the batch.
 
 Contract, for every implementation:
 1. `factory(model, prompts, ...)` runs one forward over the prompts and returns the new KVBatch
@@ -53,6 +54,10 @@ class Prefilled:
     kv: KVBatch
     logits: torch.Tensor  # [rows, vocab]: each row's last prompt position
     prompt_logits: list[torch.Tensor] | None = None  # per row [len(prompt), vocab], when asked for
+    # Per row, the tokens the model has already seen on the side it generates from, which the
+    # repetition penalty counts: None means the prompts (a decoder-only model); an encoder-decoder
+    # model's decoder has seen only its decoder prompt.
+    seen: list[Sequence[int]] | None = None
 
 
 class KVFactory(Protocol):

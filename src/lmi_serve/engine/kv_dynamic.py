@@ -77,25 +77,36 @@ class DynamicKV:
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)
-        self.cache.batch_select_indices(index)
-        self.mask, self.next_pos, self.pending = self.mask[index], self.next_pos[index], self.pending[index]
-        used = self.mask.any(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else 0
-        if first:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-            self.mask = self.mask[:, first:]
+        self.mask = keep_rows(self.cache, self.mask, index)
+        self.next_pos, self.pending = self.next_pos[index], self.pending[index]
 
     def extend(self, other: "DynamicKV") -> None:
         """Append `other`'s rows, left-padding whichever cache is shorter."""
-        width = max(self.mask.shape[1], other.mask.shape[1])
-        layers = []
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            keys = [F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.keys, theirs.keys)]
-            values = [F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.values, theirs.values)]
-            layers.append((torch.cat(keys), torch.cat(values)))
-        for layer, (keys, values) in zip(self.cache.layers, layers):
-            layer.keys, layer.values = keys, values
-        self.mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
+        self.mask = join_left_padded(self.cache, self.mask, other.cache, other.mask)
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.pending = torch.cat([self.pending, other.pending])
+
+
+def keep_rows(cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Keep `cache`'s rows at `index` (in place), drop the leading columns that became padding in
+    every row, and return the mask of what is left."""
+    cache.batch_select_indices(index)
+    mask = mask[index]
+    used = mask.any(dim=0).nonzero()
+    first = int(used[0]) if used.numel() else 0
+    if first:
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        mask = mask[:, first:]
+    return mask
+
+
+def join_left_padded(cache: DynamicCache, mask: torch.Tensor, other: DynamicCache, other_mask: torch.Tensor
+                     ) -> torch.Tensor:
+    """Append `other`'s rows to `cache` (in place), left-padding whichever is shorter; return the
+    joined mask."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for mine, theirs in zip(cache.layers, other.layers):
+        mine.keys = torch.cat([F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.keys, theirs.keys)])
+        mine.values = torch.cat([F.pad(t, (0, 0, width - t.shape[2], 0)) for t in (mine.values, theirs.values)])
+    return torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (mask, other_mask)])

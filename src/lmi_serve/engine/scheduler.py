@@ -31,7 +31,7 @@ from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
 from .handle import RequestHandle
 from .kv import KVFactory
-from .kv_dynamic import DynamicKV
+from .kv_select import kv_factory_for
 from .types import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
-                 kv_factory: KVFactory = DynamicKV.prefill):
-        """`kv_factory` prefills new rows into a KV batch (kv.py): the KV cache layout is its choice."""
+                 kv_factory: KVFactory | None = None):
+        """`kv_factory` prefills new rows into a KV batch (kv.py): the KV cache layout is its choice;
+        None picks the model's own (kv_select.py)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.kv_factory = kv_factory
+        self.kv_factory = kv_factory or kv_factory_for(model)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens

@@ -10,7 +10,6 @@ from collections.abc import Iterator, Sequence
 
 from .batch import Batch, make_row
 from .kv import KVFactory
-from .kv_dynamic import DynamicKV
 from .types import GenerationRequest, TokenEvent
 
 
@@ -28,7 +27,7 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
 
 
 def generate_static_batch(model, tokenizer, device, requests: Sequence[GenerationRequest],
-                          kv_factory: KVFactory = DynamicKV.prefill) -> Iterator[tuple[int, TokenEvent]]:
+                          kv_factory: KVFactory | None = None) -> Iterator[tuple[int, TokenEvent]]:
     """Yield (request index, event) for every generated token until all requests finished.
 
     Order of operations per step: sample every row -> advance rows (stop checks, detokenization,

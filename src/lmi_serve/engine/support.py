@@ -3,7 +3,9 @@
 The engine batches rows of different lengths in one left-padded transformers `DynamicCache`
 (kv_dynamic.py): a row's logits must not depend on the padding or on its neighbours. That holds for
 decoder-only models whose every layer is full, sliding-window or chunked attention over a KV cache,
-fed per-row position ids (or ALiBi, which depends only on distances). `tests/unit/engine/
+fed per-row position ids (or ALiBi, which depends only on distances), and for the encoder-decoder
+families kv_encdec.py knows how to give per-row decoder positions (T5's relative bias, BART's
+position embeddings). `tests/unit/engine/
 test_architectures.py` checks the families it names token for token against `model.generate()`.
 
 Anything else would answer wrong text, or fail every request, so the model fails to load instead:
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import inspect
 from typing import Any
+
+from .kv_encdec import DECODER_POSITIONS
 
 # Layer kinds (transformers' `config.layer_types` names) a left-padded DynamicCache serves exactly:
 # every layer keeps its whole KV; transformers' masks apply the window or the chunks per row.
@@ -65,10 +69,14 @@ def check_supported(model: Any) -> None:
         return
     model_type = getattr(config, "model_type", None) or type(model).__name__
     what = f"Model type {model_type!r} ({type(model).__name__})"
-    ending = "; the server serves decoder-only causal LMs whose layers are full, sliding-window or chunked attention"
+    ending = ("; the server serves decoder-only causal LMs whose layers are full, sliding-window or chunked attention, "
+              f"and the encoder-decoder types {', '.join(repr(t) for t in sorted(DECODER_POSITIONS))}")
 
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModel(f"{what} is an encoder-decoder model, which the engine cannot serve{ending}")
+        if model_type not in DECODER_POSITIONS:
+            raise UnsupportedModel(f"{what} is an encoder-decoder model of a family the engine has not been "
+                                   f"checked to serve exactly{ending}")
+        return  # kv_encdec.py: per-row decoder positions for each of these (checked by the matrix)
 
     supports_dynamic_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
     if callable(supports_dynamic_cache) and not supports_dynamic_cache():

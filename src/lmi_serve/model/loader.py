@@ -20,7 +20,6 @@ import torch
 
 # Where the files are lives in source.py (torch-free); these names stay importable from here.
 from .source import ModelLoadError, find_gguf, resolve_model_source
-from .task import encoder_decoder_refusal
 
 log = logging.getLogger(__name__)
 
@@ -133,31 +132,28 @@ def _explain(source: str, exc: Exception) -> ModelLoadError:
     return ModelLoadError(f"could not load {source}: {exc}")
 
 
-def load_causal_lm(model_id: str, *, gguf_file: str | None = None, dtype: str = "auto",
+def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype: str = "auto",
                    device_map: str | None = None, tensor_parallel_degree: int | str = 1,
                    revision: str | None = None, trust_remote_code: bool = False,
                    cache_dir: str = "~/.cache/lmi-serve") -> LoadedModel:
-    """Load a causal LM and its tokenizer, in eval mode, placed per `choose_placement`.
-
-    An encoder-decoder checkpoint (T5, BART) is refused, whatever task brought it here: loaded
-    as a causal LM it would lose its encoder (BART) or not load at all (T5)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a text-generation model and its tokenizer, in eval mode, placed per `choose_placement`:
+    a causal LM, or a seq2seq LM (with its encoder) when the config is encoder-decoder (T5, BART),
+    whatever task brought it here: as a causal LM, BART would lose its encoder and T5 not load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     started = time.monotonic()
     source = resolve_model_source(model_id)
     gguf = find_gguf(source, gguf_file)
     if gguf is not None:
         source = str(convert_gguf(gguf, cache_dir))
-    refusal = encoder_decoder_refusal(source, revision)
-    if refusal:
-        raise ModelLoadError(refusal)
     placement = choose_placement(dtype, device_map, tensor_parallel_degree)
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=placement.dtype, device_map=placement.device_map,
-            max_memory=placement.max_memory, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        model = auto.from_pretrained(source, config=config, dtype=placement.dtype, device_map=placement.device_map,
+                                     max_memory=placement.max_memory, **kwargs)
     except (OSError, ValueError) as exc:
         raise _explain(source, exc) from exc
     if placement.device_map is None:

@@ -16,10 +16,9 @@ In order:
    ``model_type`` decides the same way, then a remote-code ``auto_map``.
 5. Nothing fits: no task. The model fails at load, unless a model.py of its own serves it.
 
-``text2text-generation`` is decided but not served yet: the built-in handlers refuse it
-(:meth:`TaskDecision.check_builtin`), and ``load_causal_lm`` refuses any encoder-decoder
-checkpoint whatever the task says (:func:`encoder_decoder_refusal`), so such a model is never
-loaded as a causal LM that drops its encoder and answers wrong text.
+``text2text-generation`` (T5, BART) is served by the same built-in handler and routes as
+``text-generation``; ``load_generation_model`` loads an encoder-decoder checkpoint with its encoder
+whatever the task says, so such a model is never loaded as a causal LM that drops its encoder.
 
 transformers' auto mappings are imported on the first decision, not with this module (importing
 them imports torch).
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 
 TEXT_GENERATION = "text-generation"
 TEXT2TEXT_GENERATION = "text2text-generation"
+GENERATION_TASKS = frozenset({TEXT_GENERATION, TEXT2TEXT_GENERATION})  # both served by the text-generation routes
 TEXT_EMBEDDING = "text-embedding"
 _PRIORITY = (TEXT2TEXT_GENERATION, TEXT_GENERATION, TEXT_EMBEDDING)  # when architectures disagree
 _SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json")
@@ -74,8 +74,6 @@ class TaskDecision:
             return (f"no task fits this model: {self.explained()}. If it generates text, set "
                     f"option.task=text-generation; if it is an encoder, option.task=text-embedding "
                     f"({_HOW_TO_SET}); or serve it with a model.py of your own")
-        if self.task == TEXT2TEXT_GENERATION:
-            return encoder_decoder_message(self)
         return None
 
     def check_builtin(self) -> None:
@@ -83,13 +81,6 @@ class TaskDecision:
         problem = self.refusal()
         if problem:
             raise ModelTaskError(problem)
-
-
-def encoder_decoder_message(decision: TaskDecision) -> str:
-    return (f"encoder-decoder models (T5, BART: text2text-generation) are not served yet, and this model is "
-            f"one: {decision.explained()}. Loading it as a causal LM would drop its encoder and answer wrong "
-            f"text, so it is refused whatever option.task says: serve it with a model.py of your own, or "
-            f"choose a decoder-only model")
 
 
 # --- transformers' auto mappings ---------------------------------------------------------------
@@ -221,16 +212,6 @@ def _read_config(source: str, revision: str | None) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
-
-
-def encoder_decoder_refusal(source: str, revision: str | None = None) -> str | None:
-    """The refusal for loading the checkpoint at `source` (a resolved source) as a causal LM when
-    its config.json is encoder-decoder; None otherwise (or when there is no config.json to read)."""
-    config = _read_config(source, revision)
-    if config is None:
-        return None
-    decision = classify_config(config)
-    return encoder_decoder_message(decision) if decision.task == TEXT2TEXT_GENERATION else None
 
 
 def decide_task(config: ModelConfig) -> TaskDecision:

@@ -27,6 +27,7 @@ import torch
 import transformers as tf
 
 from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv_encdec import decoder_prompt
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from waiting import within
@@ -41,6 +42,22 @@ NEW_TOKENS = 10
 def _common(vocab: int, layers: int = 2, **extra) -> dict:
     return {**dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128), **extra}
+
+
+def _seq2seq_t5(vocab: int) -> dict:
+    return dict(vocab_size=vocab, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0,
+                pad_token_id=0)
+
+
+def _seq2seq_bart(vocab: int) -> dict:
+    return dict(vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128)
+
+
+def forced_bos(model):
+    """BART checkpoints force `<s>` as the first new token: the engine starts the decoder with it."""
+    model.generation_config.forced_bos_token_id = 0
+    return model
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,18 @@ FAMILIES: dict[str, Family] = {
         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=v, laurel_rank=4, altup_num_inputs=2)),
         window="sliding_attention"),
+    # Encoder-decoders (kv_encdec.py): the encoder once per row, right-padded; decoder rows left-padded
+    # with relative positions (T5, mT5, UMT5) or absolute position embeddings read per row (the rest).
+    "t5": Family(lambda v, w: tf.T5ForConditionalGeneration(tf.T5Config(**_seq2seq_t5(v))), std=0.5),
+    "mt5": Family(lambda v, w: tf.MT5ForConditionalGeneration(tf.MT5Config(**_seq2seq_t5(v))), std=0.5),
+    "umt5": Family(lambda v, w: tf.UMT5ForConditionalGeneration(tf.UMT5Config(**_seq2seq_t5(v))), std=0.5),
+    "bart": Family(lambda v, w: forced_bos(tf.BartForConditionalGeneration(tf.BartConfig(**_seq2seq_bart(v)))),
+                   std=0.2),
+    "mbart": Family(lambda v, w: tf.MBartForConditionalGeneration(tf.MBartConfig(**_seq2seq_bart(v))), std=0.5),
+    "marian": Family(lambda v, w: tf.MarianMTModel(tf.MarianConfig(**_seq2seq_bart(v), decoder_start_token_id=0, pad_token_id=0)),
+                     std=0.2),
+    "pegasus": Family(lambda v, w: tf.PegasusForConditionalGeneration(tf.PegasusConfig(**_seq2seq_bart(v))),
+                      std=1.0),
 }
 
 
@@ -110,11 +139,19 @@ def build(family: Family, vocab: int, window: int):
 
 
 def reference(model, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> list[int]:
-    """transformers' own greedy generation of exactly n tokens, for one unpadded prompt."""
+    """transformers' own greedy generation of exactly n tokens, for one unpadded prompt. An
+    encoder-decoder's new tokens follow its decoder prompt, given here as the engine starts it
+    (a forced first token is part of it); `forced_eos_token_id` would swap a length-capped
+    sequence's last token for EOS, which the engine does not do (see kv_encdec.py)."""
+    extra = {}
+    start = prompt
+    if model.config.is_encoder_decoder:
+        start = decoder_prompt(model)
+        extra = dict(decoder_input_ids=torch.tensor([start]), forced_eos_token_id=None)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                             do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **extra)
+    return out[0, len(start):].tolist()
 
 
 def greedy(prompt: tuple[int, ...], n: int = NEW_TOKENS) -> GenerationRequest:

@@ -55,6 +55,11 @@ SERVED = {
     "bloom (ALiBi, no position ids)": (tf.BloomForCausalLM, lambda: tf.BloomConfig(
         vocab_size=64, hidden_size=32, n_layer=2, n_head=4)),
     "legacy name 'attention'": (tf.LlamaForCausalLM, legacy_layer_names(["attention", "attention"])),
+    "t5 (encoder-decoder, relative positions)": (tf.T5ForConditionalGeneration, lambda: tf.T5Config(
+        vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)),
+    "bart (encoder-decoder, position embeddings)": (tf.BartForConditionalGeneration, lambda: tf.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)),
 }
 
 # (model class, config factory, fragments the message must contain)
@@ -74,8 +79,10 @@ REFUSED = {
     "a cache of its own": (tf.RwkvForCausalLM, lambda: tf.RwkvConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64),
         ["'rwkv'", "needs its own cache class"]),
-    "encoder-decoder": (tf.T5ForConditionalGeneration, lambda: tf.T5Config(
-        vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8), ["'t5'", "encoder-decoder"]),
+    "an encoder-decoder family not checked": (tf.M2M100ForConditionalGeneration, lambda: tf.M2M100Config(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64),
+        ["'m2m_100'", "encoder-decoder model of a family", "'t5'"]),
     "positions counted from the cache": (tf.TrOCRForCausalLM, lambda: tf.TrOCRConfig(
         vocab_size=64, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64),
         ["'trocr'", "takes no position_ids"]),

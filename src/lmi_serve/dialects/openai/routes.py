@@ -51,16 +51,20 @@ def _body() -> Any:
         raise InvalidRequest(str(exc)) from None
 
 
+def _serves(service: ModelService, task: str) -> bool:
+    return service.generates_text if task == _GENERATION_TASK else service.task == task
+
+
 def _service(name: str | None, task: str) -> ModelService:
     services = _registry().services
     if name:
         service = services.get(name)
         if service is None:
             raise NotFound(f"The model `{name}` does not exist", param="model")
-        if service.task != task:
+        if not _serves(service, task):
             raise InvalidRequest(f"The model `{name}` serves {service.task}, not {task}", param="model")
     else:
-        service = next((s for s in services.values() if s.task == task), None)
+        service = next((s for s in services.values() if _serves(s, task)), None)
         if service is None:
             raise NotFound(f"No {task} model is served", param="model")
     service.require_ready()
@@ -164,7 +168,7 @@ def _encode(vector: list[float], encoding: str):
 
 @blueprint.get("/models")
 def list_models() -> Response:
-    services = sorted(_registry().services.values(), key=lambda s: s.task != _GENERATION_TASK)  # generation first
+    services = sorted(_registry().services.values(), key=lambda s: not s.generates_text)  # generation first
     created = int(time.time())
     data = [{"id": s.name, "object": "model", "created": int(s.loaded_at or created), "owned_by": "lmi-serve"}
             for s in services]

@@ -122,7 +122,8 @@ def health() -> Response:
 @blueprint.get("/info")
 def info() -> Response:
     name, engine = _engine()
-    body = {"model_id": name, "model_sha": None, "model_pipeline_tag": "text-generation",
+    tag = "text2text-generation" if engine.encoder_decoder else "text-generation"
+    body = {"model_id": name, "model_sha": None, "model_pipeline_tag": tag,
             "model_dtype": str(engine.model.dtype).replace("torch.", ""), "model_device_type": engine.device.type,
             "max_concurrent_requests": engine.scheduler.max_queue, "max_best_of": 16, "max_stop_sequences": None,
             "max_input_tokens": engine.max_model_len - 1, "max_total_tokens": engine.max_model_len,
