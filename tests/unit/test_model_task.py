@@ -15,7 +15,6 @@ from transformers import (BartConfig, BertConfig, GPT2Config, GPTNeoXConfig, Lla
                           T5Config)
 
 from lmi_serve.config import ModelConfig, load_model_config
-from lmi_serve.model.source import ModelLoadError
 from lmi_serve.model.task import ModelTaskError, TaskDecision, classify_config, decide_task
 from lmi_serve.service import ModelService, ModelStatus
 
