@@ -1,14 +1,16 @@
 """The KV seam (engine/kv.py): the scheduler reaches the model only through a KVFactory and the
-KVBatch verbs, and the DynamicCache implementation meets the contract that keep/extend never
-change a row's logits."""
+KVBatch verbs, and the implementations (DynamicCache, encoder-decoder) meet the contract that
+keep/extend never change a row's logits."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv import KVBatch, Prefilled
 from lmi_serve.engine.kv_dynamic import DynamicKV
+from lmi_serve.engine.kv_encdec import EncoderDecoderKV, decoder_prompt
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
@@ -137,3 +139,54 @@ def test_dynamic_kv_prompt_logits_are_each_rows_own(tiny_model, prompt_ids):
     assert torch.allclose(out.prompt_logits[0], alone, atol=1e-4)
     assert torch.allclose(out.logits, torch.stack([t[-1] for t in out.prompt_logits]))
     assert DynamicKV.prefill(tiny_model, prompts, pad_id=0, device=CPU).prompt_logits is None
+
+
+def _seq2seq(kind: str, vocab: int):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if kind == "t5":
+        return tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=vocab, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0)).eval()
+    model = tf.BartForConditionalGeneration(tf.BartConfig(
+        vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval()
+    model.generation_config.forced_bos_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_kv_keep_and_extend_match_a_fresh_forward(kind, smollm2_tokenizer, prompt_ids):
+    """The same contract for kv_encdec.py: after rows joined (decoder columns left-padded, prompt
+    columns right-padded), left and decoded, every row's logits equal one unpadded forward of its
+    prompt through the encoder and its decoder prompt plus the tokens it was fed."""
+    model = _seq2seq(kind, len(smollm2_tokenizer))
+    start = list(decoder_prompt(model))
+    fed: dict[int, list[int]] = {i: [] for i in range(len(prompt_ids))}
+
+    def fresh(order: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.cat([model(input_ids=torch.tensor([prompt_ids[i]]),
+                                    decoder_input_ids=torch.tensor([start + fed[i]])).logits[:, -1] for i in order])
+
+    first = EncoderDecoderKV.prefill(model, [prompt_ids[i] for i in (4, 0, 2)], pad_id=0, device=CPU)
+    kv, order = first.kv, [4, 0, 2]
+    assert isinstance(kv, KVBatch) and first.seen == [tuple(start)] * 3
+    assert torch.allclose(first.logits, fresh(order), atol=1e-4)
+
+    def step(tokens: list[int]) -> torch.Tensor:
+        kv.feed(torch.tensor(tokens, dtype=torch.long))
+        for i, token in zip(order, tokens):
+            fed[i].append(token)
+        return kv.decode()
+
+    step([101, 102, 103])
+    joined = EncoderDecoderKV.prefill(model, [prompt_ids[i] for i in (1, 3)], pad_id=0, device=CPU)
+    kv.extend(joined.kv)
+    order += [1, 3]
+    assert torch.allclose(step([201, 202, 203, 204, 205]), fresh(order), atol=1e-4)
+    width = kv.enc_mask.shape[1]
+    kv.keep([1, 3, 4])  # the longest prompt (4) leaves: its prompt columns go too
+    order = [order[i] for i in (1, 3, 4)]
+    assert len(kv) == 3 and kv.enc_mask.shape[1] == max(len(prompt_ids[i]) for i in order) < width
+    assert torch.allclose(step([301, 302, 303]), fresh(order), atol=1e-4)
