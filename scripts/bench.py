@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     server_systems = [s for s in ("rolling", "dynamic") if s in args.systems]
     source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
     log(f"model: {source.describe()}")
+    baselines = [s for s in ("cb", "static") if s in args.systems]
+    if baselines and source.encoder_decoder():
+        # transformers' continuous batching serves decoder-only models, and the static worker
+        # slices a decoder-only output: against an encoder-decoder, only our two servers compare.
+        log(f"{source.describe()} is encoder-decoder: skipping {', '.join(baselines)} (decoder-only baselines)")
+        args.systems = [s for s in args.systems if s not in baselines]
     servers = Servers(workdir, server_systems, args.dynamic_batch_size, args.max_rolling_batch_size, source)
     rows: list[dict] = []
     notes: list[str] = []

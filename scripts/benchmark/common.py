@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +25,14 @@ class ModelSource:
 
     def describe(self) -> str:
         return self.model_id + (f" ({self.gguf_file})" if self.gguf_file else "")
+
+    def encoder_decoder(self) -> bool:
+        """Whether the model's config.json (a local folder's) says encoder-decoder (T5, BART)."""
+        config = Path(self.model_id) / "config.json"
+        try:
+            return bool(json.loads(config.read_text()).get("is_encoder_decoder"))
+        except (OSError, ValueError, AttributeError):
+            return False
 
 
 DEFAULT_MODEL = ModelSource()
