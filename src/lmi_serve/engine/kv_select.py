@@ -8,9 +8,10 @@ from typing import Any
 from .kv import KVFactory
 from .kv_dynamic import DynamicKV
 from .kv_encdec import EncoderDecoderKV
+from .kv_slots import SlotKV
 
 # Decoder-only KV implementations by the name `option.kv_cache` and the benchmarks use.
-KV_CACHES: dict[str, KVFactory] = {"dynamic": DynamicKV.prefill}
+KV_CACHES: dict[str, KVFactory] = {"dynamic": DynamicKV.prefill, "slots": SlotKV.prefill}
 
 
 def is_encoder_decoder(model: Any) -> bool:

@@ -28,6 +28,7 @@ import transformers as tf
 
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv_encdec import decoder_prompt
+from lmi_serve.engine.kv_select import KV_CACHES
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from waiting import within
@@ -166,6 +167,7 @@ class Served:
     prompts: list[tuple[int, ...]]
     expected: list[list[int]]  # reference() of each prompt
     engine: Engine
+    kv_factory: Any = None  # the KV implementation under test (None: the model's default)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -178,18 +180,27 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+SEQ2SEQ = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus"})
+# Decoder-only families run on each decoder-only KV implementation (option.kv_cache); encoder-decoders
+# have their own (kv_encdec.py).
+CASES = [(name, kv) for name in FAMILIES for kv in ((None,) if name in SEQ2SEQ else sorted(KV_CACHES))]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{kv or 'encdec'}" for name, kv in CASES])
 def served(request, smollm2_tokenizer):
-    """One family: its model (built once), prompts, transformers' references and a running engine."""
-    family = FAMILIES[request.param]
+    """One family on one KV implementation: its model (built once), prompts, transformers'
+    references and a running engine."""
+    name, kv = request.param
+    family = FAMILIES[name]
     vocab = len(smollm2_tokenizer)
     model = build(family, vocab, WINDOW)
     generator = torch.Generator().manual_seed(1)
     first = len(smollm2_tokenizer.all_special_ids) + 1  # plain tokens: the detokenizer shows them all
     prompts = [tuple(torch.randint(first, vocab, (n,), generator=generator).tolist()) for n in PROMPT_LENGTHS]
     expected = [reference(model, p) for p in prompts]
-    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=request.param).start()
-    yield Served(request.param, family, model, prompts, expected, engine)
+    factory = KV_CACHES[kv] if kv else None
+    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=name, kv_factory=factory).start()
+    yield Served(name, family, model, prompts, expected, engine, factory)
     engine.stop()
 
 
@@ -253,7 +264,8 @@ def test_streamed_equals_non_streamed(served):
 def test_rows_join_and_leave_at_different_times(served, smollm2_tokenizer):
     """The scheduler stepped by hand: generations join a running batch and rows end at different
     steps, so the cache is extended (left-padding the shorter side) and trimmed while others run."""
-    engine = Engine(served.model, smollm2_tokenizer, CPU, max_batch_size=8, name=f"{served.name}-steps")
+    engine = Engine(served.model, smollm2_tokenizer, CPU, max_batch_size=8, name=f"{served.name}-steps",
+                    kv_factory=served.kv_factory)
     scheduler = engine.scheduler
     p = served.prompts
 

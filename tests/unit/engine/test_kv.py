@@ -11,6 +11,8 @@ from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv import KVBatch, Prefilled
 from lmi_serve.engine.kv_dynamic import DynamicKV
 from lmi_serve.engine.kv_encdec import EncoderDecoderKV, decoder_prompt
+from lmi_serve.engine.kv_select import KV_CACHES
+from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
@@ -98,12 +100,14 @@ def fresh_logits(model, sequences) -> torch.Tensor:
     return DynamicKV.prefill(model, sequences, pad_id=0, device=CPU).logits
 
 
-def test_dynamic_kv_keep_and_extend_match_a_fresh_prefill(tiny_model, smollm2_tokenizer, prompt_ids):
+@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+def test_kv_keep_and_extend_match_a_fresh_prefill(kind, tiny_model, smollm2_tokenizer, prompt_ids):
     """After rows joined, left and decoded, every row's logits equal those of a fresh prefill of
-    its prompt plus the tokens it was fed."""
+    its prompt plus the tokens it was fed (a DynamicCache forward: `fresh_logits`)."""
+    factory = KV_CACHES[kind]
     pad = smollm2_tokenizer.pad_token_id
     sequences = [list(p) for p in prompt_ids]
-    first = DynamicKV.prefill(tiny_model, [sequences[i] for i in (4, 0, 2)], pad_id=pad, device=CPU)
+    first = factory(tiny_model, [sequences[i] for i in (4, 0, 2)], pad_id=pad, device=CPU)
     kv, order = first.kv, [4, 0, 2]
     assert isinstance(kv, KVBatch) and len(kv) == 3
 
@@ -114,7 +118,7 @@ def test_dynamic_kv_keep_and_extend_match_a_fresh_prefill(tiny_model, smollm2_to
         return kv.decode()
 
     step([101, 102, 103])
-    joined = DynamicKV.prefill(tiny_model, [sequences[i] for i in (1, 3)], pad_id=pad, device=CPU)
+    joined = factory(tiny_model, [sequences[i] for i in (1, 3)], pad_id=pad, device=CPU)
     joined.kv.feed(torch.tensor([0, 0]))  # placeholders; the next feed sets the real ones
     kv.extend(joined.kv)
     order += [1, 3]
@@ -190,3 +194,36 @@ def test_encoder_decoder_kv_keep_and_extend_match_a_fresh_forward(kind, smollm2_
     order = [order[i] for i in (1, 3, 4)]
     assert len(kv) == 3 and kv.enc_mask.shape[1] == max(len(prompt_ids[i]) for i in order) < width
     assert torch.allclose(step([301, 302, 303]), fresh(order), atol=1e-4)
+
+
+def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids):
+    """Same layout, same forward: only where K/V are stored differs, so the logits are identical,
+    through joins (both directions of padding), leaves and growth past the first column capacity."""
+    runs = []
+    for factory in (DynamicKV.prefill, SlotKV.prefill):
+        out = factory(tiny_model, [prompt_ids[i] for i in (0, 4)], pad_id=0, device=CPU)
+        kv, logits = out.kv, [out.logits]
+        for step in range(300):  # past MIN_COLUMNS: the buffers grow once
+            kv.feed(torch.tensor([100 + step % 50] * len(kv)))
+            logits.append(kv.decode())
+            if step == 3:  # a shorter joiner
+                kv.extend(factory(tiny_model, [prompt_ids[2]], pad_id=0, device=CPU).kv)
+            if step == 5:
+                kv.keep([2, 0])
+        runs.append(logits)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_slot_kv_writes_in_place_and_reuses_its_buffers(tiny_model, prompt_ids):
+    out = SlotKV.prefill(tiny_model, [prompt_ids[1], prompt_ids[3]], pad_id=0, device=CPU)
+    kv = out.kv
+    layer = kv.cache.layers[0]
+    store = layer.key_store
+    for step in range(5):
+        kv.feed(torch.tensor([7, 8]))
+        kv.decode()
+    assert layer.key_store is store  # no new buffer per step
+    assert layer.keys.data_ptr() == store.data_ptr() and layer.keys.shape[2] == kv.mask.shape[1]
+    kv.keep([1])
+    kv.extend(SlotKV.prefill(tiny_model, [prompt_ids[0]], pad_id=0, device=CPU).kv)
+    assert layer.key_store is store and layer.rows == 2  # rows left and joined within the capacity
