@@ -12,7 +12,7 @@ Order of operations in `Scheduler.step`:
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
 7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`).
-`Scheduler.phases` times these (phases.py): admit (1-2), prefill, decode, sample, emit, deliver, evict.
+`Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode, sample, emit, deliver, evict.
 An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
 in a decode fails the running rows. Either way the loop goes on with new requests.
 """
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
@@ -34,8 +34,10 @@ from .handle import RequestHandle
 from .kv import KVFactory
 from .kv_select import kv_factory_for
 from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
-from .sampling import SampleOutput
 from .types import TokenEvent
+
+if TYPE_CHECKING:
+    from .sampling import SampleOutput
 
 log = logging.getLogger(__name__)
 
