@@ -16,10 +16,11 @@ exact implementation scores 100 %) and the perplexity of benchmark/perplexity.tx
 transformers forward against each implementation's prefill).
 
     .venv/bin/python scripts/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
-                                           [--repeats 9] [--quick] [--threads N] [--skip-gates]
+                                           [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
 
 The machine is shared and noisy: read the ratios (taken within one run) and the minimums; the header
-gives the CPU model, its SIMD flags and the load average before and after.
+gives the CPU model, its SIMD flags and the load average before and after, and --aa times the baseline
+against itself, whose ratios show how far from 1.00 noise alone moves them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from lmi_serve.engine.kv_select import KV_CACHES  # noqa: E402
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams  # noqa: E402
 
 BASELINE = "dynamic"
+AA = f"{BASELINE}/aa"  # the baseline again, timed as if it were another implementation
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sample=True, top_p=0.9, temperature=0.7)}
 GATE_PROMPTS, GATE_TOKENS = 10, 32
@@ -78,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed rounds per point (default 9; --quick: 3)")
     p.add_argument("--quick", action="store_true", help="3 timed rounds after 1 warm-up")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--aa", action="store_true",
+                   help=f"also time {BASELINE} against itself (as {AA}): its ratios are this run's noise floor")
     p.add_argument("--skip-gates", action="store_true", help="timings only (a gate failing goes unseen)")
     args = p.parse_args(argv)
     names = args.kv.split(",") if args.kv else list(KV_CACHES)
@@ -211,9 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     say(f"cpu: {cpu_summary()}")
     say(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"model {type(model).__name__} {model.dtype} attn={model.config._attn_implementation}")
-    say(f"kv: {', '.join(args.kv)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after {args.warmup} "
-        f"warm-up; load average {os.getloadavg()[0]:.2f}")
     factories = {name: KV_CACHES[name] for name in args.kv}
+    timed = {**factories, **({AA: KV_CACHES[BASELINE]} if args.aa else {})}
+    say(f"kv: {', '.join(timed)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after {args.warmup} "
+        f"warm-up; load average {os.getloadavg()[0]:.2f}")
     from benchmark.step_quality import PERPLEXITY_TEXT, greedy_gate, perplexity_gate
 
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     sample_rows: list[str] = []
     for kv_len in args.context:
         prompt = context_tokens(text_ids, kv_len)
-        seeds = {name: prefill_one(model, tokenizer, device, f, prompt) for name, f in factories.items()}
+        seeds = {name: prefill_one(model, tokenizer, device, f, prompt) for name, f in timed.items()}
         for rows in args.batch:
             batches = {name: replicate(one, model, tokenizer, rows) for name, one in seeds.items()}
             times = time_decode(batches, args.repeats, args.warmup)
