@@ -52,6 +52,8 @@ def test_models_listing_and_description(default_server):
     assert entry["modelName"] == TEXT_MODEL and entry["status"] == "Healthy"
     assert entry["task"] == "text-generation" and entry["rollingBatch"] is True
     assert entry["engine"]["maxBatchSize"] == 32
+    phases = {"admit", "prefill", "decode", "sample", "emit", "deliver", "evict"}
+    assert set(entry["engine"]["phaseSeconds"]) == set(entry["engine"]["phaseCounts"]) == phases
 
 
 def test_greedy_capital_of_france(default_server):

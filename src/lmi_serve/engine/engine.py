@@ -22,6 +22,7 @@ from .handle import RequestHandle, Sink
 from ..errors import InvalidRequest
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
+from .phases import PhaseTimes
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
 from .support import check_supported
@@ -42,6 +43,7 @@ class EngineStats:
     largest_batch: int
     failed_steps: int  # steps whose forward raised (their rows failed; the engine went on)
     max_batch_size: int
+    phases: PhaseTimes  # where the steps' time went (phases.py): seconds and counts per phase
 
 
 class Engine:
@@ -117,7 +119,8 @@ class Engine:
         s = self.scheduler.stats
         return EngineStats(running=self.scheduler.running, waiting=len(self.scheduler.waiting), steps=s.steps,
                            prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
-                           failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size)
+                           failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size,
+                           phases=self.scheduler.phases.snapshot())
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

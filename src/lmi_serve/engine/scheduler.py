@@ -12,6 +12,7 @@ Order of operations in `Scheduler.step`:
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
 7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`).
+`Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode, sample, emit, deliver, evict.
 An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
 in a decode fails the running rows. Either way the loop goes on with new requests.
 """
@@ -25,14 +26,18 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
 from .handle import RequestHandle
 from .kv import KVFactory
 from .kv_select import kv_factory_for
+from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
 from .types import TokenEvent
+
+if TYPE_CHECKING:
+    from .sampling import SampleOutput
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class Scheduler:
         self.batch: Batch | None = None
         self.work = threading.Condition()
         self.stats = SchedulerStats()
+        self.phases = PhaseClock()
 
     # -- called from request threads -------------------------------------------------------
     def add(self, handle: RequestHandle) -> None:
@@ -106,8 +112,9 @@ class Scheduler:
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
         self._run_exclusive()
-        self._drop_cancelled_and_expired()
-        joiners = self._admit()
+        with self.phases.measure(ADMIT):
+            self._drop_cancelled_and_expired()
+            joiners = self._admit()
         if joiners:
             self._join(joiners)
         if self.batch:
@@ -183,14 +190,16 @@ class Scheduler:
             if self.batch is None:
                 self.batch = batch
             else:
-                self.batch.concatenate(batch)
+                with self.phases.measure(EVICT):
+                    self.batch.concatenate(batch)
         if self.batch is not None:
             self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         try:
-            batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
-            self._deliver(batch.emit(batch.sample()))
+            with self.phases.measure(PREFILL):
+                batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
+            self._deliver(self._emit(batch, self._sample(batch)))
         except Exception as exc:
             self.stats.failed_steps += 1
             if len(rows) > 1:
@@ -202,23 +211,25 @@ class Scheduler:
             return None
         self.stats.prefills += 1
         self.stats.admitted += len(rows)
-        batch.evict_finished()
+        with self.phases.measure(EVICT):
+            batch.evict_finished()
         return batch if len(batch) else None
 
-    @staticmethod
-    def _merge(batches: list[Batch]) -> Batch | None:
+    def _merge(self, batches: list[Batch]) -> Batch | None:
         if not batches:
             return None
         first, *rest = batches
-        for other in rest:
-            first.concatenate(other)
+        with self.phases.measure(EVICT):
+            for other in rest:
+                first.concatenate(other)
         return first
 
     def _decode(self) -> None:
         batch = self.batch
         try:
-            batch.decode()
-            events = batch.emit(batch.sample())
+            with self.phases.measure(DECODE):
+                batch.decode()
+            events = self._emit(batch, self._sample(batch))
         except Exception as exc:
             self.stats.failed_steps += 1
             log.exception("Decode step failed; failing its %d running requests", len(batch))
@@ -228,15 +239,24 @@ class Scheduler:
         self._deliver(events)
         self._evict()
 
+    def _sample(self, batch: Batch) -> SampleOutput:
+        with self.phases.measure(SAMPLE):
+            return batch.sample()
+
+    def _emit(self, batch: Batch, choice: SampleOutput) -> list[tuple[Row, TokenEvent]]:
+        with self.phases.measure(EMIT):
+            return batch.emit(choice)
+
     def _evict(self) -> None:
-        self.batch.evict_finished()
+        with self.phases.measure(EVICT):
+            self.batch.evict_finished()
         if not len(self.batch):
             self.batch = None
 
-    @staticmethod
-    def _deliver(events: Iterable[tuple[Row, TokenEvent]]) -> None:
-        for row, event in events:
-            row.owner.push(event)
+    def _deliver(self, events: Iterable[tuple[Row, TokenEvent]]) -> None:
+        with self.phases.measure(DELIVER):
+            for row, event in events:
+                row.owner.push(event)
 
     @staticmethod
     def _fail(rows: Iterable[Row], exc: BaseException) -> None:
