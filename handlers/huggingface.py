@@ -19,6 +19,7 @@ from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
+from lmi_serve.engine.kv_select import choose_kv
 from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
 from lmi_serve.handler_api import Input, Output
@@ -44,11 +45,13 @@ class TextGenerationService:
         self.max_model_len = min(config.max_model_len or window, window)
         self.max_input_len = config.max_input_len or self.max_model_len - 1
         self.streaming = config.enable_streaming
+        rows = config.max_rolling_batch_size if context.rolling_batch else config.batch_size
+        self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
         self._warm_up()
         self.engine: Engine | None = None
         self.rolling: RollingBatchService | None = None
         if context.rolling_batch:
-            self.engine = Engine(self.model, self.tokenizer, self.device,
+            self.engine = Engine(self.model, self.tokenizer, self.device, kv_factory=self.kv_factory,
                                  max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                                  predict_timeout=config.predict_timeout,
                                  max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
@@ -64,7 +67,7 @@ class TextGenerationService:
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
         request = GenerationRequest(tuple(self.tokenizer("Hello").input_ids), stop=StopParams(max_new_tokens=2))
-        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request]):
+        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_factory):
             pass
 
     def _to_generation_requests(self, parsed: DynamicBatchRequest) -> list[GenerationRequest]:
@@ -90,7 +93,7 @@ class TextGenerationService:
         return parsed, self._to_generation_requests(parsed)
 
     def _stream(self, requests: list[GenerationRequest]):
-        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests):
+        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_factory):
             if event.text:
                 yield [event.text]
 
@@ -105,7 +108,8 @@ class TextGenerationService:
         flat = [(index, r) for index, (_, reqs) in parsed.items() for r in reqs]
         results = [GenerationResult(len(r.prompt_ids)) for _, r in flat]
         if flat:
-            for row, event in generate_static_batch(self.model, self.tokenizer, self.device, [r for _, r in flat]):
+            for row, event in generate_static_batch(self.model, self.tokenizer, self.device, [r for _, r in flat],
+                                                         self.kv_factory):
                 results[row].events.append(event)
         for index, (request, _) in parsed.items():
             texts = [res.text for (owner, _), res in zip(flat, results) if owner == index]

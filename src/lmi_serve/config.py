@@ -54,11 +54,15 @@ __all__ = ["ConfigError", "ModelConfig", "ServerConfig", "build_server_config", 
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
 RollingBatch = Literal["auto", "scheduler", "disable"]
+# slots: preallocated buffers written in place (engine/kv_slots.py); dynamic: transformers' DynamicCache,
+# concatenated every step (kv_dynamic.py), the baseline and a fallback. Encoder-decoders have their own.
+KvCache = Literal["slots", "dynamic"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
+    "kv_cache": get_args(KvCache),
 }
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -133,6 +137,7 @@ class ModelConfig(BaseModel):
     rolling_batch: RollingBatch = "auto"
     max_rolling_batch_size: int = Field(32, ge=1)
     max_rolling_batch_prefill_tokens: int = Field(512, ge=1)
+    kv_cache: KvCache = "slots"
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False
@@ -150,7 +155,7 @@ class ModelConfig(BaseModel):
     options: dict[str, str] = Field(default_factory=dict)
     unknown_options: tuple[str, ...] = ()
 
-    @field_validator("dtype", "rolling_batch", "task", mode="before")
+    @field_validator("dtype", "rolling_batch", "task", "kv_cache", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:

@@ -197,6 +197,12 @@ def test_invalid_rolling_batch_from_properties(tmp_path: Path) -> None:
         load(tmp_path, "option.rolling_batch=foo\n")
 
 
+def test_kv_cache_is_slots_by_default_and_checked() -> None:
+    assert synth().kv_cache == "slots" and synth(OPTION_KV_CACHE="Dynamic").kv_cache == "dynamic"
+    with pytest.raises(ConfigError, match=r"^OPTION_KV_CACHE: 'paged' is not one of slots, dynamic"):
+        synth(OPTION_KV_CACHE="paged")
+
+
 def test_batch_size_zero(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^batch_size: '0' must be >= 1"):
         load(tmp_path, "batch_size=0\n")

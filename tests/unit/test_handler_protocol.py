@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from lmi_serve.config import ConfigError, ModelConfig, ServerConfig
+from lmi_serve.engine.kv_dynamic import DynamicKV
+from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.dialects.triton.tensor_model import TensorSpec
 from lmi_serve.handler_api import Input, input_formatter, output_formatter
 from lmi_serve.handler_loader import HandlerLoadError, resolve_handler
@@ -207,6 +209,7 @@ def no_model(monkeypatch):
     a handler module loaded afterwards (by the service) gets the fakes."""
     import lmi_serve.dialects.lmi.rolling
     import lmi_serve.engine.engine
+    import lmi_serve.engine.kv_select
     import lmi_serve.engine.static_batch
     import lmi_serve.model.loader
 
@@ -228,6 +231,7 @@ def no_model(monkeypatch):
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)
     monkeypatch.setattr(lmi_serve.engine.static_batch, "generate_static_batch", lambda *args: iter(()))
     monkeypatch.setattr(lmi_serve.engine.static_batch, "eos_token_ids", lambda model, tokenizer: frozenset({2}))
+    monkeypatch.setattr(lmi_serve.engine.kv_select, "slot_bytes", lambda model, rows, columns: 0)  # no weights
     monkeypatch.setattr(Recorder, "made", [])
     return SimpleNamespace(calls=calls, engines=Recorder.made, Engine=Engine, RollingBatchService=RollingBatchService)
 
@@ -240,7 +244,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     tensor_parallel_degree="max", trust_remote_code=True, revision="main", task="text-generation",
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
-                    tgi_compat=True, output_formatter="jsonlines")
+                    tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic")
 
 
 def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
@@ -258,7 +262,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
                       "revision": "main", "trust_remote_code": True, "cache_dir": "/tmp/cache"}
     engine, rolling = engine_and_rolling(no_model)
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
-                             "max_model_len": 1024, "name": "typed-model"}  # max_model_len capped at the window
+                             "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
+                             "kv_factory": DynamicKV.prefill}
     assert type(engine.kwargs["max_batch_size"]) is int and type(engine.kwargs["predict_timeout"]) is float
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
@@ -273,6 +278,7 @@ def test_defaults_come_from_the_model_config_and_dynamic_batching_makes_no_engin
     assert no_model.calls["load_generation_model"][1]["tensor_parallel_degree"] == 1
     assert handler.get_engine() is None and not no_model.engines
     assert handler._service.streaming is True and handler._service.max_input_len == 1023
+    assert handler._service.kv_factory == SlotKV.prefill  # the default, for dynamic batching too
 
 
 def test_djl_first_call_reaches_the_same_typed_load(no_model):

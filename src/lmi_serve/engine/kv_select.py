@@ -3,12 +3,17 @@ default when the caller names none."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import psutil
 
 from .kv import KVFactory
 from .kv_dynamic import DynamicKV
 from .kv_encdec import EncoderDecoderKV
-from .kv_slots import SlotKV
+from .kv_slots import SlotKV, slot_bytes
+
+log = logging.getLogger(__name__)
 
 # Decoder-only KV implementations by the name `option.kv_cache` and the benchmarks use.
 KV_CACHES: dict[str, KVFactory] = {"dynamic": DynamicKV.prefill, "slots": SlotKV.prefill}
@@ -29,3 +34,23 @@ def kv_factory_for(model: Any, name: str | None = None) -> KVFactory:
         return KV_CACHES[name]
     except KeyError:
         raise ValueError(f"unknown kv_cache {name!r}; known: {', '.join(sorted(KV_CACHES))}") from None
+
+
+def choose_kv(model: Any, name: str, *, rows: int, columns: int) -> KVFactory:
+    """`kv_factory_for`, logged once; for slots, checked against the memory available now: the
+    buffers grow as used, up to `rows` rows of `columns` tokens, and a server that would run out of
+    memory at its busiest fails at start-up instead, saying what to lower."""
+    factory = kv_factory_for(model, name)
+    if is_encoder_decoder(model):
+        log.info("KV cache: encoder-decoder rows (kv_encdec.py); option.kv_cache=%s applies to decoder-only models",
+                 name)
+    elif factory == SlotKV.prefill:
+        need, available = slot_bytes(model, rows, columns), psutil.virtual_memory().available
+        if need > available:
+            raise ValueError(f"option.kv_cache=slots may need {need / 2**30:.1f} GiB ({rows} rows x {columns} tokens) "
+                             f"and {available / 2**30:.1f} GiB is available: lower option.max_rolling_batch_size or "
+                             f"option.max_model_len, or set option.kv_cache=dynamic")
+        log.info("KV cache: slots, grown as used up to %.2f GiB (%d rows x %d tokens)", need / 2**30, rows, columns)
+    else:
+        log.info("KV cache: %s", name)
+    return factory

@@ -11,7 +11,7 @@ from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv import KVBatch, Prefilled
 from lmi_serve.engine.kv_dynamic import DynamicKV
 from lmi_serve.engine.kv_encdec import EncoderDecoderKV, decoder_prompt
-from lmi_serve.engine.kv_select import KV_CACHES
+from lmi_serve.engine.kv_select import KV_CACHES, choose_kv, kv_factory_for
 from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
@@ -227,3 +227,14 @@ def test_slot_kv_writes_in_place_and_reuses_its_buffers(tiny_model, prompt_ids):
     kv.keep([1])
     kv.extend(SlotKV.prefill(tiny_model, [prompt_ids[0]], pad_id=0, device=CPU).kv)
     assert layer.key_store is store and layer.rows == 2  # rows left and joined within the capacity
+
+
+def test_choose_kv_by_name_and_refuse_slots_that_cannot_fit(tiny_model, caplog):
+    caplog.set_level("INFO")
+    assert choose_kv(tiny_model, "dynamic", rows=4, columns=64) == DynamicKV.prefill
+    assert choose_kv(tiny_model, "slots", rows=4, columns=64) == SlotKV.prefill
+    assert "KV cache: slots, grown as used up to" in caplog.text
+    with pytest.raises(ValueError, match="option.kv_cache=slots may need .* GiB .* lower option.max_rolling_batch_size"):
+        choose_kv(tiny_model, "slots", rows=10**6, columns=10**6)
+    with pytest.raises(ValueError, match="unknown kv_cache 'paged'"):
+        kv_factory_for(tiny_model, "paged")
