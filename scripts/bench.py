@@ -4,9 +4,11 @@ five systems side by side, one run.
 
 Systems (each on the same prompts, the same output lengths and the same request order):
 
-- rolling     our server, option.rolling_batch=scheduler (max_rolling_batch_size 32); streaming
+- rolling     our server, option.rolling_batch=scheduler (max_rolling_batch_size 32, kv_cache=slots); streaming
               POST /invocations, application/jsonlines, one line per token. TTFT = first line,
               ITL = gaps between lines, output tokens = token lines.
+- rolling-dynamic  the same rolling server with option.kv_cache=dynamic (transformers' DynamicCache,
+              concatenated every step): the KV baseline.
 - dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;
               non-streaming POST /invocations, so TTFT = E2E and there is no TPOT/ITL.
 - sequential  not a separate server: rolling at concurrency 1 is the one-at-a-time baseline.
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
 
     workdir = Path(tempfile.mkdtemp(prefix="lmi-bench-"))
-    server_systems = [s for s in ("rolling", "dynamic") if s in args.systems]
+    server_systems = [s for s in ("rolling", "rolling-dynamic", "dynamic") if s in args.systems]
     source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
     log(f"model: {source.describe()}")
     baselines = [s for s in ("cb", "static") if s in args.systems]
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         dyn = DynamicClient(tokenizer, send_ignore_eos=True)
         for name, server in servers.servers.items():
             notes += warm_up(name, server, workload, dyn)
-        senders = {"rolling": stream_one, "dynamic": dyn}
+        senders = {"rolling": stream_one, "rolling-dynamic": stream_one, "dynamic": dyn}
 
         def quiet(label: str) -> None:
             if args.quiet_wait <= 0:

@@ -36,7 +36,7 @@ class ModelSource:
 
 
 DEFAULT_MODEL = ModelSource()
-ALL_SYSTEMS = ("rolling", "dynamic", "cb", "static")
+ALL_SYSTEMS = ("rolling", "rolling-dynamic", "dynamic", "cb", "static")
 RESULT_TAG = "BENCH_RESULT "
 
 

@@ -44,7 +44,9 @@ def target_checks(rows: list[dict], top: int, ttft_conc: int) -> list[str]:
 
     roll = find(rows, "rolling", top)
     ratio(f"rolling@{top} vs sequential (rolling@1) tok/s", roll, find(rows, "rolling", 1), 5.0)
-    ratio(f"rolling@{top} vs transformers CB@{top} tok/s", roll, find(rows, "cb", top), 1.3)
+    ratio(f"rolling@{top} vs rolling-dynamic@{top} (kv_cache=slots vs dynamic) tok/s", roll,
+          find(rows, "rolling-dynamic", top), 2.0)
+    ratio(f"rolling@{top} vs transformers CB@{top} tok/s", roll, find(rows, "cb", top), 3.0)
     ratio(f"rolling@{top} vs static ceiling@{top} (useful tok/s)", roll, find(rows, "static", top), 0.75)
     static = find(rows, "static", top)
     if roll and static and static.get("raw_tok_s"):

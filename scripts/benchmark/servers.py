@@ -27,7 +27,11 @@ class Servers:
 
         self.servers: dict[str, Any] = {}
         specs = {
-            "rolling": {"rolling_batch": "scheduler", "max_rolling_batch_size": max_rolling, "predict_timeout": 600},
+            "rolling": {"rolling_batch": "scheduler", "max_rolling_batch_size": max_rolling, "predict_timeout": 600,
+                        "kv_cache": "slots"},
+            # the rolling batch on transformers' DynamicCache (the KV baseline of option.kv_cache)
+            "rolling-dynamic": {"rolling_batch": "scheduler", "max_rolling_batch_size": max_rolling,
+                                "predict_timeout": 600, "kv_cache": "dynamic"},
             "dynamic": {"rolling_batch": "disable", "batch_size": dynamic_batch, "max_batch_delay": 50,
                         "predict_timeout": 600},
         }
