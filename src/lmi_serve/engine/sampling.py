@@ -17,7 +17,7 @@ Order of operations for one step (`HeterogeneousSampler.__call__`):
      softmax over the top k (without top-k: over the whole vocabulary), and a token is dropped once
      the mass before it reaches top_p. A row whose kept tokens do not end inside its candidates, or
      end between two equal scores (which of those the full sort keeps is the sort's own order),
-     tries again with WIDEN times more candidates, and at last with its whole row sorted.
+     tries again with WIDEN times more candidates, or sorts its whole row once that is too many.
    What a row keeps and its probabilities do not depend on how many candidates it got, so they do
    not depend on the other rows; they are the full sort's, up to the rounding of the whole-
    vocabulary normaliser (summed in token-id order here, in sorted order by a sort).
@@ -39,7 +39,9 @@ from .types import SamplingParams
 # The first candidate set of a top-p row without top-k. With SmolLM2 at temperature 1, a 0.9 nucleus
 # fits in 256 tokens at ~96% of steps and in 1024 at all but ~0.3%; topk(256) costs ~2% of a sort.
 CANDIDATES = 256
-WIDEN = 8  # a row whose kept tokens do not fit tries again with 8x the candidates, then sorts its row
+# A row whose kept tokens do not fit tries again with 8x the candidates, or sorts its row once that
+# would be over an eighth of the vocabulary (of 49152: topk(2048) costs ~12% of a sort, topk(16384) ~40%).
+WIDEN = 8
 # Never fewer candidates: torch's softmax over a row shorter than its vector width (16 floats with
 # AVX-512) rounds differently, and a top-k row's probabilities must not depend on the width.
 MIN_CANDIDATES = 64
@@ -79,6 +81,14 @@ def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
 
 def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(rows), dtype=torch.long, device=device)
+
+
+def _widths(first: int, vocab: int) -> list[int]:
+    """The candidate-set widths a top-k / top-p row tries, in turn, before sorting its whole row."""
+    widths = [first] if first < vocab else []
+    while widths and widths[-1] * WIDEN <= vocab // WIDEN:
+        widths.append(widths[-1] * WIDEN)
+    return widths
 
 
 def _typical(scores: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
@@ -157,8 +167,8 @@ class HeterogeneousSampler:
         self.typical_p = _column([sampled[j].typical_p for j in self.typical_rows], dev) if self.typical_rows else None
         self.whole_rows = [j for j, p in enumerate(sampled) if not top_k[j] and p.top_p >= 1]
         self.nucleus_rows = [j for j, p in enumerate(sampled) if top_k[j] or p.top_p < 1]
-        self.candidates = min(vocab, max([MIN_CANDIDATES] + [top_k[j] + 1 if top_k[j] else CANDIDATES
-                                                             for j in self.nucleus_rows]))
+        self.widths = _widths(max([MIN_CANDIDATES] + [top_k[j] + 1 if top_k[j] else CANDIDATES
+                                                      for j in self.nucleus_rows]), vocab)
         self.vocabulary_softmax = not all(top_k)  # some sampled row's probabilities are over the vocabulary
         self.max_top_n = max(self.top_n, default=0)
         self.bias = None
@@ -197,9 +207,10 @@ class HeterogeneousSampler:
         return scores
 
     def _distributions(self, scores: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """The sampled rows' ([sampled rows] `scores`) filtered distributions, in groups of
+        """The sampled rows' filtered distributions from the batch's penalised `scores`, in groups of
         (positions among the sampled rows, probabilities, their token ids or None: the vocabulary)."""
-        scores = scores / self.temperature
+        sampled = scores if len(self.sample_rows) == len(scores) else scores[self._sample_index]
+        scores = sampled / self.temperature
         if self.min_p is not None:
             rows = _index(self.min_p_rows, scores.device)
             probs = torch.softmax(scores[rows], dim=-1)
@@ -213,22 +224,22 @@ class HeterogeneousSampler:
         if self.whole_rows:
             rows = _index(self.whole_rows, scores.device)
             groups.append((rows, vocabulary[rows], None))
-        pending, width = self.nucleus_rows, self.candidates
-        while pending:
-            rows = _index(pending, scores.device)
-            row_scores = scores if len(pending) == len(scores) else scores[rows]
-            if width >= self.vocab_size:
-                values, ids = torch.sort(row_scores, dim=-1, descending=True)
-                probs, _ = self._nucleus(rows, values, ids, vocabulary)
-                groups.append((rows, torch.zeros_like(probs).scatter_(-1, ids, probs), None))
+        pending = self.nucleus_rows
+        for width in self.widths:
+            if not pending:
                 break
-            values, ids = torch.topk(row_scores, width, dim=-1)
+            rows = _index(pending, scores.device)
+            values, ids = torch.topk(scores if len(pending) == len(scores) else scores[rows], width, dim=-1)
             probs, fits = self._nucleus(rows, values, ids, vocabulary)
-            fit = fits.tolist()  # the sampler's one read back to the host, and only for top-k / top-p rows
+            fit = fits.tolist()  # the sampler's only read back to the host: once per width tried
             if any(fit):
                 groups.append((rows[fits], probs[fits], ids[fits]))
             pending = [row for row, ok in zip(pending, fit) if not ok]
-            width *= WIDEN
+        if pending:  # sort the whole row
+            rows = _index(pending, scores.device)
+            values, ids = torch.sort(scores[rows], dim=-1, descending=True)
+            probs, _ = self._nucleus(rows, values, ids, vocabulary)
+            groups.append((rows, torch.zeros_like(probs).scatter_(-1, ids, probs), None))
         return groups
 
     def _nucleus(self, rows: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
@@ -254,7 +265,7 @@ class HeterogeneousSampler:
         return probs, ((kept < width) & (last > after)).squeeze(-1)
 
     def _sample(self, scores: torch.Tensor) -> torch.Tensor:
-        """One token per sampled row ([sampled rows, vocab] `scores`)."""
+        """One token per sampled row, from the batch's penalised `scores`."""
         uniform = torch.stack([torch.rand((), generator=self.generators[r]) for r in self.sample_rows])
         uniform = uniform.to(scores.device)
         chosen = torch.empty(len(self.sample_rows), dtype=torch.long, device=scores.device)
@@ -275,10 +286,11 @@ class HeterogeneousSampler:
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         chosen = torch.empty(len(self.params), dtype=torch.long, device=logits.device)
-        if self.greedy_rows:
-            chosen[self._greedy_index] = scores[self._greedy_index].argmax(dim=-1)
+        if self.greedy_rows:  # copying the greedy rows out costs more than their argmax: not when all are
+            greedy = scores if len(self.greedy_rows) == len(scores) else scores[self._greedy_index]
+            chosen[self._greedy_index] = greedy.argmax(dim=-1)
         if self.sample_rows:
-            chosen[self._sample_index] = self._sample(scores[self._sample_index])
+            chosen[self._sample_index] = self._sample(scores)
         picked = logprobs.gather(1, chosen[:, None]).squeeze(1)
         if not self.max_top_n:
             return SampleOutput(chosen, picked, self.top_n)

@@ -512,7 +512,7 @@ def test_extend_rebuilds_parameter_tensors():
 def lean_distribution(s: HeterogeneousSampler, scores: torch.Tensor) -> torch.Tensor:
     """[sampled rows, vocab]: the sampler's filtered probabilities in token-id order."""
     out = torch.zeros((len(s.sample_rows), scores.shape[-1]))
-    for rows, probs, ids in s._distributions(scores[s._sample_index]):
+    for rows, probs, ids in s._distributions(scores):
         out[rows] = probs if ids is None else torch.zeros_like(out[rows]).scatter_(-1, ids, probs)
     return out
 
@@ -592,14 +592,14 @@ def widths(monkeypatch, s: HeterogeneousSampler, logits: torch.Tensor) -> list[t
     with monkeypatch.context() as patch:
         for name in ("topk", "sort"):
             patch.setattr(torch, name, spy(name, getattr(torch, name)))
-        s._distributions(logits[s._sample_index])
+        s._distributions(logits)
     return calls
 
 
 def test_a_nucleus_wider_than_the_candidates_widens_then_sorts_its_row(monkeypatch):
-    vocab = 5000
-    logits = torch.cat([random_logits(1, vocab, seed=1, scale=0.05),  # flat: a 0.9 nucleus of ~4500 tokens
-                        random_logits(1, vocab, seed=2, scale=1.2),  # a nucleus of several hundred
+    vocab = 20000
+    logits = torch.cat([random_logits(1, vocab, seed=1, scale=0.05),  # flat: a 0.9 nucleus of ~18000 tokens
+                        random_logits(1, vocab, seed=2, scale=3.0),  # a nucleus of ~900 tokens
                         random_logits(1, vocab, seed=3, scale=6.0)])  # a nucleus of a few tokens
     params = [SamplingParams(do_sample=True, seed=i, top_p=0.9) for i in range(3)]
     s = sampler(*params, vocab=vocab)
@@ -612,7 +612,7 @@ def test_equal_scores_across_the_top_k_boundary_are_left_to_the_full_sort(monkey
     logits = torch.arange(3000, dtype=torch.float32).div(600).floor()[None, :]  # five runs of 600 equal scores
     params = [SamplingParams(do_sample=True, seed=7, top_k=100)]
     s = sampler(*params, vocab=3000)
-    assert widths(monkeypatch, s, logits) == [("topk", 101), ("topk", 808), ("sort", 3000)]
+    assert widths(monkeypatch, s, logits) == [("topk", 101), ("sort", 3000)]
     assert_same_distributions(params, s, logits)
     assert_same_draws(params, s, logits, steps=20)
 
