@@ -15,12 +15,14 @@ Order of operations for one step (`HeterogeneousSampler.__call__`):
    - otherwise a `torch.topk` candidate set, best first (the largest top_k of the rows + 1, or
      CANDIDATES for a row without top-k): ranks from top_k on are dropped, probabilities are the
      softmax over the top k (without top-k: over the whole vocabulary), and a token is dropped once
-     the mass before it reaches top_p. A row whose kept tokens do not end inside its candidates, or
-     end between two equal scores (which of those the full sort keeps is the sort's own order),
-     tries again with WIDEN times more candidates, or sorts its whole row once that is too many.
-   What a row keeps and its probabilities do not depend on how many candidates it got, so they do
-   not depend on the other rows; they are the full sort's, up to the rounding of the whole-
-   vocabulary normaliser (summed in token-id order here, in sorted order by a sort).
+     the mass before it reaches top_p. A row whose kept tokens do not end inside its candidates
+     tries WIDEN times more where the candidates show that might do, else sorts its whole row; so
+     does a row whose kept tokens end between two equal scores (which of them the sort keeps first
+     is the sort's own order).
+   A row's kept tokens and probabilities do not depend on how many candidates it got, so not on the
+   other rows. They are the full sort's: bit for bit with top-k; without, up to the rounding of the
+   whole-vocabulary normaliser (summed in token-id order, not in sorted order), which moves each
+   CDF boundary by ~1e-7 and so changes ~0.5% of the draws of a temperature-only row over 49k tokens.
 6. one uniform draw per row from that row's own `torch.Generator`, inverted through the CDF of its
    kept tokens in token-id order. A seeded request gets the same sample whatever else is in the batch.
 """
@@ -169,7 +171,8 @@ class HeterogeneousSampler:
         self.nucleus_rows = [j for j, p in enumerate(sampled) if top_k[j] or p.top_p < 1]
         self.widths = _widths(max([MIN_CANDIDATES] + [top_k[j] + 1 if top_k[j] else CANDIDATES
                                                       for j in self.nucleus_rows]), vocab)
-        self.vocabulary_softmax = not all(top_k)  # some sampled row's probabilities are over the vocabulary
+        self.with_top_k = [k > 0 for k in top_k]
+        self.vocabulary_softmax = not all(self.with_top_k)  # some sampled row's probabilities are over the vocabulary
         self.max_top_n = max(self.top_n, default=0)
         self.bias = None
         if any(p.logit_bias for p in rows):
@@ -206,9 +209,9 @@ class HeterogeneousSampler:
             scores = scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
         return scores
 
-    def _distributions(self, scores: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """The sampled rows' filtered distributions from the batch's penalised `scores`, in groups of
-        (positions among the sampled rows, probabilities, their token ids or None: the vocabulary)."""
+    def _tempered(self, scores: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' scores from the batch's penalised `scores`: over the temperature, and
+        -inf where min-p or typical-p drop a token (only on the rows that use them)."""
         sampled = scores if len(self.sample_rows) == len(scores) else scores[self._sample_index]
         scores = sampled / self.temperature
         if self.min_p is not None:
@@ -219,50 +222,76 @@ class HeterogeneousSampler:
         if self.typical_p is not None:
             rows = _index(self.typical_rows, scores.device)
             scores[rows] = _typical(scores[rows], self.typical_p)
+        return scores
+
+    def _distributions(self, scores: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The sampled rows' filtered distributions from the batch's penalised `scores`, in groups of
+        (positions among the sampled rows, probabilities, their token ids or None: the vocabulary)."""
+        scores = self._tempered(scores)
         vocabulary = torch.softmax(scores, dim=-1) if self.vocabulary_softmax else None
         groups = []
         if self.whole_rows:
             rows = _index(self.whole_rows, scores.device)
             groups.append((rows, vocabulary[rows], None))
-        pending = self.nucleus_rows
-        for width in self.widths:
+        pending, unsorted = self.nucleus_rows, []
+        for width, wider in zip(self.widths, self.widths[1:] + [self.vocab_size]):
             if not pending:
                 break
             rows = _index(pending, scores.device)
             values, ids = torch.topk(scores if len(pending) == len(scores) else scores[rows], width, dim=-1)
-            probs, fits = self._nucleus(rows, values, ids, vocabulary)
-            fit = fits.tolist()  # the sampler's only read back to the host: once per width tried
-            if any(fit):
+            probs, least = self._nucleus(pending, rows, values, ids, vocabulary)
+            # 0: the candidates do; 1: `wider` might; 2: only the sort will (the only read back to the host)
+            fate = ((least > width).long() + (least > wider).long()).tolist()
+            if 0 in fate:
+                fits = torch.tensor([f == 0 for f in fate], device=scores.device)
                 groups.append((rows[fits], probs[fits], ids[fits]))
-            pending = [row for row, ok in zip(pending, fit) if not ok]
-        if pending:  # sort the whole row
+            unsorted += [row for row, f in zip(pending, fate) if f == 2]
+            pending = [row for row, f in zip(pending, fate) if f == 1]
+        if pending or unsorted:
+            pending = sorted(pending + unsorted)
             rows = _index(pending, scores.device)
-            values, ids = torch.sort(scores[rows], dim=-1, descending=True)
-            probs, _ = self._nucleus(rows, values, ids, vocabulary)
+            values, ids = torch.sort(scores if len(pending) == len(scores) else scores[rows], dim=-1, descending=True)
+            probs, _ = self._nucleus(pending, rows, values, ids, vocabulary)
             groups.append((rows, torch.zeros_like(probs).scatter_(-1, ids, probs), None))
         return groups
 
-    def _nucleus(self, rows: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+    def _probabilities(self, pending: list[int], rows: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                       vocabulary: torch.Tensor | None) -> torch.Tensor:
+        """The probabilities of the best-first candidates (`values`, `ids`) of the sampled rows at
+        `pending` (`rows` on the device): the softmax over the top k, without top-k over the vocabulary.
+        The softmax of a best-first row is the same, bit for bit, whatever the number of -inf after
+        it, so a top-k row's are the full sort's."""
+        with_top_k = [self.with_top_k[j] for j in pending]
+        if not all(with_top_k):
+            whole = (vocabulary if len(pending) == len(vocabulary) else vocabulary[rows]).gather(-1, ids)
+            if not any(with_top_k):
+                return whole
+        top_k = self.top_k[rows]
+        ranks = torch.arange(values.shape[-1], device=values.device)
+        probs = torch.softmax(values.masked_fill(ranks >= top_k, float("-inf")), dim=-1)
+        return probs if all(with_top_k) else torch.where(top_k < self.vocab_size, probs, whole)
+
+    def _nucleus(self, pending: list[int], rows: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
                  vocabulary: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k and top-p on the best-first candidates (`values`, `ids`: [rows, width]) of the
-        sampled rows at `rows`: (their probabilities, 0 where dropped; [rows] bool: whether the row's
-        kept tokens are the ones a sort of its whole row would keep)."""
+        sampled rows at `pending`: (their probabilities, 0 where dropped; [rows] the fewest candidates
+        that give the row what a sort of its whole row would: at most `width` when these do)."""
         width = values.shape[-1]
-        top_k = self.top_k[rows]
-        ranks = torch.arange(width, device=values.device)
-        # Over the top k only: the softmax of a best-first row is the same, bit for bit, whatever the
-        # number of -inf after it, so this is the full sort's. Without top-k: over the vocabulary.
-        probs = torch.softmax(values.masked_fill(ranks >= top_k, float("-inf")), dim=-1)
-        if vocabulary is not None:
-            probs = torch.where(top_k < self.vocab_size, probs, vocabulary[rows[:, None], ids])
+        probs = self._probabilities(pending, rows, values, ids, vocabulary)
+        mass = probs.cumsum(dim=-1)
+        top_p = self.top_p[rows]
         # Drop a token once the mass before it already reaches top_p; the best token always stays.
-        before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(before >= self.top_p[rows], 0.0)
-        # The kept tokens are a best-first prefix; those after the candidates would have been dropped
-        # if one candidate was, unless the last kept and the first dropped score the same.
-        kept = (probs > 0).sum(dim=-1, keepdim=True)
+        kept_probs = probs.masked_fill(mass - probs >= top_p, 0.0)
+        # The kept tokens are a best-first prefix, and those after the candidates would have been
+        # dropped if one candidate was; unless the last kept and the first dropped score the same,
+        # whose order is the sort's own (no candidate set will do). When every candidate is kept, the
+        # next token may be kept too, or score the same as the last: at least one more, and as many
+        # as the rest of top_p's mass over the last one's probability.
+        kept = (kept_probs > 0).sum(dim=-1, keepdim=True)
         last, after = values.gather(-1, (kept - 1).clamp(min=0)), values.gather(-1, kept.clamp(max=width - 1))
-        return probs, ((kept < width) & (last > after)).squeeze(-1)
+        more = width + ((top_p - mass[:, -1:]) / probs[:, -1:]).clamp(min=1)
+        least = torch.where(kept < width, torch.where(last > after, kept.float(), float("inf")), more)
+        return kept_probs, least.squeeze(-1)
 
     def _sample(self, scores: torch.Tensor) -> torch.Tensor:
         """One token per sampled row, from the batch's penalised `scores`."""

@@ -579,13 +579,13 @@ def test_vocabulary_size_logits_choose_as_the_full_sort():
     assert_same_draws(params, s, logits)
 
 
-def widths(monkeypatch, s: HeterogeneousSampler, logits: torch.Tensor) -> list[tuple[str, int]]:
-    """The torch.topk and torch.sort calls (and their widths) of one step of `s`, which draws nothing."""
+def widths(monkeypatch, s: HeterogeneousSampler, logits: torch.Tensor) -> list[tuple[str, int, int]]:
+    """The torch.topk and torch.sort calls (rows, width) of one step of `s`, which draws nothing."""
     calls = []
 
     def spy(name, original):
         def call(input, *args, **kwargs):
-            calls.append((name, args[0] if name == "topk" else input.shape[-1]))
+            calls.append((name, input.shape[0], args[0] if name == "topk" else input.shape[-1]))
             return original(input, *args, **kwargs)
         return call
 
@@ -603,17 +603,39 @@ def test_a_nucleus_wider_than_the_candidates_widens_then_sorts_its_row(monkeypat
                         random_logits(1, vocab, seed=3, scale=6.0)])  # a nucleus of a few tokens
     params = [SamplingParams(do_sample=True, seed=i, top_p=0.9) for i in range(3)]
     s = sampler(*params, vocab=vocab)
-    assert widths(monkeypatch, s, logits) == [("topk", 256), ("topk", 2048), ("sort", vocab)]
+    # The flat row's 256 candidates show it needs over 2048: it goes straight to the sort.
+    assert widths(monkeypatch, s, logits) == [("topk", 3, 256), ("topk", 1, 2048), ("sort", 1, vocab)]
     assert_same_distributions(params, s, logits)
     assert_same_draws(params, s, logits, steps=20)
 
 
 def test_equal_scores_across_the_top_k_boundary_are_left_to_the_full_sort(monkeypatch):
-    logits = torch.arange(3000, dtype=torch.float32).div(600).floor()[None, :]  # five runs of 600 equal scores
+    vocab = 20000
+    logits = torch.arange(vocab, dtype=torch.float32).div(4000).floor()[None, :]  # five runs of 4000 equal scores
     params = [SamplingParams(do_sample=True, seed=7, top_k=100)]
-    s = sampler(*params, vocab=3000)
-    assert widths(monkeypatch, s, logits) == [("topk", 101), ("sort", 3000)]
+    s = sampler(*params, vocab=vocab)
+    # No candidate set can tell which of the 4000 best the sort puts first: straight to the sort.
+    assert widths(monkeypatch, s, logits) == [("topk", 1, 101), ("sort", 1, vocab)]
     assert_same_distributions(params, s, logits)
+    assert_same_draws(params, s, logits, steps=20)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_nucleus_ending_at_the_last_candidate_looks_at_the_next_token(monkeypatch, tie):
+    # 257 strong tokens at shuffled ids, the rest far below; top_p ends the nucleus at the 256th,
+    # so the candidates alone cannot tell whether the 257th scores the same (then the sort decides).
+    vocab, gen = 20000, torch.Generator().manual_seed(3)
+    best = torch.linspace(5.0, 3.0, 257)
+    best[256] = best[255] if tie else best[255] - 0.01
+    logits = torch.full((1, vocab), -20.0)
+    logits[0, torch.randperm(vocab, generator=gen)[:257]] = best
+    mass = torch.softmax(logits[0], -1).sort(descending=True).values.cumsum(-1)
+    params = [SamplingParams(do_sample=True, seed=5, top_p=(mass[254] + mass[255]).item() / 2)]
+    s = sampler(*params, vocab=vocab)
+    expected = [("topk", 1, 256), ("topk", 1, 2048)] + ([("sort", 1, vocab)] if tie else [])
+    assert widths(monkeypatch, s, logits) == expected
+    assert_same_distributions(params, s, logits)
+    assert (lean_distribution(s, logits) > 0).sum() == 256
     assert_same_draws(params, s, logits, steps=20)
 
 
