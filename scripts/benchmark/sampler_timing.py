@@ -114,7 +114,8 @@ def run(pool: torch.Tensor, rounds: int, before: types.ModuleType) -> None:
                 times[name, rows][side].append(seconds * 1e3)
             same += sum(a == b for a, b in zip(chosen[0], chosen[1]))
             differ += sum(a != b for a, b in zip(chosen[0], chosen[1]))
-    print(f"{'scenario':<12} {'rows':>4}  {'before min/med ms':>18}  {'after min/med ms':>17}  {'after/before min/med':>20}")
+    print(f"{'scenario':<12} {'rows':>4}  {'before min/med ms':>18}  {'after min/med ms':>17}  "
+          f"{'after/before min/med':>20}")
     for name, rows in cases:
         old, new = times[name, rows]
         o_min, o_med, n_min, n_med = min(old), statistics.median(old), min(new), statistics.median(new)
@@ -131,7 +132,8 @@ def machine() -> str:
     model = re.search(r"Model name:\s*(.+)", text)
     flags = set(re.search(r"Flags:\s*(.+)", text).group(1).split()) if "Flags:" in text else set()
     wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{model.group(1).strip() if model else '?'}; flags: {' '.join(wanted) or 'none of avx2/avx512f/avx512_bf16/amx'}"
+    name = model.group(1).strip() if model else "?"
+    return f"{name}; flags: {' '.join(wanted) or 'none of avx2/avx512f/avx512_bf16/amx'}"
 
 
 def main() -> None:
