@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
-from lmi_serve.engine.sampling import HeterogeneousSampler, SampleOutput
+from lmi_serve.engine.sampling import HeterogeneousSampler, SampleOutput, _draw
 from lmi_serve.engine.types import SamplingParams
+from sampling_reference import full_sort_distribution, full_sort_sample, penalised_scores
 
 CPU = torch.device("cpu")
 VOCAB = 50
@@ -502,3 +504,166 @@ def test_extend_rebuilds_parameter_tensors():
     assert s.needs_token_history and s.typical_p is not None
     assert s.presence.flatten().tolist() == [0.0, 0.5]
     assert s.sample_rows == [1] and s.greedy_rows == [0]
+
+
+# -- candidate sets against the full sort (sampling_reference.py: the sampler before them) ---------
+
+
+def lean_distribution(s: HeterogeneousSampler, scores: torch.Tensor) -> torch.Tensor:
+    """[sampled rows, vocab]: the sampler's filtered probabilities in token-id order."""
+    out = torch.zeros((len(s.sample_rows), scores.shape[-1]))
+    for rows, probs, ids in s._distributions(scores):
+        out[rows] = probs if ids is None else torch.zeros_like(out[rows]).scatter_(-1, ids, probs)
+    return out
+
+
+def assert_same_distributions(params, s: HeterogeneousSampler, logits, **history):
+    """Top-k rows: the full sort's probabilities bit for bit. Rows whose probabilities are over the
+    whole vocabulary: up to its normaliser's rounding (summed in id order, not in sorted order)."""
+    scores = penalised_scores(params, logits, **history)
+    lean, full = lean_distribution(s, scores), full_sort_distribution(params, scores)
+    vocab = logits.shape[-1]
+    for j, row in enumerate(s.sample_rows):
+        p = params[row]
+        if 0 < p.top_k < vocab:
+            assert torch.equal(lean[j], full[j]), f"row {row}: {p}"
+        else:
+            distance = (lean[j] / lean[j].sum() - full[j] / full[j].sum()).abs().sum().item() / 2
+            assert distance < 1e-5, f"row {row}: total variation {distance}: {p}"
+
+
+def assert_same_draws(params, s: HeterogeneousSampler, logits, steps: int = 5, **history):
+    generators = [None if not p.do_sample else torch.Generator().manual_seed(p.seed) for p in params]
+    for _ in range(steps):
+        assert s(logits, **history).token_ids == full_sort_sample(params, generators, logits, **history)
+
+
+def random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    if rng.random() < 0.2:
+        return SamplingParams(repetition_penalty=rng.choice([1.0, 1.3]), logit_bias=rng.choice([(), ((3, 9.0),)]))
+    return SamplingParams(
+        do_sample=True, seed=rng.randrange(1 << 30), temperature=rng.choice([0.3, 0.7, 1.0, 1.8]),
+        top_k=rng.choice([0, 0, 1, 5, 40, 300, vocab - 1, vocab + 10]),
+        top_p=rng.choice([1.0, 1.0, 0.5, 0.9, 0.95, 0.999]), min_p=rng.choice([0.0, 0.0, 0.05]),
+        typical_p=rng.choice([1.0, 1.0, 1.0, 0.9]), repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+        presence_penalty=rng.choice([0.0, 0.5]), frequency_penalty=rng.choice([0.0, 0.3]),
+        logit_bias=rng.choice([(), ((3, 5.0), (7, -100.0))]))
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_candidate_sets_choose_as_the_full_sort_for_random_parameter_mixes(case):
+    rng, vocab = random.Random(case), 3000
+    gen = torch.Generator().manual_seed(case)
+    rows = rng.choice([1, 3, 8])
+    params = [random_params(rng, vocab) for _ in range(rows)]
+    logits = torch.randn(rows, vocab, generator=gen) * rng.choice([1.0, 3.0, 6.0])
+    if case % 3 == 0:  # bf16 logits: many equal scores, at the top-k and top-p boundaries too
+        logits = logits.to(torch.bfloat16).float()
+    history = {"seen": torch.rand(rows, vocab, generator=gen) < 0.05,
+               "counts": (torch.rand(rows, vocab, generator=gen) < 0.02).int() * 2}
+    if case % 4 == 1:
+        history["allowed"] = torch.rand(rows, vocab, generator=gen) < 0.7
+    s = sampler(*params, vocab=vocab)
+    if s.sample_rows:
+        assert_same_distributions(params, s, logits, **history)
+    assert_same_draws(params, s, logits, steps=3, **history)
+
+
+def test_vocabulary_size_logits_choose_as_the_full_sort():
+    vocab = 49152
+    logits = random_logits(4, vocab, seed=5, scale=3.0)
+    params = [SamplingParams(do_sample=True, seed=1, top_p=0.9), SamplingParams(do_sample=True, seed=2, top_k=50),
+              SamplingParams(do_sample=True, seed=3, top_k=50, top_p=0.9, temperature=0.7), GREEDY]
+    s = sampler(*params, vocab=vocab)
+    assert_same_distributions(params, s, logits)
+    assert_same_draws(params, s, logits)
+
+
+def widths(monkeypatch, s: HeterogeneousSampler, logits: torch.Tensor) -> list[tuple[str, int, int]]:
+    """The torch.topk and torch.sort calls (rows, width) of one step of `s`, which draws nothing."""
+    calls = []
+
+    def spy(name, original):
+        def call(input, *args, **kwargs):
+            calls.append((name, input.shape[0], args[0] if name == "topk" else input.shape[-1]))
+            return original(input, *args, **kwargs)
+        return call
+
+    with monkeypatch.context() as patch:
+        for name in ("topk", "sort"):
+            patch.setattr(torch, name, spy(name, getattr(torch, name)))
+        s._distributions(logits)
+    return calls
+
+
+def test_a_nucleus_wider_than_the_candidates_widens_then_sorts_its_row(monkeypatch):
+    vocab = 20000
+    logits = torch.cat([random_logits(1, vocab, seed=1, scale=0.05),  # flat: a 0.9 nucleus of ~18000 tokens
+                        random_logits(1, vocab, seed=2, scale=3.0),  # a nucleus of ~900 tokens
+                        random_logits(1, vocab, seed=3, scale=6.0)])  # a nucleus of a few tokens
+    params = [SamplingParams(do_sample=True, seed=i, top_p=0.9) for i in range(3)]
+    s = sampler(*params, vocab=vocab)
+    # The flat row's 256 candidates show it needs over 2048: it goes straight to the sort.
+    assert widths(monkeypatch, s, logits) == [("topk", 3, 256), ("topk", 1, 2048), ("sort", 1, vocab)]
+    assert_same_distributions(params, s, logits)
+    assert_same_draws(params, s, logits, steps=20)
+
+
+def test_equal_scores_across_the_top_k_boundary_are_left_to_the_full_sort(monkeypatch):
+    vocab = 20000
+    logits = torch.arange(vocab, dtype=torch.float32).div(4000).floor()[None, :]  # five runs of 4000 equal scores
+    params = [SamplingParams(do_sample=True, seed=7, top_k=100)]
+    s = sampler(*params, vocab=vocab)
+    # No candidate set can tell which of the 4000 best the sort puts first: straight to the sort.
+    assert widths(monkeypatch, s, logits) == [("topk", 1, 101), ("sort", 1, vocab)]
+    assert_same_distributions(params, s, logits)
+    assert_same_draws(params, s, logits, steps=20)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_nucleus_ending_at_the_last_candidate_looks_at_the_next_token(monkeypatch, tie):
+    # 257 strong tokens at shuffled ids, the rest far below; top_p ends the nucleus at the 256th,
+    # so the candidates alone cannot tell whether the 257th scores the same (then the sort decides).
+    vocab, gen = 20000, torch.Generator().manual_seed(3)
+    best = torch.linspace(5.0, 3.0, 257)
+    best[256] = best[255] if tie else best[255] - 0.01
+    logits = torch.full((1, vocab), -20.0)
+    logits[0, torch.randperm(vocab, generator=gen)[:257]] = best
+    mass = torch.softmax(logits[0], -1).sort(descending=True).values.cumsum(-1)
+    params = [SamplingParams(do_sample=True, seed=5, top_p=(mass[254] + mass[255]).item() / 2)]
+    s = sampler(*params, vocab=vocab)
+    expected = [("topk", 1, 256), ("topk", 1, 2048)] + ([("sort", 1, vocab)] if tie else [])
+    assert widths(monkeypatch, s, logits) == expected
+    assert_same_distributions(params, s, logits)
+    assert (lean_distribution(s, logits) > 0).sum() == 256
+    assert_same_draws(params, s, logits, steps=20)
+
+
+def test_rows_without_top_k_or_top_p_sort_nothing(monkeypatch):
+    s = sampler(GREEDY, SamplingParams(do_sample=True, seed=1, temperature=0.8), SamplingParams(do_sample=True))
+    assert widths(monkeypatch, s, random_logits(3)) == []
+
+
+def test_a_seeded_row_draws_the_same_whatever_candidate_width_the_batch_gives():
+    vocab, steps = 3000, 12
+    row = random_logits(1, vocab, seed=11, scale=1.5)
+    nucleus = SamplingParams(do_sample=True, seed=21, top_p=0.9, temperature=1.2)
+    top_k = SamplingParams(do_sample=True, seed=22, top_k=30, top_p=0.95)
+    alone = {p.seed: draws(sampler(p, vocab=vocab), row, steps, 0) for p in (nucleus, top_k)}
+    assert len(set(alone[21])) > 3, "test premise: the row really samples"
+    others = [SamplingParams(do_sample=True, seed=1, top_k=2000),  # 2001 candidates for everyone
+              SamplingParams(do_sample=True, seed=2, typical_p=0.5, min_p=0.1),
+              SamplingParams(do_sample=True, seed=3, top_p=0.99), GREEDY]
+    batch = torch.cat([row, random_logits(len(others), vocab, seed=12, scale=0.05)])  # flat rows: widen, sort
+    for own in (nucleus, top_k):
+        for other in others:
+            mixed = sampler(own, other, vocab=vocab)
+            assert draws(mixed, batch[:2], steps, 0) == alone[own.seed], other
+        assert draws(sampler(own, *others, vocab=vocab), batch, steps, 0) == alone[own.seed]
+
+
+def test_a_draw_of_zero_picks_a_kept_token():
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.5]])
+    assert _draw(probs, torch.tensor([0.0]), None).tolist() == [2]
+    assert _draw(probs, torch.tensor([0.0]), torch.tensor([[9, 8, 7, 6, 5]])).tolist() == [5]
+    assert _draw(probs, torch.tensor([0.9]), torch.tensor([[9, 8, 7, 6, 5]])).tolist() == [7]
