@@ -14,7 +14,8 @@ Capacity grows when needed (rows in steps of 8, columns doubling, at least 256),
 freed with the batch when its last row leaves; so memory is bounded by the largest batch and the
 longest sequence actually served, at most max_rolling_batch_size x max_model_len (`slot_bytes`).
 Columns that no row uses are masked; they hold finite values (zeros, or an earlier row's K/V), so
-masking removes them exactly.
+masking removes them exactly. Every buffer is made and changed under `torch.inference_mode()`: a
+buffer grown inside a forward is an inference tensor, which torch lets no one change outside it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class SlotLayer(DynamicLayer):
     """One layer's K/V in buffers; rows [0, rows) and columns [0, length) are in use, and `keys` /
     `values` are views of exactly those (transformers and the engine read them as DynamicLayer's)."""
 
+    @torch.inference_mode()
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.rows, self.length = 0, 0  # the first update or append brings the rows
@@ -61,6 +63,7 @@ class SlotLayer(DynamicLayer):
         self.keys = self.key_store[:self.rows, :, :self.length]
         self.values = self.value_store[:self.rows, :, :self.length]
 
+    @torch.inference_mode()
     def reserve(self, rows: int, columns: int) -> None:
         """Make room for `rows` rows and `columns` columns, keeping what is in use."""
         have_rows, have_columns = self.key_store.shape[0], self.key_store.shape[2]
@@ -75,6 +78,7 @@ class SlotLayer(DynamicLayer):
             new[:self.rows, :, :self.length] = old[:self.rows, :, :self.length]
             setattr(self, name, new)
 
+    @torch.inference_mode()
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new columns of every row in place; return the views of the columns in use."""
@@ -96,6 +100,7 @@ class SlotLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
 
+    @torch.inference_mode()
     def select(self, index: torch.Tensor, first: int) -> None:
         """Keep the rows at `index`, in that order, and the columns from `first` on."""
         keys, values = self.key_store[index, :, first:self.length], self.value_store[index, :, first:self.length]
@@ -104,6 +109,7 @@ class SlotLayer(DynamicLayer):
         self.value_store[:self.rows, :, :self.length] = values
         self._refresh()
 
+    @torch.inference_mode()
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add rows whose K/V are `keys`/`values` ([rows, heads, length, dim]), right-aligned with the
         rows here at the shared column cursor (the shorter side gains padding on the left)."""
