@@ -37,19 +37,24 @@ def kv_factory_for(model: Any, name: str | None = None) -> KVFactory:
 
 
 def choose_kv(model: Any, name: str, *, rows: int, columns: int) -> KVFactory:
-    """`kv_factory_for`, logged once; for slots, checked against the memory available now: the
-    buffers grow as used, up to `rows` rows of `columns` tokens, and a server that would run out of
-    memory at its busiest fails at start-up instead, saying what to lower."""
+    """`kv_factory_for`, logged once. Slot buffers grow as used, up to `rows` rows of `columns`
+    tokens: when not even one such row fits in the memory available now, start-up fails, saying what
+    to lower; when the whole bound does not fit, a warning says so (most servers never fill every row
+    to the context limit, and refusing the default configuration on a small machine would help no one)."""
     factory = kv_factory_for(model, name)
     if is_encoder_decoder(model):
         log.info("KV cache: encoder-decoder rows (kv_encdec.py); option.kv_cache=%s applies to decoder-only models",
                  name)
     elif factory == SlotKV.prefill:
         need, available = slot_bytes(model, rows, columns), psutil.virtual_memory().available
+        advice = "lower option.max_model_len or option.max_rolling_batch_size, or set option.kv_cache=dynamic"
+        if slot_bytes(model, 1, columns) > available:
+            raise ValueError(f"option.kv_cache=slots: one row of {columns} tokens needs "
+                             f"{slot_bytes(model, 1, columns) / 2**30:.1f} GiB and {available / 2**30:.1f} GiB is "
+                             f"available: {advice}")
         if need > available:
-            raise ValueError(f"option.kv_cache=slots may need {need / 2**30:.1f} GiB ({rows} rows x {columns} tokens) "
-                             f"and {available / 2**30:.1f} GiB is available: lower option.max_rolling_batch_size or "
-                             f"option.max_model_len, or set option.kv_cache=dynamic")
+            log.warning("KV cache: slots may grow to %.1f GiB (%d rows x %d tokens), more than the %.1f GiB "
+                        "available now: %s", need / 2**30, rows, columns, available / 2**30, advice)
         log.info("KV cache: slots, grown as used up to %.2f GiB (%d rows x %d tokens)", need / 2**30, rows, columns)
     else:
         log.info("KV cache: %s", name)

@@ -237,8 +237,10 @@ def test_choose_kv_by_name_and_refuse_slots_that_cannot_fit(tiny_model, caplog):
     caplog.set_level("INFO")
     assert choose_kv(tiny_model, "dynamic", rows=4, columns=64) == DynamicKV.prefill
     assert choose_kv(tiny_model, "slots", rows=4, columns=64) == SlotKV.prefill
-    assert "KV cache: slots, grown as used up to" in caplog.text
-    with pytest.raises(ValueError, match="option.kv_cache=slots may need .* GiB .* lower option.max_rolling_batch_size"):
-        choose_kv(tiny_model, "slots", rows=10**6, columns=10**6)
+    assert "KV cache: slots, grown as used up to" in caplog.text and "WARNING" not in caplog.text
+    assert choose_kv(tiny_model, "slots", rows=10**7, columns=1000) == SlotKV.prefill  # a bound past memory
+    assert "more than the" in caplog.text and "lower option.max_model_len" in caplog.text
+    with pytest.raises(ValueError, match="one row of 1000000000000 tokens needs .* GiB .* lower option.max_model_len"):
+        choose_kv(tiny_model, "slots", rows=1, columns=10**12)
     with pytest.raises(ValueError, match="unknown kv_cache 'paged'"):
         kv_factory_for(tiny_model, "paged")
