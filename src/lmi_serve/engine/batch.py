@@ -19,7 +19,7 @@ import torch
 from .detokenizer import IncrementalDetokenizer
 from .grammar import Constraint
 from .history import SamplingHistory
-from .kv import KVBatch, KVFactory
+from .kv import KVBatch, KVFactory, Prefilled
 from .kv_select import kv_factory_for
 from .sampling import SampleOutput
 from .token_masks import token_mask
@@ -128,10 +128,15 @@ class Batch:
         want_prompt = any(r.prompt_logprobs for r in requests)
         out = kv_factory(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
                          prompt_logits=want_prompt)
+        return cls.prefilled(rows, out, device)
+
+    @classmethod
+    def prefilled(cls, rows: list[Row], out: Prefilled, device) -> "Batch":
+        """The batch of `rows` whose prompts `out` holds (a factory's, or a chunked prefill's)."""
         for i, row in enumerate(rows):
             if row.request.prompt_logprobs:
                 _prompt_logprobs(out.prompt_logits[i], row)
-        history = SamplingHistory.start(requests, out.logits.shape[-1], device, out.seen)
+        history = SamplingHistory.start([r.request for r in rows], out.logits.shape[-1], device, out.seen)
         return cls(rows, out.kv, history, out.logits)
 
     def decode(self) -> None:

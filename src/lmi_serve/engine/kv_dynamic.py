@@ -74,6 +74,22 @@ class DynamicKV:
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
 
+    def prefill_more(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Continue a one-row prefill with the next chunk of its prompt (chunked prefill, see
+        chunked.py): one forward over `tokens` after what is cached; [1, vocab] logits of the last."""
+        if len(self) != 1:
+            raise ValueError(f"a chunked prefill continues one row, not {len(self)}")
+        device = self.mask.device
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        positions = self.next_pos[:, None] + torch.arange(len(tokens), device=device)[None, :]
+        self.mask = torch.cat([self.mask, torch.ones_like(ids, dtype=self.mask.dtype)], dim=1)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.next_pos = self.next_pos + len(tokens)
+        self.pending = ids[:, -1]
+        return out.logits[:, -1, :]
+
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)

@@ -4,9 +4,12 @@ Order of operations in `Scheduler.step`:
 0. run exclusive jobs (beam search) queued since the last step;
 1. drop cancelled requests (waiting or running) and fail waiting ones past their deadline;
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
-   tokens fit the per-step prefill budget (at least one per step): a prefill stalls every running
-   row, so the budget bounds the longest gap between two tokens of a stream;
-3. prefill the joiners in groups of similar length (padding is wasted compute: prefill on a CPU is
+   tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
+   bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
+   prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
+   as the step's only prefill;
+3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
+   the joiners in groups of similar length (padding is wasted compute: prefill on a CPU is
    compute-bound, so a group only pays when it adds little padding) and sample their first tokens;
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample;
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
+from .chunked import ChunkedPrefill, chunkable, supports_chunks
 from .handle import RequestHandle
 from .kv import KVFactory
 from .kv_select import kv_factory_for
@@ -59,6 +63,8 @@ class Scheduler:
         None picks the model's own (kv_select.py)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_factory = kv_factory or kv_factory_for(model)
+        self.chunks = supports_chunks(self.kv_factory)
+        self.chunking: ChunkedPrefill | None = None  # the long prompt being prefilled a chunk per step
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -91,12 +97,13 @@ class Scheduler:
 
     @property
     def running(self) -> int:
+        """Rows in the batch, and the one being prefilled in chunks (it holds a row too)."""
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
-        return len(batch) if batch else 0
+        return (len(batch) if batch else 0) + (self.chunking is not None)
 
     def wait_for_work(self, timeout: float) -> None:
         with self.work:
-            if not self.waiting and not self.batch and not self.exclusive:
+            if not self.waiting and not self.batch and not self.exclusive and self.chunking is None:
                 self.work.wait(timeout)
 
     def abort_all(self, reason: str) -> None:
@@ -108,13 +115,19 @@ class Scheduler:
         if self.batch:
             self._fail(self.batch.rows, RuntimeError(reason))
             self.batch = None
+        if self.chunking is not None:
+            self._fail([self.chunking.row], RuntimeError(reason))
+            self.chunking = None
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
         self._run_exclusive()
         with self.phases.measure(ADMIT):
             self._drop_cancelled_and_expired()
-            joiners = self._admit()
+            chunk = min(self.chunking.remaining, self.max_prefill_tokens) if self.chunking else 0
+            joiners = self._admit(self.max_prefill_tokens - chunk)
+        if self.chunking is not None:
+            self._advance_chunk(chunk or self.max_prefill_tokens - sum(len(h.request.prompt_ids) for h in joiners))
         if joiners:
             self._join(joiners)
         if self.batch:
@@ -147,6 +160,9 @@ class Scheduler:
                     continue
                 keep.append(handle)
             self.waiting = keep
+        if self.chunking is not None and self.chunking.row.owner.cancelled:
+            self.chunking.row.owner.push(TokenEvent.cancelled())
+            self.chunking = None
         if self.batch:
             for row in self.batch.rows:
                 if row.owner.cancelled and not row.finished:
@@ -154,17 +170,30 @@ class Scheduler:
                     row.owner.push(TokenEvent.cancelled())
             self._evict()
 
-    def _admit(self) -> list[RequestHandle]:
+    def _admit(self, budget: int | None = None) -> list[RequestHandle]:
+        """Joiners whose prompts fit `budget` tokens (by default the step's whole budget); a prompt
+        over what is left starts the chunked prefill when none runs (it takes the rest of this
+        step's budget), or, if it cannot be chunked, goes whole when it would be the step's only
+        prefill."""
+        budget = self.max_prefill_tokens if budget is None else budget
         free = self.max_batch_size - self.running
         joiners: list[RequestHandle] = []
-        tokens = 0
+        alone = budget == self.max_prefill_tokens  # no chunk is being continued this step
         with self.work:
             while self.waiting and len(joiners) < free:
-                length = len(self.waiting[0].request.prompt_ids)
-                if joiners and tokens + length > self.max_prefill_tokens:
-                    break
-                tokens += length
-                joiners.append(self.waiting.popleft())
+                request = self.waiting[0].request
+                length = len(request.prompt_ids)
+                can_chunk = self.chunks and chunkable(request)
+                if length <= budget or (alone and not joiners and not can_chunk):
+                    joiners.append(self.waiting.popleft())
+                    budget -= length
+                    continue
+                if can_chunk and self.chunking is None and budget > 0:
+                    handle = self.waiting.popleft()
+                    row = make_row(request, self.tokenizer, owner=handle, constraint=handle.constraint)
+                    self.chunking = ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id,
+                                                   self.device)
+                break
         return joiners
 
     def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
@@ -184,16 +213,41 @@ class Scheduler:
 
     def _join(self, handles: list[RequestHandle]) -> None:
         for group in self._groups(handles):
-            batch = self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint) for h in group])
+            self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint)
+                                     for h in group]))
+
+    def _add(self, batch: Batch | None) -> None:
+        """Merge newly prefilled rows into the running batch."""
+        if batch is None:
+            return
+        if self.batch is None:
+            self.batch = batch
+        else:
+            with self.phases.measure(EVICT):
+                self.batch.concatenate(batch)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
+
+    def _advance_chunk(self, budget: int) -> None:
+        """The next chunk of the chunked prompt; its row joins the batch after the last one."""
+        chunking = self.chunking
+        try:
+            with self.phases.measure(PREFILL):
+                batch = chunking.advance(budget)
             if batch is None:
-                continue
-            if self.batch is None:
-                self.batch = batch
-            else:
-                with self.phases.measure(EVICT):
-                    self.batch.concatenate(batch)
-        if self.batch is not None:
-            self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
+                return
+            self.chunking = None
+            self._deliver(self._emit(batch, self._sample(batch)))
+        except Exception as exc:
+            self.chunking = None
+            self.stats.failed_steps += 1
+            log.exception("Chunked prefill failed for request %s", chunking.row.owner.id)
+            self._fail([chunking.row], exc)
+            return
+        self.stats.prefills += 1
+        self.stats.admitted += 1
+        with self.phases.measure(EVICT):
+            batch.evict_finished()
+        self._add(batch if len(batch) else None)
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         try:

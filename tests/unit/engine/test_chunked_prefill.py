@@ -1,0 +1,99 @@
+"""Chunked prefill (engine/chunked.py): a prompt over the step's prefill budget is prefilled a
+chunk per step while the running rows keep decoding, and generates what a whole prefill does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmi_serve.engine.chunked import supports_chunks
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv_encdec import EncoderDecoderKV
+from lmi_serve.engine.kv_select import KV_CACHES
+from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
+from waiting import within
+
+CPU = torch.device("cpu")
+BUDGET = 8  # prompt tokens per step: every prompt below is longer
+
+
+def greedy(prompt, n: int = 6, **extra) -> GenerationRequest:
+    return GenerationRequest(tuple(prompt), SamplingParams(), StopParams(max_new_tokens=n, ignore_eos=True), **extra)
+
+
+@pytest.fixture(scope="module")
+def long_prompts(smollm2_tokenizer):
+    generator = torch.Generator().manual_seed(3)
+    first = len(smollm2_tokenizer.all_special_ids) + 1
+    return [tuple(torch.randint(first, len(smollm2_tokenizer), (n,), generator=generator).tolist())
+            for n in (37, 20, 9, 61)]
+
+
+def ids(result) -> list[int]:
+    assert result.error is None, result.error
+    return [e.token_id for e in result.events]
+
+
+@pytest.mark.parametrize("kv", sorted(KV_CACHES))
+def test_chunked_prompts_generate_what_whole_prefills_do(kv, tiny_model, smollm2_tokenizer, long_prompts):
+    def run(budget: int) -> list[list[int]]:
+        engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, max_prefill_tokens=budget,
+                        kv_factory=KV_CACHES[kv]).start()
+        try:
+            return [ids(r) for r in within(lambda: engine.generate([greedy(p) for p in long_prompts]).results())]
+        finally:
+            engine.stop()
+    assert run(BUDGET) == run(4096)
+
+
+def test_running_rows_get_a_token_every_step_while_a_long_prompt_is_chunked(tiny_model, smollm2_tokenizer,
+                                                                          long_prompts):
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, max_prefill_tokens=BUDGET)
+    scheduler = engine.scheduler
+    running = engine.generate([greedy(long_prompts[2][:5], n=40)])
+    scheduler.step()  # the short prompt joins
+    long = engine.generate([greedy(long_prompts[3], n=3)])  # 61 tokens: 8 chunks of at most 8
+    chunks = 0
+    while True:
+        before = scheduler.stats.prefills
+        scheduler.step()
+        assert len(scheduler.batch) >= 1
+        chunks += 1
+        if scheduler.stats.prefills > before:
+            break
+        assert scheduler.chunking is not None and scheduler.chunking.done == BUDGET * chunks
+    assert chunks == -(-len(long_prompts[3]) // BUDGET)
+    while scheduler.batch:
+        scheduler.step()
+    [first], [second] = running.results(), long.results()
+    assert len(ids(first)) == 40 and len(ids(second)) == 3
+    # The short row's first step gave it two tokens (prefill, then decode), every later step one: 40
+    # tokens in 39 steps, the chunks' steps included, so no step passed it by.
+    assert scheduler.stats.steps == 40 - 1
+
+
+def test_a_cancelled_chunked_prompt_ends_at_once(tiny_model, smollm2_tokenizer, long_prompts):
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, max_prefill_tokens=BUDGET)
+    scheduler = engine.scheduler
+    long = engine.generate([greedy(long_prompts[3])])
+    scheduler.step()
+    assert scheduler.chunking is not None
+    long.close()
+    scheduler.step()
+    assert scheduler.chunking is None and not scheduler.batch and scheduler.running == 0
+    assert scheduler.stats.prefills == 0
+
+
+def test_prompt_logprobs_and_encoder_decoders_are_prefilled_whole(tiny_model, smollm2_tokenizer, long_prompts):
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, max_prefill_tokens=BUDGET)
+    scheduler = engine.scheduler
+    generation = engine.generate([greedy(long_prompts[0], n=2, prompt_logprobs=True)])
+    scheduler.step()
+    assert scheduler.chunking is None and scheduler.stats.prefills == 1  # the whole prompt at once
+    while scheduler.batch:
+        scheduler.step()
+    [result] = generation.results()
+    assert result.finish_reason is FinishReason.LENGTH
+    assert len(result.events[0].prompt_tokens) == len(long_prompts[0])
+    assert supports_chunks(KV_CACHES["dynamic"]) and supports_chunks(KV_CACHES["slots"])
+    assert not supports_chunks(EncoderDecoderKV.prefill)
