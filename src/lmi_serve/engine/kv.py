@@ -18,6 +18,8 @@ Contract, for every implementation:
 3. `keep(indices)` and `extend(other)` change the set of rows without changing any row's logits:
    a row's logits depend only on its own tokens, never on its neighbours or on the batch's history
    of joins and leaves (tests/unit/engine/test_kv.py holds every implementation to this).
+4. Optionally, `prefill_more(tokens)` on a one-row batch continues its prefill with the next chunk of
+   its prompt and returns that chunk's last logits (chunked.py uses it; without it a prompt goes whole).
 """
 
 from __future__ import annotations
