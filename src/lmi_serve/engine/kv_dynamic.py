@@ -103,13 +103,18 @@ class DynamicKV:
         self.pending = torch.cat([self.pending, other.pending])
 
 
+def leading_padding(mask: torch.Tensor) -> int:
+    """How many leading columns of a left-padded `mask` are padding in every row."""
+    used = mask.any(dim=0).nonzero()
+    return int(used[0]) if used.numel() else 0
+
+
 def keep_rows(cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Keep `cache`'s rows at `index` (in place), drop the leading columns that became padding in
     every row, and return the mask of what is left."""
     cache.batch_select_indices(index)
     mask = mask[index]
-    used = mask.any(dim=0).nonzero()
-    first = int(used[0]) if used.numel() else 0
+    first = leading_padding(mask)
     if first:
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]

@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .kv import Prefilled
-from .kv_dynamic import DynamicKV
+from .kv_dynamic import DynamicKV, leading_padding
 
 ROW_STEP = 8  # row capacity grows in multiples of this
 MIN_COLUMNS = 256  # column capacity: at least this, doubling as sequences grow
@@ -163,8 +163,7 @@ class SlotKV(DynamicKV):
         """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)
         mask = self.mask[index]
-        used = mask.any(dim=0).nonzero()
-        first = int(used[0]) if used.numel() else 0
+        first = leading_padding(mask)
         for layer in self.cache.layers:
             if layer.is_initialized:
                 layer.select(index, first)
