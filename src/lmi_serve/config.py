@@ -138,6 +138,9 @@ class ModelConfig(BaseModel):
     max_rolling_batch_size: int = Field(32, ge=1)
     max_rolling_batch_prefill_tokens: int = Field(512, ge=1)
     kv_cache: KvCache = "slots"
+    # Prompts that share a prefix reuse its K/V (engine/prefix_cache.py), held within prefix_cache_mb.
+    enable_prefix_caching: bool = False
+    prefix_cache_mb: int = Field(512, ge=1)
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False
@@ -166,7 +169,7 @@ class ModelConfig(BaseModel):
             raise ValueError(f"is not one of {', '.join(choices)}")
         return text
 
-    @field_validator("trust_remote_code", "tgi_compat", mode="before")
+    @field_validator("trust_remote_code", "tgi_compat", "enable_prefix_caching", mode="before")
     @classmethod
     def _flag(cls, value: Any) -> bool:
         return _parse_bool(value)
@@ -195,6 +198,9 @@ class ModelConfig(BaseModel):
         if self.enable_streaming and self.batch_size > 1:
             raise _FieldError("enable_streaming", "We cannot enable streaming for dynamic batching "
                               f"(batch_size is {self.batch_size}; set it to 1 or disable streaming)")
+        if self.enable_prefix_caching and self.rolling_batch == "disable":
+            raise _FieldError("enable_prefix_caching", "prefix caching needs the rolling batch; "
+                              "this model has option.rolling_batch=disable")
         if self.max_workers < self.min_workers:
             raise _FieldError("max_workers", f"max_workers ({self.max_workers}) is less than "
                               f"min_workers ({self.min_workers})")

@@ -18,8 +18,8 @@ def post(server, path, body, **kwargs):
 
 def test_ping_lists_every_model_in_the_store(store_server):
     body = requests.get(store_server.url("/ping"), timeout=10).json()
-    assert set(body) == {"batched", "dynamic", "faulty", "formatted", "tgi", "short", "streaming", "custom",
-                         "fallback"}
+    assert set(body) == {"batched", "dynamic", "faulty", "formatted", "tgi", "short", "prefixed", "streaming",
+                         "custom", "fallback"}
     assert all(entry["status"] == "Healthy" for entry in body.values())
 
 

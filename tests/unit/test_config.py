@@ -203,6 +203,16 @@ def test_kv_cache_is_slots_by_default_and_checked() -> None:
         synth(OPTION_KV_CACHE="paged")
 
 
+def test_prefix_caching_is_off_by_default_and_checked(tmp_path: Path) -> None:
+    assert synth().enable_prefix_caching is False and synth().prefix_cache_mb == 512
+    config = synth(OPTION_ENABLE_PREFIX_CACHING="true", OPTION_PREFIX_CACHE_MB="64")
+    assert config.enable_prefix_caching is True and config.prefix_cache_mb == 64
+    with pytest.raises(ConfigError, match=r"^OPTION_PREFIX_CACHE_MB: '0' must be >= 1"):
+        synth(OPTION_PREFIX_CACHE_MB="0")
+    with pytest.raises(ConfigError, match=r"^option\.enable_prefix_caching: prefix caching needs the rolling batch"):
+        load(tmp_path, "option.enable_prefix_caching=true\noption.rolling_batch=disable\n")
+
+
 def test_batch_size_zero(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^batch_size: '0' must be >= 1"):
         load(tmp_path, "batch_size=0\n")

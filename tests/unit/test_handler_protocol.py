@@ -14,6 +14,7 @@ import pytest
 from lmi_serve.config import ConfigError, ModelConfig, ServerConfig
 from lmi_serve.engine.kv_dynamic import DynamicKV
 from lmi_serve.engine.kv_slots import SlotKV
+from lmi_serve.engine.prefix_cache import PrefixCache
 from lmi_serve.dialects.triton.tensor_model import TensorSpec
 from lmi_serve.handler_api import Input, input_formatter, output_formatter
 from lmi_serve.handler_loader import HandlerLoadError, resolve_handler
@@ -244,7 +245,8 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     tensor_parallel_degree="max", trust_remote_code=True, revision="main", task="text-generation",
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
-                    tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic")
+                    tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
+                    prefix_cache_mb=3)
 
 
 def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
@@ -261,6 +263,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert kwargs == {"gguf_file": "m.gguf", "dtype": "bf16", "device_map": "auto", "tensor_parallel_degree": "max",
                       "revision": "main", "trust_remote_code": True, "cache_dir": "/tmp/cache"}
     engine, rolling = engine_and_rolling(no_model)
+    prefix_cache = engine.kwargs.pop("prefix_cache")
+    assert isinstance(prefix_cache, PrefixCache) and prefix_cache.budget_bytes == 3 * 2**20
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
                              "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
                              "kv_factory": DynamicKV.prefill}
@@ -279,6 +283,13 @@ def test_defaults_come_from_the_model_config_and_dynamic_batching_makes_no_engin
     assert handler.get_engine() is None and not no_model.engines
     assert handler._service.streaming is True and handler._service.max_input_len == 1023
     assert handler._service.kv_factory == SlotKV.prefill  # the default, for dynamic batching too
+
+
+def test_prefix_caching_without_a_rolling_batch_is_a_start_up_error(no_model):
+    handler = built_in_text_handler()
+    with pytest.raises(ValueError, match="^option.enable_prefix_caching: .*needs the rolling batch"):
+        handler.load(ModelConfig(name="m", model_id="x", enable_prefix_caching=True),
+                     HandlerContext(task="text-generation", cache_dir="/c", rolling_batch=False))
 
 
 def test_djl_first_call_reaches_the_same_typed_load(no_model):

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from .batch import Batch, Row
-from .kv import KVFactory, Prefilled
+from .kv import KVBatch, KVFactory, Prefilled
+from .prefix_cache import PrefixCache, resume_from_cache
 from .types import GenerationRequest
 
 
@@ -32,11 +33,15 @@ def chunkable(request: GenerationRequest) -> bool:
 class ChunkedPrefill:
     """One row's prompt, prefilled `advance(budget)` tokens at a time."""
 
-    def __init__(self, row: Row, model: Any, factory: KVFactory, pad_id: int, device: Any):
+    def __init__(self, row: Row, model: Any, factory: KVFactory, pad_id: int, device: Any,
+                 prefixes: PrefixCache | None = None):
+        """With `prefixes`, the first `advance` starts from the longest prefix of the prompt that the
+        prefix cache holds (prefix_cache.py), so only the rest is prefilled."""
         self.row = row
         self._model, self._factory, self._pad_id, self._device = model, factory, pad_id, device
-        self._kv = None
-        self.done = 0  # prompt tokens prefilled so far
+        self._prefixes = prefixes
+        self._kv: KVBatch | None = None
+        self.done = 0  # prompt tokens prefilled (or taken from the prefix cache) so far
 
     @property
     def remaining(self) -> int:
@@ -46,6 +51,8 @@ class ChunkedPrefill:
         """Prefill up to `budget` (>= 1) more prompt tokens; once the prompt is all in, the row's
         Batch with the logits its first token is sampled from; before that, None."""
         prompt = self.row.request.prompt_ids
+        if self._kv is None and self._prefixes is not None:
+            self._kv, self.done = resume_from_cache(self._prefixes, self._factory, self._model, prompt, self._device)
         chunk = prompt[self.done:self.done + max(budget, 1)]
         if self._kv is None:
             out = self._factory(self._model, [chunk], pad_id=self._pad_id, device=self._device)

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .beam_search import beam_search
 from .grammar import GrammarCompiler
@@ -23,6 +23,7 @@ from ..errors import InvalidRequest
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
 from .phases import PhaseTimes
+from .prefix_cache import PrefixCache, PrefixStats
 from .scheduler import Scheduler
 from .static_batch import eos_token_ids
 from .support import check_supported
@@ -44,12 +45,14 @@ class EngineStats:
     failed_steps: int  # steps whose forward raised (their rows failed; the engine went on)
     max_batch_size: int
     phases: PhaseTimes  # where the steps' time went (phases.py): seconds and counts per phase
+    prefix_cache: PrefixStats | None = None  # with prefix caching: lookups, hits, tokens reused, memory
 
 
 class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory | None = None):
+                 max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory | None = None,
+                 prefix_cache: PrefixCache | None = None):
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
@@ -61,7 +64,8 @@ class Engine:
         vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory)
+                                   max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory,
+                                   prefix_cache=prefix_cache)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
 
@@ -117,10 +121,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
+        prefixes = self.scheduler.prefixes
         return EngineStats(running=self.scheduler.running, waiting=len(self.scheduler.waiting), steps=s.steps,
                            prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
                            failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size,
-                           phases=self.scheduler.phases.snapshot())
+                           phases=self.scheduler.phases.snapshot(),
+                           prefix_cache=replace(prefixes.stats) if prefixes is not None else None)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

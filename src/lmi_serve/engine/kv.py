@@ -20,6 +20,9 @@ Contract, for every implementation:
    of joins and leaves (tests/unit/engine/test_kv.py holds every implementation to this).
 4. Optionally, `prefill_more(tokens)` on a one-row batch continues its prefill with the next chunk of
    its prompt and returns that chunk's last logits (chunked.py uses it; without it a prompt goes whole).
+5. Optionally, for prefix caching (prefix_cache.py): `row_kv(row, start, end)` gives a row's K/V of
+   token positions [start, end) per layer, and the class method `resume(model, prefix, device=)` makes
+   a one-row batch holding such K/V, which `prefill_more` continues as if it had prefilled them.
 """
 
 from __future__ import annotations

@@ -90,6 +90,37 @@ class DynamicKV:
         self.pending = ids[:, -1]
         return out.logits[:, -1, :]
 
+    @staticmethod
+    def _empty_cache() -> DynamicCache:
+        return DynamicCache()  # no config: whole layers (see `prefill`)
+
+    @classmethod
+    def resume(cls, model: Any, prefix: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,
+               device: torch.device) -> "DynamicKV":
+        """A one-row batch whose cache already holds a prompt's first tokens (prefix caching, see
+        prefix_cache.py): per layer their K and V, [1, kv heads, tokens, head dim], or None for a
+        layer that keeps none. Its prefill goes on with `prefill_more`."""
+        cache = cls._empty_cache()
+        length = 0
+        with torch.inference_mode():
+            for index, layer in enumerate(prefix):
+                if layer is not None:
+                    cache.update(layer[0].to(device), layer[1].to(device), index)
+                    length = layer[0].shape[2]
+        if not length:
+            raise ValueError("a resumed prefix holds no tokens")
+        mask = torch.ones((1, length), dtype=torch.long, device=device)
+        return cls(model, cache, mask, torch.tensor([length], device=device), torch.zeros(1, dtype=torch.long,
+                                                                                      device=device))
+
+    def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, views of row `row`'s K and V for its token positions [start, end) ([kv heads,
+        end - start, head dim]; None for a layer that keeps none). A row's tokens are the last
+        `next_pos` columns of the cache (padding is on the left)."""
+        first = self.mask.shape[1] - int(self.next_pos[row])
+        return [(layer.keys[row, :, first + start:first + end], layer.values[row, :, first + start:first + end])
+                if layer.is_initialized and layer.keys.numel() else None for layer in self.cache.layers]
+
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)

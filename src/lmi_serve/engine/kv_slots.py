@@ -159,6 +159,10 @@ class SlotKV(DynamicKV):
         kv = cls(model, _adopt(dynamic.cache), dynamic.mask, dynamic.next_pos, dynamic.pending)
         return Prefilled(kv, out.logits, out.prompt_logits, out.seen)
 
+    @staticmethod
+    def _empty_cache() -> SlotCache:
+        return SlotCache()
+
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)

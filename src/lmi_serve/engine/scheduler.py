@@ -9,8 +9,10 @@ Order of operations in `Scheduler.step`:
    prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
    as the step's only prefill;
 3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
-   the joiners in groups of similar length (padding is wasted compute: prefill on a CPU is
-   compute-bound, so a group only pays when it adds little padding) and sample their first tokens;
+   the joiners: one whose prompt starts with blocks the prefix cache holds (prefix_cache.py) alone,
+   from those blocks (its budget cost is only the rest); the others in groups of similar length
+   (padding is wasted compute: prefill on a CPU is compute-bound, so a group only pays when it adds
+   little padding); store the prompts' blocks and sample the first tokens;
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
@@ -23,6 +25,7 @@ in a decode fails the running rows. Either way the loop goes on with new request
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -34,11 +37,12 @@ from typing import TYPE_CHECKING, Any
 from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
 from .chunked import ChunkedPrefill, chunkable, supports_chunks
+from .prefix_cache import PrefixCache, supports_prefixes
 from .handle import RequestHandle
 from .kv import KVFactory
 from .kv_select import kv_factory_for
 from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
-from .types import TokenEvent
+from .types import GenerationRequest, TokenEvent
 
 if TYPE_CHECKING:
     from .sampling import SampleOutput
@@ -58,12 +62,16 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
-                 kv_factory: KVFactory | None = None):
+                 kv_factory: KVFactory | None = None, prefix_cache: PrefixCache | None = None):
         """`kv_factory` prefills new rows into a KV batch (kv.py): the KV cache layout is its choice;
-        None picks the model's own (kv_select.py)."""
+        None picks the model's own (kv_select.py). `prefix_cache` (prefix_cache.py) lets prompts
+        reuse the K/V of a prefix prefilled before; the factory must `supports_prefixes`."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_factory = kv_factory or kv_factory_for(model)
         self.chunks = supports_chunks(self.kv_factory)
+        if prefix_cache is not None and not supports_prefixes(self.kv_factory):
+            raise ValueError("this model's KV cache cannot start a row from a cached prefix")
+        self.prefixes = prefix_cache
         self.chunking: ChunkedPrefill | None = None  # the long prompt being prefilled a chunk per step
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
@@ -127,7 +135,7 @@ class Scheduler:
             chunk = min(self.chunking.remaining, self.max_prefill_tokens) if self.chunking else 0
             joiners = self._admit(self.max_prefill_tokens - chunk)
         if self.chunking is not None:
-            self._advance_chunk(chunk or self.max_prefill_tokens - sum(len(h.request.prompt_ids) for h in joiners))
+            self._advance_chunk(chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners))
         if joiners:
             self._join(joiners)
         if self.batch:
@@ -182,19 +190,32 @@ class Scheduler:
         with self.work:
             while self.waiting and len(joiners) < free:
                 request = self.waiting[0].request
-                length = len(request.prompt_ids)
+                length = self._prefill_cost(request)
                 can_chunk = self.chunks and chunkable(request)
                 if length <= budget or (alone and not joiners and not can_chunk):
                     joiners.append(self.waiting.popleft())
                     budget -= length
                     continue
                 if can_chunk and self.chunking is None and budget > 0:
-                    handle = self.waiting.popleft()
-                    row = make_row(request, self.tokenizer, owner=handle, constraint=handle.constraint)
-                    self.chunking = ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id,
-                                                   self.device)
+                    self.chunking = self._start_prefill(self.waiting.popleft())
                 break
         return joiners
+
+    def _cached_tokens(self, request: GenerationRequest) -> int:
+        """How many of `request`'s prompt tokens the prefix cache would spare its prefill."""
+        if self.prefixes is None or not chunkable(request):
+            return 0
+        return self.prefixes.cached_tokens(request.prompt_ids)
+
+    def _prefill_cost(self, request: GenerationRequest) -> int:
+        return len(request.prompt_ids) - self._cached_tokens(request)
+
+    def _start_prefill(self, handle: RequestHandle) -> ChunkedPrefill:
+        """A one-row prefill of `handle`'s prompt, which its first `advance` starts from the prefix
+        cache's longest match, if any."""
+        row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint)
+        prefixes = self.prefixes if chunkable(handle.request) else None
+        return ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id, self.device, prefixes)
 
     def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
         """Split joiners into prefill groups whose left padding stays under `max_padding`."""
@@ -212,7 +233,17 @@ class Scheduler:
         return groups
 
     def _join(self, handles: list[RequestHandle]) -> None:
-        for group in self._groups(handles):
+        """Prefill the joiners: each prompt with a cached prefix alone (only its rest runs), the others
+        in groups."""
+        misses = []
+        for handle in handles:
+            if self._cached_tokens(handle.request):
+                self._prefill_rest(handle)
+                continue
+            if self.prefixes is not None and chunkable(handle.request):
+                self.prefixes.count(len(handle.request.prompt_ids), 0)
+            misses.append(handle)
+        for group in self._groups(misses):
             self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint)
                                      for h in group]))
 
@@ -236,24 +267,54 @@ class Scheduler:
             if batch is None:
                 return
             self.chunking = None
-            self._deliver(self._emit(batch, self._sample(batch)))
+            self._first_tokens(batch)
         except Exception as exc:
             self.chunking = None
             self.stats.failed_steps += 1
             log.exception("Chunked prefill failed for request %s", chunking.row.owner.id)
             self._fail([chunking.row], exc)
             return
+        self._add(self._admitted(batch))
+
+    def _prefill_rest(self, handle: RequestHandle) -> None:
+        """Prefill a prompt whose start the prefix cache holds: only the rest runs, in one forward."""
+        prefill = self._start_prefill(handle)
+        try:
+            with self.phases.measure(PREFILL):
+                batch = prefill.advance(len(handle.request.prompt_ids))
+            self._first_tokens(batch)
+        except Exception as exc:
+            self.stats.failed_steps += 1
+            log.exception("Prefill failed for request %s", handle.id)
+            self._fail([prefill.row], exc)
+            return
+        self._add(self._admitted(batch))
+
+    def _first_tokens(self, batch: Batch) -> None:
+        """After a prefill: keep the prompts' blocks for later prompts, sample and send the first tokens."""
+        self._remember(batch)
+        self._deliver(self._emit(batch, self._sample(batch)))
+
+    def _remember(self, batch: Batch) -> None:
+        if self.prefixes is None:
+            return
+        with self.phases.measure(PREFILL):
+            for i, row in enumerate(batch.rows):
+                self.prefixes.store(row.request.prompt_ids, functools.partial(batch.kv.row_kv, i))
+
+    def _admitted(self, batch: Batch) -> Batch | None:
+        """Count a successful prefill and drop its rows that finished at their first token."""
         self.stats.prefills += 1
-        self.stats.admitted += 1
+        self.stats.admitted += len(batch)
         with self.phases.measure(EVICT):
             batch.evict_finished()
-        self._add(batch if len(batch) else None)
+        return batch if len(batch) else None
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         try:
             with self.phases.measure(PREFILL):
                 batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
-            self._deliver(self._emit(batch, self._sample(batch)))
+            self._first_tokens(batch)
         except Exception as exc:
             self.stats.failed_steps += 1
             if len(rows) > 1:
@@ -263,11 +324,7 @@ class Scheduler:
             log.exception("Prefill failed for request %s", rows[0].owner.id)
             self._fail(rows, exc)
             return None
-        self.stats.prefills += 1
-        self.stats.admitted += len(rows)
-        with self.phases.measure(EVICT):
-            batch.evict_finished()
-        return batch if len(batch) else None
+        return self._admitted(batch)
 
     def _merge(self, batches: list[Batch]) -> Batch | None:
         if not batches:

@@ -17,6 +17,7 @@ from ...service import ModelService, ModelStatus
 
 if TYPE_CHECKING:  # the engine imports torch; these routes need only the name
     from ...engine.engine import EngineStats
+    from ...engine.prefix_cache import PrefixStats
 
 blueprint = Blueprint("lmi", __name__)
 
@@ -120,4 +121,11 @@ def _engine_stats(stats: EngineStats) -> dict:
             "maxBatchSize": stats.max_batch_size,
             # cumulative wall seconds and entries per phase of the engine's step (engine/phases.py)
             "phaseSeconds": {name: round(seconds, 6) for name, seconds in stats.phases.seconds.items()},
-            "phaseCounts": dict(stats.phases.counts)}
+            "phaseCounts": dict(stats.phases.counts),
+            **({"prefixCache": _prefix_stats(stats.prefix_cache)} if stats.prefix_cache is not None else {})}
+
+
+def _prefix_stats(stats: PrefixStats) -> dict:
+    return {"lookups": stats.lookups, "hits": stats.hits, "promptTokens": stats.prompt_tokens,
+            "hitTokens": stats.hit_tokens, "storedBlocks": stats.stored_blocks,
+            "evictedBlocks": stats.evicted_blocks, "blocks": stats.blocks, "bytes": stats.bytes}
