@@ -17,7 +17,8 @@ Contract, for every implementation:
    returns the logits of that position, one row each;
 3. `keep(indices)` and `extend(other)` change the set of rows without changing any row's logits:
    a row's logits depend only on its own tokens, never on its neighbours or on the batch's history
-   of joins and leaves (tests/unit/engine/test_kv.py holds every implementation to this).
+   of joins and leaves (tests/unit/engine/test_kv.py holds every implementation to this). An index
+   may repeat in `keep`: that row is copied, and each copy goes on as its own row (beam search).
 4. Optionally, `prefill_more(tokens)` on a one-row batch continues its prefill with the next chunk of
    its prompt and returns that chunk's last logits (chunked.py uses it; without it a prompt goes whole).
 5. Optionally, for prefix caching (prefix_cache.py): `row_kv(row, start, end)` gives a row's K/V of
@@ -46,7 +47,8 @@ class KVBatch(Protocol):
         """One forward feeding every row its pending token, which is then cached: [rows, vocab] logits."""
 
     def keep(self, indices: Sequence[int]) -> None:
-        """Keep only the rows at `indices`, in that order (an empty list leaves an empty batch)."""
+        """Keep only the rows at `indices`, in that order (an empty list leaves an empty batch); an
+        index may repeat, making copies of that row (beam search, beam_rows.py)."""
 
     def extend(self, other: "KVBatch") -> None:
         """Append `other`'s rows after this batch's; `other` comes from the same factory and is spent."""

@@ -102,8 +102,10 @@ class SlotLayer(DynamicLayer):
 
     @torch.inference_mode()
     def select(self, index: torch.Tensor, first: int) -> None:
-        """Keep the rows at `index`, in that order, and the columns from `first` on."""
+        """Keep the rows at `index`, in that order, and the columns from `first` on. An index may
+        repeat (beam search replicates a row): the kept rows are gathered into copies first."""
         keys, values = self.key_store[index, :, first:self.length], self.value_store[index, :, first:self.length]
+        self.reserve(len(index), self.length)
         self.rows, self.length = len(index), self.length - first
         self.key_store[:self.rows, :, :self.length] = keys
         self.value_store[:self.rows, :, :self.length] = values

@@ -134,6 +134,48 @@ def test_kv_keep_and_extend_match_a_fresh_prefill(kind, tiny_model, smollm2_toke
         assert torch.allclose(row, fresh_logits(tiny_model, [sequences[i]])[0], atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+def test_kv_keep_with_repeated_indices_copies_rows(kind, tiny_model, prompt_ids):
+    """Beam search replicates a row (`keep([0] * k)`) and reorders beams with repeats: each copy
+    then decodes as its own sequence. Ten copies pass the slot cache's first row capacity (8)."""
+    factory = KV_CACHES[kind]
+    sequences = [list(prompt_ids[1]), list(prompt_ids[3])]
+    kv = factory(tiny_model, sequences, pad_id=0, device=CPU).kv
+    order = [1] * 6 + [0] * 4
+    kv.keep(order)
+    sequences = [list(sequences[i]) for i in order]
+    tokens = list(range(500, 500 + len(order)))
+    kv.feed(torch.tensor(tokens))
+    logits = kv.decode()
+    for sequence, token in zip(sequences, tokens):
+        sequence.append(token)
+    assert len(kv) == 10 and torch.allclose(logits, fresh_logits(tiny_model, sequences), atol=1e-4)
+    kv.keep([9, 0, 0])  # repeats again, after a decode, across the two prompts
+    sequences = [list(sequences[i]) for i in (9, 0, 0)]
+    kv.feed(torch.tensor([7, 8, 9]))
+    for sequence, token in zip(sequences, (7, 8, 9)):
+        sequence.append(token)
+    assert torch.allclose(kv.decode(), fresh_logits(tiny_model, sequences), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_kv_keep_with_repeated_indices_copies_rows(kind, smollm2_tokenizer, prompt_ids):
+    model = _seq2seq(kind, len(smollm2_tokenizer))
+    start = list(decoder_prompt(model))
+    kv = EncoderDecoderKV.prefill(model, [prompt_ids[2]], pad_id=0, device=CPU).kv
+    kv.keep([0, 0, 0])
+    fed = [[11], [12], [13]]
+    kv.feed(torch.tensor([f[-1] for f in fed]))
+    kv.decode()
+    kv.keep([2, 0, 2])
+    fed = [fed[i] + [t] for i, t in zip((2, 0, 2), (21, 22, 23))]
+    kv.feed(torch.tensor([f[-1] for f in fed]))
+    with torch.inference_mode():
+        fresh = torch.cat([model(input_ids=torch.tensor([prompt_ids[2]]),
+                                 decoder_input_ids=torch.tensor([start + f])).logits[:, -1] for f in fed])
+    assert torch.allclose(kv.decode(), fresh, atol=1e-4)
+
+
 def test_dynamic_kv_prompt_logits_are_each_rows_own(tiny_model, prompt_ids):
     prompts = [prompt_ids[1], prompt_ids[4]]
     out = DynamicKV.prefill(tiny_model, prompts, pad_id=0, device=CPU, prompt_logits=True)
