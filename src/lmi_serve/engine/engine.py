@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .beam_search import beam_search
+from .beam_rows import BeamSearch, replay
 from .grammar import GrammarCompiler
 from .generation import Generation
 from .handle import RequestHandle, Sink
@@ -108,12 +108,26 @@ class Engine:
             raise
         return Generation(handles, sink)
 
+    def submit_beams(self, request: GenerationRequest, num_beams: int) -> BeamSearch:
+        """Queue a beam search: its `num_beams` beams run as rows of the rolling batch, one token
+        per step (beam_rows.py). Its hypotheses arrive on the job's `future`; `cancel()` frees its
+        rows at the next step. Raises Overloaded when the waiting queue is full."""
+        job = BeamSearch(request, num_beams, self.model, self.scheduler.kv_factory,
+                         pad_id=self.tokenizer.pad_token_id, device=self.device)
+        self.scheduler.add_beams(job)
+        return job
+
     def beam_search(self, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
-        """Beam search for one request, run alone between two steps; blocks until done. Returns
-        every beam, best first."""
-        future = self.scheduler.add_exclusive(
-            lambda: beam_search(self.model, self.tokenizer, self.device, request, num_beams))
-        return future.result()
+        """Beam search for one request, stepped with the rolling batch; blocks until done. Returns
+        every beam, best first (transformers' beam order). If the waiting thread is interrupted,
+        the search is dropped."""
+        job = self.submit_beams(request, num_beams)
+        try:
+            hypotheses = job.future.result()
+        except BaseException:
+            job.cancel()
+            raise
+        return replay(request, self.tokenizer, hypotheses)
 
     @property
     def alive(self) -> bool:

@@ -1,8 +1,9 @@
 """The rolling batch: a bounded waiting queue and the step loop that owns the model.
 
 Order of operations in `Scheduler.step`:
-0. run exclusive jobs (beam search) queued since the last step;
-1. drop cancelled requests (waiting or running) and fail waiting ones past their deadline;
+1. drop cancelled requests and beam searches (waiting or running) and fail waiting requests past
+   their deadline; start waiting beam searches whose beams fit in the free rows (the first one
+   waiting holds the free rows until it fits: ordinary requests do not take them meanwhile);
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
    tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
    bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
@@ -16,8 +17,11 @@ Order of operations in `Scheduler.step`:
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
-7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`).
-`Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode, sample, emit, deliver, evict.
+7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`);
+8. advance every running beam search one token (beam_rows.py: one forward of its k beams in a KV
+   batch of its own); one that raises fails alone.
+`Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode (and step 8), sample, emit,
+deliver, evict.
 An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
 in a decode fails the running rows. Either way the loop goes on with new requests.
 """
@@ -29,13 +33,13 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
+from .beam_rows import BeamSearch
 from .chunked import ChunkedPrefill, chunkable, supports_chunks
 from .prefix_cache import PrefixCache, supports_prefixes
 from .handle import RequestHandle
@@ -78,7 +82,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_padding = max_padding
         self.waiting: collections.deque[RequestHandle] = collections.deque()
-        self.exclusive: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self.beams_waiting: collections.deque[BeamSearch] = collections.deque()
+        self.beams: list[BeamSearch] = []  # running beam searches; replaced, never changed in place
         self.batch: Batch | None = None
         self.work = threading.Condition()
         self.stats = SchedulerStats()
@@ -92,26 +97,27 @@ class Scheduler:
             self.waiting.append(handle)
             self.work.notify()
 
-    def add_exclusive(self, job: Callable[[], Any]) -> Future:
-        """Run `job` on the scheduler thread between two steps (e.g. beam search); its result or
-        exception arrives on the returned Future."""
-        future: Future = Future()
+    def add_beams(self, job: BeamSearch) -> None:
+        """Queue a beam search; its beams run as `job.rows` rows of the batch, and its result or
+        exception arrives on `job.future`."""
         with self.work:
-            if len(self.waiting) + len(self.exclusive) >= self.max_queue:
+            if len(self.waiting) + len(self.beams_waiting) >= self.max_queue:
                 raise Overloaded("Model is overloaded: the waiting queue is full")
-            self.exclusive.append((job, future))
+            self.beams_waiting.append(job)
             self.work.notify()
-        return future
 
     @property
     def running(self) -> int:
-        """Rows in the batch, and the one being prefilled in chunks (it holds a row too)."""
+        """Rows in the batch, the one being prefilled in chunks (it holds a row too) and the beams
+        of the running beam searches."""
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
-        return (len(batch) if batch else 0) + (self.chunking is not None)
+        beams = sum(job.rows for job in self.beams)
+        return (len(batch) if batch else 0) + (self.chunking is not None) + beams
 
     def wait_for_work(self, timeout: float) -> None:
         with self.work:
-            if not self.waiting and not self.batch and not self.exclusive and self.chunking is None:
+            if (not self.waiting and not self.batch and self.chunking is None and not self.beams
+                    and not self.beams_waiting):
                 self.work.wait(timeout)
 
     def abort_all(self, reason: str) -> None:
@@ -126,12 +132,17 @@ class Scheduler:
         if self.chunking is not None:
             self._fail([self.chunking.row], RuntimeError(reason))
             self.chunking = None
+        with self.work:
+            jobs, self.beams_waiting = [*self.beams, *self.beams_waiting], collections.deque()
+        self.beams = []
+        for job in jobs:
+            _settle(job, error=RuntimeError(reason))
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
-        self._run_exclusive()
         with self.phases.measure(ADMIT):
             self._drop_cancelled_and_expired()
+            self._admit_beams()
             chunk = min(self.chunking.remaining, self.max_prefill_tokens) if self.chunking else 0
             joiners = self._admit(self.max_prefill_tokens - chunk)
         if self.chunking is not None:
@@ -140,18 +151,53 @@ class Scheduler:
             self._join(joiners)
         if self.batch:
             self._decode()
+        if self.beams:
+            self._step_beams()
         self.stats.steps += 1
 
-    def _run_exclusive(self) -> None:
-        while self.exclusive:
-            with self.work:
-                job, future = self.exclusive.popleft()
-            if not future.set_running_or_notify_cancel():
+    def _admit_beams(self) -> None:
+        """Drop the cancelled beam searches (their rows are free for this step's joiners), then
+        start the waiting ones, in order, while their beams fit in the free rows (one wider than
+        max_batch_size starts alone)."""
+        if any(job.cancelled for job in self.beams):
+            self.beams = [job for job in self.beams if not job.cancelled]
+        with self.work:
+            while self.beams_waiting:
+                job = self.beams_waiting[0]
+                if job.cancelled:
+                    self.beams_waiting.popleft()
+                    continue
+                running = self.running
+                if running and running + job.rows > self.max_batch_size:
+                    break
+                self.beams = [*self.beams, self.beams_waiting.popleft()]
+                self.stats.admitted += 1
+
+    def _rows_held_for_beams(self) -> int:
+        """Free rows that the first waiting beam search holds until it has all it needs."""
+        first = self.beams_waiting[0] if self.beams_waiting else None
+        return min(first.rows, self.max_batch_size) if first is not None and not first.cancelled else 0
+
+    def _step_beams(self) -> None:
+        """One token for every running beam search: a cancelled one is dropped (its rows free from
+        this step on), a finished one gives its result, one that raises fails alone."""
+        still: list[BeamSearch] = []
+        for job in self.beams:
+            if job.cancelled:
                 continue
             try:
-                future.set_result(job())
-            except Exception as exc:  # the job's failure belongs to its caller
-                future.set_exception(exc)
+                with self.phases.measure(DECODE):
+                    finished = job.step()
+            except Exception as exc:
+                self.stats.failed_steps += 1
+                log.exception("Beam search step failed; failing that request only")
+                _settle(job, error=exc)
+                continue
+            if finished:
+                _settle(job, result=job.hypotheses())
+            else:
+                still.append(job)
+        self.beams = still
 
     def _drop_cancelled_and_expired(self) -> None:
         now = time.monotonic()
@@ -184,7 +230,7 @@ class Scheduler:
         step's budget), or, if it cannot be chunked, goes whole when it would be the step's only
         prefill."""
         budget = self.max_prefill_tokens if budget is None else budget
-        free = self.max_batch_size - self.running
+        free = self.max_batch_size - self.running - self._rows_held_for_beams()
         joiners: list[RequestHandle] = []
         alone = budget == self.max_prefill_tokens  # no chunk is being continued this step
         with self.work:
@@ -374,3 +420,16 @@ class Scheduler:
         for row in rows:
             row.finished = True
             row.owner.push(TokenEvent.failure(f"exception occurred during rolling batch inference: {exc}"))
+
+
+def _settle(job: BeamSearch, *, result=None, error: BaseException | None = None) -> None:
+    """Hand a beam search its result or error, unless its caller cancelled it meanwhile."""
+    if job.future.done():
+        return
+    try:
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+    except Exception:  # InvalidStateError: cancelled between the check and the set
+        pass

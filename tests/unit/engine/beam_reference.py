@@ -1,11 +1,6 @@
-"""Beam search, the one decoding mode outside the rolling batch.
-
-Beams of one request advance together and reorder their KV caches every step, which does not
-fit a batch whose rows are independent requests. So a beam request runs alone through
-transformers' `generate` on the engine thread, between two steps of the rolling batch (the batch
-waits meanwhile). Its tokens then go through the same Row logic as everything else, so stop
-strings, EOS and detokenization behave exactly as in the rolling batch.
-"""
+"""The test oracle for beam search: transformers' own `generate(num_beams=k)`, its beams replayed
+through the Row logic (the engine's implementation until beams ran inside the rolling batch; the
+engine's beam_rows.py must return exactly these beams)."""
 
 from __future__ import annotations
 
@@ -13,13 +8,13 @@ from dataclasses import replace
 
 import torch
 
-from .batch import make_row
-from .kv_encdec import decoder_prompt
-from .kv_select import is_encoder_decoder
-from .types import FinishReason, GenerationRequest, GenerationResult
+from lmi_serve.engine.batch import make_row
+from lmi_serve.engine.kv_encdec import decoder_prompt
+from lmi_serve.engine.kv_select import is_encoder_decoder
+from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult
 
 
-def beam_search(model, tokenizer, device, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
+def reference_beam_search(model, tokenizer, device, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
     """All `num_beams` finished beams, best first (transformers' beam score order)."""
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     # An encoder-decoder model's sequences are the decoder's: they start with its decoder prompt.
