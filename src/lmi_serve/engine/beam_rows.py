@@ -71,9 +71,9 @@ class BeamState:
 
     def __init__(self, num_beams: int, max_new_tokens: int, eos: list[int], seen: list[int], *,
                  repetition_penalty: float = 1.0, length_penalty: float = 1.0, early_stopping: bool | str = False):
-        k = num_beams
-        self.k, self.max_new_tokens, self.length_penalty, self.early_stopping = k, max_new_tokens, \
-            length_penalty, early_stopping
+        k = self.k = num_beams
+        self.max_new_tokens = max_new_tokens
+        self.length_penalty, self.early_stopping = length_penalty, early_stopping
         self.eos = torch.tensor(eos, dtype=torch.long)
         self.keep_candidates = max(2, 1 + len(eos)) * k
         self.penalty = repetition_penalty
@@ -181,6 +181,11 @@ class BeamSearch:
         self.cancelled = True
         self.future.cancel()
 
+    def release(self) -> None:
+        """Free the KV batch now (the scheduler drops a cancelled or failed job; the caller may
+        still hold it)."""
+        self._kv = None
+
     def step(self) -> bool:
         """One forward (the prompt's at first, then k rows of one token) and one beam step; True
         when the search ended (the KV batch is released then)."""
@@ -190,7 +195,7 @@ class BeamSearch:
             logits = self._kv.decode()
         parents, tokens = self._state.choose(logits)
         if self._state.done:
-            self._kv = None
+            self.release()
             return True
         if len(self._kv) == 1:  # the first step: every beam continues the prompt's one row
             parents = [0] * self.rows

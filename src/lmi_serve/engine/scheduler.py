@@ -2,8 +2,8 @@
 
 Order of operations in `Scheduler.step`:
 1. drop cancelled requests and beam searches (waiting or running) and fail waiting requests past
-   their deadline; start waiting beam searches whose beams fit in the free rows (the first one
-   waiting holds the free rows until it fits: ordinary requests do not take them meanwhile);
+   their deadline; start waiting beam searches whose beams fit in the free rows (beam_jobs.py: the
+   first one waiting holds the free rows until it fits);
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
    tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
    bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import Overloaded, Timeout
 from .batch import Batch, Row, make_row
+from .beam_jobs import BeamJobs, settle
 from .beam_rows import BeamSearch
 from .chunked import ChunkedPrefill, chunkable, supports_chunks
 from .prefix_cache import PrefixCache, supports_prefixes
@@ -82,8 +83,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_padding = max_padding
         self.waiting: collections.deque[RequestHandle] = collections.deque()
-        self.beams_waiting: collections.deque[BeamSearch] = collections.deque()
-        self.beams: list[BeamSearch] = []  # running beam searches; replaced, never changed in place
+        self.beams = BeamJobs()
         self.batch: Batch | None = None
         self.work = threading.Condition()
         self.stats = SchedulerStats()
@@ -101,9 +101,9 @@ class Scheduler:
         """Queue a beam search; its beams run as `job.rows` rows of the batch, and its result or
         exception arrives on `job.future`."""
         with self.work:
-            if len(self.waiting) + len(self.beams_waiting) >= self.max_queue:
+            if len(self.waiting) + len(self.beams.waiting) >= self.max_queue:
                 raise Overloaded("Model is overloaded: the waiting queue is full")
-            self.beams_waiting.append(job)
+            self.beams.queue(job)
             self.work.notify()
 
     @property
@@ -111,13 +111,11 @@ class Scheduler:
         """Rows in the batch, the one being prefilled in chunks (it holds a row too) and the beams
         of the running beam searches."""
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
-        beams = sum(job.rows for job in self.beams)
-        return (len(batch) if batch else 0) + (self.chunking is not None) + beams
+        return (len(batch) if batch else 0) + (self.chunking is not None) + self.beams.rows
 
     def wait_for_work(self, timeout: float) -> None:
         with self.work:
-            if (not self.waiting and not self.batch and self.chunking is None and not self.beams
-                    and not self.beams_waiting):
+            if not self.waiting and not self.batch and self.chunking is None and not self.beams:
                 self.work.wait(timeout)
 
     def abort_all(self, reason: str) -> None:
@@ -133,10 +131,10 @@ class Scheduler:
             self._fail([self.chunking.row], RuntimeError(reason))
             self.chunking = None
         with self.work:
-            jobs, self.beams_waiting = [*self.beams, *self.beams_waiting], collections.deque()
-        self.beams = []
+            jobs = self.beams.take_all()
         for job in jobs:
-            _settle(job, error=RuntimeError(reason))
+            job.release()
+            settle(job, error=RuntimeError(reason))
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
@@ -156,48 +154,13 @@ class Scheduler:
         self.stats.steps += 1
 
     def _admit_beams(self) -> None:
-        """Drop the cancelled beam searches (their rows are free for this step's joiners), then
-        start the waiting ones, in order, while their beams fit in the free rows (one wider than
-        max_batch_size starts alone)."""
-        if any(job.cancelled for job in self.beams):
-            self.beams = [job for job in self.beams if not job.cancelled]
+        """Drop cancelled beam searches, then start waiting ones while their beams fit."""
+        self.beams.drop_cancelled()
         with self.work:
-            while self.beams_waiting:
-                job = self.beams_waiting[0]
-                if job.cancelled:
-                    self.beams_waiting.popleft()
-                    continue
-                running = self.running
-                if running and running + job.rows > self.max_batch_size:
-                    break
-                self.beams = [*self.beams, self.beams_waiting.popleft()]
-                self.stats.admitted += 1
-
-    def _rows_held_for_beams(self) -> int:
-        """Free rows that the first waiting beam search holds until it has all it needs."""
-        first = self.beams_waiting[0] if self.beams_waiting else None
-        return min(first.rows, self.max_batch_size) if first is not None and not first.cancelled else 0
+            self.stats.admitted += self.beams.admit(self.max_batch_size - self.running, idle=not self.running)
 
     def _step_beams(self) -> None:
-        """One token for every running beam search: a cancelled one is dropped (its rows free from
-        this step on), a finished one gives its result, one that raises fails alone."""
-        still: list[BeamSearch] = []
-        for job in self.beams:
-            if job.cancelled:
-                continue
-            try:
-                with self.phases.measure(DECODE):
-                    finished = job.step()
-            except Exception as exc:
-                self.stats.failed_steps += 1
-                log.exception("Beam search step failed; failing that request only")
-                _settle(job, error=exc)
-                continue
-            if finished:
-                _settle(job, result=job.hypotheses())
-            else:
-                still.append(job)
-        self.beams = still
+        self.stats.failed_steps += self.beams.step(lambda: self.phases.measure(DECODE))
 
     def _drop_cancelled_and_expired(self) -> None:
         now = time.monotonic()
@@ -230,7 +193,7 @@ class Scheduler:
         step's budget), or, if it cannot be chunked, goes whole when it would be the step's only
         prefill."""
         budget = self.max_prefill_tokens if budget is None else budget
-        free = self.max_batch_size - self.running - self._rows_held_for_beams()
+        free = self.max_batch_size - self.running - self.beams.held(self.max_batch_size)
         joiners: list[RequestHandle] = []
         alone = budget == self.max_prefill_tokens  # no chunk is being continued this step
         with self.work:
@@ -421,15 +384,3 @@ class Scheduler:
             row.finished = True
             row.owner.push(TokenEvent.failure(f"exception occurred during rolling batch inference: {exc}"))
 
-
-def _settle(job: BeamSearch, *, result=None, error: BaseException | None = None) -> None:
-    """Hand a beam search its result or error, unless its caller cancelled it meanwhile."""
-    if job.future.done():
-        return
-    try:
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
-    except Exception:  # InvalidStateError: cancelled between the check and the set
-        pass

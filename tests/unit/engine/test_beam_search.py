@@ -152,7 +152,7 @@ def add_beams(scheduler: Scheduler, request: GenerationRequest, k: int, factory=
 
 def finish(scheduler: Scheduler, handle: RequestHandle, steps: int = 100) -> GenerationResult:
     for _ in range(steps):
-        if not scheduler.batch and not scheduler.waiting and not scheduler.beams and not scheduler.beams_waiting:
+        if not scheduler.batch and not scheduler.waiting and not scheduler.beams:
             break
         scheduler.step()
     return within(handle.result)
@@ -190,7 +190,7 @@ def test_beam_rows_count_against_the_batch_and_cancelling_frees_them(tiny_model,
     scheduler.step()
     job = add_beams(scheduler, beam_request(tok, PROMPTS[2], max_new_tokens=20), 2)
     _, late_sink = add_request(scheduler, greedy(tok, PROMPTS[0], 5))
-    while not scheduler.beams:
+    while not scheduler.beams.running:
         scheduler.step()
         assert late_sink.qsize() == 0, "a request queued after the beam search took its row"
     assert within(short.result).generated_tokens == 3  # the search started when that row left
@@ -213,7 +213,7 @@ def test_a_waiting_beam_search_cancelled_never_starts(tiny_model, smollm2_tokeni
     job = add_beams(scheduler, beam_request(tok, PROMPTS[2]), 2)
     job.cancel()
     finish(scheduler, handle)
-    assert not scheduler.beams and not scheduler.beams_waiting and job.future.cancelled()
+    assert not scheduler.beams and job.future.cancelled()
 
 
 class FailingDecode:
@@ -273,7 +273,7 @@ def test_shutdown_fails_beam_searches_and_a_full_queue_refuses(tiny_model, smoll
     with pytest.raises(Overloaded):
         engine.submit_beams(beam_request(tok, PROMPTS[2]), 2)
     engine.scheduler.step()
-    assert engine.scheduler.beams == [running] and list(engine.scheduler.beams_waiting) == [waiting]
+    assert engine.scheduler.beams.running == [running] and list(engine.scheduler.beams.waiting) == [waiting]
     engine.scheduler.abort_all("the engine stopped")  # what Engine.stop() does after its loop ends
     for job in (running, waiting):
         assert "stopped" in str(job.future.exception(timeout=0))
