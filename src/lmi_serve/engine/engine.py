@@ -37,7 +37,7 @@ class EngineStats:
     """A snapshot of the engine's counters; each dialect renders it in its own words."""
 
     running: int  # rows in the batch now
-    waiting: int  # requests queued for a row
+    waiting: int  # requests (and beam searches) queued for rows
     steps: int
     prefills: int
     admitted: int  # requests that got a row, ever
@@ -136,7 +136,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
         prefixes = self.scheduler.prefixes
-        return EngineStats(running=self.scheduler.running, waiting=len(self.scheduler.waiting), steps=s.steps,
+        return EngineStats(running=self.scheduler.running,
+                           waiting=len(self.scheduler.waiting) + len(self.scheduler.beams.waiting), steps=s.steps,
                            prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
                            failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size,
                            phases=self.scheduler.phases.snapshot(),
