@@ -383,4 +383,3 @@ class Scheduler:
         for row in rows:
             row.finished = True
             row.owner.push(TokenEvent.failure(f"exception occurred during rolling batch inference: {exc}"))
-
