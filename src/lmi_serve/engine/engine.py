@@ -12,14 +12,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
 from .beam_rows import BeamSearch, replay
 from .grammar import GrammarCompiler
-from .generation import Generation
+from .generation import POLL_SECONDS, Generation
 from .handle import RequestHandle, Sink
-from ..errors import InvalidRequest
+from ..errors import ClientGone, InvalidRequest
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
 from .phases import PhaseTimes
@@ -117,13 +118,21 @@ class Engine:
         self.scheduler.add_beams(job)
         return job
 
-    def beam_search(self, request: GenerationRequest, num_beams: int) -> list[GenerationResult]:
+    def beam_search(self, request: GenerationRequest, num_beams: int,
+                    client_gone: Callable[[], bool] | None = None) -> list[GenerationResult]:
         """Beam search for one request, stepped with the rolling batch; blocks until done. Returns
-        every beam, best first (transformers' beam order). If the waiting thread is interrupted,
-        the search is dropped."""
+        every beam, best first (transformers' beam order). The search is dropped (its rows freed at
+        the next step) if the waiting thread is interrupted, or, checked every POLL_SECONDS, when
+        `client_gone()` says the client left: then ClientGone is raised."""
         job = self.submit_beams(request, num_beams)
         try:
-            hypotheses = job.future.result()
+            while True:
+                try:
+                    hypotheses = job.future.result(POLL_SECONDS if client_gone is not None else None)
+                    break
+                except FutureTimeout:
+                    if client_gone():
+                        raise ClientGone("The client closed the connection before the beam search ended") from None
         except BaseException:
             job.cancel()
             raise

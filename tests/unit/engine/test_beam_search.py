@@ -5,6 +5,7 @@ the ordinary rows, counted against max_batch_size, cancellable within a step, fa
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from lmi_serve.engine.kv_select import KV_CACHES
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, StopParams
-from lmi_serve.errors import Overloaded
+from lmi_serve.errors import ClientGone, Overloaded
 
 from beam_reference import reference_beam_search  # noqa: E402
 from waiting import within  # noqa: E402
@@ -278,3 +279,26 @@ def test_shutdown_fails_beam_searches_and_a_full_queue_refuses(tiny_model, smoll
     for job in (running, waiting):
         assert "stopped" in str(job.future.exception(timeout=0))
     assert engine.scheduler.running == 0
+
+
+def test_a_beam_search_whose_client_left_is_dropped(tiny_model, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    engine = Engine(tiny_model, tok, CPU, max_batch_size=8).start()
+    checks = []
+
+    def client_gone() -> bool:  # the client leaves once the search has run a few steps
+        checks.append(engine.scheduler.stats.steps)
+        return engine.scheduler.beams.rows > 0 and len(checks) > 3
+
+    try:
+        with pytest.raises(ClientGone):
+            endless = GenerationRequest(tuple(tok(PROMPTS[0]).input_ids), SamplingParams(),
+                                        StopParams(max_new_tokens=400, ignore_eos=True))
+            engine.beam_search(endless, 4, client_gone)
+        deadline = time.monotonic() + 60  # its rows are freed at the next step
+        while engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.scheduler.running == 0 and not engine.scheduler.beams
+        assert engine.scheduler.stats.steps < 100  # dropped, not run to its 400 tokens
+    finally:
+        engine.stop()

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from ... import streaming
-from ...disconnect import wait_for_results
+from ...disconnect import ClientConnection, wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
 from ...engine.types import GenerationRequest, GenerationResult
@@ -160,7 +160,9 @@ class RollingBatchService:
 
     def _beams(self, ctx: RenderContext, formatter: OutputFormatter, request, parameters) -> Output:
         try:
-            results = self.engine.beam_search(request, parameters.num_beams)
+            connection = ClientConnection.current()  # the search is dropped if the client goes away
+            results = self.engine.beam_search(request, parameters.num_beams,
+                                              connection.closed if connection is not None else None)
         except ServingError:
             raise
         except Exception as exc:  # a failed beam search fails this request only
