@@ -1,14 +1,24 @@
 #!/usr/bin/env python3
-"""Closed-loop concurrency sweep of one text model (default: the embedded SmolLM2; --model DIR for any),
-five systems side by side, one run.
+"""Benchmarks of one text model (default: the embedded SmolLM2; --model DIR for any), several systems
+side by side in one run. Three workloads (--workload):
 
-Systems (each on the same prompts, the same output lengths and the same request order):
+- sweep (default): a closed-loop concurrency sweep (1, 4, 16, 32 clients); every system gets the same
+  prompts (10-200 tokens, each point its own) and the same forced output lengths (16-128 tokens).
+- chat: OpenAI /v1/chat/completions streaming requests that all share one ~200-token system prompt,
+  each with its own short user message (benchmark/chat.py): what a prefix cache saves.
+- gaps: 32 streaming clients for a fixed time while 2,000-token prompts join (and, with --beam,
+  num_beams=4 requests run): the longest gap between two tokens of a stream (benchmark/gaps.py).
+
+Systems:
 
 - rolling     our server, option.rolling_batch=scheduler (max_rolling_batch_size 32, kv_cache=slots); streaming
               POST /invocations, application/jsonlines, one line per token. TTFT = first line,
               ITL = gaps between lines, output tokens = token lines.
 - rolling-dynamic  the same rolling server with option.kv_cache=dynamic (transformers' DynamicCache,
               concatenated every step): the KV baseline.
+- rolling-fp16, rolling-q4  rolling with option.quantize=fp16 / q4 (opt-in lighter weights).
+- rolling-prefix  rolling with option.enable_prefix_caching=true (in the sweep no prompts share a
+              prefix, so it measures the cache's overhead; the chat workload measures its gain).
 - dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;
               non-streaming POST /invocations, so TTFT = E2E and there is no TPOT/ITL.
 - sequential  not a separate server: rolling at concurrency 1 is the one-at-a-time baseline.
@@ -18,24 +28,36 @@ Systems (each on the same prompts, the same output lengths and the same request 
 - static      one padded model.generate per batch of `concurrency` requests in a subprocess
               (left padding, greedy, min_new_tokens = max_new_tokens = the batch's longest target);
               tok/s counts each row's target tokens only ("useful"), the raw ceiling is also shown.
+- llama-server, llama-server-f32  llama.cpp's server (the CPU anchor, benchmark/llama.py) on the same
+              Q4_1 GGUF / an F32 GGUF made from it, continuous batching with -np = the largest
+              concurrency, streaming POST /v1/completions (`max_tokens` + `ignore_eos`); its prompt
+              cache is off in the sweep (no reuse across requests), on in the chat workload.
+              Needs scripts/build_llama_server once; skipped with that hint when not built.
 
-Lengths are forced: `parameters.ignore_eos_token: true` + `max_new_tokens`, so every system generates
-exactly the target number of tokens (dynamic batching falls back to not sending the flag when its
-schema rejects it; the run says so). Metric definitions follow `vllm bench serve`: TTFT; TPOT =
-(E2E - TTFT) / (out_tokens - 1); ITL = the gaps between streamed chunks, pooled over requests;
-E2E; output tok/s = all output tokens / (last response end - first request start); p50/p99.
+A system whose server does not start (or that ignores an option it needs: the server warns "not
+lmi-serve options") is reported as "skipped: <reason from its log>" and the run goes on.
 
-One system runs at a time; both servers stay up (idle) for the whole run, so the systems interleave
-point by point (rolling@c, dynamic@c, then cb/static at the largest c). The machine is shared and
-noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
+Lengths are forced: `parameters.ignore_eos_token: true` + `max_new_tokens` (OpenAI: `ignore_eos` +
+`max_tokens`), so every system generates exactly the target number of tokens (dynamic batching falls
+back to not sending the flag when its schema rejects it; the run says so). Metric definitions follow
+`vllm bench serve`: TTFT; TPOT = (E2E - TTFT) / (out_tokens - 1); ITL = the gaps between streamed
+chunks, pooled over requests; E2E; output tok/s = all output tokens / (last response end - first
+request start); p50/p99.
+
+One system runs at a time; every server stays up (idle) for the whole run, so the systems interleave
+point by point (each system at c, then the next c; cb/static at the largest c). The machine is shared
+and noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
 for CPU use outside the benchmark to calm down, shows that outside use per point ("bg CPU", % of
 one core), and re-runs a point disturbed by more than --noisy % (--retries times), keeping the
 least disturbed run. Read ratios, not absolute numbers.
 
 Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N | --num-prompts N]
-                   [--systems rolling,dynamic,cb,static] [--out FILE] [--json FILE]
-     (or .venv/bin/python scripts/bench.py ...). A full default run takes about 10 minutes on a
-     quiet 2-core box, --quick about 2.
+                   [--systems rolling,rolling-dynamic,...] [--out FILE] [--json FILE]
+     scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
+     scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
+     (or .venv/bin/python scripts/bench.py ...). Durations on a quiet 2-core box: the default sweep
+     (8 systems) about 25 minutes, --quick about 5; chat (3 systems) about 8; gaps about 3 per system
+     and budget (60 s each plus start-up).
 """
 
 import argparse
@@ -54,23 +76,34 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(1, str(ROOT / "src"))
 sys.path.insert(2, str(ROOT / "scripts"))  # the benchmark package next to this file
 
-from benchmark.clients import DynamicClient, closed_loop, stream_one
-from benchmark.common import ALL_SYSTEMS, DEFAULT_MODEL, RESULT_TAG, ModelSource, log
+from benchmark.clients import DynamicClient, openai_sender, stream_one
+from benchmark.common import ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, ModelSource, log
 from benchmark.inprocess import inproc_point, run_worker
-from benchmark.monitor import Monitor, hwm_mib, wait_for_quiet
-from benchmark.report import fmt, render_table, target_checks
-from benchmark.servers import Servers, warm_up
-from benchmark.stats import summarize
+from benchmark.monitor import hwm_mib
+from benchmark.points import Runner, http_point
+from benchmark.report import render_table, server_log_problems, skipped_lines, target_checks
+from benchmark.servers import ServerSettings, Servers, warm_up
 from benchmark.workload import build_workload, model_folder
+
+WORKLOADS = ("sweep", "chat", "gaps")
+DEFAULT_SYSTEMS = {
+    "sweep": [s for s in ALL_SYSTEMS if s != "rolling-prefix"],
+    "chat": ["rolling", "rolling-prefix", "llama-server"],
+    "gaps": ["rolling", "rolling-dynamic"],
+}
+DEFAULT_CONCURRENCY = {"sweep": ("1,4,16,32", "1,8"), "chat": ("1,4,16", "1,16"), "gaps": ("32", "8")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--concurrency", help="comma-separated client counts (default 1,4,16,32; --quick: 1,8)")
+    p.add_argument("--workload", choices=WORKLOADS, default="sweep", help="sweep (default), chat or gaps")
+    p.add_argument("--concurrency", help="comma-separated client counts (sweep: 1,4,16,32, --quick 1,8; "
+                                         "chat: 1,4,16, --quick 1,16)")
     p.add_argument("--requests-per-client", type=int, help="requests per client and point (default 2; --quick: 1)")
     p.add_argument("--min-requests", type=int, help="at least this many requests per point (default 8; --quick: 3)")
     p.add_argument("--num-prompts", type=int, help="fixed number of requests per point (overrides the two above)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"subset of {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--systems", help="comma-separated subset of " + ",".join(ALL_SYSTEMS) + " (default per "
+                   "workload: " + "; ".join(f"{w}: {','.join(s)}" for w, s in DEFAULT_SYSTEMS.items()) + ")")
     p.add_argument("--model", help="the model to serve: a folder, hub id or package: source (default: the "
                                    "embedded SmolLM2 GGUF)")
     p.add_argument("--gguf-file", help="with --model: the GGUF file inside it, if it is a GGUF folder")
@@ -80,8 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", default="10,200", help="min,max prompt tokens (default 10,200)")
     p.add_argument("--dynamic-batch-size", type=int, default=32)
     p.add_argument("--max-rolling-batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process systems (default 2)")
-    p.add_argument("--ttft-concurrency", type=int, default=16, help="concurrency of the TTFT target (default 16)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads of the in-process systems and llama-server's -t (default 2)")
+    p.add_argument("--ttft-concurrency", type=int, default=16, help="concurrency of the TTFT targets (default 16)")
     p.add_argument("--quiet-wait", type=float,
                    help="before each point wait up to this many seconds for CPU use outside the benchmark to drop "
                         "below --quiet-threshold (default 30; --quick: 10; 0 = never wait)")
@@ -89,7 +123,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--noisy", type=float, default=25.0,
                    help="a point with more outside CPU than this (%% of one core) counts as disturbed (default 25)")
     p.add_argument("--retries", type=int, help="re-runs of a disturbed point (default 1; --quick: 0)")
-    p.add_argument("--quick", action="store_true", help="short smoke run (about 2 minutes)")
+    g = p.add_argument_group("gaps workload")
+    g.add_argument("--clients", type=int, help="streaming clients (default 32; --quick: 8)")
+    g.add_argument("--duration", type=float, help="seconds per system (default 60; --quick: 20)")
+    g.add_argument("--long-every", type=float, default=5.0, help="a long prompt joins every this many s (default 5)")
+    g.add_argument("--long-tokens", type=int, default=2000, help="tokens of each long prompt (default 2000)")
+    g.add_argument("--beam", action="store_true", help="also run num_beams=4 requests, one after another")
+    g.add_argument("--prefill-budget", help="comma-separated option.max_rolling_batch_prefill_tokens values: "
+                                           "every system runs once per value (default: the server's default)")
+    p.add_argument("--quick", action="store_true", help="short smoke run")
     p.add_argument("--out", help="also write the markdown report here")
     p.add_argument("--json", help="also write every row as JSON here")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -99,7 +141,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
 
-    args.concurrency = ints(args.concurrency or ("1,8" if args.quick else "1,4,16,32"))
+    full, quick = DEFAULT_CONCURRENCY[args.workload]
+    args.concurrency = ints(args.concurrency or (quick if args.quick else full))
     args.requests_per_client = args.requests_per_client or (1 if args.quick else 2)
     args.min_requests = args.min_requests or (3 if args.quick else 8)
     args.output_len = tuple(ints(args.output_len or ("16,48" if args.quick else "16,128")))
@@ -108,7 +151,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.retries = 0 if args.quick else 1
     if args.quiet_wait is None:
         args.quiet_wait = 10.0 if args.quick else 30.0
-    args.systems = [s for s in args.systems.split(",") if s]
+    args.clients = args.clients or (8 if args.quick else 32)
+    args.duration = args.duration or (20.0 if args.quick else 60.0)
+    args.prefill_budget = ints(args.prefill_budget) if args.prefill_budget else [None]
+    args.systems = [s for s in (args.systems or ",".join(DEFAULT_SYSTEMS[args.workload])).split(",") if s]
     unknown = set(args.systems) - set(ALL_SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}")
@@ -122,6 +168,15 @@ def requests_for(args: argparse.Namespace, concurrency: int) -> int:
     return max(concurrency * args.requests_per_client, args.min_requests)
 
 
+def sweep_sender(name: str, dyn: DynamicClient) -> tuple[str, object]:
+    """(route, sender) of a system in the sweep."""
+    if name in LLAMA_SYSTEMS:  # no prompt cache: every request prefills its whole prompt, as ours do
+        return "/v1/completions", openai_sender("completions", extra={"cache_prompt": False})
+    if name == "dynamic":
+        return "/invocations", dyn
+    return "/invocations", stream_one
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args._worker:
@@ -131,94 +186,81 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
+    log(f"model: {source.describe()}; workload: {args.workload}")
+    if args.workload == "chat":
+        from benchmark.chat import run_chat
+        report, rows = run_chat(args, source)
+    elif args.workload == "gaps":
+        from benchmark.gaps import run_gaps
+        report, rows = run_gaps(args, source)
+    else:
+        report, rows = run_sweep(args, source)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return 0
+
+
+def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[dict]]:
     t_begin = time.monotonic()
     load_before = os.getloadavg()
-
     workdir = Path(tempfile.mkdtemp(prefix="lmi-bench-"))
-    server_systems = [s for s in ("rolling", "rolling-dynamic", "dynamic") if s in args.systems]
-    source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
-    log(f"model: {source.describe()}")
     baselines = [s for s in ("cb", "static") if s in args.systems]
     if baselines and source.encoder_decoder():
         # transformers' continuous batching serves decoder-only models, and the static worker
-        # slices a decoder-only output: against an encoder-decoder, only our two servers compare.
+        # slices a decoder-only output: against an encoder-decoder, only our servers compare.
         log(f"{source.describe()} is encoder-decoder: skipping {', '.join(baselines)} (decoder-only baselines)")
         args.systems = [s for s in args.systems if s not in baselines]
-    servers = Servers(workdir, server_systems, args.dynamic_batch_size, args.max_rolling_batch_size, source)
+    ctx = args.prompt_len[1] + args.output_len[1] + 64
+    settings = ServerSettings(max_rolling=args.max_rolling_batch_size, dynamic_batch=args.dynamic_batch_size,
+                              llama_slots=max(args.concurrency), llama_ctx_per_slot=-(-ctx // 256) * 256,
+                              llama_threads=args.threads, llama_prompt_cache=False)
+    servers = Servers(workdir, args.systems, settings, source)
     rows: list[dict] = []
     notes: list[str] = []
-    waits: list[tuple[str, float, float]] = []
-    reruns: list[str] = []
+    runner = Runner(args.quiet_wait, args.quiet_threshold, args.noisy, args.retries)
     try:
         from transformers import AutoTokenizer
 
-        folder = model_folder(source)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        sizes = {c: requests_for(args, c) for c in sorted(set(args.concurrency) | set(args.inproc_concurrency))}
-        workload = build_workload(tokenizer, max(sizes.values()), args.prompt_len, args.output_len)
+        tokenizer = AutoTokenizer.from_pretrained(model_folder(source))
+        points = sorted(set(args.concurrency) | set(args.inproc_concurrency))
+        sizes = {c: requests_for(args, c) for c in points}
+        # each point its own window of prompts (and the warm-up the last one): no prompt repeats in a run
+        offsets, total = {}, 0
+        for c in points:
+            offsets[c], total = total, total + sizes[c]
+        workload = build_workload(tokenizer, total + 2, args.prompt_len, args.output_len)
         log(f"workload: {len(workload.prompts)} prompts, {min(workload.prompt_tokens)}-{max(workload.prompt_tokens)} "
             f"prompt tokens, outputs {min(workload.max_new_tokens)}-{max(workload.max_new_tokens)}; requests per point "
             + ", ".join(f"c{c}: {n}" for c, n in sizes.items()))
         servers.wait()
         dyn = DynamicClient(tokenizer, send_ignore_eos=True)
-        for name, server in servers.servers.items():
-            notes += warm_up(name, server, workload, dyn)
-        senders = {"rolling": stream_one, "rolling-dynamic": stream_one, "dynamic": dyn}
-
-        def quiet(label: str) -> None:
-            if args.quiet_wait <= 0:
-                return
-            waited, bg = wait_for_quiet(args.quiet_wait, args.quiet_threshold)
-            waits.append((label, waited, bg))
-            if waited > 3.5:
-                log(f"waited {waited:.0f} s for other load to calm down before {label} (outside CPU now {bg:.0f}%)")
-
-        points = sorted(set(args.concurrency) | set(args.inproc_concurrency))
-        def http_point(name: str, server, c: int, n: int) -> dict:
-            with Monitor(server.proc.pid) as mon:
-                records, wall = closed_loop(senders[name], server.url("/invocations"), workload, c, n)
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"{name} server died (rc {server.proc.returncode}):\n{server.output()[-3000:]}")
-            return summarize(name, c, records, wall, {"peak_rss_mib": mon.peak_rss / 2**20,
-                                                      "bg_cpu": mon.bg_cpu_percent})
-
-        def measure(label: str, run) -> dict:
-            """quiet -> run; a run disturbed by outside load (bg CPU > --noisy) is repeated up to
-            --retries times and the least disturbed run is kept."""
-            best = None
-            for attempt in range(1 + args.retries):
-                quiet(label)
-                row = run()
-                row["attempts"] = attempt + 1
-                log(f"{label:12s} {row['tok_s']:6.1f} tok/s, TTFT p50 {fmt(row['ttft_p50'])} s, max ITL "
-                    f"{fmt(row['itl_max'])} s, errors {row['errors']}, wall {row['wall_s']:.1f} s, "
-                    f"bg CPU {row['bg_cpu']:.0f}%"
-                    + (f" (attempt {attempt + 1})" if attempt else ""))
-                for sample in row["error_samples"]:
-                    log(f"  error sample: {sample}")
-                if best is None or row["bg_cpu"] < best["bg_cpu"]:
-                    best = row
-                if best["bg_cpu"] <= args.noisy:
-                    break
-            if best["attempts"] > 1 or best["bg_cpu"] > args.noisy:
-                reruns.append(f"{label} kept attempt {best['attempts']} (bg CPU {best['bg_cpu']:.0f}%)")
-            return best
-
+        senders = {name: sweep_sender(name, dyn) for name in servers.servers}
+        for name, server in list(servers.servers.items()):
+            try:
+                notes += warm_up(name, server, workload.window(total, 2), dyn, senders[name][1], senders[name][0])
+            except RuntimeError as exc:
+                servers.drop(name, f"warm-up failed: {str(exc)[:300]}")
         try:
             for c in points:
-                n = sizes[c]
+                n, window = sizes[c], workload.window(offsets[c], sizes[c])
                 if c in args.concurrency:
                     for name, server in servers.servers.items():
-                        rows.append(measure(f"{name}@{c}", functools.partial(http_point, name, server, c, n)))
+                        path, send = senders[name]
+                        run = functools.partial(http_point, name, server, send, path, window, c, n)
+                        rows.append(runner.measure(f"{name}@{c}", run))
                 if c in args.inproc_concurrency:
                     for kind in ("cb", "static"):
                         if kind not in args.systems:
                             continue
                         extra_notes: list[str] = []
-                        run = functools.partial(inproc_point, kind, workload, c, n, args.threads, workdir,
+                        run = functools.partial(inproc_point, kind, window, c, n, args.threads, workdir,
                                                 servers.pids(), extra_notes, source)
                         try:
-                            rows.append(measure(f"{kind}@{c}", run))
+                            rows.append(runner.measure(f"{kind}@{c}", run))
                         except Exception as exc:  # noqa: BLE001 - report and go on with the other systems
                             notes.append(f"{kind}@{c} failed: {str(exc)[-1500:]}")
                             log(f"{kind}@{c} FAILED: {str(exc)[-800:]}")
@@ -229,14 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"sweep aborted: {type(exc).__name__}: {str(exc)[-2000:]}")
         hwm = {name: hwm_mib(s.proc.pid) for name, s in servers.servers.items()}
         server_logs = {name: s.output() for name, s in servers.servers.items()}
+        llama_commands = {name: s.command for name, s in servers.servers.items() if name in LLAMA_SYSTEMS}
     finally:
         servers.stop()
 
-    # --- report
     order = {s: i for i, s in enumerate(ALL_SYSTEMS)}
     rows.sort(key=lambda r: (order[r["system"]], r["concurrency"]))
     top = max(args.concurrency)
-    out = ["## lmi-serve benchmark", "",
+    out = ["## lmi-serve benchmark (sweep)", "",
            f"Model {source.describe()}. "
            f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average before "
            f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; total run {time.monotonic() - t_begin:.0f} s. "
@@ -244,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
            f"(mean {sum(workload.prompt_tokens) / len(workload.prompt_tokens):.0f}), outputs "
            f"{args.output_len[0]}-{args.output_len[1]} tokens forced (ignore EOS); greedy; requests per point: "
            + ", ".join(f"{c}: {n}" for c, n in sizes.items()) + ".", "",
-           render_table(rows), "",
+           render_table(rows), *skipped_lines(servers.skipped), "",
            "Notes:",
            "- rolling at concurrency 1 is the sequential baseline (one request at a time on the same server).",
+           "- every point has its own prompts (no prompt repeats within a run), so no prefix cache hits.",
            ("- dynamic is non-streaming: TTFT = E2E, no TPOT/ITL. static: every row returns when its batch's longest "
             "row is done, so TTFT = E2E = the batch time; tok/s counts each row's target tokens, raw counts all "
             "generated (padded-to-longest) tokens."),
@@ -256,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
            ("- bg CPU = average CPU used by processes outside this benchmark during the point, in % of one core "
             f"(the machine has {os.cpu_count()}); a high value means the numbers are depressed by other load."),
            "- ITL is pooled over all gaps of all requests; TPOT = (E2E - TTFT) / (tokens - 1) per request."]
+    out += [f"- {name}: `{command}` (prompt cache off; streaming /v1/completions)"
+            for name, command in llama_commands.items()]
     stalls = [f"{r['system']}@{r['concurrency']} {r['itl_max']:.2f} s" for r in rows if r.get("itl_max") is not None]
     if stalls:
         out.append("- longest gap between two tokens of one stream (max ITL; a joiner's prefill stalls the running "
@@ -265,33 +310,17 @@ def main(argv: list[str] | None = None) -> int:
                  if r.get("idle_servers_cpu_s", 0) > 1.0]
     if busy_idle:
         out.append("- the idle servers used CPU while an in-process system ran: " + "; ".join(busy_idle))
-    long_waits = [f"{label} {w:.0f} s (outside CPU then {bg:.0f}%)" for label, w, bg in waits if w > 3.5]
-    if long_waits:
-        out.append("- waited for other load before: " + "; ".join(long_waits))
-    if reruns:
-        out.append(f"- points re-run because outside load exceeded {args.noisy:.0f}% of a core: " + "; ".join(reruns))
-    out += ["", "Targets (reports, not assertions):"] + target_checks(rows, top, args.ttft_concurrency)
+    out += runner.notes()
+    out += ["", "Targets and ratios (reports, not assertions):"] + target_checks(rows, top, args.ttft_concurrency)
     out += ["", "Server peak RSS (kernel VmHWM per process, MiB): "
             + "; ".join(f"{name}: " + ", ".join(f"pid {pid} {v:.0f}" for pid, v in h.items())
                         for name, h in hwm.items())]
-    problems = []
-    for name, text in server_logs.items():
-        bad = [ln for ln in text.splitlines() if any(w in ln for w in ("ERROR", "Traceback", "CRITICAL", "WARNING"))]
-        if bad:
-            problems.append(f"- {name} server log: {len(bad)} warning/error line(s), e.g. " + " | ".join(bad[:3])[:600])
-    if problems:
-        out += ["", "Server log problems:"] + problems
-    report = "\n".join(out)
-    print(report)
+    out += server_log_problems(server_logs)
     if any("failed" in n or "ABORTED" in n for n in notes):
         log(f"kept the worker specs and logs in {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    return 0
+    return "\n".join(out), rows
 
 
 if __name__ == "__main__":

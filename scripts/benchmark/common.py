@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,9 +36,25 @@ class ModelSource:
             return False
 
 
+    def gguf_path(self) -> Path | None:
+        """The GGUF file itself (what llama-server loads), or None for a model that is not a GGUF."""
+        from lmi_serve.model.source import find_gguf, resolve_model_source
+
+        return find_gguf(resolve_model_source(self.model_id), self.gguf_file)
+
+
 DEFAULT_MODEL = ModelSource()
-ALL_SYSTEMS = ("rolling", "rolling-dynamic", "dynamic", "cb", "static")
+# Our rolling server under different options: each is its own server process (servers.py).
+ROLLING_SYSTEMS = ("rolling", "rolling-dynamic", "rolling-fp16", "rolling-q4", "rolling-prefix")
+LLAMA_SYSTEMS = ("llama-server", "llama-server-f32")
+ALL_SYSTEMS = (*ROLLING_SYSTEMS, "dynamic", "cb", "static", *LLAMA_SYSTEMS)
 RESULT_TAG = "BENCH_RESULT "
+
+
+def llama_home() -> Path:
+    """Where scripts/build_llama_server puts llama.cpp (outside the repo)."""
+    default = Path.home() / ".cache" / "lmi-serve" / "llama.cpp"
+    return Path(os.environ.get("LLAMA_CPP_HOME", "").strip() or default)
 
 
 def log(message: str) -> None:

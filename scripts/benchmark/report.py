@@ -1,6 +1,9 @@
-"""Report: the markdown table and the target checks."""
+"""Report: the markdown table, the skipped systems, the target checks and ratio lines."""
 
 from __future__ import annotations
+
+OURS = ("rolling", "rolling-dynamic", "rolling-fp16", "rolling-q4", "rolling-prefix", "dynamic")
+LLAMAS = (("llama-server", "Q4_1"), ("llama-server-f32", "F32"))
 
 
 def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -55,6 +58,11 @@ def target_checks(rows: list[dict], top: int, ttft_conc: int) -> list[str]:
     dyn = find(rows, "dynamic", top)
     if roll and dyn and dyn["tok_s"]:
         out.append(f"- (info) rolling@{top} vs dynamic@{top} tok/s: {roll['tok_s'] / dyn['tok_s']:.2f}x")
+    for light in ("rolling-fp16", "rolling-q4"):
+        ratio(f"{light}@{top} vs rolling-dynamic@{top} tok/s", find(rows, light, top),
+              find(rows, "rolling-dynamic", top), 3.0)
+    out += tpot_ratios(rows)
+    out += llama_ratios(rows, sorted({1, top}))
     t16 = find(rows, "rolling", ttft_conc)
     if t16 is None or t16["ttft_p50"] is None:
         out.append(f"- rolling TTFT p50 at {ttft_conc} clients: not measured")
@@ -62,3 +70,50 @@ def target_checks(rows: list[dict], top: int, ttft_conc: int) -> list[str]:
         mark = "PASS" if t16["ttft_p50"] < 1.0 else "MISS"
         out.append(f"- rolling TTFT p50 at {ttft_conc} clients: **{t16['ttft_p50']:.2f} s** (target < 1 s) {mark}")
     return out
+
+
+def tpot_ratios(rows: list[dict]) -> list[str]:
+    """Single-stream TPOT p50 of each streaming system / rolling's (target for the opt-in weights: <= 0.5x)."""
+    base = find(rows, "rolling", 1)
+    if base is None or not base.get("tpot_p50"):
+        return ["- single-stream TPOT ratios: rolling@1 not measured"]
+    out = []
+    for r in rows:
+        if r["concurrency"] != 1 or r["system"] == "rolling" or not r.get("tpot_p50"):
+            continue
+        value = r["tpot_p50"] / base["tpot_p50"]
+        goal = " (target <= 0.5x) " + ("PASS" if value <= 0.5 else "MISS") if r["system"] in (
+            "rolling-fp16", "rolling-q4") else ""
+        out.append(f"- single-stream TPOT p50 {r['system']} / rolling: {r['tpot_p50'] * 1000:.1f} / "
+                   f"{base['tpot_p50'] * 1000:.1f} ms = **{value:.2f}x**{goal}")
+    return out
+
+
+def llama_ratios(rows: list[dict], points: list[int]) -> list[str]:
+    """tok/s of each of our systems / llama-server's (Q4_1 and F32) at the given concurrencies
+    (above 1x: ours is faster)."""
+    out = []
+    for llama, label in LLAMAS:
+        for c in points:
+            ref = find(rows, llama, c)
+            if ref is None or not ref["tok_s"]:
+                continue
+            parts = [f"{name} {r['tok_s'] / ref['tok_s']:.2f}x" for name in OURS
+                     if (r := find(rows, name, c)) is not None]
+            if parts:
+                out.append(f"- tok/s vs {llama} ({label}, {ref['tok_s']:.1f} tok/s) at {c} client(s): "
+                           + ", ".join(parts))
+    return out
+
+
+def skipped_lines(skipped: dict[str, str]) -> list[str]:
+    return ["", *(f"- {name}: skipped: {reason}" for name, reason in skipped.items())] if skipped else []
+
+
+def server_log_problems(server_logs: dict[str, str]) -> list[str]:
+    problems = []
+    for name, text in server_logs.items():
+        bad = [ln for ln in text.splitlines() if any(w in ln for w in ("ERROR", "Traceback", "CRITICAL", "WARNING"))]
+        if bad:
+            problems.append(f"- {name} server log: {len(bad)} warning/error line(s), e.g. " + " | ".join(bad[:3])[:600])
+    return ["", "Server log problems:", *problems] if problems else []

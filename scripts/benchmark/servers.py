@@ -1,14 +1,41 @@
-"""Servers: model directories, the two server processes and their warm-up."""
+"""Servers: model directories, the server processes (ours and llama-server), their warm-up, and the
+rule that a system whose server cannot start is skipped, with the reason from its log."""
 
 from __future__ import annotations
 
+import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .clients import DynamicClient, stream_one
-from .common import ModelSource, log
+from .common import LLAMA_SYSTEMS, ModelSource, log
+from .llama import LlamaServer, Unavailable
 from .workload import Workload
+
+ROLLING_BASE = {"rolling_batch": "scheduler", "predict_timeout": 600}
+# Each rolling system: the options it adds to ROLLING_BASE. A system whose options the server does
+# not know yet (it warns "not lmi-serve options" and would silently ignore them) is skipped.
+ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
+    "rolling": {"kv_cache": "slots"},
+    "rolling-dynamic": {"kv_cache": "dynamic"},  # transformers' DynamicCache: the KV baseline
+    "rolling-fp16": {"kv_cache": "slots", "quantize": "fp16"},
+    "rolling-q4": {"kv_cache": "slots", "quantize": "q4"},
+    "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},
+}
+
+
+@dataclass
+class ServerSettings:
+    max_rolling: int = 32
+    dynamic_batch: int = 32
+    prefill_budget: int | None = None  # option.max_rolling_batch_prefill_tokens of every rolling server
+    llama_slots: int = 32  # -np: the largest concurrency the workload drives
+    llama_ctx_per_slot: int = 512
+    llama_threads: int = 2
+    llama_prompt_cache: bool = False
+    extra_options: dict[str, Any] = field(default_factory=dict)
 
 
 def write_model_dir(parent: Path, name: str, options: dict[str, Any], source: ModelSource) -> Path:
@@ -20,33 +47,87 @@ def write_model_dir(parent: Path, name: str, options: dict[str, Any], source: Mo
     return folder
 
 
+def our_options(name: str, settings: ServerSettings) -> dict[str, Any]:
+    if name == "dynamic":
+        return {"rolling_batch": "disable", "batch_size": settings.dynamic_batch, "max_batch_delay": 50,
+                "predict_timeout": 600}
+    options = {**ROLLING_BASE, "max_rolling_batch_size": settings.max_rolling, **ROLLING_OPTIONS[name]}
+    if settings.prefill_budget is not None:
+        options["max_rolling_batch_prefill_tokens"] = settings.prefill_budget
+    return {**options, **settings.extra_options}
+
+
+def failure_reason(log_text: str) -> str:
+    """The line of a server log that says why it did not start (or the last line)."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for pattern in (r"invalid configuration", r"not lmi-serve options", r"Error|error:|CRITICAL"):
+        hits = [ln for ln in lines if re.search(pattern, ln)]
+        if hits:
+            return hits[-1][-400:]
+    return lines[-1][-400:] if lines else "no output"
+
+
+def ignored_options(log_text: str, options: dict[str, Any]) -> list[str]:
+    """The options of this system that the server's log says it does not know (it would ignore them)."""
+    warned = " ".join(ln for ln in log_text.splitlines() if "not lmi-serve options" in ln)
+    return [k for k in options if k not in ROLLING_BASE and re.search(rf"\b{re.escape(k)}\b", warned)]
+
+
 class Servers:
-    def __init__(self, workdir: Path, systems: list[str], dynamic_batch: int, max_rolling: int,
-                 source: ModelSource):
+    """Starts every requested server at once, waits for each, and keeps the ones that came up.
+    `servers`: name -> process; `skipped`: name -> why it is not measured."""
+
+    def __init__(self, workdir: Path, systems: list[str], settings: ServerSettings, source: ModelSource):
         from server_process import ServerProcess
 
         self.servers: dict[str, Any] = {}
-        specs = {
-            "rolling": {"rolling_batch": "scheduler", "max_rolling_batch_size": max_rolling, "predict_timeout": 600,
-                        "kv_cache": "slots"},
-            # the rolling batch on transformers' DynamicCache (the KV baseline of option.kv_cache)
-            "rolling-dynamic": {"rolling_batch": "scheduler", "max_rolling_batch_size": max_rolling,
-                                "predict_timeout": 600, "kv_cache": "dynamic"},
-            "dynamic": {"rolling_batch": "disable", "batch_size": dynamic_batch, "max_batch_delay": 50,
-                        "predict_timeout": 600},
-        }
+        self.skipped: dict[str, str] = {}
+        self.options: dict[str, dict[str, Any]] = {}
         env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         for name in systems:
-            if name in specs:
-                folder = write_model_dir(workdir, name, specs[name], source)
-                self.servers[name] = ServerProcess("--model-dir", str(folder), env=env)
-                log(f"started {name} server (pid {self.servers[name].proc.pid}, {self.servers[name].base})")
+            try:
+                if name in LLAMA_SYSTEMS:
+                    server = LlamaServer(name, source, settings.llama_slots, settings.llama_ctx_per_slot,
+                                         settings.llama_threads, settings.llama_prompt_cache)
+                elif name in ROLLING_OPTIONS or name == "dynamic":
+                    self.options[name] = our_options(name, settings)
+                    folder = write_model_dir(workdir, name, self.options[name], source)
+                    server = ServerProcess("--model-dir", str(folder), env=env)
+                else:
+                    continue
+            except Unavailable as exc:
+                self.skip(name, str(exc))
+                continue
+            self.servers[name] = server
+            log(f"started {name} server (pid {server.proc.pid}, {server.base})")
+
+    def skip(self, name: str, reason: str) -> None:
+        self.skipped[name] = reason
+        log(f"skipped: {name}: {reason}")
 
     def wait(self) -> None:
-        for name, server in self.servers.items():
+        """Wait for each server; one that exits, never answers, or ignores its options is skipped."""
+        for name, server in list(self.servers.items()):
             started = time.monotonic()
-            server.wait_for_ping(timeout=600)
+            try:
+                server.wait_for_ping(timeout=600)
+            except (RuntimeError, TimeoutError) as exc:
+                self.drop(name, failure_reason(server.output() or str(exc)))
+                continue
+            unknown = ignored_options(server.output(), self.options.get(name, {}))
+            if unknown:
+                self.drop(name, f"the server does not know option.{', option.'.join(unknown)} yet "
+                                f"({failure_reason(server.output())})")
+                continue
             log(f"{name} server healthy after {time.monotonic() - started:.1f} s more")
+
+    def drop(self, name: str, reason: str) -> None:
+        server = self.servers.pop(name)
+        try:
+            server.stop()
+        except Exception as exc:  # noqa: BLE001
+            log(f"stopping {name} failed: {exc}")
+        self.skip(name, reason)
 
     def stop(self) -> None:
         for server in self.servers.values():
@@ -59,18 +140,19 @@ class Servers:
         return [s.proc.pid for s in self.servers.values()]
 
 
-def warm_up(name: str, server, workload: Workload, dyn: DynamicClient | None) -> list[str]:
-    """Two short requests (compiles kernels, allocates); for dynamic, probe ignore_eos_token."""
+def warm_up(name: str, server, workload: Workload, dyn: DynamicClient | None, send=None, path: str = "") -> list[str]:
+    """Two short requests (compiles kernels, allocates); for dynamic, probe ignore_eos_token.
+    `send`/`path`: the system's sender and route when it is not the LMI streaming one."""
     import requests
 
     notes = []
-    url = server.url("/invocations")
+    url = server.url(path or "/invocations")
     for k in range(2):
         _, prompt, _ = workload.request(k)
-        if name == "rolling":
-            rec = stream_one(requests.Session(), url, prompt, 8)
+        if name != "dynamic":
+            rec = (send or stream_one)(requests.Session(), url, prompt, 8)
             if not rec["ok"]:
-                raise RuntimeError(f"rolling warm-up failed: {rec['error']}\n{server.output()[-3000:]}")
+                raise RuntimeError(f"{name} warm-up failed: {rec['error']}\n{server.output()[-3000:]}")
         else:
             assert dyn is not None
             resp = requests.post(url, json=dyn.payload(prompt, 8), timeout=300)
