@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = p.add_argument_group("gaps workload")
     g.add_argument("--clients", type=int, help="streaming clients (default 32; --quick: 8)")
     g.add_argument("--duration", type=float, help="seconds per system (default 60; --quick: 20)")
-    g.add_argument("--long-every", type=float, default=5.0, help="a long prompt joins every this many s (default 5)")
+    g.add_argument("--long-every", type=float, default=10.0, help="a long prompt joins every this many s (default 10)")
     g.add_argument("--long-tokens", type=int, default=2000, help="tokens of each long prompt (default 2000)")
     g.add_argument("--beam", action="store_true", help="also run num_beams=4 requests, one after another")
     g.add_argument("--prefill-budget", help="comma-separated option.max_rolling_batch_prefill_tokens values: "
