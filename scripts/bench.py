@@ -83,7 +83,7 @@ from benchmark.common import ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_T
 from benchmark.inprocess import inproc_point, run_worker
 from benchmark.monitor import hwm_mib
 from benchmark.points import Runner, http_point
-from benchmark.report import render_table, server_log_problems, skipped_lines, target_checks
+from benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
 from benchmark.servers import ServerSettings, Servers, warm_up
 from benchmark.workload import build_workload, model_folder
 
@@ -308,6 +308,7 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
         out.append("- longest gap between two tokens of one stream (max ITL; a joiner's prefill stalls the running "
                    "rows): " + ", ".join(stalls))
     out += [f"- {n}" for n in notes]
+    out += retried_lines(rows)
     busy_idle = [f"{r['system']}@{r['concurrency']}: {r['idle_servers_cpu_s']:.1f} s" for r in rows
                  if r.get("idle_servers_cpu_s", 0) > 1.0]
     if busy_idle:

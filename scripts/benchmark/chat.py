@@ -20,7 +20,7 @@ from pathlib import Path
 from .clients import openai_sender
 from .common import ALL_SYSTEMS, LLAMA_SYSTEMS, ModelSource, log
 from .points import Runner, http_point
-from .report import find, render_table, server_log_problems, skipped_lines
+from .report import find, render_table, retried_lines, server_log_problems, skipped_lines
 from .servers import ServerSettings, Servers, warm_up
 from .workload import SYSTEM_PROMPT, build_chat_workload, model_folder, system_prompt_tokens
 
@@ -103,7 +103,7 @@ def run_chat(args, source: ModelSource) -> tuple[str, list[dict]]:
            "is shared; the warm-up already put it in each prefix cache.",
            "- llama-server runs with its prompt cache on (`--cache-prompt`, `cache_prompt: true`): llama.cpp's "
            "prefix cache (per slot, plus its RAM prompt cache).",
-           *(f"- {n}" for n in notes), *runner.notes(),
+           *(f"- {n}" for n in notes), *retried_lines(rows), *runner.notes(),
            "", "Targets (reports, not assertions):", ttft_ratio(rows, ttft_at)]
     out += server_log_problems(server_logs)
     return "\n".join(out), rows

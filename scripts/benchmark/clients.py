@@ -62,7 +62,8 @@ def sse_one(session, url: str, payload: dict, max_new_tokens: int) -> dict:
                            "itl": [], "streamed": True, "start": time.perf_counter()}
     chunks, usage = 0, None
     try:
-        with session.post(url, json=payload, stream=True, timeout=(10, 600)) as resp:
+        resp = post_fresh_on_drop(session, url, payload, rec)
+        with resp:
             if resp.status_code != 200:
                 rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
             last = None
@@ -87,6 +88,21 @@ def sse_one(session, url: str, payload: dict, max_new_tokens: int) -> dict:
         rec["error"] = f"{type(exc).__name__}: {exc}"
     rec["e2e"] = time.perf_counter() - rec["start"]
     return rec
+
+
+def post_fresh_on_drop(session, url: str, payload: dict, rec: dict):
+    """POST, streaming. A kept-alive connection that the server closed before answering (seen with
+    llama-server: its log shows the request never arrived) is retried once on a new connection and
+    the clock restarts, as a browser does; the record says `retried`."""
+    import requests
+
+    try:
+        return session.post(url, json=payload, stream=True, timeout=(10, 600))
+    except requests.ConnectionError as exc:
+        if "RemoteDisconnected" not in repr(exc):
+            raise
+        rec["start"], rec["retried"] = time.perf_counter(), True
+        return session.post(url, json=payload, stream=True, timeout=(10, 600))
 
 
 def openai_sender(route: str, system_prompt: str | None = None, extra: dict | None = None):

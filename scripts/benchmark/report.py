@@ -117,3 +117,9 @@ def server_log_problems(server_logs: dict[str, str]) -> list[str]:
         if bad:
             problems.append(f"- {name} server log: {len(bad)} warning/error line(s), e.g. " + " | ".join(bad[:3])[:600])
     return ["", "Server log problems:", *problems] if problems else []
+
+
+def retried_lines(rows: list[dict]) -> list[str]:
+    retried = [f"{r['system']}@{r['concurrency']}: {r['retried']}" for r in rows if r.get("retried")]
+    return ["- requests sent again on a new connection after the server closed a kept-alive one unanswered: "
+            + ", ".join(retried)] if retried else []

@@ -29,6 +29,7 @@ def summarize(name: str, concurrency: int, records: list[dict], wall: float, ext
         "short": sum(1 for r in ok if r["tokens"] < r["target"]), "out_tokens": tokens, "wall_s": wall,
         "tok_s": tokens / wall if wall > 0 else 0.0, "req_s": len(ok) / wall if wall > 0 else 0.0,
         "error_samples": sorted({str(r["error"])[:300] for r in records if not r["ok"]})[:3],
+        "retried": sum(1 for r in records if r.get("retried")),  # reconnected once (clients.post_fresh_on_drop)
     }
     for key, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         row[f"{key}_p50"], row[f"{key}_p99"] = percentile(values, 50), percentile(values, 99)

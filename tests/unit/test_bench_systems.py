@@ -124,6 +124,26 @@ def test_sse_stream_times_text_chunks_and_counts_usage_tokens():
     assert not failed["ok"] and failed["error"].startswith("HTTP 500")
 
 
+class DroppingSession(FakeSession):
+    """Closes the first (kept-alive) connection unanswered, as llama-server did."""
+
+    def post(self, url, json, stream, timeout):
+        import http.client
+
+        import requests
+
+        if not self.sent:
+            self.sent.append(None)
+            raise requests.ConnectionError(http.client.RemoteDisconnected("closed without response"))
+        return super().post(url, json, stream, timeout)
+
+
+def test_a_connection_closed_unanswered_is_retried_once():
+    lines = [sse({"choices": [{"text": "a"}]}), sse({"choices": [], "usage": {"completion_tokens": 1}})]
+    rec = sse_one(DroppingSession(FakeResponse(200, lines)), "u", {"prompt": "p"}, 1)
+    assert rec["ok"] and rec["retried"] and rec["tokens"] == 1
+
+
 def test_openai_senders_force_the_length_and_put_the_system_prompt_first():
     session = FakeSession(FakeResponse(200, []))
     openai_sender("chat", "SYS", {"cache_prompt": True})(session, "u", "hello", 7)
