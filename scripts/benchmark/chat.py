@@ -102,7 +102,8 @@ def run_chat(args, source: ModelSource) -> tuple[str, list[dict]]:
            "- every request's user message is new in the run (the warm-up's too), so only the system prompt "
            "is shared; the warm-up already put it in each prefix cache.",
            "- llama-server runs with its prompt cache on (`--cache-prompt`, `cache_prompt: true`): llama.cpp's "
-           "prefix cache (per slot, plus its RAM prompt cache).",
+           "prefix cache. It is per slot (-np slots): the first request on each slot prefills the whole system "
+           "prompt (seen in its log), so at c clients up to c requests pay the full prompt once.",
            *(f"- {n}" for n in notes), *retried_lines(rows), *runner.notes(),
            "", "Targets (reports, not assertions):", ttft_ratio(rows, ttft_at)]
     out += server_log_problems(server_logs)
