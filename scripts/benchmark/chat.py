@@ -26,6 +26,9 @@ from .workload import SYSTEM_PROMPT, build_chat_workload, model_folder, system_p
 
 ROUTE = "/v1/chat/completions"
 CHAT_SYSTEMS = set(ALL_SYSTEMS) - {"dynamic", "cb", "static"}
+LLAMA_NOTE = ["- llama-server runs with its prompt cache on (`--cache-prompt`, `cache_prompt: true`): llama.cpp's "
+              "prefix cache. It is per slot (-np slots): the first request on each slot prefills the whole system "
+              "prompt (seen in its log), so at c clients up to c requests pay the full prompt once."]
 
 
 def chat_sender(name: str):
@@ -101,9 +104,7 @@ def run_chat(args, source: ModelSource) -> tuple[str, list[dict]]:
            "Notes:",
            "- every request's user message is new in the run (the warm-up's too), so only the system prompt "
            "is shared; the warm-up already put it in each prefix cache.",
-           "- llama-server runs with its prompt cache on (`--cache-prompt`, `cache_prompt: true`): llama.cpp's "
-           "prefix cache. It is per slot (-np slots): the first request on each slot prefills the whole system "
-           "prompt (seen in its log), so at c clients up to c requests pay the full prompt once.",
+           *(LLAMA_NOTE if any(s in LLAMA_SYSTEMS for s in systems) else []),
            *(f"- {n}" for n in notes), *retried_lines(rows), *runner.notes(),
            "", "Targets (reports, not assertions):", ttft_ratio(rows, ttft_at)]
     out += server_log_problems(server_logs)
