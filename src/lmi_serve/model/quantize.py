@@ -200,40 +200,55 @@ def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
 
 
 def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
-    tensors, permute_qk = _gguf_linear_tensors(model, gguf)
-    tied = tensors.get("") if getattr(model.config, "tie_word_embeddings", False) else None
+    """Every Linear the GGUF holds in Q4 blocks that match its loaded weights is replaced; the
+    replacements are all built (and checked) before the first one goes in."""
+    layers = _read_gguf_linears(model, gguf)
+    replacements: dict[str, Q4Linear] = {}
     with torch.no_grad():
         for name, linear in _linears(model):
-            found = tensors.get(name)
+            found = layers.tensors.get(name)
             if found is None or found.tensor_type.name not in _Q4_TYPES:
-                report.kept[name] = f"GGUF {found.tensor_type.name}" if found is not None else "not in the GGUF"
-                if found is None and linear is model.get_output_embeddings() and tied is not None:
-                    report.kept[name] = f"tied to the input embedding, GGUF {tied.tensor_type.name}"
-                continue
-            if linear.out_features % 16:  # the kernel packs rows in blocks of 16 / 32 / 64
+                report.kept[name] = _why_kept(model, linear, found, layers.embedding)
+            elif linear.out_features % 16:  # the kernel packs rows in blocks of 16 / 32 / 64
                 report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
-                continue
-            blocks = unpack_q4_blocks(np.asarray(found.data), found.tensor_type.name)
-            if permute_qk.get(name):
-                blocks = _permute_rows(blocks, permute_qk[name])
-            report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
-            new = Q4Linear(blocks, linear.bias)
-            report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
-            report.weight_bytes_after += new.stored_bytes()
-            _replace(model, name, new)
-            report.swapped.append(name)
-    log.warning("option.quantize=q4: torch's x86 int4 kernel has a vectorized path for bf16 activations only; "
-                "with fp32 activations (exact relative to the GGUF) it runs a scalar loop, so q4 saves memory "
-                "but decodes many times slower than fp32 (see the README's figures)")
-    if not report.swapped:
+            else:
+                blocks = unpack_q4_blocks(np.asarray(found.data), found.tensor_type.name)
+                if name in layers.permuted_heads:
+                    blocks = _permute_rows(blocks, layers.permuted_heads[name])
+                report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
+                replacements[name] = Q4Linear(blocks, linear.bias)
+                report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+                report.weight_bytes_after += replacements[name].stored_bytes()
+    if not replacements:
         raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
                             "layers; use option.quantize=fp16")
+    for name, new in replacements.items():
+        _replace(model, name, new)
+    report.swapped = list(replacements)
+    log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with fp32 "
+                "activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but decodes "
+                "far slower than fp32 (about 90x per token at B=1 measured on an AVX2 EPYC)")
 
 
-def _gguf_linear_tensors(model: nn.Module, gguf: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Linear module name -> its GGUF tensor ("" -> the input embedding's), and the Linear modules
-    whose rows llama.cpp permuted (Llama's attn_q / attn_k, undone as transformers' GGUF loader does)
-    -> head count."""
+def _why_kept(model: nn.Module, linear: nn.Linear, found: Any, embedding: Any) -> str:
+    if found is not None:
+        return f"GGUF {found.tensor_type.name}"
+    tied = getattr(model.config, "tie_word_embeddings", False) and linear is model.get_output_embeddings()
+    if tied and embedding is not None:
+        return f"tied to the input embedding, GGUF {embedding.tensor_type.name}"
+    return "not in the GGUF"
+
+
+@dataclass(frozen=True)
+class _GgufLinears:
+    tensors: dict[str, Any]  # Linear module name -> its GGUF tensor (a gguf.ReaderTensor)
+    embedding: Any  # the input embedding's GGUF tensor, or None
+    permuted_heads: dict[str, int]  # Linear module whose rows llama.cpp permuted -> its head count
+
+
+def _read_gguf_linears(model: nn.Module, gguf: Path) -> _GgufLinears:
+    """The GGUF tensors of `model`'s Linear modules, by gguf's own name map; Llama's attn_q / attn_k
+    rows are stored in llama.cpp's rotary order (undone as transformers' GGUF loader does)."""
     import gguf as gguf_lib
 
     reader = gguf_lib.GGUFReader(str(gguf))
@@ -245,15 +260,15 @@ def _gguf_linear_tensors(model: nn.Module, gguf: Path) -> tuple[dict[str, Any], 
     config = model.config
     names = gguf_lib.get_tensor_name_map(arch, config.num_hidden_layers)
     by_name = {t.name: t for t in reader.tensors}
-    tensors, permute = {"": by_name.get("token_embd.weight")}, {}  # "": the input embedding
+    tensors, permuted = {}, {}
     for module_name, _ in _linears(model):
         gguf_name = names.get_name(module_name)
         if gguf_name and f"{gguf_name}.weight" in by_name:
             tensors[module_name] = by_name[f"{gguf_name}.weight"]
             if arch_name == "llama" and gguf_name.endswith((".attn_q", ".attn_k")):
                 kv = gguf_name.endswith(".attn_k")
-                permute[module_name] = config.num_key_value_heads if kv else config.num_attention_heads
-    return tensors, permute
+                permuted[module_name] = config.num_key_value_heads if kv else config.num_attention_heads
+    return _GgufLinears(tensors, by_name.get("token_embd.weight"), permuted)
 
 
 def _permute_rows(blocks: Q4Blocks, heads: int) -> Q4Blocks:
