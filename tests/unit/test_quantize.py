@@ -50,16 +50,20 @@ def logits(model, ids: list[list[int]]) -> torch.Tensor:
 IDS = [[5, 17, 99, 3, 250, 40, 7, 300], [9, 8, 7, 6, 5, 4, 3, 2]]
 
 
+def fp16_rounded_copy(model):
+    """The reference: a copy whose every Linear has its own fp16-rounded weight (a tied input
+    embedding keeps its fp32 one, as the fp16 swap does)."""
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.detach().half().float(), requires_grad=False)
+    return reference
+
+
 def test_fp16_equals_fp32_with_fp16_rounded_weights_and_keeps_the_tied_embedding_fp32():
     model = tiny_llama(tied=True)
     embedding = model.get_input_embeddings().weight.detach().clone()
-    reference = copy.deepcopy(model)
-    reference.config.tie_word_embeddings = False
-    reference.lm_head.weight = torch.nn.Parameter(embedding.clone())  # untied: only lm_head is rounded
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(module.weight.half().float())
+    reference = fp16_rounded_copy(model)
     report = quantize_model(model, "fp16", CPU)
     assert isinstance(model.lm_head, Fp16Linear) and len(report.swapped) == 2 * 7 + 1 and not report.kept
     assert model.get_input_embeddings().weight.dtype == torch.float32
@@ -188,3 +192,19 @@ def test_quantized_greedy_is_batch_invariant_and_deterministic(tmp_path, mode, s
     alone = [greedy(model, smollm2_tokenizer, [p])[0] for p in PROMPTS]
     assert batched == alone and greedy(model, smollm2_tokenizer, PROMPTS) == batched
     assert len({tuple(row) for row in batched}) > 1, "premise: the output must depend on the prompt"
+
+
+def test_fp16_swap_is_generic_encoder_decoder_too():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                                                d_kv=8, decoder_start_token_id=0, pad_token_id=0)).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight, "premise: T5's lm_head is tied"
+    reference = fp16_rounded_copy(model)
+    report = quantize_model(model, "fp16", CPU)
+    assert report.swapped and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    inputs = {"input_ids": torch.tensor(IDS), "decoder_input_ids": torch.tensor([[0, 5, 6], [0, 7, 8]])}
+    with torch.inference_mode():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()

@@ -67,6 +67,8 @@ class QuantizeReport:
 class Fp16Linear(nn.Module):
     """`nn.Linear` with fp16-stored weights and fp32 compute (fbgemm). Holds no fp32 weight."""
 
+    weight = None  # none to read: models that cast to `layer.weight.dtype` when it is a Tensor (T5) skip that
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -119,6 +121,8 @@ def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
 class Q4Linear(nn.Module):
     """`nn.Linear` on 4-bit weights with fp32 activations: torch's x86 int4 kernel
     (`_weight_int4pack_mm_for_cpu`, group 32)."""
+
+    weight = None  # as Fp16Linear's
 
     def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None):
         super().__init__()
