@@ -26,6 +26,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark.clients import closed_loop, stream_one  # noqa: E402
+from benchmark.common import DEFAULT_MODEL  # noqa: E402
 from benchmark.stats import summarize  # noqa: E402
 from benchmark.workload import build_workload, model_folder  # noqa: E402
 
@@ -110,7 +111,7 @@ def main() -> int:
     args = p.parse_args()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_folder())
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(DEFAULT_MODEL))
     out_range = tuple(int(x) for x in args.output_len.split(","))
     workload = build_workload(tokenizer, args.requests, (10, 120), out_range)
     proc = start_server(args.port)
