@@ -84,7 +84,7 @@ from benchmark.inprocess import inproc_point, run_worker
 from benchmark.monitor import hwm_mib
 from benchmark.points import Runner, http_point
 from benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
-from benchmark.servers import ServerSettings, Servers, warm_up
+from benchmark.servers import ServerSettings, Servers, phase_split, warm_up
 from benchmark.workload import build_workload, model_folder
 
 WORKLOADS = ("sweep", "chat", "gaps")
@@ -272,6 +272,10 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
             notes.append(f"SWEEP ABORTED: {type(exc).__name__}: {str(exc)[-2000:]}")
             log(f"sweep aborted: {type(exc).__name__}: {str(exc)[-2000:]}")
         hwm = {name: hwm_mib(s.proc.pid) for name, s in servers.servers.items()}
+        for name, server in servers.servers.items():
+            split = phase_split(server) if name not in LLAMA_SYSTEMS else None
+            if split:
+                notes.append(f"engine phases of {name} over the whole run: {split}")
         server_logs = {name: s.output() for name, s in servers.servers.items()}
         llama_commands = {name: s.command for name, s in servers.servers.items() if name in LLAMA_SYSTEMS}
     finally:

@@ -57,6 +57,24 @@ def our_options(name: str, settings: ServerSettings) -> dict[str, Any]:
     return {**options, **settings.extra_options}
 
 
+def phase_split(server) -> str | None:
+    """Where a rolling server's engine spent its steps (GET /models/<m>: engine.phaseSeconds, see
+    engine/phases.py), as shares of the total, or None for a server without an engine."""
+    import requests
+
+    try:
+        name = requests.get(server.url("/models"), timeout=10).json()["models"][0]["modelName"]
+        engine = requests.get(server.url(f"/models/{name}"), timeout=10).json()[0]["models"][0].get("engine")
+    except (requests.RequestException, ValueError, KeyError, IndexError):
+        return None
+    seconds = (engine or {}).get("phaseSeconds") or {}
+    total = sum(seconds.values())
+    if not total:
+        return None
+    shares = ", ".join(f"{phase} {100 * s / total:.0f}%" for phase, s in seconds.items())
+    return f"{total:.0f} s in steps: {shares}"
+
+
 def failure_reason(log_text: str) -> str:
     """The line of a server log that says why it did not start (or the last line)."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
