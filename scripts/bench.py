@@ -56,8 +56,9 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
      scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
      scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
      (or .venv/bin/python scripts/bench.py ...). Durations on a quiet 2-core box (estimates from the
-     per-point times of earlier runs): the default sweep (8 systems: all but rolling-prefix and rolling-q4; about 2.5 minutes per system of
-     ours, 1.5 per llama-server, 4 for cb + static, plus start-up) about 25 minutes, --quick about 5;
+     per-point times of earlier runs): the default sweep (8 systems: all but rolling-prefix and
+     rolling-q4; about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus
+     start-up) about 25 minutes, --quick about 5;
      chat (3 systems at 1, 4, 16 clients) about 5; gaps about 1.5 minutes per system and budget
      (60 s each, the requests in flight, start-up). On a loaded box all of these stretch a lot.
 """
