@@ -11,7 +11,6 @@ import pytest
 import torch
 import transformers as tf
 
-from lmi_serve.engine.beam_search import beam_search
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv_encdec import decoder_prompt
 from lmi_serve.engine.static_batch import generate_static_batch
@@ -149,7 +148,11 @@ def test_the_dynamic_batch_path_equals_generate(model, prompts, smollm2_tokenize
 
 
 def test_beam_search_equals_generate(model, prompts, smollm2_tokenizer):
-    beams = beam_search(model, smollm2_tokenizer, CPU, request(prompts[1], 6), num_beams=3)
+    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=4).start()  # beams as rows of the batch
+    try:
+        beams = within(lambda: engine.beam_search(request(prompts[1], 6), 3))
+    finally:
+        engine.stop()
     start = decoder_prompt(model)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompts[1]]), decoder_input_ids=torch.tensor([start]), num_beams=3,
