@@ -109,7 +109,7 @@ class FakeEngine:
             return FailedGeneration(self.error)
         raise self.error
 
-    def beam_search(self, request, num_beams):
+    def beam_search(self, request, num_beams, client_gone=None):
         raise self.error
 
 
