@@ -46,6 +46,11 @@ def _parse(item: Input) -> list[EmbeddingInput]:
 
 class EmbeddingService:
     def __init__(self, config: ModelConfig):
+        # Text-generation options that would change nothing here are refused by name, not ignored.
+        for option, asked in (("quantize", config.quantize != "none"),
+                              ("enable_prefix_caching", config.enable_prefix_caching)):
+            if asked:
+                raise ValueError(f"option.{option}: not available for embedding models (text generation only)")
         loaded = load_encoder(config.model_id or config.model_dir, dtype=config.dtype, device_map=config.device_map,
                               revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device

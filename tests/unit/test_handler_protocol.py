@@ -366,3 +366,12 @@ def test_the_triton_contract_is_read_from_the_capabilities():
     service = SimpleNamespace(engine=None, task="tensor", name="t", capabilities=caps)
     contract = contract_for(service)
     assert contract.kind == "tensor" and contract.inputs == tuple(SPECS_IN) and contract.outputs == tuple(SPECS_OUT)
+
+
+@pytest.mark.parametrize("option", [{"quantize": "fp16"}, {"enable_prefix_caching": True}])
+def test_the_embedding_handler_refuses_text_generation_options_by_name(option):
+    handler = resolve_handler("plain", None, None, "text-embedding").module
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"^option.{name}: not available for embedding models"):
+        handler.load(ModelConfig(name="e", model_id="x", **option),
+                     HandlerContext(task="text-embedding", cache_dir="/c", rolling_batch=False))
