@@ -23,6 +23,8 @@ from lmi_serve.errors import ClientGone, Overloaded
 from beam_reference import reference_beam_search  # noqa: E402
 from waiting import within  # noqa: E402
 
+from tiny_seq2seq import tiny_seq2seq  # noqa: E402
+
 CPU = torch.device("cpu")
 PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):"]
 
@@ -106,24 +108,10 @@ def test_beams_follow_the_models_length_penalty_and_early_stopping(length_penalt
     assert_same_beams(search_alone(tiny_model, tok, request, 3, KV_CACHES["slots"]), expected)
 
 
-def _seq2seq(kind: str, vocab: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if kind == "t5":
-        return tf.T5ForConditionalGeneration(tf.T5Config(
-            vocab_size=vocab, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0)).eval()
-    model = tf.BartForConditionalGeneration(tf.BartConfig(
-        vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval()
-    model.generation_config.forced_bos_token_id = 0
-    return model
-
-
 @pytest.mark.parametrize("kind", ["t5", "bart"])
 def test_encoder_decoder_beams_equal_transformers_generate(kind, smollm2_tokenizer):
     tok = smollm2_tokenizer
-    model = _seq2seq(kind, len(tok))
+    model = tiny_seq2seq(kind, len(tok))
     for prompt in PROMPTS[:2]:
         request = beam_request(tok, prompt, max_new_tokens=6, repetition_penalty=1.2)
         expected = reference_beam_search(model, tok, CPU, request, 3)

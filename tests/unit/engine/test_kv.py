@@ -17,6 +17,7 @@ from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
+from tiny_seq2seq import tiny_seq2seq  # noqa: E402
 
 CPU = torch.device("cpu")
 PROMPTS = ALL_PROMPTS[:5]
@@ -160,7 +161,7 @@ def test_kv_keep_with_repeated_indices_copies_rows(kind, tiny_model, prompt_ids)
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
 def test_encoder_decoder_kv_keep_with_repeated_indices_copies_rows(kind, smollm2_tokenizer, prompt_ids):
-    model = _seq2seq(kind, len(smollm2_tokenizer))
+    model = tiny_seq2seq(kind, len(smollm2_tokenizer))
     start = list(decoder_prompt(model))
     kv = EncoderDecoderKV.prefill(model, [prompt_ids[2]], pad_id=0, device=CPU).kv
     kv.keep([0, 0, 0])
@@ -187,26 +188,12 @@ def test_dynamic_kv_prompt_logits_are_each_rows_own(tiny_model, prompt_ids):
     assert DynamicKV.prefill(tiny_model, prompts, pad_id=0, device=CPU).prompt_logits is None
 
 
-def _seq2seq(kind: str, vocab: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if kind == "t5":
-        return tf.T5ForConditionalGeneration(tf.T5Config(
-            vocab_size=vocab, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, decoder_start_token_id=0)).eval()
-    model = tf.BartForConditionalGeneration(tf.BartConfig(
-        vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval()
-    model.generation_config.forced_bos_token_id = 0
-    return model
-
-
 @pytest.mark.parametrize("kind", ["t5", "bart"])
 def test_encoder_decoder_kv_keep_and_extend_match_a_fresh_forward(kind, smollm2_tokenizer, prompt_ids):
     """The same contract for kv_encdec.py: after rows joined (decoder columns left-padded, prompt
     columns right-padded), left and decoded, every row's logits equal one unpadded forward of its
     prompt through the encoder and its decoder prompt plus the tokens it was fed."""
-    model = _seq2seq(kind, len(smollm2_tokenizer))
+    model = tiny_seq2seq(kind, len(smollm2_tokenizer))
     start = list(decoder_prompt(model))
     fed: dict[int, list[int]] = {i: [] for i in range(len(prompt_ids))}
 
