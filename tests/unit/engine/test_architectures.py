@@ -29,6 +29,7 @@ import transformers as tf
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv_encdec import decoder_prompt
 from lmi_serve.engine.kv_select import KV_CACHES
+from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from waiting import within
@@ -183,7 +184,15 @@ def one_thread():
 SEQ2SEQ = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus"})
 # Decoder-only families run on each decoder-only KV implementation (option.kv_cache); encoder-decoders
 # have their own (kv_encdec.py).
-CASES = [(name, kv) for name in FAMILIES for kv in ((None,) if name in SEQ2SEQ else sorted(KV_CACHES))]
+class EveryLengthItsPart(SlotKV):
+    """The slot cache with rows of different lengths never merged into one part (kv_slots.py): every
+    family also runs with its rows attending per part (slot_attention.py), where the model allows it."""
+
+    merge_slack = 0
+
+
+KV_UNDER_TEST = {**KV_CACHES, "slots-parts": EveryLengthItsPart.prefill}
+CASES = [(name, kv) for name in FAMILIES for kv in ((None,) if name in SEQ2SEQ else sorted(KV_UNDER_TEST))]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{kv or 'encdec'}" for name, kv in CASES])
@@ -198,7 +207,7 @@ def served(request, smollm2_tokenizer):
     first = len(smollm2_tokenizer.all_special_ids) + 1  # plain tokens: the detokenizer shows them all
     prompts = [tuple(torch.randint(first, vocab, (n,), generator=generator).tolist()) for n in PROMPT_LENGTHS]
     expected = [reference(model, p) for p in prompts]
-    factory = KV_CACHES[kv] if kv else None
+    factory = KV_UNDER_TEST[kv] if kv else None
     engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=name, kv_factory=factory).start()
     yield Served(name, family, model, prompts, expected, engine, factory)
     engine.stop()

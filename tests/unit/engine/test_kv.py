@@ -12,7 +12,7 @@ from lmi_serve.engine.kv import KVBatch, Prefilled
 from lmi_serve.engine.kv_dynamic import DynamicKV
 from lmi_serve.engine.kv_encdec import EncoderDecoderKV, decoder_prompt
 from lmi_serve.engine.kv_select import KV_CACHES, choose_kv, kv_factory_for
-from lmi_serve.engine.kv_slots import SlotKV
+from lmi_serve.engine.kv_slots import SlotKV, merges
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
@@ -225,9 +225,11 @@ def test_encoder_decoder_kv_keep_and_extend_match_a_fresh_forward(kind, smollm2_
     assert torch.allclose(step([301, 302, 303]), fresh(order), atol=1e-4)
 
 
-def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids):
-    """Same layout, same forward: only where K/V are stored differs, so the logits are identical,
-    through joins (both directions of padding), leaves and growth past the first column capacity."""
+def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids, monkeypatch):
+    """In one part, same layout, same forward: only where K/V are stored differs, so the logits are
+    identical, through joins (both directions of padding), leaves and growth past the first column
+    capacity."""
+    monkeypatch.setattr(SlotKV, "merge_slack", 10**9)  # every joiner merges: one part
     runs = []
     for factory in (DynamicKV.prefill, SlotKV.prefill):
         out = factory(tiny_model, [prompt_ids[i] for i in (0, 4)], pad_id=0, device=CPU)
@@ -251,15 +253,69 @@ def test_slot_kv_writes_in_place_and_reuses_its_buffers(tiny_model, prompt_ids):
     out = SlotKV.prefill(tiny_model, [prompt_ids[1], prompt_ids[3]], pad_id=0, device=CPU)
     kv = out.kv
     layer = kv.cache.layers[0]
-    store = layer.key_store
+    [part] = layer.parts
+    store = part.key_store
     for step in range(5):
         kv.feed(torch.tensor([7, 8]))
         kv.decode()
-    assert layer.key_store is store  # no new buffer per step
+    assert part.key_store is store  # no new buffer per step
     assert layer.keys.data_ptr() == store.data_ptr() and layer.keys.shape[2] == kv.mask.shape[1]
     kv.keep([1])
     kv.extend(SlotKV.prefill(tiny_model, [prompt_ids[0]], pad_id=0, device=CPU).kv)
-    assert layer.key_store is store and layer.rows == 2  # rows left and joined within the capacity
+    assert layer.parts == [part] and part.rows == 2  # a short joiner merged into the part
+    assert part.key_store.shape[0] >= 2 and part.keys.shape[2] == kv.mask.shape[1]
+
+
+def test_slot_kv_parts_attend_over_their_own_columns(tiny_model, prompt_ids):
+    """A long row joining short ones arrives as its own part: the short rows' buffers are neither
+    copied nor widened, each row attends over its own part's columns, and every row's logits equal
+    a forward of that row alone. When the long row leaves, the parts merge back into one."""
+    sequences = [list(prompt_ids[i]) for i in (0, 1)]
+    out = SlotKV.prefill(tiny_model, sequences, pad_id=0, device=CPU)
+    kv = out.kv
+    short_store = kv.cache.layers[0].parts[0].key_store
+    long_prompt = (list(prompt_ids[2]) * 40)[:400]
+    kv.extend(SlotKV.prefill(tiny_model, [long_prompt], pad_id=0, device=CPU).kv)
+    sequences.append(long_prompt)
+    rows, lengths = kv.part_shapes()
+    assert rows == [2, 1] and lengths == [max(map(len, sequences[:2])), 400]
+    assert kv.cache.layers[0].parts[0].key_store is short_store  # the short rows did not move
+    for step in range(3):
+        tokens = [11 + step, 12 + step, 13 + step]
+        kv.feed(torch.tensor(tokens))
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        logits = kv.decode()
+        for sequence, row in zip(sequences, logits):
+            assert torch.allclose(row, fresh_logits(tiny_model, [sequence])[0], atol=1e-4)
+    assert kv.row_kv(2, 0, 400)[0][0].shape[1] == 400  # the prefix cache reads a row in its part
+    kv.keep([0, 1])  # the long row leaves: one part again, as narrow as the short rows need
+    assert kv.part_shapes() == ([2], [max(map(len, sequences[:2]))]) and kv.mask.shape[1] == kv.part_shapes()[1][0]
+    kv.keep([1, 0])
+    kv.feed(torch.tensor([7, 8]))
+    assert torch.allclose(kv.decode(), fresh_logits(tiny_model, [sequences[1] + [7], sequences[0] + [8]]), atol=1e-4)
+
+
+def test_slot_kv_keep_across_parts_out_of_order_merges_them_first(tiny_model, prompt_ids):
+    sequences = [list(prompt_ids[0]), (list(prompt_ids[2]) * 40)[:400]]
+    kv = SlotKV.prefill(tiny_model, sequences[:1], pad_id=0, device=CPU).kv
+    kv.extend(SlotKV.prefill(tiny_model, sequences[1:], pad_id=0, device=CPU).kv)
+    assert kv.part_shapes()[0] == [1, 1]
+    kv.keep([1, 0, 1])  # the rows' parts are visited out of order
+    assert kv.part_shapes() == ([3], [400])
+    kv.feed(torch.tensor([5, 6, 7]))
+    expected = fresh_logits(tiny_model, [sequences[1] + [5], sequences[0] + [6], sequences[1] + [7]])
+    assert torch.allclose(kv.decode(), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, lengths, plan", [
+    ([4, 1], [100, 110], [0]),  # 4 x 10 padded cells: cheap
+    ([32, 1], [300, 2000], []),  # 32 x 1700: a part of its own
+    ([32, 1, 1], [300, 2000, 290], []),  # the short joiner cannot merge over the long row
+    ([1] * 8, [1000 * i for i in range(1, 9)], [0, 1]),  # at most MAX_PARTS: the cheapest pairs merge
+])
+def test_merges_by_padding_added(rows, lengths, plan):
+    assert merges(rows, lengths) == plan
 
 
 def test_choose_kv_by_name_and_refuse_slots_that_cannot_fit(tiny_model, caplog):
