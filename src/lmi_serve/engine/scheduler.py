@@ -141,7 +141,7 @@ class Scheduler:
         with self.phases.measure(ADMIT):
             self._drop_cancelled_and_expired()
             self._admit_beams()
-            chunk = min(self.chunking.remaining, self.max_prefill_tokens) if self.chunking else 0
+            chunk = self.chunking.cost(self.max_prefill_tokens) if self.chunking else 0
             joiners = self._admit(self.max_prefill_tokens - chunk)
         if self.chunking is not None:
             self._advance_chunk(chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners))
@@ -290,7 +290,7 @@ class Scheduler:
         prefill = self._start_prefill(handle)
         try:
             with self.phases.measure(PREFILL):
-                batch = prefill.advance(len(handle.request.prompt_ids))
+                batch = prefill.finish()
             self._first_tokens(batch)
         except Exception as exc:
             self.stats.failed_steps += 1

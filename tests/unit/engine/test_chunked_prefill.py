@@ -3,10 +3,12 @@ chunk per step while the running rows keep decoding, and generates what a whole 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from lmi_serve.engine.chunked import supports_chunks
+from lmi_serve.engine.chunked import attention_crossover, chunk_tokens, supports_chunks
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv_encdec import EncoderDecoderKV
 from lmi_serve.engine.kv_select import KV_CACHES
@@ -52,7 +54,12 @@ def test_running_rows_get_a_token_every_step_while_a_long_prompt_is_chunked(tiny
     scheduler = engine.scheduler
     running = engine.generate([greedy(long_prompts[2][:5], n=40)])
     scheduler.step()  # the short prompt joins
-    long = engine.generate([greedy(long_prompts[3], n=3)])  # 61 tokens: 8 chunks of at most 8
+    long = engine.generate([greedy(long_prompts[3], n=3)])  # 61 tokens: chunks of at most 8
+    crossover, done, sizes = attention_crossover(tiny_model), 0, []
+    while done < len(long_prompts[3]):  # the chunks the budget allows, shorter as the context grows
+        sizes.append(min(chunk_tokens(BUDGET, done, crossover), len(long_prompts[3]) - done))
+        done += sizes[-1]
+    assert sizes[0] == BUDGET - 1 and sizes[-2] < sizes[0]  # the tiny model's attention is a large share
     chunks = 0
     while True:
         before = scheduler.stats.prefills
@@ -61,8 +68,8 @@ def test_running_rows_get_a_token_every_step_while_a_long_prompt_is_chunked(tiny
         chunks += 1
         if scheduler.stats.prefills > before:
             break
-        assert scheduler.chunking is not None and scheduler.chunking.done == BUDGET * chunks
-    assert chunks == -(-len(long_prompts[3]) // BUDGET)
+        assert scheduler.chunking is not None and scheduler.chunking.done == sum(sizes[:chunks])
+    assert chunks == len(sizes)
     while scheduler.batch:
         scheduler.step()
     [first], [second] = running.results(), long.results()
@@ -70,6 +77,26 @@ def test_running_rows_get_a_token_every_step_while_a_long_prompt_is_chunked(tiny
     # The short row's first step gave it two tokens (prefill, then decode), every later step one: 40
     # tokens in 39 steps, the chunks' steps included, so no step passed it by.
     assert scheduler.stats.steps == 40 - 1
+
+
+@pytest.mark.parametrize("budget, done, crossover, expected", [
+    (512, 0, math.inf, 512),  # no crossover known: tokens count alone
+    (512, 0, 3072.0, 475),  # SmolLM2's crossover: 475 x (1 + 237.5 / 3072) <= 512
+    (512, 1500, 3072.0, 331),  # deep into the prompt, the same budget buys fewer tokens
+    (1, 10**6, 3072.0, 1),  # always at least one token
+])
+def test_chunk_tokens_counts_attention_over_the_context(budget, done, crossover, expected):
+    n = chunk_tokens(budget, done, crossover)
+    assert n == expected
+    if math.isfinite(crossover) and n > 1:
+        cost = lambda k: k * (1 + (done + k / 2) / crossover)  # noqa: E731
+        assert cost(n) <= budget < cost(n + 1)
+
+
+def test_attention_crossover_of_smollm2_shape(tiny_model):
+    config = tiny_model.config  # hidden 64, 4 heads of 16, 2 KV heads, MLP 128
+    linear = 64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128
+    assert attention_crossover(tiny_model) == linear / (2 * 4 * 16) and config.hidden_size == 64
 
 
 def test_a_cancelled_chunked_prompt_ends_at_once(tiny_model, smollm2_tokenizer, long_prompts):
