@@ -45,8 +45,9 @@ from .chunked import ChunkedPrefill, chunkable, supports_chunks
 from .prefix_cache import PrefixCache, supports_prefixes
 from .handle import RequestHandle
 from .kv import KVFactory
-from .kv_select import kv_factory_for
+from .kv_select import is_encoder_decoder, kv_factory_for
 from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
+from .slot_attention import use_parts
 from .types import GenerationRequest, TokenEvent
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class Scheduler:
         reuse the K/V of a prefix prefilled before; the factory must `supports_prefixes`."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_factory = kv_factory or kv_factory_for(model)
+        if model is not None and not is_encoder_decoder(model):
+            use_parts(model)  # one attention function for every KV cache (slot_attention.py)
         self.chunks = supports_chunks(self.kv_factory)
         if prefix_cache is not None and not supports_prefixes(self.kv_factory):
             raise ValueError("this model's KV cache cannot start a row from a cached prefix")
