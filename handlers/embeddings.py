@@ -19,6 +19,7 @@ from lmi_serve.config import ModelConfig
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
+from lmi_serve.model.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import load_encoder
 
 EmbeddingInput = str | list[int]  # a text, or the token ids the model reads
@@ -54,6 +55,7 @@ class EmbeddingService:
         loaded = load_encoder(config.model_id or config.model_dir, dtype=config.dtype, device_map=config.device_map,
                               revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device)
         self.max_length = min(self.tokenizer.model_max_length, 512)
         self.embed(["warm up"])
 

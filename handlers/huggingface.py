@@ -26,6 +26,7 @@ from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopPara
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
+from lmi_serve.model.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
 from lmi_serve.model.quantize import QuantizeReport, quantize_model
 
@@ -48,6 +49,8 @@ class TextGenerationService:
             revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         self.quantized = _quantize(self.model, config, self.device)
+        # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are.
+        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device)
         # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
         # fails the load here (UnsupportedModel), before the warm-up runs it.
         check_supported(self.model)

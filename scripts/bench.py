@@ -11,11 +11,14 @@ side by side in one run. Three workloads (--workload):
 
 Systems:
 
-- rolling     our server, option.rolling_batch=scheduler (max_rolling_batch_size 32, kv_cache=slots); streaming
+- rolling     our server, option.rolling_batch=scheduler (max_rolling_batch_size 32, kv_cache=slots,
+              linear_kernel=auto: oneDNN's packed fp32 weights on a CPU); streaming
               POST /invocations, application/jsonlines, one line per token. TTFT = first line,
               ITL = gaps between lines, output tokens = token lines.
-- rolling-dynamic  the same rolling server with option.kv_cache=dynamic (transformers' DynamicCache,
-              concatenated every step): the KV baseline.
+- rolling-dynamic  the path before the fast engine: option.kv_cache=dynamic (transformers' DynamicCache,
+              concatenated every step) and option.linear_kernel=torch (nn.Linear: MKL's sgemm).
+- rolling-linear-torch  rolling with option.linear_kernel=torch: splits rolling / rolling-dynamic into
+              the KV cache's part and the Linear kernel's.
 - rolling-fp16, rolling-q4  rolling with option.quantize=fp16 / q4 (opt-in lighter weights).
 - rolling-prefix  rolling with option.enable_prefix_caching=true (in the sweep no prompts share a
               prefix, so it measures the cache's overhead; the chat workload measures its gain).

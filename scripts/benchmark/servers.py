@@ -18,8 +18,10 @@ ROLLING_BASE = {"rolling_batch": "scheduler", "predict_timeout": 600}
 # Each rolling system: the options it adds to ROLLING_BASE. A system whose options the server does
 # not know yet (it warns "not lmi-serve options" and would silently ignore them) is skipped.
 ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
-    "rolling": {"kv_cache": "slots"},
-    "rolling-dynamic": {"kv_cache": "dynamic"},  # transformers' DynamicCache: the KV baseline
+    "rolling": {"kv_cache": "slots"},  # and option.linear_kernel=auto: oneDNN's packed fp32 weights on a CPU
+    # The path before the fast engine: transformers' DynamicCache and torch's nn.Linear (MKL).
+    "rolling-dynamic": {"kv_cache": "dynamic", "linear_kernel": "torch"},
+    "rolling-linear-torch": {"kv_cache": "slots", "linear_kernel": "torch"},  # rolling less the oneDNN layers
     "rolling-fp16": {"kv_cache": "slots", "quantize": "fp16"},
     "rolling-q4": {"kv_cache": "slots", "quantize": "q4"},
     "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},

@@ -60,12 +60,15 @@ KvCache = Literal["slots", "dynamic"]
 # Opt-in lighter weights (model/quantize.py): none = the weights as loaded; fp16 = fp16-stored weights,
 # fp32 compute; q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only). CPU only.
 Quantize = Literal["none", "fp16", "q4"]
+# fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
+# (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
+LinearKernel = Literal["auto", "onednn", "torch"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
-    "kv_cache": get_args(KvCache), "quantize": get_args(Quantize),
+    "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
 }
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -145,6 +148,7 @@ class ModelConfig(BaseModel):
     enable_prefix_caching: bool = False
     prefix_cache_mb: int = Field(512, ge=1)
     quantize: Quantize = "none"
+    linear_kernel: LinearKernel = "auto"
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False
@@ -162,7 +166,7 @@ class ModelConfig(BaseModel):
     options: dict[str, str] = Field(default_factory=dict)
     unknown_options: tuple[str, ...] = ()
 
-    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", mode="before")
+    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:

@@ -174,16 +174,23 @@ def row(system, c, tok_s, tpot=None, ttft=None):
 
 def test_ratio_lines_against_rolling_dynamic_rolling_and_llama_server():
     rows = [row("rolling", 1, 20, tpot=0.040), row("rolling", 32, 100), row("rolling-dynamic", 32, 40),
+            row("rolling-dynamic", 1, 15, tpot=0.050), row("rolling-linear-torch", 32, 50),
             row("rolling-fp16", 1, 30, tpot=0.018), row("rolling-fp16", 32, 130),
             row("llama-server", 1, 80), row("llama-server", 32, 150), row("llama-server-f32", 32, 200)]
     lines = "\n".join(target_checks(rows, 32, 16))
-    assert "rolling@32 vs rolling-dynamic@32 (kv_cache=slots vs dynamic) tok/s: 100.0 / 40.0 = **2.50x**" in lines
+    assert "rolling@32 vs rolling-dynamic@32 (the path before the fast engine) tok/s: 100.0 / 40.0 = **2.50x**" in lines
+    assert "kv_cache=slots vs dynamic, both on torch's nn.Linear, @32: 50.0 / 40.0 = 1.25x" in lines
+    assert "linear_kernel=onednn vs torch, both on slots, @32: 100.0 / 50.0 = 2.00x" in lines
     assert "rolling-fp16@32 vs rolling-dynamic@32 tok/s: 130.0 / 40.0 = **3.25x** (target >= 3.0x) PASS" in lines
     assert "rolling-q4@32 vs rolling-dynamic@32 tok/s: not measured" in lines
-    assert tpot_ratios(rows) == ["- single-stream TPOT p50 rolling-fp16 / rolling: 18.0 / 40.0 ms = **0.45x** "
-                                 "(target <= 0.5x) PASS"]
+    assert tpot_ratios(rows) == [
+        "- single-stream TPOT p50 rolling-dynamic / rolling: 50.0 / 40.0 ms = **1.25x**",
+        "- single-stream TPOT p50 rolling-fp16 / rolling: 18.0 / 40.0 ms = **0.45x**",
+        "- single-stream TPOT p50 rolling / rolling-dynamic: 40.0 / 50.0 ms = **0.80x**",
+        "- single-stream TPOT p50 rolling-fp16 / rolling-dynamic: 18.0 / 50.0 ms = **0.36x** (target <= 0.5x) PASS"]
     llama_lines = llama_ratios(rows, [1, 32])
-    assert llama_lines[0] == "- tok/s vs llama-server (Q4_1, 80.0 tok/s) at 1 client(s): rolling 0.25x, rolling-fp16 0.38x"
+    assert llama_lines[0] == ("- tok/s vs llama-server (Q4_1, 80.0 tok/s) at 1 client(s): rolling 0.25x, "
+                              "rolling-dynamic 0.19x, rolling-fp16 0.38x")
     assert "rolling 0.50x" in llama_lines[2] and "F32" in llama_lines[2]
 
 

@@ -149,20 +149,21 @@ class Q4Linear(nn.Module):
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    """The plain nn.Linear modules: a subclass has its own forward (Llama 4's router returns a tuple)."""
+    return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _rss() -> int:
+def process_rss() -> int:
     gc.collect()
     return psutil.Process().memory_info().rss
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Give the swap's freed temporaries back to the OS (glibc keeps them otherwise: ~290 MiB for q4)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -192,20 +193,20 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path
     report = QuantizeReport(mode)
     if mode == "none":
         return report
-    started, report.rss_before = time.monotonic(), _rss()
+    started, report.rss_before = time.monotonic(), process_rss()
     if mode == "fp16":
         _swap_fp16(model, report)
     else:
         _swap_q4(model, gguf, report)
-    _own_remaining_tensors(model)
+    own_remaining_tensors(model)
     gc.collect()
-    _return_freed_memory()
-    report.seconds, report.rss_after = time.monotonic() - started, _rss()
+    return_freed_memory()
+    report.seconds, report.rss_after = time.monotonic() - started, process_rss()
     log.info("%s", report.describe())
     return report
 
 
-def _own_remaining_tensors(model: nn.Module) -> None:
+def own_remaining_tensors(model: nn.Module) -> None:
     """Copy what the swap left (embeddings, norms, biases) out of the loaded file: tensors loaded
     from safetensors are views of one memory-mapped file, which stays mapped (and resident) while
     any of them lives, so without this the swapped-out fp32 weights would still count."""
@@ -220,7 +221,7 @@ def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
             new = Fp16Linear(linear)
             report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
             report.weight_bytes_after += new.stored_bytes()
-            _replace(model, name, new)
+            replace_module(model, name, new)
             report.swapped.append(name)
 
 
@@ -248,7 +249,7 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
         raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
                             "layers; use option.quantize=fp16")
     for name, new in replacements.items():
-        _replace(model, name, new)
+        replace_module(model, name, new)
     report.swapped = list(replacements)
     log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with fp32 "
                 "activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but decodes "

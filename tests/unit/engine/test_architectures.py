@@ -32,6 +32,7 @@ from lmi_serve.engine.kv_select import KV_CACHES
 from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
+from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 from waiting import within
 
 CPU = torch.device("cpu")
@@ -169,6 +170,8 @@ class Served:
     expected: list[list[int]]  # reference() of each prompt
     engine: Engine
     kv_factory: Any = None  # the KV implementation under test (None: the model's default)
+    weights: dict | None = None  # the model's state dict as built (before a Linear kernel swap)
+    onednn: bool = False  # its Linear layers run on oneDNN
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -192,7 +195,11 @@ class EveryLengthItsPart(SlotKV):
 
 
 KV_UNDER_TEST = {**KV_CACHES, "slots-parts": EveryLengthItsPart.prefill}
+# Every family also runs with its fp32 Linear layers on oneDNN (option.linear_kernel, model/linear_kernels.py)
+# on its default KV cache: the references are then generate()'s on the swapped model.
+ONEDNN = "onednn"
 CASES = [(name, kv) for name in FAMILIES for kv in ((None,) if name in SEQ2SEQ else sorted(KV_UNDER_TEST))]
+CASES += [(name, ONEDNN) for name in FAMILIES] if onednn_available() else []
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{kv or 'encdec'}" for name, kv in CASES])
@@ -203,13 +210,16 @@ def served(request, smollm2_tokenizer):
     family = FAMILIES[name]
     vocab = len(smollm2_tokenizer)
     model = build(family, vocab, WINDOW)
+    weights = model.state_dict()
+    if kv == ONEDNN:
+        assert use_linear_kernel(model, "onednn", CPU).swapped
     generator = torch.Generator().manual_seed(1)
     first = len(smollm2_tokenizer.all_special_ids) + 1  # plain tokens: the detokenizer shows them all
     prompts = [tuple(torch.randint(first, vocab, (n,), generator=generator).tolist()) for n in PROMPT_LENGTHS]
     expected = [reference(model, p) for p in prompts]
-    factory = KV_UNDER_TEST[kv] if kv else None
+    factory = KV_UNDER_TEST[kv] if kv in KV_UNDER_TEST else None
     engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=name, kv_factory=factory).start()
-    yield Served(name, family, model, prompts, expected, engine, factory)
+    yield Served(name, family, model, prompts, expected, engine, factory, weights, kv == ONEDNN)
     engine.stop()
 
 
@@ -233,7 +243,9 @@ def test_premise_the_window_changes_the_output(served, smollm2_tokenizer):
         return
     assert served.family.window in kinds
     twin = build(served.family, len(smollm2_tokenizer), NO_WINDOW)
-    twin.load_state_dict(served.model.state_dict())
+    twin.load_state_dict(served.weights)
+    if served.onednn:
+        use_linear_kernel(twin, "onednn", CPU)
     long_prompts = [(p, e) for p, e in zip(served.prompts, served.expected) if len(p) > WINDOW]
     assert any(reference(twin, p) != e for p, e in long_prompts), "the window never mattered"
 
