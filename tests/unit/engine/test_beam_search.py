@@ -287,6 +287,7 @@ def test_a_beam_search_whose_client_left_is_dropped(tiny_model, smollm2_tokenize
         while engine.scheduler.running and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.scheduler.running == 0 and not engine.scheduler.beams
-        assert engine.scheduler.stats.steps < 100  # dropped, not run to its 400 tokens
+        # Dropped, not run to its end: 400 tokens take 400 steps (a tighter bound raced the 50 ms poll on a busy box).
+        assert engine.scheduler.stats.steps < 400
     finally:
         engine.stop()
