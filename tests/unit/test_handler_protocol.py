@@ -212,6 +212,7 @@ def no_model(monkeypatch):
     import lmi_serve.engine.engine
     import lmi_serve.engine.kv_select
     import lmi_serve.engine.static_batch
+    import lmi_serve.model.linear_kernels
     import lmi_serve.model.loader
 
     calls: dict = {}
@@ -227,7 +228,11 @@ def no_model(monkeypatch):
     class RollingBatchService(Recorder):
         pass
 
+    def use_linear_kernel(model, requested, device):
+        calls["use_linear_kernel"] = requested
+
     monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
+    monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)
     monkeypatch.setattr(lmi_serve.engine.static_batch, "generate_static_batch", lambda *args: iter(()))
@@ -246,7 +251,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
                     tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
-                    prefix_cache_mb=3)
+                    prefix_cache_mb=3, linear_kernel="torch")
 
 
 def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
@@ -262,6 +267,7 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert model_id == "org/model"
     assert kwargs == {"gguf_file": "m.gguf", "dtype": "bf16", "device_map": "auto", "tensor_parallel_degree": "max",
                       "revision": "main", "trust_remote_code": True, "cache_dir": "/tmp/cache"}
+    assert no_model.calls["use_linear_kernel"] == "torch"
     engine, rolling = engine_and_rolling(no_model)
     prefix_cache = engine.kwargs.pop("prefix_cache")
     assert isinstance(prefix_cache, PrefixCache) and prefix_cache.budget_bytes == 3 * 2**20
