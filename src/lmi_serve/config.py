@@ -251,6 +251,8 @@ class ServerConfig(BaseModel):
     request_id_header: str = "x-request-id"
     cache_dir: str = Field(default_factory=lambda: os.path.expanduser("~/.cache/lmi-serve"))
     triton_server_name: str = Field("triton", min_length=1)  # GET /v2 "name" (Triton's scripts check it)
+    # OpenAI routes: an unknown `model` is a 404 even when one text-generation model is served (vLLM)
+    strict_model_names: bool = False
     models: tuple[ModelConfig, ...] = Field(min_length=1)
 
     @field_validator("models")
@@ -517,4 +519,5 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
     cache_dir = env.get("LMI_SERVE_CACHE_DIR", "").strip() or "~/.cache/lmi-serve"
     values["cache_dir"] = _expand_home(cache_dir, env)
     take("triton_server_name", "LMI_SERVE_TRITON_SERVER_NAME")
+    take("strict_model_names", "LMI_SERVE_STRICT_MODEL_NAMES")
     return _validated(lambda: ServerConfig.model_validate(values), values, keys)
