@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, current_app, request
 
-from ... import streaming
+from ... import guided, streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
@@ -61,7 +61,7 @@ def _submit(parsed: RollingRequest) -> tuple[RenderContext, Generation]:
     # Overloaded, which the error table answers.
     requests = to_generation_requests(parsed.parameters, prompt_ids, eos_token_ids=engine.eos_token_ids,
                                       max_model_len=engine.max_model_len, max_input_len=engine.max_model_len - 1)
-    generation = engine.generate(requests)
+    generation = guided.generate(engine, requests, "parameters.grammar")
     ctx = RenderContext.for_request(parsed, tgi_compat=True, seed=requests[0].sampling.seed,
                                     prompt_tokens_count=len(requests[0].prompt_ids))
     return ctx, generation
