@@ -122,7 +122,7 @@ LMI_OPTIONAL = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
                 "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 7,
                 "stop_token_ids": [2], "ignore_eos_token": False, "details": True, "decoder_input_details": True,
                 "top_n_tokens": 2, "return_full_text": True, "n": 1, "best_of": 1, "num_beams": 1, "truncate": 8,
-                "include_stop_str_in_output": False, "watermark": False, "output_formatter": "jsonlines",
+                "include_stop_str_in_output": False, "watermark": True, "output_formatter": "jsonlines",
                 "grammar": {"type": "regex", "value": "[a-z ]{1,8}"}}
 LMI_GUARDS = (("parameters.max_new_tokens", "parameters.stop_sequences"),)
 

@@ -9,8 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import huggingface_hub.constants
 import pytest
+import torch
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
+from transformers import WatermarkDetector
+
+from lmi_serve.engine.watermark import WatermarkSettings
 
 pytestmark = pytest.mark.integration
 
@@ -120,14 +124,29 @@ def test_an_invalid_grammar_is_tgis_validation_error_naming_the_field(client, gr
         next(iter(client.text_generation("Hi", max_new_tokens=4, grammar=grammar, stream=True)))
 
 
-def test_watermark_is_applied_and_reproducible(client):
-    prompt, kwargs = "Write a short story about a dragon.", dict(max_new_tokens=40, return_full_text=False)
+def test_watermark_is_applied_reproducible_and_detected(client, tokenizer):
+    prompt, kwargs = "Once upon a time", dict(max_new_tokens=40, return_full_text=False)
     marked = client.text_generation(prompt, watermark=True, **kwargs)
     assert client.text_generation(prompt, watermark=True, **kwargs) == marked
     assert client.text_generation(prompt, watermark=False, **kwargs) != marked
-    sampled = dict(kwargs, do_sample=True, seed=11, temperature=0.8)
-    assert (client.text_generation(prompt, watermark=True, **sampled)
-            == client.text_generation(prompt, watermark=True, **sampled))
+    seeded = dict(kwargs, do_sample=True, seed=11, temperature=0.8)
+    assert client.text_generation(prompt, watermark=True, **seeded) == \
+        client.text_generation(prompt, watermark=True, **seeded)
+    sampled = dict(max_new_tokens=150, do_sample=True, seed=11, temperature=0.8, details=True)
+    long_marked = client.text_generation(prompt, watermark=True, **sampled)
+    long_plain = client.text_generation(prompt, watermark=False, **sampled)
+    detector = WatermarkDetector(model_config(tokenizer), "cpu", WatermarkSettings().detector_config(),
+                                 ignore_repeated_ngrams=True)
+    scores = [detector(torch.tensor([[t.id for t in out.details.tokens]]), return_dict=True)
+              for out in (long_marked, long_plain)]
+    assert scores[0].prediction[0] and not scores[1].prediction[0], (scores, long_marked.details.generated_tokens)
+
+
+def model_config(tokenizer):
+    """The served model's config (the detector reads its vocabulary size and BOS id)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tokenizer.name_or_path)
 
 
 # --- chat_completion (the Messages API) ---------------------------------------------------------

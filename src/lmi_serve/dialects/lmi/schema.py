@@ -14,7 +14,7 @@ Rolling-batch rules beyond single-field ranges (`_check_rules`):
 - num_beams > 1 cannot be combined with sampling;
 - n / best_of / num_beams > 1 only without streaming (LMI returns best_of_sequences only whole);
 - `null` parameter values mean "not set"; `stop` is accepted for `stop_sequences`, and a single
-  string for a list; `watermark: false` (sent by TGI clients) is accepted, `true` is rejected;
+  string for a list; `watermark` and `grammar` (TGI's) are honoured, not with beam search;
 - anything else unknown is rejected with the list of supported names.
 """
 
@@ -183,7 +183,7 @@ class GenerationParameters(BaseModel):
     num_beams: int = Field(1, ge=1, le=8)
     truncate: int | None = Field(None, ge=1, le=MAX_COUNT)
     output_formatter: str | None = None
-    watermark: bool = False  # TGI clients always send it; only false is honoured
+    watermark: bool = False  # TGI's watermark (engine/watermark.py), per row
     grammar: GrammarParameter | None = None
 
     @field_validator("stop_sequences")
@@ -231,6 +231,7 @@ class GenerationParameters(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=seed if do_sample else None,
+            watermark=self.watermark,
         )
 
     def stopping(self, max_new_tokens: int, eos_token_ids: frozenset[int]) -> StopParams:
@@ -287,8 +288,9 @@ def _check_rules(params: GenerationParameters, stream: bool) -> None:
     if params.grammar is not None and params.num_beams > 1:
         raise LmiRequestError("parameters.grammar: a grammar cannot be combined with beam search (num_beams > 1)",
                               param="parameters.grammar")
-    if params.watermark:
-        raise LmiRequestError("parameters.watermark: watermarking is not supported; leave it out or send false")
+    if params.watermark and params.num_beams > 1:
+        raise LmiRequestError("parameters.watermark: a watermark cannot be combined with beam search (num_beams > 1)",
+                              param="parameters.watermark")
 
 
 def parse_generation_parameters(raw: Any, *, stream: bool = False) -> GenerationParameters:
