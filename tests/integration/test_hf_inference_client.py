@@ -14,8 +14,6 @@ from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
 from transformers import WatermarkDetector
 
-from lmi_serve.engine.watermark import WatermarkSettings
-
 pytestmark = pytest.mark.integration
 
 MODEL = "smollm2-135m-instruct"
@@ -25,6 +23,9 @@ PERSON = {"type": "object",
                          "city": {"type": "string", "maxLength": 20}},
           "required": ["name", "age", "city"], "additionalProperties": False}
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+# TGI's defaults (gamma 0.5, delta 2.0) with transformers' default key and scheme: what the server uses
+TGI_WATERMARK = {"greenlist_ratio": 0.5, "bias": 2.0, "hashing_key": 15485863, "seeding_scheme": "lefthash",
+                 "context_width": 1}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -135,8 +136,7 @@ def test_watermark_is_applied_reproducible_and_detected(client, tokenizer):
     sampled = dict(max_new_tokens=150, do_sample=True, seed=11, temperature=0.8, details=True)
     long_marked = client.text_generation(prompt, watermark=True, **sampled)
     long_plain = client.text_generation(prompt, watermark=False, **sampled)
-    detector = WatermarkDetector(model_config(tokenizer), "cpu", WatermarkSettings().detector_config(),
-                                 ignore_repeated_ngrams=True)
+    detector = WatermarkDetector(model_config(tokenizer), "cpu", TGI_WATERMARK, ignore_repeated_ngrams=True)
     scores = [detector(torch.tensor([[t.id for t in out.details.tokens]]), return_dict=True)
               for out in (long_marked, long_plain)]
     assert scores[0].prediction[0] and not scores[1].prediction[0], (scores, long_marked.details.generated_tokens)
@@ -192,6 +192,6 @@ def test_chat_logprobs(client):
 def test_chat_json_schema_is_followed(client):
     # the client sends this as TGI's {"type": "json_object", "value": <schema>}
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    response = client.chat_completion([{"role": "user", "content": "Invent a person."}], max_tokens=60,
+    response = client.chat_completion([{"role": "user", "content": "Invent a person."}], model=MODEL, max_tokens=60,
                                       temperature=0, response_format=response_format)
     check_person(response.choices[0].message.content)

@@ -12,7 +12,9 @@ TGI's own defaults are kept: a request without `parameters` samples (`do_sample`
 returns the prompt with the text unless `return_full_text` is set. Parameters follow the LMI
 rolling-batch schema (a superset of TGI's; values are coerced, "5" is 5, before any rule), plus
 TGI's stricter rules: temperature > 0 when given, top_k > 0 when given, no `decoder_input_details`
-with a stream, no `num_beams` or `output_formatter` (LMI-only).
+with a stream, no `num_beams` or `output_formatter` (LMI-only). TGI's `grammar` (json, regex,
+json_schema) and `watermark` are honoured per row; a grammar the compiler refuses is a 422 naming
+`parameters.grammar` (`lmi_serve.guided`).
 """
 
 from __future__ import annotations
