@@ -130,6 +130,7 @@ def test_watermark_is_applied_reproducible_and_detected(client, tokenizer):
     marked = client.text_generation(prompt, watermark=True, **kwargs)
     assert client.text_generation(prompt, watermark=True, **kwargs) == marked
     assert client.text_generation(prompt, watermark=False, **kwargs) != marked
+    assert "".join(client.text_generation(prompt, watermark=True, stream=True, **kwargs)) == marked
     seeded = dict(kwargs, do_sample=True, seed=11, temperature=0.8)
     assert client.text_generation(prompt, watermark=True, **seeded) == \
         client.text_generation(prompt, watermark=True, **seeded)
@@ -195,3 +196,12 @@ def test_chat_json_schema_is_followed(client):
     response = client.chat_completion([{"role": "user", "content": "Invent a person."}], model=MODEL, max_tokens=60,
                                       temperature=0, response_format=response_format)
     check_person(response.choices[0].message.content)
+
+
+def test_chat_response_format_in_tgis_own_forms(client):
+    dated = client.chat_completion([{"role": "user", "content": "When did it happen?"}], model=MODEL, max_tokens=20,
+                                   temperature=0, response_format={"type": "regex", "value": DATE})
+    assert re.fullmatch(DATE, dated.choices[0].message.content)
+    person = client.chat_completion([{"role": "user", "content": "Invent a person."}], max_tokens=60, temperature=0,
+                                    response_format={"type": "json", "value": PERSON})
+    check_person(person.choices[0].message.content)
