@@ -53,4 +53,4 @@ def generate(engine, requests: list[GenerationRequest], param: str):
     try:
         return engine.generate(requests)
     except GrammarError as exc:  # a ValueError from the grammar compiler, not yet a kind
-        raise InvalidRequest(f"{param}: unsupported or invalid grammar: {exc}", param=param) from None
+        raise InvalidRequest(f"{param}: invalid or unsupported schema, pattern or grammar: {exc}", param=param) from None

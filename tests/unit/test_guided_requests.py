@@ -55,7 +55,7 @@ def test_the_compilers_refusal_is_an_invalid_request_naming_the_field():
     with pytest.raises(InvalidRequest) as caught:
         guided.generate(RefusingEngine(), [], "parameters.grammar")
     assert caught.value.param == "parameters.grammar"
-    assert caught.value.message == "parameters.grammar: unsupported or invalid grammar: invalid schema: unknown keyword"
+    assert caught.value.message == "parameters.grammar: invalid or unsupported schema, pattern or grammar: invalid schema: unknown keyword"
 
 
 # --- TGI's parameters.grammar -----------------------------------------------------------------
