@@ -23,6 +23,7 @@ from lmi_serve.engine.kv_select import choose_kv
 from lmi_serve.engine.prefix_cache import BLOCK_TOKENS, PrefixCache, supports_prefixes
 from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
+from lmi_serve.engine.watermark import Watermark, WatermarkSettings
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
@@ -71,7 +72,8 @@ class TextGenerationService:
                                  max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                                  predict_timeout=config.predict_timeout,
                                  max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
-                                 max_model_len=self.max_model_len, name=config.name).start()
+                                 max_model_len=self.max_model_len, name=config.name,
+                                 watermark=self._watermark(config)).start()
             # A model.py without handle() may still bring formatter hooks (context.*_formatter).
             self.rolling = RollingBatchService(
                 self.engine, max_input_len=self.max_input_len, tgi_compat=config.tgi_compat,
@@ -79,6 +81,11 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name)
+
+    def _watermark(self, config: ModelConfig) -> Watermark:
+        """The model's watermark for requests that ask for one (TGI's `watermark`), built once."""
+        vocab = getattr(self.model.config, "vocab_size", None) or len(self.tokenizer)
+        return Watermark(vocab, self.device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
 
     def _prefix_cache(self, config: ModelConfig, context: HandlerContext) -> PrefixCache | None:
         """The prefix cache option.enable_prefix_caching asks for; a start-up error where it cannot

@@ -122,7 +122,8 @@ LMI_OPTIONAL = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
                 "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "seed": 7,
                 "stop_token_ids": [2], "ignore_eos_token": False, "details": True, "decoder_input_details": True,
                 "top_n_tokens": 2, "return_full_text": True, "n": 1, "best_of": 1, "num_beams": 1, "truncate": 8,
-                "include_stop_str_in_output": False, "watermark": False, "output_formatter": "jsonlines"}
+                "include_stop_str_in_output": False, "watermark": True, "output_formatter": "jsonlines",
+                "grammar": {"type": "regex", "value": "[a-z ]{1,8}"}}
 LMI_GUARDS = (("parameters.max_new_tokens", "parameters.stop_sequences"),)
 
 OPENAI_SAMPLING = {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1,
@@ -133,7 +134,7 @@ CHAT = {"model": TEXT_MODEL, "messages": [{"role": "system", "content": "Be brie
                                           {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
         "max_tokens": 2, "stop": STOPS, "temperature": 0.5, "top_p": 0.9, "seed": 1, "n": 1, "logprobs": False}
 CHAT_OPTIONAL = {**OPENAI_SAMPLING, "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 2,
-                 "response_format": {"type": "json_object"}, "parallel_tool_calls": True, "metadata": {"a": "b"},
+                 "response_format": {"type": "json_object", "value": {}}, "parallel_tool_calls": True, "metadata": {"a": "b"},
                  "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
                  "tool_choice": "none", "modalities": ["text"], "store": False}
 COMPLETION = {"model": TEXT_MODEL, "prompt": "Hello", "max_tokens": 2, "stop": STOPS, "temperature": 0.5, "seed": 1,

@@ -93,6 +93,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_size
     app.config["TRITON_SERVER_NAME"] = config.triton_server_name
+    app.config["STRICT_MODEL_NAMES"] = config.strict_model_names
     if registry is None:
         threads = configure_threads(config.workers)
         log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)

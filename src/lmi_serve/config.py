@@ -19,6 +19,8 @@ task                    OPTION_TASK, HF_TASK
 tensor_parallel_degree  OPTION_TENSOR_PARALLEL_DEGREE, TENSOR_PARALLEL_DEGREE, SM_NUM_GPUS
 max_rolling_batch_size  OPTION_MAX_ROLLING_BATCH_SIZE, MAX_BATCH_SIZE
 max_rolling_batch_prefill_tokens  OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS, MAX_BATCH_PREFILL_TOKENS
+watermark_gamma         OPTION_WATERMARK_GAMMA, WATERMARK_GAMMA
+watermark_delta         OPTION_WATERMARK_DELTA, WATERMARK_DELTA
 trust_remote_code       OPTION_TRUST_REMOTE_CODE, HF_MODEL_TRUST_REMOTE_CODE
 batch_size              OPTION_BATCH_SIZE, OPTION_MAX_DYNAMIC_BATCH_SIZE, SERVING_BATCH_SIZE
 max_batch_delay         OPTION_MAX_BATCH_DELAY, SERVING_MAX_BATCH_DELAY
@@ -147,6 +149,9 @@ class ModelConfig(BaseModel):
     # Prompts that share a prefix reuse its K/V (engine/prefix_cache.py), held within prefix_cache_mb.
     enable_prefix_caching: bool = False
     prefix_cache_mb: int = Field(512, ge=1)
+    # TGI's watermark (engine/watermark.py): the green list's share of the vocabulary, and its bias
+    watermark_gamma: float = Field(0.5, gt=0, lt=1)
+    watermark_delta: float = Field(2.0, ge=0)
     quantize: Quantize = "none"
     linear_kernel: LinearKernel = "auto"
     batch_size: int = Field(1, ge=1)
@@ -251,6 +256,8 @@ class ServerConfig(BaseModel):
     request_id_header: str = "x-request-id"
     cache_dir: str = Field(default_factory=lambda: os.path.expanduser("~/.cache/lmi-serve"))
     triton_server_name: str = Field("triton", min_length=1)  # GET /v2 "name" (Triton's scripts check it)
+    # OpenAI routes: an unknown `model` is a 404 even when one text-generation model is served (vLLM)
+    strict_model_names: bool = False
     models: tuple[ModelConfig, ...] = Field(min_length=1)
 
     @field_validator("models")
@@ -303,6 +310,8 @@ _ENV_ALIASES: dict[str, tuple[str, ...]] = {
     "tensor_parallel_degree": ("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
     "max_rolling_batch_size": ("MAX_BATCH_SIZE",),
     "max_rolling_batch_prefill_tokens": ("MAX_BATCH_PREFILL_TOKENS",),
+    "watermark_gamma": ("WATERMARK_GAMMA",),
+    "watermark_delta": ("WATERMARK_DELTA",),
     "trust_remote_code": ("HF_MODEL_TRUST_REMOTE_CODE",),
     "batch_size": ("SERVING_BATCH_SIZE",),
     "max_batch_delay": ("SERVING_MAX_BATCH_DELAY",),
@@ -517,4 +526,5 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
     cache_dir = env.get("LMI_SERVE_CACHE_DIR", "").strip() or "~/.cache/lmi-serve"
     values["cache_dir"] = _expand_home(cache_dir, env)
     take("triton_server_name", "LMI_SERVE_TRITON_SERVER_NAME")
+    take("strict_model_names", "LMI_SERVE_STRICT_MODEL_NAMES")
     return _validated(lambda: ServerConfig.model_validate(values), values, keys)

@@ -75,3 +75,11 @@ def test_dynamic_batch_models_are_refused_with_a_reason(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="dynamic", prompt="Hello", max_tokens=2)
     assert "rolling batch" in caught.value.message
+
+
+def test_an_unknown_model_name_among_several_generation_models_is_a_404_listing_them(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="dummy", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert caught.value.code == "model_not_found" and "`dummy` does not exist" in caught.value.message
+    assert "`short`" in caught.value.message and "`tgi`" in caught.value.message
+    assert "`fallback`" not in caught.value.message  # an embedding model

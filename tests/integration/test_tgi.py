@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import pytest
 import requests
@@ -228,3 +230,52 @@ def test_models_the_tgi_routes_cannot_serve_get_tgi_errors(store_server):
                             timeout=30)
     assert dynamic.status_code == 422 and dynamic.json()["error_type"] == "validation"
     assert "dynamic batching" in dynamic.json()["error"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_grammar_with_the_text_generation_client(client):
+    from text_generation.types import Grammar, GrammarType
+
+    prompt = "A person as JSON:"
+    out = client.generate(prompt, max_new_tokens=40, grammar=Grammar(type=GrammarType.Json, value=PERSON))
+    person = json.loads(out.generated_text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert out.details.finish_reason == FinishReason.EndOfSequenceToken
+    streamed = list(client.generate_stream(prompt, max_new_tokens=40,
+                                           grammar=Grammar(type=GrammarType.Json, value=PERSON)))
+    assert "".join(r.token.text for r in streamed) == out.generated_text
+    digits = client.generate("Pick a number:", max_new_tokens=10, grammar=Grammar(type=GrammarType.Regex, value="[0-9]{3}"))
+    assert re.fullmatch("[0-9]{3}", digits.generated_text)
+    with pytest.raises(ValidationError, match="parameters.grammar"):
+        client.generate(prompt, max_new_tokens=4, grammar=Grammar(type=GrammarType.Regex, value="(unclosed"))
+
+
+@pytest.mark.parametrize("path", TGI_ROUTES)
+def test_an_invalid_grammar_is_a_422_naming_the_field_on_every_route(default_server, path):
+    for grammar, field in (({"type": "regex", "value": "(unclosed"}, "parameters.grammar"),
+                           ({"type": "json", "value": {"type": "object", "minProperties": "a"}}, "parameters.grammar"),
+                           ({"type": "json", "value": "{oops"}, "parameters.grammar.value"),
+                           ({"type": "xml", "value": "<a/>"}, "parameters.grammar.type")):
+        body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 2, "grammar": grammar}})
+        assert_tgi_error(post_raw(default_server, path, body), 422, field)
+
+
+def test_grammar_and_watermark_in_tgi_compat_and_lmi_schemas(store_server, default_server):
+    body = {"inputs": "Pick a number:", "parameters": {"max_new_tokens": 10, "watermark": True,
+                                                       "grammar": {"type": "regex", "value": "[0-9]{3}"}}}
+    compat = requests.post(store_server.url("/invocations"), params={"model_name": "tgi"}, json=body, timeout=180)
+    assert compat.status_code == 200 and re.fullmatch("[0-9]{3}", compat.json()[0]["generated_text"])
+    lmi = requests.post(default_server.url("/invocations"), json=body, timeout=180)
+    assert lmi.status_code == 200 and re.fullmatch("[0-9]{3}", lmi.json()["generated_text"])
+    streamed = requests.post(default_server.url("/invocations"), json={**body, "stream": True}, timeout=180)
+    lines = [json.loads(line) for line in streamed.text.splitlines() if line]
+    assert "".join(line["token"]["text"] for line in lines) == lmi.json()["generated_text"]
+    bad = {"inputs": "Hi", "parameters": {"grammar": {"type": "regex", "value": "(unclosed"}}}
+    refused = requests.post(store_server.url("/invocations"), params={"model_name": "tgi"}, json=bad, timeout=60)
+    assert_tgi_error(refused, 422, "parameters.grammar")
+    lmi_refused = requests.post(default_server.url("/invocations"), json=bad, timeout=60)
+    assert lmi_refused.status_code == 424 and "parameters.grammar" in lmi_refused.json()["error"]

@@ -473,3 +473,14 @@ def test_triton_server_name_comes_from_env() -> None:
     assert build_server_config({"HF_MODEL_ID": "x"}).triton_server_name == "triton"
     assert build_server_config({"HF_MODEL_ID": "x", "LMI_SERVE_TRITON_SERVER_NAME": "edge"}).triton_server_name == "edge"
     assert build_server_config({"HF_MODEL_ID": "x", "LMI_SERVE_TRITON_SERVER_NAME": ""}).triton_server_name == "triton"
+
+
+def test_watermark_defaults_are_tgis_and_options_change_them(tmp_path: Path) -> None:
+    assert (synth().watermark_gamma, synth().watermark_delta) == (0.5, 2.0)
+    assert synth(WATERMARK_GAMMA="0.25", WATERMARK_DELTA="1").watermark_gamma == 0.25
+    assert synth(OPTION_WATERMARK_DELTA="1.5", WATERMARK_DELTA="3").watermark_delta == 1.5
+    assert load(tmp_path, "option.watermark_gamma=0.3\n").watermark_gamma == 0.3
+    with pytest.raises(ConfigError, match=r"^WATERMARK_GAMMA: '1.5' .*less than 1"):
+        synth(WATERMARK_GAMMA="1.5")
+    with pytest.raises(ConfigError, match=r"^OPTION_WATERMARK_DELTA: '-1'"):
+        synth(OPTION_WATERMARK_DELTA="-1")

@@ -15,6 +15,7 @@ from lmi_serve.config import ConfigError, ModelConfig, ServerConfig
 from lmi_serve.engine.kv_dynamic import DynamicKV
 from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.engine.prefix_cache import PrefixCache
+from lmi_serve.engine.watermark import WatermarkSettings
 from lmi_serve.dialects.triton.tensor_model import TensorSpec
 from lmi_serve.handler_api import Input, input_formatter, output_formatter
 from lmi_serve.handler_loader import HandlerLoadError, resolve_handler
@@ -212,6 +213,7 @@ def no_model(monkeypatch):
     import lmi_serve.engine.engine
     import lmi_serve.engine.kv_select
     import lmi_serve.engine.static_batch
+    import lmi_serve.engine.watermark
     import lmi_serve.model.linear_kernels
     import lmi_serve.model.loader
 
@@ -219,13 +221,16 @@ def no_model(monkeypatch):
 
     def load_generation_model(model_id, **kwargs):
         calls["load_generation_model"] = (model_id, kwargs)
-        model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024))
+        model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024, vocab_size=100))
         return SimpleNamespace(model=model, tokenizer=lambda text: SimpleNamespace(input_ids=[1, 2]), device="cpu")
 
     class Engine(Recorder):
         pass
 
     class RollingBatchService(Recorder):
+        pass
+
+    class Watermark(Recorder):
         pass
 
     def use_linear_kernel(model, requested, device):
@@ -235,6 +240,7 @@ def no_model(monkeypatch):
     monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)
+    monkeypatch.setattr(lmi_serve.engine.watermark, "Watermark", Watermark)
     monkeypatch.setattr(lmi_serve.engine.static_batch, "generate_static_batch", lambda *args: iter(()))
     monkeypatch.setattr(lmi_serve.engine.static_batch, "eos_token_ids", lambda model, tokenizer: frozenset({2}))
     monkeypatch.setattr(lmi_serve.engine.kv_select, "slot_bytes", lambda model, rows, columns: 0)  # no weights
@@ -251,7 +257,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
                     tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
-                    prefix_cache_mb=3, linear_kernel="torch")
+                    prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch")
 
 
 def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
@@ -271,6 +277,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     engine, rolling = engine_and_rolling(no_model)
     prefix_cache = engine.kwargs.pop("prefix_cache")
     assert isinstance(prefix_cache, PrefixCache) and prefix_cache.budget_bytes == 3 * 2**20
+    watermark = engine.kwargs.pop("watermark")
+    assert watermark.args == (100, "cpu", WatermarkSettings(gamma=0.25, delta=1.5))
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
                              "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
                              "kv_factory": DynamicKV.prefill}

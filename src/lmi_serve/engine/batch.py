@@ -24,6 +24,7 @@ from .kv_select import kv_factory_for
 from .sampling import SampleOutput
 from .token_masks import token_mask
 from .types import FinishReason, GenerationRequest, TokenEvent, TopToken
+from .watermark import Watermark, watermark_bias
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Row:
     prompt_top_tokens: tuple[tuple[TopToken, ...], ...] | None = None  # sent with the first event
     constraint: Constraint | None = None  # the row's grammar, when its output is constrained
     token_ids: list[int] = field(default_factory=list)  # generated so far (banned sequences look back)
+    watermark: Watermark | None = None  # the engine's watermark, when the request asks for one
 
     def advance(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenEvent:
         """Account one chosen token: stop checks and detokenization, in that order."""
@@ -75,14 +77,15 @@ class Row:
                           prompt_top_tokens=prompt_top)
 
 
-def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None) -> Row:
+def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None,
+             watermark: Watermark | None = None) -> Row:
     options = request.detokenize
     detokenizer = IncrementalDetokenizer(tokenizer, request.stop.stop_sequences,
                                          request.stop.include_stop_str_in_output,
                                          skip_special_tokens=options.skip_special_tokens,
                                          spaces_between_special_tokens=options.spaces_between_special_tokens)
     return Row(request, detokenizer, lambda t: tokenizer.decode([t]), frozenset(tokenizer.all_special_ids), owner,
-               constraint=constraint)
+               constraint=constraint, watermark=watermark)
 
 
 def _prompt_logprobs(logits: torch.Tensor, row: Row) -> None:
@@ -147,7 +150,7 @@ class Batch:
         """Choose each row's next token from the last forward, record it and make it pending."""
         logits, self.logits = self.logits, None
         allowed = token_mask(self.rows, logits.shape[-1], logits.device)
-        choice = self.history.choose(logits, allowed)
+        choice = self.history.choose(logits, allowed, watermark_bias(self.rows, logits.shape[-1], logits.device))
         self.history.record(choice.chosen)
         self.kv.feed(choice.chosen)  # still on the device: `emit` reads the ids as Python ints
         return choice

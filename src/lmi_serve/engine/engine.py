@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from .beam_rows import BeamSearch, replay
 from .grammar import GrammarCompiler
+from .watermark import Watermark
 from .generation import POLL_SECONDS, Generation
 from .handle import RequestHandle, Sink
 from ..errors import ClientGone, InvalidRequest
@@ -53,7 +54,7 @@ class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
                  max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None):
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
@@ -64,6 +65,7 @@ class Engine:
         self.predict_timeout = predict_timeout
         vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
+        self.watermark = watermark  # None: requests asking for a watermark are refused
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory,
                                    prefix_cache=prefix_cache)
@@ -85,13 +87,17 @@ class Engine:
     def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
         """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
         Overloaded when the waiting queue is full, InvalidRequest for prompt logprobs from an
-        encoder-decoder model. Dialects use `generate`."""
+        encoder-decoder model or for a watermark from an engine made without one. Dialects use
+        `generate`."""
         if request.prompt_logprobs and self.encoder_decoder:
             raise InvalidRequest("This model is an encoder-decoder model: its prompt is the encoder's input, which "
                                  "gets no logprobs (decoder_input_details, prompt_logprobs, echo with logprobs)")
         constraint = self.grammars.constraint(request.guided) if request.guided is not None else None
         deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
-        handle = RequestHandle(request, deadline, constraint, sink=sink, index=index)
+        if request.sampling.watermark and self.watermark is None:
+            raise InvalidRequest("This model's engine has no watermark configured")
+        watermark = self.watermark if request.sampling.watermark else None
+        handle = RequestHandle(request, deadline, constraint, sink=sink, index=index, watermark=watermark)
         self.scheduler.add(handle)
         return handle
 

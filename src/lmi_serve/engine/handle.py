@@ -25,10 +25,11 @@ class RequestHandle:
     """
 
     def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None, *,
-                 sink: Sink | None = None, index: int = 0):
+                 sink: Sink | None = None, index: int = 0, watermark=None):
         self.id = next(_ids)
         self.request = request
         self.constraint = constraint  # the engine's grammar state for a guided request
+        self.watermark = watermark  # the engine's Watermark for a request that asks for one
         self.deadline = deadline  # monotonic time by which the request must have been admitted
         self.submitted_at = time.monotonic()
         self.cancelled = False

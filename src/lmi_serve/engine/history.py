@@ -35,10 +35,13 @@ class SamplingHistory:
                                        top_n=[r.top_n_tokens for r in requests])
         return cls(seen, torch.zeros((len(requests), vocab), dtype=torch.int32, device=device), sampler)
 
-    def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> SampleOutput:
-        """Each row's next token from `logits` ([rows, vocab]) under the `allowed` mask; not yet recorded."""
+    def choose(self, logits: torch.Tensor, allowed: torch.Tensor | None,
+               bias: torch.Tensor | None = None) -> SampleOutput:
+        """Each row's next token from `logits` ([rows, vocab]) under the `allowed` mask, with this
+        step's extra `bias` (watermarks); not yet recorded."""
         history = self.sampler.needs_token_history
-        return self.sampler(logits, self.seen if history else None, self.counts if history else None, allowed)
+        return self.sampler(logits, self.seen if history else None, self.counts if history else None, allowed,
+                            bias)
 
     def record(self, tokens: torch.Tensor) -> None:
         """Count each row's chosen token ([rows], on the device)."""

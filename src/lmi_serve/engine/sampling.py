@@ -3,9 +3,9 @@
 Order of operations for one step (`HeterogeneousSampler.__call__`):
 1. log-softmax of the raw logits: the logprob reported for a token (chosen or top-n) is the model's own.
 2. penalties, only if some row uses them: repetition (prompt + generated tokens, HF semantics),
-   then presence and frequency (generated tokens, OpenAI semantics); then logit biases; then the
-   token mask (`allowed`: grammars, allowed ids, bans; see token_masks.py), so greedy and sampled
-   rows alike obey it.
+   then presence and frequency (generated tokens, OpenAI semantics); then logit biases and the
+   step's watermark bias (watermark.py); then the token mask (`allowed`: grammars, allowed ids,
+   bans; see token_masks.py), so greedy and sampled rows alike obey it.
 3. greedy rows: argmax of the penalised scores; all greedy rows share one argmax.
 4. sampled rows: temperature, then min-p and typical-p, each only on the rows that use them and
    over the whole vocabulary (typical-p ranks every token by its distance to the entropy of the
@@ -303,15 +303,19 @@ class HeterogeneousSampler:
         return chosen
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> SampleOutput:
+                 counts: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                 step_bias: torch.Tensor | None = None) -> SampleOutput:
         """Choose one token per row. `seen` ([rows, vocab] bool: prompt + generated tokens) and
         `counts` ([rows, vocab]: generated-token counts) are needed when `needs_token_history`;
-        `allowed` ([rows, vocab] bool) masks what a row may not choose now."""
+        `allowed` ([rows, vocab] bool) masks what a row may not choose now; `step_bias` ([rows,
+        vocab]) is added with the logit biases (this step's watermark green lists)."""
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         scores = self._penalise(logits, seen, counts)
         if self.bias is not None:
             scores = scores + self.bias
+        if step_bias is not None:
+            scores = scores + step_bias
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
         chosen = torch.empty(len(self.params), dtype=torch.long, device=logits.device)

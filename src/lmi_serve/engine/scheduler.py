@@ -225,7 +225,8 @@ class Scheduler:
     def _start_prefill(self, handle: RequestHandle) -> ChunkedPrefill:
         """A one-row prefill of `handle`'s prompt, which its first `advance` starts from the prefix
         cache's longest match, if any."""
-        row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint)
+        row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint,
+                       watermark=handle.watermark)
         prefixes = self.prefixes if chunkable(handle.request) else None
         return ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id, self.device, prefixes)
 
@@ -256,7 +257,8 @@ class Scheduler:
                 self.prefixes.count(len(handle.request.prompt_ids), 0)
             misses.append(handle)
         for group in self._groups(misses):
-            self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint)
+            self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint,
+                                                       watermark=h.watermark)
                                      for h in group]))
 
     def _add(self, batch: Batch | None) -> None:

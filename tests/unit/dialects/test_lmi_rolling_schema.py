@@ -137,9 +137,11 @@ def test_text_generation_client_body_is_accepted():
     assert req.parameters.stop_sequences == [] and req.parameters.do_sample_resolved is False
 
 
-def test_watermark_true_rejected():
-    assert params(watermark=False).watermark is False
-    reject("parameters.watermark: watermarking is not supported", watermark=True)
+def test_watermark_reaches_the_rows_sampling_but_not_beam_search():
+    assert params(watermark=False).sampling(None).watermark is False
+    assert params(watermark=True).sampling(None).watermark is True
+    assert params(watermark=True, do_sample=True).sampling(3).watermark is True
+    reject("parameters.watermark: a watermark cannot be combined with beam search", watermark=True, num_beams=2)
 
 
 def test_output_formatter_must_be_registered():

@@ -163,5 +163,5 @@ def test_the_engines_refusals_pass_through_as_kinds(smollm2_tokenizer):
     bad_grammar = FailingEngine(smollm2_tokenizer, refusal=GrammarError("unsupported keyword"))
     with pytest.raises(InvalidRequest) as caught:
         OpenAIService(bad_grammar, "m").chat(parse(ChatCompletionRequest, {"messages": USER}))
-    assert caught.value.message == "Unsupported or invalid schema: unsupported keyword"
+    assert caught.value.message == "response_format: invalid or unsupported schema, pattern or grammar: unsupported keyword"
     assert caught.value.param == "response_format" and status(caught.value) == 400

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ... import streaming
+from ... import guided, streaming
 from ...disconnect import ClientConnection, wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
@@ -137,7 +137,7 @@ class RollingBatchService:
                                         prompt_tokens_count=len(requests[0].prompt_ids))
         if request.parameters.num_beams > 1:
             return self._beams(ctx, formatter, requests[0], request.parameters)
-        generation = self.engine.generate(requests)
+        generation = guided.generate(self.engine, requests, "parameters.grammar")
         if formatter.streams(request.stream):
             return self._stream(ctx, formatter, generation)
         return self._whole(ctx, formatter, generation, request.parameters.n)

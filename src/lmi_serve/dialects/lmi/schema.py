@@ -14,7 +14,7 @@ Rolling-batch rules beyond single-field ranges (`_check_rules`):
 - num_beams > 1 cannot be combined with sampling;
 - n / best_of / num_beams > 1 only without streaming (LMI returns best_of_sequences only whole);
 - `null` parameter values mean "not set"; `stop` is accepted for `stop_sequences`, and a single
-  string for a list; `watermark: false` (sent by TGI clients) is accepted, `true` is rejected;
+  string for a list; `watermark` and `grammar` (TGI's) are honoured, not with beam search;
 - anything else unknown is rejected with the list of supported names.
 """
 
@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...engine.policy import MAX_SEED, fit_to_context, sequence_seeds  # MAX_SEED: others import it here too
-from ...engine.types import GenerationRequest, SamplingParams, StopParams
+from ... import guided
+from ...engine.types import GenerationRequest, GuidedDecoding, SamplingParams, StopParams
 from ...errors import InvalidRequest
 from ...validation import field_problems
 
@@ -132,6 +133,27 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
 _SAMPLING_HINTS = "do_sample=true, or temperature > 0, top_k > 0, top_p < 1, typical_p < 1 or min_p > 0"
 
 
+class GrammarParameter(BaseModel):
+    """TGI's `grammar`: `{"type": "json", "value": <schema or JSON text>}` (`{}`: any object),
+    `{"type": "regex", "value": <pattern>}`, `{"type": "json_schema", "value": {"name"?, "schema"}}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json", "regex", "json_schema"]
+    value: Any
+
+    def guided(self) -> GuidedDecoding:
+        where = "parameters.grammar.value"
+        if self.type == "regex":
+            return guided.regex(self.value, where)
+        if self.type == "json_schema":
+            if not isinstance(self.value, dict) or "schema" not in self.value:
+                raise LmiRequestError(f"{where}: a json_schema grammar's value is {{\"name\", \"schema\"}}",
+                                      param=where)
+            return guided.json_schema(self.value["schema"], where + ".schema")
+        return guided.json_schema(self.value, where)
+
+
 class GenerationParameters(BaseModel):
     """GenerationParameters of the rolling-batch schema. `None` means "not set by the client"."""
 
@@ -161,7 +183,8 @@ class GenerationParameters(BaseModel):
     num_beams: int = Field(1, ge=1, le=8)
     truncate: int | None = Field(None, ge=1, le=MAX_COUNT)
     output_formatter: str | None = None
-    watermark: bool = False  # TGI clients always send it; only false is honoured
+    watermark: bool = False  # TGI's watermark (engine/watermark.py), per row
+    grammar: GrammarParameter | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -208,6 +231,7 @@ class GenerationParameters(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=seed if do_sample else None,
+            watermark=self.watermark,
         )
 
     def stopping(self, max_new_tokens: int, eos_token_ids: frozenset[int]) -> StopParams:
@@ -261,8 +285,12 @@ def _check_rules(params: GenerationParameters, stream: bool) -> None:
     if several and stream:
         raise LmiRequestError("parameters.n: n > 1 or best_of > 1 is only supported for non-streaming requests "
                               "(stream=false); LMI returns best_of_sequences only in a whole response")
-    if params.watermark:
-        raise LmiRequestError("parameters.watermark: watermarking is not supported; leave it out or send false")
+    if params.grammar is not None and params.num_beams > 1:
+        raise LmiRequestError("parameters.grammar: a grammar cannot be combined with beam search (num_beams > 1)",
+                              param="parameters.grammar")
+    if params.watermark and params.num_beams > 1:
+        raise LmiRequestError("parameters.watermark: a watermark cannot be combined with beam search (num_beams > 1)",
+                              param="parameters.watermark")
 
 
 def parse_generation_parameters(raw: Any, *, stream: bool = False) -> GenerationParameters:
@@ -336,6 +364,7 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
     prompt, max_new_tokens = fit_to_context(prompt, parameters.max_new_tokens, max_model_len, over="cap",
                                             max_input_len=max_input_len)
     stop = parameters.stopping(max_new_tokens, eos_token_ids)
+    constraint = parameters.grammar.guided() if parameters.grammar is not None else None
     count = 1 if parameters.num_beams > 1 else parameters.num_sequences
     seeds = sequence_seeds(parameters.seed, count, sampled=parameters.do_sample_resolved)
     return [
@@ -345,6 +374,7 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
             stop=stop,
             top_n_tokens=parameters.top_n_tokens,
             prompt_logprobs=parameters.decoder_input_details,
+            guided=constraint,
         )
         for seed in seeds
     ]

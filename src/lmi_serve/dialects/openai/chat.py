@@ -18,7 +18,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ... import json_body
+from ... import guided, json_body
 from ...engine.types import GuidedDecoding
 from ...errors import InvalidRequest
 from ...json_body import InvalidJson
@@ -110,21 +110,31 @@ def _call_schema(tools: list[Tool]) -> dict:
     return {"anyOf": options, "x-guidance": _LAYOUT}
 
 
-def response_schema(request: ChatCompletionRequest) -> dict | None:
+def response_constraint(request: ChatCompletionRequest) -> GuidedDecoding | None:
+    """What `response_format` asks for: OpenAI's `json_object` / `json_schema`, and TGI's Messages
+    API forms (`json_object` or `json` with the schema in `value`, `regex` with a pattern there)."""
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_object":
-        return {"type": "object"}
-    return fmt.json_schema.schema_
+    if fmt.type == "regex":
+        return guided.regex(fmt.value, "response_format.value")
+    if fmt.type == "json_schema":
+        return guided.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+    if fmt.value is None:  # json_object without a schema: any object
+        return guided.any_object()
+    return guided.json_schema(fmt.value, "response_format.value")
 
 
 def guided_decoding(request: ChatCompletionRequest) -> GuidedDecoding | None:
     """The grammar the output must follow, or None for free text."""
-    schema = response_schema(request)
+    constraint = response_constraint(request)
     choice = request.effective_tool_choice
-    if schema is not None and (not request.tools or choice == "none"):
-        return GuidedDecoding(json_schema=json.dumps(schema))
+    if constraint is not None and (not request.tools or choice == "none"):
+        return constraint
+    if constraint is not None and constraint.json_schema is None:
+        raise InvalidRequest("response_format: a regex cannot be combined with tools; use a JSON schema or "
+                             "tool_choice none", param="response_format")
+    schema = json.loads(constraint.json_schema) if constraint is not None else None
     if not request.tools:
         return None
     if choice == "none":  # tools are known to the conversation but must not be called

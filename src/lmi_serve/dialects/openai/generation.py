@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ... import guided
 from ...engine import policy
 from ...engine.engine import Engine
-from ...engine.grammar import GrammarError
 from ...engine.generation import Generation
 from ...engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams
 from ...errors import InvalidRequest
@@ -75,10 +75,7 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
 def submit(engine: Engine, requests: list[GenerationRequest]) -> Generation:
     """Queue every sequence (all or none). The engine's refusals are kinds (Overloaded: a 429) and
     pass through; an invalid grammar is the client's `response_format`."""
-    try:
-        return engine.generate(requests)
-    except GrammarError as exc:  # a ValueError from the grammar compiler, not yet a kind
-        raise InvalidRequest(f"Unsupported or invalid schema: {exc}", param="response_format") from None
+    return guided.generate(engine, requests, "response_format")
 
 
 @dataclass

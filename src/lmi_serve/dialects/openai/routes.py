@@ -1,7 +1,8 @@
 """OpenAI-compatible routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models.
 
-`model` picks among the served models (unknown: 404 `model_not_found`); without it, the first model
-of the route's task. Errors are the core's kinds, answered in OpenAI's envelope by the one table in
+`model` picks among the served models (`choose_service`); without it, the first model of the
+route's task; an unknown name selects the only text-generation model, as TGI does (unless
+`LMI_SERVE_STRICT_MODEL_NAMES`), else 404 `model_not_found` listing the served names. Errors are the core's kinds, answered in OpenAI's envelope by the one table in
 errors.py: 400 for every validation error, 404, 429 with `retry-after` when the queue is full, 503
 while loading, 504 on a queue timeout, 500 only for real faults.
 Streams are SSE ending with `data: [DONE]`.
@@ -13,6 +14,7 @@ import base64
 import json
 import struct
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from flask import Blueprint, Response, current_app, request
@@ -55,18 +57,33 @@ def _serves(service: ModelService, task: str) -> bool:
     return service.generates_text if task == _GENERATION_TASK else service.task == task
 
 
-def _service(name: str | None, task: str) -> ModelService:
-    services = _registry().services
-    if name:
-        service = services.get(name)
-        if service is None:
-            raise NotFound(f"The model `{name}` does not exist", param="model")
+def choose_service(services: Mapping[str, ModelService], name: str | None, task: str, *,
+                   strict: bool) -> ModelService:
+    """The model a request's `model` field selects for a route of `task` (README, "Model names"):
+    - a served name selects that model (of another task: 400);
+    - no name: the first model of the task;
+    - an unknown name, when exactly one text-generation model is served and `strict` is off: that
+      model (TGI serves one model and reads no name; clients built on a base URL send `dummy`);
+      otherwise a 404 listing the names of the task's models."""
+    if name and name in services:
+        service = services[name]
         if not _serves(service, task):
             raise InvalidRequest(f"The model `{name}` serves {service.task}, not {task}", param="model")
-    else:
-        service = next((s for s in services.values() if _serves(s, task)), None)
-        if service is None:
-            raise NotFound(f"No {task} model is served", param="model")
+        return service
+    candidates = [s for s in services.values() if _serves(s, task)]
+    if not name and candidates:
+        return candidates[0]
+    if not name:
+        raise NotFound(f"No {task} model is served", param="model")
+    if not strict and task == _GENERATION_TASK and len(candidates) == 1:
+        return candidates[0]
+    served = ", ".join(f"`{s.name}`" for s in candidates) or "none"
+    raise NotFound(f"The model `{name}` does not exist; {task} models served: {served}", param="model")
+
+
+def _service(name: str | None, task: str) -> ModelService:
+    strict = current_app.config.get("STRICT_MODEL_NAMES", False)
+    service = choose_service(_registry().services, name, task, strict=strict)
     service.require_ready()
     return service
 

@@ -185,13 +185,27 @@ class JsonSchemaFormat(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's types, and TGI's Messages API forms: `json_object` (or `json`) with a schema in
+    `value`, `regex` with a pattern in `value`, `json_schema` with `{name, schema}` in `value`."""
+
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: Any = None
 
     @model_validator(mode="after")
     def _schema_present(self):
+        if self.type == "json_schema" and self.json_schema is None and isinstance(self.value, dict):
+            self.json_schema = JsonSchemaFormat.model_validate({"name": "schema", **self.value})
+            self.value = None
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type json_schema needs a json_schema object")
+        if self.value is not None and self.type in ("text", "json_schema"):
+            raise ValueError(f"response_format of type {self.type} takes no value")
+        if self.value is None and self.type in ("json", "regex"):
+            raise ValueError(f"response_format of type {self.type} needs a value (a "
+                             f"{'schema' if self.type == 'json' else 'pattern'})")
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"response_format of type {self.type} takes no json_schema")
         return self
 
 

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ... import guided
 from ...engine.grammar import GrammarError
 from ...engine.types import DetokenizeParams, GenerationRequest, GuidedDecoding, TokenEvent
 from ...errors import InvalidRequest
@@ -229,25 +230,26 @@ def _guided_fields(fields: VllmFields) -> list[tuple[str, GuidedDecoding]]:
     if so is not None:
         for name in ("json", "regex", "choice", "grammar", "json_object"):
             if so.value_of(name):
-                found.append((f"structured_outputs.{name}", _grammar(name, so.value_of(name))))
+                param = f"structured_outputs.{name}"
+                found.append((param, _grammar(name, so.value_of(name), param)))
     for name in ("json", "regex", "choice", "grammar"):
         value = getattr(fields, f"guided_{name}")
         if value is not None:
-            found.append((f"guided_{name}", _grammar(name, value)))
+            found.append((f"guided_{name}", _grammar(name, value, f"guided_{name}")))
     fmt = getattr(fields, "response_format", None)
     if isinstance(fmt, CompletionResponseFormat) and fmt.type != "text":
         kind, value = ("json", fmt.json_schema.schema_) if fmt.type == "json_schema" else ("json_object", True)
-        found.append(("response_format", _grammar(kind, value)))
+        found.append(("response_format", _grammar(kind, value, "response_format")))
     return found
 
 
-def _grammar(kind: str, value) -> GuidedDecoding:
+def _grammar(kind: str, value, param: str) -> GuidedDecoding:
     if kind == "json":
-        return GuidedDecoding(json_schema=value if isinstance(value, str) else json.dumps(value))
+        return guided.json_schema(value, param)
     if kind == "json_object":
-        return GuidedDecoding(json_schema='{"type": "object"}')
+        return guided.any_object()
     if kind == "regex":
-        return GuidedDecoding(regex=value)
+        return guided.regex(value, param)
     if kind == "choice":
         return GuidedDecoding(lark="start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value) + "\n")
     return GuidedDecoding(lark=value)  # guided_grammar: llguidance's Lark dialect
@@ -257,7 +259,7 @@ def _guided(engine, fields: VllmFields, current: GuidedDecoding | None) -> Guide
     found = _guided_fields(fields)
     if not found:
         return current
-    param, guided = found[0]
+    param, chosen = found[0]
     if len(found) > 1:
         raise InvalidRequest(f"Only one structured output constraint is allowed; got "
                              f"{', '.join(name for name, _ in found)}", param=found[1][0])
@@ -265,10 +267,10 @@ def _guided(engine, fields: VllmFields, current: GuidedDecoding | None) -> Guide
         raise InvalidRequest(f"`{param}` cannot be combined with response_format or tools, which already "
                              "constrain the output", param=param)
     try:
-        engine.grammars.constraint(guided)  # compiled here too, so an error names the field
+        engine.grammars.constraint(chosen)  # compiled here too, so an error names the field
     except GrammarError as exc:
         raise InvalidRequest(f"{param}: {exc}", param=param) from None
-    return guided
+    return chosen
 
 
 def _token_ids(values: Sequence[int], vocab: int, param: str) -> frozenset[int]:

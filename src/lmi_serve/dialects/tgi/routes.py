@@ -12,7 +12,9 @@ TGI's own defaults are kept: a request without `parameters` samples (`do_sample`
 returns the prompt with the text unless `return_full_text` is set. Parameters follow the LMI
 rolling-batch schema (a superset of TGI's; values are coerced, "5" is 5, before any rule), plus
 TGI's stricter rules: temperature > 0 when given, top_k > 0 when given, no `decoder_input_details`
-with a stream, no `num_beams` or `output_formatter` (LMI-only).
+with a stream, no `num_beams` or `output_formatter` (LMI-only). TGI's `grammar` (json, regex,
+json_schema) and `watermark` are honoured per row; a grammar the compiler refuses is a 422 naming
+`parameters.grammar` (`lmi_serve.guided`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, current_app, request
 
-from ... import streaming
+from ... import guided, streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
@@ -61,7 +63,7 @@ def _submit(parsed: RollingRequest) -> tuple[RenderContext, Generation]:
     # Overloaded, which the error table answers.
     requests = to_generation_requests(parsed.parameters, prompt_ids, eos_token_ids=engine.eos_token_ids,
                                       max_model_len=engine.max_model_len, max_input_len=engine.max_model_len - 1)
-    generation = engine.generate(requests)
+    generation = guided.generate(engine, requests, "parameters.grammar")
     ctx = RenderContext.for_request(parsed, tgi_compat=True, seed=requests[0].sampling.seed,
                                     prompt_tokens_count=len(requests[0].prompt_ids))
     return ctx, generation
