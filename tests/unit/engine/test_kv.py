@@ -11,9 +11,11 @@ from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv import KVBatch, Prefilled
 from lmi_serve.engine.kv_dynamic import DynamicKV
 from lmi_serve.engine.kv_encdec import EncoderDecoderKV, decoder_prompt
+from lmi_serve.engine import kv_slots
 from lmi_serve.engine.kv_select import KV_CACHES, choose_kv, kv_factory_for
 from lmi_serve.engine.kv_slots import SlotKV, merges
 from lmi_serve.engine.scheduler import Scheduler
+from lmi_serve.engine.slot_attention import use_parts
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
@@ -225,11 +227,24 @@ def test_encoder_decoder_kv_keep_and_extend_match_a_fresh_forward(kind, smollm2_
     assert torch.allclose(step([301, 302, 303]), fresh(order), atol=1e-4)
 
 
-def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids, monkeypatch):
+@pytest.fixture(params=["fresh", "nan"])
+def slot_buffers(request, monkeypatch):
+    """Slot buffers as allocated (fresh memory), or filled with NaN: a buffer's memory that no row has
+    written must never be read (it is left uninitialised), else NaN reaches the logits."""
+    if request.param == "nan":
+        def poisoned(shape, like):
+            return torch.full(tuple(shape), float("nan"), dtype=like.dtype, device=like.device)
+
+        monkeypatch.setattr(kv_slots, "_new_buffer", poisoned)
+    return request.param
+
+
+def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids, monkeypatch, slot_buffers):
     """In one part, same layout, same forward: only where K/V are stored differs, so the logits are
     identical, through joins (both directions of padding), leaves and growth past the first column
     capacity."""
     monkeypatch.setattr(SlotKV, "merge_slack", 10**9)  # every joiner merges: one part
+    use_parts(tiny_model)  # as the scheduler does: both caches attend through one function (not only after SlotKV ran)
     runs = []
     for factory in (DynamicKV.prefill, SlotKV.prefill):
         out = factory(tiny_model, [prompt_ids[i] for i in (0, 4)], pad_id=0, device=CPU)
@@ -247,6 +262,34 @@ def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids, m
                 kv.extend(factory(tiny_model, [prompt_ids[3]], pad_id=0, device=CPU).kv)
         runs.append(logits)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.isfinite(x).all() for x in runs[1])
+
+
+@pytest.mark.parametrize("slack", [0, 10**9], ids=["parts", "one-part"])
+def test_slot_kv_reads_only_what_it_wrote(tiny_model, prompt_ids, monkeypatch, slack):
+    """Buffers are left uninitialised (here: NaN): every row's logits stay finite and equal a fresh
+    prefill of its sequence while shorter and over-twice-longer rows join, rows leave and buffers grow."""
+    monkeypatch.setattr(kv_slots, "_new_buffer", lambda shape, like: torch.full(
+        tuple(shape), float("nan"), dtype=like.dtype, device=like.device))
+    monkeypatch.setattr(SlotKV, "merge_slack", slack)
+    sequences = [list(prompt_ids[i]) for i in (0, 4)]
+    kv = SlotKV.prefill(tiny_model, sequences, pad_id=0, device=CPU).kv
+    joiners = {2: list(prompt_ids[2]), 4: (list(prompt_ids[1]) * 60)[:150], 9: list(prompt_ids[3])}
+    for step in range(12):
+        if step in joiners:
+            kv.extend(SlotKV.prefill(tiny_model, [joiners[step]], pad_id=0, device=CPU).kv)
+            sequences.append(list(joiners[step]))
+        if step == 7:  # the first row and the long one leave
+            kv.keep([1, 2])
+            sequences = [sequences[i] for i in (1, 2)]
+        tokens = [20 + step + i for i in range(len(sequences))]
+        kv.feed(torch.tensor(tokens))
+        for sequence, token in zip(sequences, tokens):
+            sequence.append(token)
+        logits = kv.decode()
+        assert torch.isfinite(logits).all(), f"step {step}"
+        for sequence, row in zip(sequences, logits):
+            assert torch.allclose(row, fresh_logits(tiny_model, [sequence])[0], atol=1e-4), f"step {step}"
 
 
 def test_slot_kv_writes_in_place_and_reuses_its_buffers(tiny_model, prompt_ids):
@@ -266,7 +309,7 @@ def test_slot_kv_writes_in_place_and_reuses_its_buffers(tiny_model, prompt_ids):
     assert part.key_store.shape[0] >= 2 and part.keys.shape[2] == kv.mask.shape[1]
 
 
-def test_slot_kv_parts_attend_over_their_own_columns(tiny_model, prompt_ids):
+def test_slot_kv_parts_attend_over_their_own_columns(tiny_model, prompt_ids, slot_buffers):
     """A long row joining short ones arrives as its own part: the short rows' buffers are neither
     copied nor widened, each row attends over its own part's columns, and every row's logits equal
     a forward of that row alone. When the long row leaves, the parts merge back into one."""
