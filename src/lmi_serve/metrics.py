@@ -86,6 +86,8 @@ class ServingMetrics:
         self.waiting = self._gauge("num_requests_waiting", "Requests queued for a row", "livesum")
         self.prefix_cache_bytes = self._gauge("prefix_cache_bytes", "Bytes the prefix cache holds", "livesum")
         self.load_time = self._gauge("model_load_time_seconds", "Seconds the model took to load", "livemax")
+        # Every worker loads its own copy: with N workers this is N, and a restarted worker adds one.
+        self.loads = self._counter("model_loads", "Times a worker process loaded the model", model)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Counter:
         return Counter(PREFIX + name, doc, labels, registry=self._own)
@@ -135,6 +137,7 @@ class ModelMetrics(EngineObserver):
 
     def model_loaded(self, seconds: float) -> None:
         self._metrics.load_time.labels(self.name).set(seconds)
+        self._metrics.loads.labels(self.name).inc()
 
     def sequence_admitted(self, queue_seconds: float) -> None:
         self._queue.observe(queue_seconds)

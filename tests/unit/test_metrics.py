@@ -72,6 +72,7 @@ def test_observer_facts_become_counts_and_histograms(metrics):
     assert value(s, p + "prefix_cache_queries_total", model_name="m") == 80
     assert value(s, p + "prefix_cache_hits_total", model_name="m") == 32
     assert value(s, p + "model_load_time_seconds", model_name="m") == 2.5
+    assert value(s, p + "model_loads_total", model_name="m") == 1
 
 
 @pytest.fixture
