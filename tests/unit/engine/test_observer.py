@@ -62,3 +62,46 @@ def test_a_cancelled_sequence_counts_the_tokens_it_got():
     clock.event(TokenEvent.cancelled())
     report = recorder.calls[-1][1]
     assert (report.finish_reason, report.generated_tokens, report.error_kind) == (FinishReason.CANCELLED, 1, None)
+
+
+# -- through a real engine (the tiny model) ------------------------------------------------------
+
+class EngineRecorder(Recorder):
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def step_finished(self, report):
+        self.steps.append(report)
+
+
+def test_an_observed_engine_reports_every_sequence_and_step(tiny_model, smollm2_tokenizer):
+    import torch
+
+    from lmi_serve.engine.engine import Engine
+    from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
+    from waiting import within
+
+    recorder = EngineRecorder()
+    engine = Engine(tiny_model, smollm2_tokenizer, torch.device("cpu"), max_batch_size=2, max_queue=10)
+    engine.observe(recorder)
+    prompts = [tuple(smollm2_tokenizer.encode(p, add_special_tokens=False)) for p in ("Hello there", "A cat", "Why")]
+    handles = [engine.submit(GenerationRequest(p, SamplingParams(), StopParams(max_new_tokens=4, ignore_eos=True)))
+               for p in prompts]
+    dropped = engine.submit(GenerationRequest(prompts[0], SamplingParams(), StopParams(max_new_tokens=4)))
+    dropped.cancel()  # before the engine starts: never admitted
+    engine.start()
+    try:
+        for handle in handles:
+            assert within(handle.result).generated_tokens == 4
+        within(lambda: list(dropped))
+    finally:
+        engine.stop()
+    kinds = [call[0] for call in recorder.calls]
+    assert (kinds.count("admitted"), kinds.count("first"), kinds.count("next"), kinds.count("finished")) == (3, 3, 9, 4)
+    assert sorted(call[1] for call in recorder.calls if call[0] == "first") == sorted(len(p) for p in prompts)
+    reports = [call[1] for call in recorder.calls if call[0] == "finished"]
+    assert sorted(r.finish_reason.value for r in reports) == ["cancelled", "length", "length", "length"]
+    assert [r.queue_seconds for r in reports if r.finish_reason is FinishReason.CANCELLED] == [None]
+    assert max(step.batch_size for step in recorder.steps) == 2  # max_batch_size rows decoded together
+    assert recorder.steps[-1].running == 0 and recorder.steps[-1].waiting == 0
