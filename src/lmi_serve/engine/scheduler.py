@@ -42,7 +42,7 @@ from .batch import Batch, Row, make_row
 from .beam_jobs import BeamJobs, settle
 from .beam_rows import BeamSearch
 from .chunked import ChunkedPrefill, chunkable, supports_chunks
-from .prefix_cache import PrefixCache, supports_prefixes
+from .prefix_cache import PrefixCache, PrefixStats, supports_prefixes
 from .handle import RequestHandle
 from .observer import EngineObserver, StepReport
 from .kv import KVFactory
@@ -162,12 +162,11 @@ class Scheduler:
             self._report(decoded)
 
     def _report(self, decoded: int) -> None:
-        prefixes = self.prefixes.stats if self.prefixes is not None else None
+        prefixes = self.prefixes.stats if self.prefixes is not None else PrefixStats()
         self.observer.step_finished(StepReport(
             batch_size=decoded, running=self.running, waiting=len(self.waiting) + len(self.beams.waiting),
-            prefix_query_tokens=prefixes.prompt_tokens if prefixes else 0,
-            prefix_hit_tokens=prefixes.hit_tokens if prefixes else 0,
-            prefix_cache_bytes=prefixes.bytes if prefixes else 0))
+            prefix_query_tokens=prefixes.prompt_tokens, prefix_hit_tokens=prefixes.hit_tokens,
+            prefix_cache_bytes=prefixes.bytes))
 
     def _admit_beams(self) -> None:
         """Drop cancelled beam searches, then start waiting ones while their beams fit."""
