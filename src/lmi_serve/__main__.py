@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from .config import ConfigError, ServerConfig, build_server_config
@@ -48,6 +49,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
     from gunicorn.app.base import BaseApplication
 
+    # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
+    # counts leak in, set before prometheus_client is first imported (it picks its value store at
+    # import, and the workers fork from this process).
+    metrics_dir = tempfile.mkdtemp(prefix="lmi-serve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    from . import metrics
+
     class Server(BaseApplication):
         def load_config(self) -> None:
             settings = {
@@ -69,6 +77,9 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 # One fixed path per user ($HOME/.gunicorn/gunicorn.ctl): two servers on one machine
                 # would take each other's socket; nothing here uses gunicornc.
                 "control_socket_disable": True,
+                # A dead worker's live gauges (running, waiting) must leave the sums; its counts stay.
+                "child_exit": lambda server, worker: metrics.worker_exited(worker.pid),
+                "on_exit": lambda server: metrics.remove_multiprocess_dir(metrics_dir),
             }
             for key, value in settings.items():
                 self.cfg.set(key, value)

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, g, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
@@ -27,6 +27,7 @@ from .dialects.tgi import routes as tgi_routes
 from .dialects.triton import protocol as triton_protocol
 from .dialects.triton import routes as triton_routes
 from .errors import ServingError
+from .metrics import ServingMetrics
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -89,21 +90,55 @@ def configure_threads(workers: int) -> int:
     return threads
 
 
+class ServingFlask(Flask):
+    """Flask, noting the kind of every exception a request raised (any blueprint's or the app's
+    handler then renders it): the one place the error counts by kind learn it."""
+
+    def handle_user_exception(self, e: Exception):
+        g.error_kind = type(e).__name__
+        return super().handle_user_exception(e)
+
+
+def note_requested_model(name: str) -> None:
+    """ModelService.on_request: label this request's counts with the model it reached."""
+    if has_request_context():
+        g.model_name = name
+
+
+def count_response(metrics: ServingMetrics, response: Response) -> None:
+    """The HTTP layer's one count per request (not /metrics itself, which scrapers call on a timer).
+    `route` is the matched URL rule (bounded, unlike paths); `dialect` its blueprint."""
+    if request.path == "/metrics":
+        return
+    route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    metrics.count_response(g.get("model_name", ""), request.blueprint or "none", route, response.status_code,
+                           g.get("error_kind"))
+
+
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> Flask:
-    app = Flask(__name__)
+    app = ServingFlask(__name__)
+    metrics = ServingMetrics()
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_size
     app.config["TRITON_SERVER_NAME"] = config.triton_server_name
     app.config["STRICT_MODEL_NAMES"] = config.strict_model_names
     if registry is None:
         threads = configure_threads(config.workers)
         log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)
-        registry = ModelRegistry.from_config(config)
+        registry = ModelRegistry.from_config(config, observer_for=metrics.for_model)
         registry.start_loading()
+    for service in registry.services.values():
+        service.on_request = note_requested_model
     app.extensions["lmi_serve.registry"] = registry
     app.register_blueprint(lmi_routes.blueprint)
     app.register_blueprint(tgi_routes.blueprint)
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(triton_routes.blueprint)
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        # Reads counter files only: answers while models load, and no model is touched.
+        body, content_type = metrics.render()
+        return Response(body, status=200, content_type=content_type)
 
     @app.before_request
     def assign_request_id() -> None:
@@ -112,6 +147,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     @app.after_request
     def echo_request_id(response: Response) -> Response:
         response.headers.setdefault("x-request-id", getattr(g, "request_id", ""))
+        count_response(metrics, response)
         return response
 
     @app.errorhandler(ServingError)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from .config import ServerConfig
 from .errors import InvalidRequest, NotFound
@@ -14,8 +15,11 @@ class ModelRegistry:
         self.services = {s.name: s for s in services}
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> "ModelRegistry":
-        return cls([ModelService(m, config.cache_dir) for m in config.models])
+    def from_config(cls, config: ServerConfig,
+                    observer_for: Callable[[str], object] | None = None) -> "ModelRegistry":
+        """`observer_for(name)`: each model's observer (service.ModelObserver), if any."""
+        return cls([ModelService(m, config.cache_dir, observer_for(m.name) if observer_for else None)
+                    for m in config.models])
 
     def start_loading(self) -> None:
         """Load the models one after another on a background thread: in parallel they would only
@@ -28,9 +32,11 @@ class ModelRegistry:
 
     def get(self, name: str) -> ModelService:
         try:
-            return self.services[name]
+            service = self.services[name]
         except KeyError:
             raise NotFound(f"Model not found: {name}") from None
+        service.requested()
+        return service
 
     def for_invocations(self, model_name: str | None) -> ModelService:
         """The model `model_name` names; else the only model; else the first text-generation

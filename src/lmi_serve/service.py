@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from .batching import DirectDispatcher, DynamicBatcher, Job
 from .config import ModelConfig
@@ -28,9 +30,20 @@ class ModelStatus(enum.Enum):
     FAILED = "Failed"
 
 
+class ModelObserver(Protocol):
+    """What watches a model (metrics.ModelMetrics): its load, and its engine's work (engine/observer.py)."""
+
+    def model_loaded(self, seconds: float) -> None: ...
+
+
 class ModelService:
-    def __init__(self, config: ModelConfig, cache_dir: str):
+    def __init__(self, config: ModelConfig, cache_dir: str, observer: ModelObserver | None = None,
+                 on_request: Callable[[str], None] | None = None):
+        """`observer` is told the load time and observes the rolling engine; `on_request(name)` is
+        called whenever a request reaches this model (the HTTP layer labels its counts with it)."""
         self.config = config
+        self.observer = observer
+        self.on_request = on_request
         self.name = config.name
         self.cache_dir = cache_dir
         self.task: str | None = config.task or "text-generation"  # None: no task fits (the load fails)
@@ -99,6 +112,10 @@ class ModelService:
             return
         self.dispatcher, self.engine, self.rolling_batch = dispatcher, engine, rolling
         self.capabilities = caps
+        if self.observer is not None:
+            self.observer.model_loaded(elapsed)
+            if engine is not None:
+                engine.observe(self.observer)
         self.loaded_at = time.time()
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, caps.module_name, elapsed)
@@ -132,8 +149,14 @@ class ModelService:
             self.status = ModelStatus.FAILED
         return self.status
 
+    def requested(self) -> None:
+        """A request is for this model: every dialect's model lookup ends here or in require_ready."""
+        if self.on_request is not None:
+            self.on_request(self.name)
+
     def require_ready(self) -> None:
         """Raise NotReady unless the model is ready; the message says loading or failed (and why)."""
+        self.requested()
         if self.current_status() is not ModelStatus.READY or self.dispatcher is None:
             detail = f": {self.error}" if self.error else ""
             raise NotReady(f"Model {self.name} is {self.status.value.lower()}{detail}")

@@ -222,7 +222,8 @@ ROUTING = [("POST", "/no-such-route", 404, "lmi"), ("GET", "/invocations", 405, 
            ("GET", "/v1/completions", 405, "openai"), ("POST", "/v1/no-such-route", 404, "openai"),
            ("POST", "/v1/completions?x=%ff", None, "openai"),
            ("GET", f"/v2/models/{TENSOR_MODEL}/infer", 405, "triton"), ("POST", "/v2/no-such-route", 404, "triton"),
-           ("POST", "/v2/models/no-such-model/infer", 404, "triton")]
+           ("POST", "/v2/models/no-such-model/infer", 404, "triton"),
+           ("POST", "/metrics", 405, "lmi"), ("DELETE", "/metrics", 405, "lmi")]
 
 
 @pytest.mark.parametrize(("method", "path", "status", "dialect"), ROUTING, ids=[f"{r[0]} {r[1]}" for r in ROUTING])
@@ -234,6 +235,24 @@ def test_routing_errors_in_the_dialect_shape(default_server, method, path, statu
     assert_error_shape(dialect, response.status_code, body)
     if dialect == "lmi" and response.status_code in (404, 405) and not path.startswith("/predictions/"):
         assert isinstance(body.get("error"), str), f"{method} {path}: no 'error' in {body!r}"
+
+
+# /metrics takes no input: whatever comes with a GET (a query, a body, odd headers) is ignored and
+# the answer is the Prometheus text; other methods are routing errors (ROUTING above).
+METRICS_GETS = [("?name[]=%ff&x=\ud800", b"", {}), ("", b"\xff\x00{" * 1000, {"Content-Type": "application/json"}),
+                ("", b"", {"Accept": "application/openmetrics-text; version=9", "Accept-Encoding": "gzip, br"}),
+                ("?" + "a=1&" * 500, b"", {"Content-Encoding": "gzip"})]
+
+
+@pytest.mark.parametrize(("query", "body", "headers"), METRICS_GETS, ids=range(len(METRICS_GETS)))
+def test_metrics_ignores_what_comes_with_a_get(default_server, query, body, headers):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = requests.get(default_server.url("/metrics" + query), data=body, headers=headers, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text[:300]
+    assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    names = {family.name for family in text_string_to_metric_families(response.text)}
+    assert "lmi_serve:http_requests" in names, sorted(names)
 
 
 # --- malformed HTTP over a raw socket ----------------------------------------------------------

@@ -21,6 +21,7 @@ from .grammar import GrammarCompiler
 from .watermark import Watermark
 from .generation import POLL_SECONDS, Generation
 from .handle import RequestHandle, Sink
+from .observer import EngineObserver
 from ..errors import ClientGone, InvalidRequest
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
@@ -69,8 +70,14 @@ class Engine:
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory,
                                    prefix_cache=prefix_cache)
+        self.observer: EngineObserver | None = None  # observe() sets it (metrics)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+
+    def observe(self, observer: EngineObserver) -> None:
+        """Report every sequence submitted from now on, and every step, to `observer` (observer.py)."""
+        self.observer = observer
+        self.scheduler.observer = observer
 
     def start(self) -> "Engine":
         self._thread.start()
@@ -97,7 +104,8 @@ class Engine:
         if request.sampling.watermark and self.watermark is None:
             raise InvalidRequest("This model's engine has no watermark configured")
         watermark = self.watermark if request.sampling.watermark else None
-        handle = RequestHandle(request, deadline, constraint, sink=sink, index=index, watermark=watermark)
+        handle = RequestHandle(request, deadline, constraint, sink=sink, index=index, watermark=watermark,
+                               observer=self.observer)
         self.scheduler.add(handle)
         return handle
 

@@ -7,6 +7,7 @@ import queue
 import time
 from collections.abc import Iterator
 
+from .observer import EngineObserver, SequenceClock
 from .types import GenerationRequest, GenerationResult, TokenEvent
 
 _ids = itertools.count(1)
@@ -25,7 +26,8 @@ class RequestHandle:
     """
 
     def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None, *,
-                 sink: Sink | None = None, index: int = 0, watermark=None):
+                 sink: Sink | None = None, index: int = 0, watermark=None,
+                 observer: EngineObserver | None = None):
         self.id = next(_ids)
         self.request = request
         self.constraint = constraint  # the engine's grammar state for a guided request
@@ -34,10 +36,19 @@ class RequestHandle:
         self.submitted_at = time.monotonic()
         self.cancelled = False
         self.index = index
+        # Only an observed sequence pays for its clock (observer.py): a clock read per event.
+        self.clock = SequenceClock(observer, len(request.prompt_ids), self.submitted_at) if observer else None
         self._sink: Sink = sink if sink is not None else queue.SimpleQueue()
 
     def push(self, event: TokenEvent) -> None:
+        if self.clock is not None:
+            self.clock.event(event)
         self._sink.put((self.index, event))
+
+    def admitted(self) -> None:
+        """The scheduler gave this sequence a row (its queue time ends)."""
+        if self.clock is not None:
+            self.clock.admit()
 
     def cancel(self) -> None:
         self.cancelled = True

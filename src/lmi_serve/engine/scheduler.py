@@ -42,8 +42,9 @@ from .batch import Batch, Row, make_row
 from .beam_jobs import BeamJobs, settle
 from .beam_rows import BeamSearch
 from .chunked import ChunkedPrefill, chunkable, supports_chunks
-from .prefix_cache import PrefixCache, supports_prefixes
+from .prefix_cache import PrefixCache, PrefixStats, supports_prefixes
 from .handle import RequestHandle
+from .observer import EngineObserver, StepReport
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder, kv_factory_for
 from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
@@ -91,6 +92,7 @@ class Scheduler:
         self.work = threading.Condition()
         self.stats = SchedulerStats()
         self.phases = PhaseClock()
+        self.observer: EngineObserver | None = None  # told each step's batch size and queue (observer.py)
 
     # -- called from request threads -------------------------------------------------------
     def add(self, handle: RequestHandle) -> None:
@@ -150,11 +152,21 @@ class Scheduler:
             self._advance_chunk(chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners))
         if joiners:
             self._join(joiners)
+        decoded = len(self.batch) if self.batch else 0
         if self.batch:
             self._decode()
         if self.beams:
             self._step_beams()
         self.stats.steps += 1
+        if self.observer is not None:
+            self._report(decoded)
+
+    def _report(self, decoded: int) -> None:
+        prefixes = self.prefixes.stats if self.prefixes is not None else PrefixStats()
+        self.observer.step_finished(StepReport(
+            batch_size=decoded, running=self.running, waiting=len(self.waiting) + len(self.beams.waiting),
+            prefix_query_tokens=prefixes.prompt_tokens, prefix_hit_tokens=prefixes.hit_tokens,
+            prefix_cache_bytes=prefixes.bytes))
 
     def _admit_beams(self) -> None:
         """Drop cancelled beam searches, then start waiting ones while their beams fit."""
@@ -210,7 +222,10 @@ class Scheduler:
                     continue
                 if can_chunk and self.chunking is None and budget > 0:
                     self.chunking = self._start_prefill(self.waiting.popleft())
+                    self.chunking.row.owner.admitted()
                 break
+        for handle in joiners:
+            handle.admitted()
         return joiners
 
     def _cached_tokens(self, request: GenerationRequest) -> int:

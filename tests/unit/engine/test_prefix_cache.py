@@ -219,3 +219,30 @@ def test_row_kv_and_resume_meet_the_kv_contract(kv, tiny_model, smollm2_tokenize
     resumed.feed(logits.argmax(dim=-1))
     step = resumed.decode()
     assert step.shape == whole.shape
+
+
+def test_steps_report_the_prefix_caches_token_totals_to_an_observer(tiny_model, smollm2_tokenizer, shared_prompts):
+    from lmi_serve.engine.observer import EngineObserver
+
+    class Steps(EngineObserver):
+        def __init__(self):
+            self.reports = []
+
+        def step_finished(self, report):
+            self.reports.append(report)
+
+    steps = Steps()
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, prefix_cache=PrefixCache(64 * 2**20))
+    engine.observe(steps)
+    engine.start()
+    try:
+        for prompt in shared_prompts[:2]:  # the first misses, the second hits the shared system prompt
+            run(engine, [greedy(prompt)])
+    finally:
+        engine.stop()
+    stats = engine.stats().prefix_cache
+    last = steps.reports[-1]
+    assert stats.hits == 1 and stats.hit_tokens > 0
+    assert (last.prefix_query_tokens, last.prefix_hit_tokens, last.prefix_cache_bytes) == \
+        (stats.prompt_tokens, stats.hit_tokens, stats.bytes)
+    assert last.prefix_query_tokens == sum(len(p) for p in shared_prompts[:2])

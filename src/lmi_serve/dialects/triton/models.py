@@ -78,6 +78,7 @@ def find_model(registry: ModelRegistry, name: str, version: str | None) -> Model
         raise TritonError(404, f"Request for unknown model: '{name}' is not found")
     if version not in (None, "", MODEL_VERSION):
         raise TritonError(404, f"Request for unknown model: '{name}' version {version} is not found")
+    service.requested()
     return service
 
 
