@@ -73,8 +73,13 @@ class ServingMetrics:
                                          model)
         self.ttft = self._histogram("time_to_first_token_seconds", "Submission to the first token",
                                     LATENCY_BUCKETS)
-        self.tpot = self._histogram("time_per_output_token_seconds", "A sequence's mean time per token after "
-                                    "its first", TOKEN_GAP_BUCKETS)
+        # vLLM's names: request_time_per_output_token_seconds is a sequence's mean; time_per_output_token_seconds
+        # is every token gap (vLLM keeps it as the deprecated twin of inter_token_latency_seconds), so
+        # dashboards built on either read ours the same way.
+        self.tpot = self._histogram("request_time_per_output_token_seconds", "A sequence's mean time per token "
+                                    "after its first", TOKEN_GAP_BUCKETS)
+        self.token_gap = self._histogram("time_per_output_token_seconds", "Time between two tokens of a sequence "
+                                         "(vLLM's older name of inter_token_latency_seconds)", TOKEN_GAP_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between two tokens of a sequence",
                                    TOKEN_GAP_BUCKETS)
         self.e2e = self._histogram("e2e_request_latency_seconds", "Submission to the last event of a sequence",
@@ -125,6 +130,7 @@ class ModelMetrics(EngineObserver):
         self._metrics = metrics
         self._ttft, self._tpot = metrics.ttft.labels(name), metrics.tpot.labels(name)
         self._itl, self._e2e = metrics.itl.labels(name), metrics.e2e.labels(name)
+        self._token_gap = metrics.token_gap.labels(name)
         self._queue, self._batch = metrics.queue.labels(name), metrics.batch_size.labels(name)
         self._prompt, self._generated = metrics.prompt_tokens.labels(name), metrics.generation_tokens.labels(name)
         self._running, self._waiting = metrics.running.labels(name), metrics.waiting.labels(name)
@@ -149,6 +155,7 @@ class ModelMetrics(EngineObserver):
 
     def next_token(self, gap_seconds: float) -> None:
         self._itl.observe(gap_seconds)
+        self._token_gap.observe(gap_seconds)
         self._generated.inc()
 
     def sequence_finished(self, report: SequenceReport) -> None:

@@ -89,8 +89,10 @@ def test_known_traffic_moves_the_counters_by_exactly_that(server):
     assert delta(before, after, P + "generation_tokens_total", model_name=LLM) == 3 * TOKENS
     assert delta(before, after, P + "request_success_total", model_name=LLM, finished_reason="length") == 3
     for histogram, count in [("time_to_first_token_seconds", 3), ("e2e_request_latency_seconds", 3),
-                             ("request_queue_time_seconds", 3), ("time_per_output_token_seconds", 3),
-                             ("inter_token_latency_seconds", 3 * (TOKENS - 1))]:
+                             ("request_queue_time_seconds", 3),
+                             ("request_time_per_output_token_seconds", 3),
+                             ("inter_token_latency_seconds", 3 * (TOKENS - 1)),
+                             ("time_per_output_token_seconds", 3 * (TOKENS - 1))]:
         name = P + histogram
         assert delta(before, after, name + "_count", model_name=LLM) == count, histogram
         assert delta(before, after, name + "_bucket", model_name=LLM, le="+Inf") == count, histogram

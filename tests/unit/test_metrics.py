@@ -59,7 +59,8 @@ def test_observer_facts_become_counts_and_histograms(metrics):
     assert value(s, p + "generation_tokens_total", model_name="m") == 5
     assert value(s, p + "time_to_first_token_seconds_count", model_name="m") == 1
     assert value(s, p + "inter_token_latency_seconds_count", model_name="m") == 4
-    assert value(s, p + "time_per_output_token_seconds_count", model_name="m") == 3  # sequences with 2+ tokens
+    assert value(s, p + "request_time_per_output_token_seconds_count", model_name="m") == 3  # sequences of 2+ tokens
+    assert value(s, p + "time_per_output_token_seconds_count", model_name="m") == 4  # vLLM's per-gap name
     assert value(s, p + "e2e_request_latency_seconds_count", model_name="m") == 4
     assert value(s, p + "request_queue_time_seconds_count", model_name="m") == 1
     assert value(s, p + "request_success_total", finished_reason="length") == 1
