@@ -22,6 +22,7 @@ from .dialects.lmi import errors as lmi_errors
 from .dialects.lmi import routes as lmi_routes
 from .dialects.openai import errors as openai_errors
 from .dialects.openai import routes as openai_routes
+from .dialects.openai import tokenize as tokenize_routes
 from .dialects.tgi import protocol as tgi_protocol
 from .dialects.tgi import routes as tgi_routes
 from .dialects.triton import protocol as triton_protocol
@@ -52,6 +53,7 @@ ERROR_RENDERERS: dict[str, ErrorRenderers] = {
     "": LMI_ERRORS,
     **{prefix: TGI_ERRORS for prefix in tgi_routes.ERROR_PREFIXES},
     **{prefix: OPENAI_ERRORS for prefix in openai_routes.ERROR_PREFIXES},
+    **{prefix: OPENAI_ERRORS for prefix in tokenize_routes.ERROR_PREFIXES},
     **{prefix: TRITON_ERRORS for prefix in triton_routes.ERROR_PREFIXES},
 }
 
@@ -133,6 +135,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.register_blueprint(tgi_routes.blueprint)
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(triton_routes.blueprint)
+    app.register_blueprint(tokenize_routes.blueprint)
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:

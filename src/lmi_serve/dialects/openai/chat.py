@@ -86,7 +86,10 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
     return messages
 
 
-def render_prompt(tokenizer, request: ChatCompletionRequest) -> str:
+def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+    """The conversation as prompt text through the model's chat template. The keywords are vLLM's
+    (its /tokenize takes them); a chat completion always opens the assistant's turn."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest("This model has no chat template; use /v1/completions", param="messages")
@@ -96,7 +99,9 @@ def render_prompt(tokenizer, request: ChatCompletionRequest) -> str:
     if knows_tools and request.tools and request.effective_tool_choice != "none":
         extra["tools"] = [tool.function.model_dump(exclude_none=True) for tool in request.tools]
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}), **extra)
     except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
         raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 

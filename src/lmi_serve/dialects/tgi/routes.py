@@ -1,7 +1,7 @@
 """Text Generation Inference (TGI) dialect: what the `text-generation` client and TGI users expect.
 
 POST /  (array body, or SSE with `stream`), POST /generate (one object), POST /generate_stream
-(SSE), GET /info, GET /health (and GET /). Errors are `{"error", "error_type"}` (also the app's own
+(SSE), GET /info, GET /health (and GET /), POST /tokenize (a body with `inputs`). Errors are `{"error", "error_type"}` (also the app's own
 404/405/413/500 on these paths and on POST /): the routes raise the core's error kinds and the app
 renders them through `protocol.ERROR_TABLE` (400 a body that is not acceptable JSON, 422
 validation, 424 generation, 429 overloaded, 503 unhealthy). A stream whose request fails before
@@ -28,6 +28,7 @@ from ... import guided, streaming
 from ...disconnect import wait_for_results
 from ...engine.engine import Engine
 from ...engine.generation import Generation
+from ...errors import InvalidRequest
 from ...registry import ModelRegistry
 from ...service import ModelStatus
 from ..lmi.formatters import RenderContext
@@ -110,6 +111,25 @@ def generate() -> Response:
 def generate_stream() -> Response:
     parsed = _parse(default_full_text=False, stream_route=True)
     return _stream(parsed)
+
+
+def tokenize() -> Response:
+    """TGI's POST /tokenize (mounted with vLLM's, see openai/tokenize.py): a GenerateRequest body ->
+    one `{"id", "text", "start", "stop"}` per prompt token, the generation request's own ids
+    (`truncate` applied); start/stop are character offsets into `inputs` and `text` the characters
+    between them (a special token the tokenizer adds covers none)."""
+    parsed = _parse(default_full_text=False, stream_route=False)
+    _, engine = _engine()
+    if not getattr(engine.tokenizer, "is_fast", False):
+        raise InvalidRequest("This model's tokenizer gives no character offsets; /tokenize needs a fast tokenizer",
+                             param="inputs")
+    encoding = engine.tokenizer(parsed.inputs, return_offsets_mapping=True)
+    pairs = list(zip(encoding.input_ids, encoding.offset_mapping))
+    if parsed.parameters.truncate:
+        pairs = pairs[-parsed.parameters.truncate:]
+    body = [{"id": token_id, "text": parsed.inputs[start:stop], "start": start, "stop": stop}
+            for token_id, (start, stop) in pairs]
+    return Response(json.dumps(body, ensure_ascii=False), mimetype="application/json")
 
 
 @blueprint.get("/")

@@ -1,0 +1,154 @@
+"""POST /tokenize and /detokenize: vLLM's shapes, and TGI's /tokenize on the same path.
+
+- vLLM: `{"model"?, "prompt", "add_special_tokens"?: true, "return_token_strs"?: false}` or
+  `{"model"?, "messages", "add_generation_prompt"?: true, "continue_final_message"?: false,
+  "add_special_tokens"?: false, "tools"?, "chat_template_kwargs"?, "return_token_strs"?}` ->
+  `{"count", "max_model_len", "tokens", "token_strs"?}`; `{"model"?, "tokens"}` -> `{"prompt"}`.
+  The model is chosen as on /v1 (`routes.choose_service`); errors in OpenAI's envelope.
+- TGI: a body with `inputs` (TGI's GenerateRequest) is TGI's, answered by `tgi.routes.tokenize`
+  as `[{"id", "text", "start", "stop"}]` with TGI's errors.
+
+The messages go through the same chat template as a chat completion (`chat.render_prompt`); the
+ids are the model's tokenizer's, exactly what a generation request would be given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, json, request
+from pydantic import Field, model_validator
+
+from ... import json_body
+from ...errors import InvalidRequest, ServingError
+from ...json_body import InvalidJson
+from ..tgi import protocol as tgi_protocol
+from ..tgi import routes as tgi_routes
+from . import chat
+from .errors import render_kind
+from .generation import check_token_ids
+from .routes import choose_service
+from .schema import ChatCompletionRequest, ChatMessage, Tool, TokenId, _Lenient, parse
+
+blueprint = Blueprint("tokenize", __name__)
+ERROR_PREFIXES = ("/tokenize", "/detokenize")  # app-level 404/405/413 there: OpenAI's envelope
+
+# apply_chat_template's own arguments: a client's template variables may not replace them.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                             "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
+                             "padding", "truncation", "max_length", "tokenizer_kwargs",
+                             "return_assistant_tokens_mask"}
+
+
+class TokenizeCompletionRequest(_Lenient):
+    """vLLM's /tokenize for a prompt text."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """vLLM's /tokenize for a conversation, rendered by the model's chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[Tool] | None = Field(None, max_length=32)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_rules(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second opens a new assistant turn")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: they are fields of the request")
+        return self
+
+
+class TokenizeResponse(_Lenient):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(_Lenient):
+    prompt: str
+
+
+@blueprint.errorhandler(ServingError)
+def _serving_error(exc: ServingError) -> Response:
+    """A TGI body's errors in TGI's shape; every other one in OpenAI's (vLLM's) envelope."""
+    if g.get("tokenize_dialect") == "tgi":
+        return tgi_protocol.render_kind(exc)
+    return render_kind(exc)
+
+
+def _body() -> Any:
+    try:
+        return json_body.loads(request.get_data())
+    except InvalidJson as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _engine(name: str | None):
+    strict = current_app.config.get("STRICT_MODEL_NAMES", False)
+    service = choose_service(current_app.extensions["lmi_serve.registry"].services, name, "text-generation",
+                             strict=strict)
+    return service.rolling_engine("/tokenize and /detokenize", param="model")
+
+
+def _reply(body: dict) -> Response:
+    return Response(json.dumps(body), mimetype="application/json")
+
+
+def chat_prompt_ids(tokenizer, parsed: TokenizeChatRequest) -> list[int]:
+    """The ids a chat completion with these messages (and tools) would be given, with vLLM's
+    template switches."""
+    conversation = ChatCompletionRequest.model_validate(
+        {"messages": [m.model_dump(exclude_none=True) for m in parsed.messages],
+         "tools": [t.model_dump(exclude_none=True) for t in parsed.tools] if parsed.tools else None})
+    text = chat.render_prompt(tokenizer, conversation, add_generation_prompt=parsed.add_generation_prompt,
+                              continue_final_message=parsed.continue_final_message,
+                              template_kwargs=parsed.chat_template_kwargs)
+    return tokenizer(text, add_special_tokens=parsed.add_special_tokens).input_ids
+
+
+@blueprint.post("/tokenize")
+def tokenize() -> Response:
+    body = _body()
+    if isinstance(body, dict) and "inputs" in body and "prompt" not in body and "messages" not in body:
+        g.tokenize_dialect = "tgi"
+        return tgi_routes.tokenize()
+    if isinstance(body, dict) and "messages" in body:
+        parsed = parse(TokenizeChatRequest, body)
+        engine = _engine(parsed.model)
+        ids = chat_prompt_ids(engine.tokenizer, parsed)
+    else:
+        parsed = parse(TokenizeCompletionRequest, body)
+        engine = _engine(parsed.model)
+        ids = engine.tokenizer(parsed.prompt, add_special_tokens=parsed.add_special_tokens).input_ids
+    reply = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
+    if parsed.return_token_strs:
+        reply["token_strs"] = engine.tokenizer.convert_ids_to_tokens(list(ids))
+    return _reply(reply)
+
+
+@blueprint.post("/detokenize")
+def detokenize() -> Response:
+    parsed = parse(DetokenizeRequest, _body())
+    engine = _engine(parsed.model)
+    check_token_ids(parsed.tokens, len(engine.tokenizer), "tokens")
+    return _reply({"prompt": engine.tokenizer.decode(parsed.tokens)})
