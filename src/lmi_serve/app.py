@@ -29,6 +29,7 @@ from .dialects.triton import protocol as triton_protocol
 from .dialects.triton import routes as triton_routes
 from .errors import ServingError
 from .metrics import ServingMetrics
+from .openapi import blueprint as openapi_blueprint
 from .registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(triton_routes.blueprint)
     app.register_blueprint(tokenize_routes.blueprint)
+    app.register_blueprint(openapi_blueprint)  # /openapi.json, /docs
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
