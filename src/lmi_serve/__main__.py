@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import logs
 from .config import ConfigError, ServerConfig, build_server_config
 
 log = logging.getLogger("lmi_serve")
@@ -43,7 +44,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="request threads per worker (default 64)")
     parser.add_argument("--timeout", type=int, default=120, help="gunicorn worker heartbeat timeout, seconds")
     parser.add_argument("--log-level", default=os.environ.get("LMI_SERVE_LOG_LEVEL", "info"))
-    return parser.parse_args(argv)
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=os.environ.get("LMI_SERVE_LOG_FORMAT", "text"),
+                        help="text, or json: one JSON object per line, every log line (default LMI_SERVE_LOG_FORMAT "
+                             "or text)")
+    args = parser.parse_args(argv)
+    if args.log_format not in logs.FORMATS:  # argparse checks choices on the command line only, not a default
+        parser.error(f"LMI_SERVE_LOG_FORMAT must be one of {', '.join(logs.FORMATS)}, not {args.log_format!r}")
+    return args
 
 
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
@@ -68,6 +75,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 "keepalive": 5,
                 "loglevel": args.log_level,
                 "errorlog": "-",
+                "logconfig_dict": logs.gunicorn_logconfig(args.log_level, args.log_format),  # logs.py
                 "preload_app": False,  # models load after the fork, in each worker
                 "proc_name": "lmi-serve",
                 # The documented model selector header is `model_name`; gunicorn's default drops every
@@ -94,8 +102,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
     for key, value in _RUNTIME_ENV.items():
         os.environ.setdefault(key, value)
     env = dict(os.environ)

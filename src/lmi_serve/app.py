@@ -17,6 +17,7 @@ from flask import Flask, Response, g, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
+from . import access_log
 from .config import ServerConfig
 from .dialects.lmi import errors as lmi_errors
 from .dialects.lmi import routes as lmi_routes
@@ -148,12 +149,16 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     @app.before_request
     def assign_request_id() -> None:
         g.request_id = request.headers.get(config.request_id_header) or str(uuid.uuid4())
+        access_log.request_started()
 
     @app.after_request
     def echo_request_id(response: Response) -> Response:
         response.headers.setdefault("x-request-id", getattr(g, "request_id", ""))
         count_response(metrics, response)
+        access_log.response_ready(response)
         return response
+
+    app.teardown_request(lambda exc: access_log.request_torn_down())
 
     @app.errorhandler(ServingError)
     def serving_error(exc: ServingError) -> Response:

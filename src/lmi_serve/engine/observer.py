@@ -5,12 +5,16 @@ each step was; it reports those facts in seconds and counts, and knows nothing o
 (metrics.py turns them into Prometheus series, outside this folder). Every method is called on
 the scheduler thread, so an observer must be quick: a histogram observe per token is the budget.
 
-`SequenceClock` keeps one sequence's times; its RequestHandle feeds it every event it pushes.
+`SequenceClock` keeps one sequence's times; its RequestHandle feeds it every event it pushes. A
+clock made while a `RequestTally` is current (`CURRENT_TALLY`, set by whoever serves one client
+request) also adds its sequence to that tally: the request's own counts and first-token time,
+read once the request is over (the access log).
 """
 
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..errors import ServingError
@@ -57,10 +61,40 @@ class EngineObserver:
     def step_finished(self, report: StepReport) -> None: ...
 
 
-class SequenceClock:
-    """One sequence's times, from submission to its last event, reported to an observer."""
+@dataclass
+class RequestTally:
+    """The sequences one client request submitted, summed: written by the scheduler thread (one
+    writer), read by the request's thread once its response is over. Times are time.monotonic()."""
 
-    __slots__ = ("observer", "prompt_tokens", "submitted", "admitted", "first", "last", "tokens")
+    sequences: int = 0
+    prompt_tokens: int = 0  # per sequence, as lmi_serve:prompt_tokens_total counts (n=2 counts twice)
+    generated_tokens: int = 0
+    submitted: float | None = None  # the first sequence's submission
+    first_token: float | None = None  # the earliest first token of any sequence
+
+    def add(self, prompt_tokens: int, submitted: float) -> None:
+        self.sequences += 1
+        self.prompt_tokens += prompt_tokens
+        if self.submitted is None or submitted < self.submitted:
+            self.submitted = submitted
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        """Submission to the request's first token; None when no token came."""
+        if self.first_token is None or self.submitted is None:
+            return None
+        return self.first_token - self.submitted
+
+
+# The tally of the client request being served on this thread (None: nobody is counting).
+CURRENT_TALLY: ContextVar[RequestTally | None] = ContextVar("lmi_serve_request_tally", default=None)
+
+
+class SequenceClock:
+    """One sequence's times, from submission to its last event, reported to an observer (and to
+    the current request's tally, if any)."""
+
+    __slots__ = ("observer", "prompt_tokens", "submitted", "admitted", "first", "last", "tokens", "tally")
 
     def __init__(self, observer: EngineObserver, prompt_tokens: int, submitted: float):
         self.observer, self.prompt_tokens, self.submitted = observer, prompt_tokens, submitted
@@ -68,6 +102,9 @@ class SequenceClock:
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.tally = CURRENT_TALLY.get()  # made on the request's thread (Engine.submit)
+        if self.tally is not None:
+            self.tally.add(prompt_tokens, submitted)
 
     def admit(self) -> None:
         self.admitted = time.monotonic()
@@ -77,8 +114,12 @@ class SequenceClock:
         now = time.monotonic()
         if event.token_id >= 0:  # a failure or cancellation marker is no token
             self.tokens += 1
+            if self.tally is not None:
+                self.tally.generated_tokens += 1
             if self.first is None:
                 self.first = now
+                if self.tally is not None and (self.tally.first_token is None or now < self.tally.first_token):
+                    self.tally.first_token = now
                 self.observer.first_token(self.prompt_tokens, now - self.submitted)
             else:
                 self.observer.next_token(now - self.last)

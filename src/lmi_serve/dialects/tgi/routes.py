@@ -1,7 +1,8 @@
 """Text Generation Inference (TGI) dialect: what the `text-generation` client and TGI users expect.
 
 POST /  (array body, or SSE with `stream`), POST /generate (one object), POST /generate_stream
-(SSE), GET /info, GET /health (and GET /), POST /tokenize (a body with `inputs`). Errors are `{"error", "error_type"}` (also the app's own
+(SSE), GET /info, GET /health (and GET /), POST /tokenize (a body with `inputs`, mounted by
+openai/tokenize.py). Errors are `{"error", "error_type"}` (also the app's own
 404/405/413/500 on these paths and on POST /): the routes raise the core's error kinds and the app
 renders them through `protocol.ERROR_TABLE` (400 a body that is not acceptable JSON, 422
 validation, 424 generation, 429 overloaded, 503 unhealthy). A stream whose request fails before

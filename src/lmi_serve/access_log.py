@@ -1,0 +1,66 @@
+"""The access log: one line per request once its response is over (a stream: when it ends).
+
+Fields: request_id, method, route (the URL rule, e.g. `/v2/models/<model>/infer`, never the query),
+model, status, prompt_tokens, generated_tokens, ttft_s, total_s. Tokens and the time to the first
+token are the engine's (observer.RequestTally: every sequence the request submitted, counted by
+their SequenceClocks), never a dialect's rendering; they are null for a request that ran no
+sequence of the rolling batch (health, metadata, embeddings, dynamic batching, beam search).
+Nothing a client sent is written: no text, no headers, no query.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from flask import Response, g, request
+
+from .engine.observer import CURRENT_TALLY, RequestTally
+
+log = logging.getLogger("lmi_serve.access")
+
+
+def request_started() -> None:
+    """before_request: the request's clock and tally, current on this thread while the view runs
+    (sequences submitted from it count; a stream's later events still reach the same tally)."""
+    g.access_started = time.monotonic()
+    g.access_tally = RequestTally()
+    g.access_token = CURRENT_TALLY.set(g.access_tally)
+
+
+def request_torn_down() -> None:
+    """teardown_request: no later work on this thread counts for this request."""
+    token = g.pop("access_token", None)
+    if token is not None:
+        CURRENT_TALLY.reset(token)
+
+
+def response_ready(response: Response) -> None:
+    """after_request: write the line when the response is closed (after its last byte, or when the
+    client went away), with what is known now (the request context is gone by then)."""
+    started = g.get("access_started")
+    if started is None:
+        return
+    fields = {"request_id": g.get("request_id", ""), "method": request.method,
+              "route": request.url_rule.rule if request.url_rule is not None else None,
+              "model": g.get("model_name") or None, "status": response.status_code}
+    tally = g.access_tally
+    response.call_on_close(lambda: write(fields, tally, started))
+
+
+def line_fields(fields: dict[str, Any], tally: RequestTally, started: float, now: float) -> dict[str, Any]:
+    """The access line's fields, in their order."""
+    counted = tally.sequences > 0
+    ttft = tally.ttft_seconds
+    return {**fields,
+            "prompt_tokens": tally.prompt_tokens if counted else None,
+            "generated_tokens": tally.generated_tokens if counted else None,
+            "ttft_s": round(ttft, 6) if ttft is not None else None,
+            "total_s": round(now - started, 6)}
+
+
+def write(fields: dict[str, Any], tally: RequestTally, started: float) -> None:
+    values = line_fields(fields, tally, started, time.monotonic())
+    text = " ".join(f"{key}={'-' if value is None else value}" for key, value in values.items())
+    log.info(text, extra=values)
