@@ -47,6 +47,7 @@ class Operation(NamedTuple):
     response: Models = ()
     media: tuple[str, ...] = ("application/json",)
     description: str = ""
+    model_query: bool = False  # `?model_name=` picks the model (LMI's and TGI's routes)
 
 
 def _lmi(summary: str, **kw) -> Operation:
@@ -72,12 +73,13 @@ def _model_routes(suffix: str, method: str, operation: Operation) -> dict[tuple[
 
 
 _STREAM = ("application/json", "text/event-stream")
-_INVOKE = _lmi("Generate or embed with the model's handler",
-               request=(doc.LmiRequest, doc.LmiDynamicBatchRequest), response=(doc.LmiGeneration,),
-               media=("application/json", "application/jsonlines", "text/event-stream"),
-               description="The rolling-batch schema (`parameters`: GenerationParameters), the dynamic-batch "
-                           "schema (DynamicBatchParameters), an embedding request, a chat request (`messages`) or "
-                           "a text/plain prompt; a custom model.py defines its own body.")
+_PREDICT = _lmi("Generate or embed with the model's handler",
+                request=(doc.LmiRequest, doc.LmiDynamicBatchRequest), response=(doc.LmiGeneration,),
+                media=("application/json", "application/jsonlines", "text/event-stream"),
+                description="The rolling-batch schema (`parameters`: GenerationParameters), the dynamic-batch "
+                            "schema (DynamicBatchParameters), an embedding request, a chat request (`messages`) or "
+                            "a text/plain prompt; a custom model.py defines its own body.")
+_INVOKE = _PREDICT._replace(model_query=True)
 _TRITON_INFER = _triton("Infer (JSON, or the binary tensor data extension)", request=(doc.InferRequest,),
                         response=(doc.InferResponse,), media=("application/json", "application/octet-stream"))
 
@@ -85,19 +87,21 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     # LMI / SageMaker
     ("/ping", "GET"): _lmi("Health of every model", response=(doc.PingResponse,)),
     ("/invocations", "POST"): _INVOKE,
-    ("/predictions/<model_name>", "POST"): _INVOKE,
-    ("/predictions/<model_name>/<version>", "POST"): _INVOKE,
+    ("/predictions/<model_name>", "POST"): _PREDICT,
+    ("/predictions/<model_name>/<version>", "POST"): _PREDICT,
     ("/models", "GET"): _lmi("List the served models", response=(doc.LmiModelList,)),
     ("/models/<model_name>", "GET"): _lmi("Describe one model", response=(doc.LmiModelDescription,)),
     # TGI
     ("/", "POST"): _tgi("Generate (a one-element array), or stream with `stream`", request=(doc.TgiRequest,),
-                        response=(doc.TgiGenerateResponse,), media=_STREAM),
-    ("/generate", "POST"): _tgi("Generate", request=(doc.TgiRequest,), response=(doc.TgiGenerateResponse,)),
+                        response=(doc.TgiGenerateResponse,), media=_STREAM, model_query=True),
+    ("/generate", "POST"): _tgi("Generate", request=(doc.TgiRequest,), response=(doc.TgiGenerateResponse,),
+                                model_query=True),
     ("/generate_stream", "POST"): _tgi("Generate as server-sent StreamResponse events", request=(doc.TgiRequest,),
-                                       response=(doc.TgiStreamResponse,), media=("text/event-stream",)),
+                                       response=(doc.TgiStreamResponse,), media=("text/event-stream",),
+                                       model_query=True),
     ("/", "GET"): _tgi("Health (200 with an empty body when every model is ready)", response=()),
     ("/health", "GET"): _tgi("Health (200 with an empty body when every model is ready)", response=()),
-    ("/info", "GET"): _tgi("Model information", response=(doc.TgiInfo,)),
+    ("/info", "GET"): _tgi("Model information", response=(doc.TgiInfo,), model_query=True),
     # OpenAI / vLLM
     ("/v1/chat/completions", "POST"): _openai("Chat completion", request=(ChatCompletionRequest,),
                                               response=(doc.ChatCompletion,), media=_STREAM),
@@ -110,7 +114,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Tokenize (vLLM's prompt or messages body; TGI's when the body has `inputs`)",
         request=(vllm_tokenize.TokenizeCompletionRequest, vllm_tokenize.TokenizeChatRequest, doc.TgiRequest),
         response=(vllm_tokenize.TokenizeResponse, doc.TgiTokenList),
-        description="A TGI body answers TGI's token list and errors in TGI's shape (TgiError)."),
+        description="A TGI body answers TGI's token list and errors in TGI's shape (TgiError); "
+                    "`model_name` picks its model, as on TGI's other routes.", model_query=True),
     ("/detokenize", "POST"): _openai("Token ids to text", request=(vllm_tokenize.DetokenizeRequest,),
                                      response=(vllm_tokenize.DetokenizeResponse,)),
     # Triton / KServe v2
@@ -187,6 +192,10 @@ def _operation(op: Operation, parameters: list[dict], operation_id: str) -> dict
                                 "content": {"application/json": {"schema": _one_of((op.errors,))}}}}}
     if op.description:
         body["description"] = op.description
+    if op.model_query:
+        parameters = [*parameters, {"name": "model_name", "in": "query", "required": False,
+                                    "schema": {"type": "string"}, "description": "the model to use (default: the "
+                                    "only model, else the first text-generation model)"}]
     if parameters:
         body["parameters"] = parameters
     if op.request:

@@ -33,3 +33,10 @@ def test_flask_rules_become_path_templates():
 
 def test_the_document_is_valid():
     validate(build_document(app()))
+
+
+def test_routes_that_pick_a_model_by_query_say_so():
+    paths = build_document(app())["paths"]
+    for path, method in [("/invocations", "post"), ("/generate", "post"), ("/info", "get")]:
+        assert "model_name" in [p["name"] for p in paths[path][method]["parameters"] if p["in"] == "query"]
+    assert "parameters" not in paths["/v1/completions"]["post"]  # OpenAI picks by the body's `model`
