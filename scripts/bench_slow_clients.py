@@ -1,0 +1,119 @@
+"""Normal request latency with and without slow client connections, on one server in one run.
+
+Starts the server (embedded defaults), then for `--duration` seconds each:
+1. baseline: `--clients` threads send normal requests (/ping, a 4-token LMI and OpenAI generation,
+   each on a fresh connection);
+2. pressure: the same, while `--slow` connections trickle a request head or body one byte every
+   `--interval` seconds, or sit idle (scripts/benchmark/slow_clients.py).
+Prints each phase's p50/p99 latency, the pressure/baseline ratios, the normal requests that failed
+(timeout `--timeout`), and what became of the slow connections (408, closed, still open).
+
+    .venv/bin/python scripts/bench_slow_clients.py [--slow 200] [--duration 30] [--threads 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark.slow_clients import NormalLoad, SlowSockets, percentile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_server(port: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+    log = tempfile.NamedTemporaryFile(prefix="bench-slow-", suffix=".log", delete=False)
+    command = [sys.executable, "-m", "lmi_serve", "--port", str(port)]
+    if threads:
+        command += ["--threads", str(threads)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited; see {log.name}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/ping", timeout=5).status_code == 200:
+                return proc, log.name
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server did not become healthy; see {log.name}")
+
+
+def run_phase(base: str, port: int, args: argparse.Namespace, slow: int) -> tuple[NormalLoad, SlowSockets | None]:
+    sockets = SlowSockets("127.0.0.1", port, slow, interval=args.interval, kinds=tuple(args.kinds.split(","))).start() if slow else None
+    load = NormalLoad(base, clients=args.clients, timeout=args.timeout).start()
+    time.sleep(args.duration)
+    load.stop()
+    if sockets is not None:
+        sockets.stop()
+    return load, sockets
+
+
+def describe(label: str, load: NormalLoad) -> tuple[float, float]:
+    values = load.all_latencies()
+    p50, p99 = percentile(values, 50), percentile(values, 99)
+    by_name = ", ".join(f"{name} p50 {percentile(sorted(v), 50) * 1000:.0f} ms" for name, v in load.latencies.items())
+    print(f"{label:9s} {len(values):5d} ok, {len(load.failures):3d} failed   p50 {p50 * 1000:7.1f} ms   "
+          f"p99 {p99 * 1000:7.1f} ms   ({by_name})")
+    for name, error in load.failures[:5]:
+        print(f"          failed {name}: {error}")
+    return p50, p99
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slow", type=int, default=200, help="slow connections during the pressure phase")
+    parser.add_argument("--duration", type=float, default=30, help="seconds per phase")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between a slow socket's bytes")
+    parser.add_argument("--kinds", default="head,body,idle", help="slow connection kinds, in turn")
+    parser.add_argument("--clients", type=int, default=2, help="threads sending normal requests")
+    parser.add_argument("--timeout", type=float, default=30, help="a normal request's timeout, seconds")
+    parser.add_argument("--threads", type=int, help="server request threads (default: the server's)")
+    parser.add_argument("--port", type=int, default=8093)
+    args = parser.parse_args()
+
+    proc, log = start_server(args.port, args.threads)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        NormalLoad(base).one("lmi")  # warm up
+        print(f"server threads {args.threads or 'default'}; {args.clients} normal clients; "
+              f"{args.slow} slow sockets ({args.kinds}), a byte every {args.interval} s; {args.duration:.0f} s per phase")
+        baseline, _ = run_phase(base, args.port, args, 0)
+        pressure, sockets = run_phase(base, args.port, args, args.slow)
+        b50, b99 = describe("baseline", baseline)
+        p50, p99 = describe("pressure", pressure)
+        ratio = (lambda a, b: a / b if b and not math.isnan(a) else float("nan"))
+        print(f"ratio     p50 {ratio(p50, b50):.2f}x   p99 {ratio(p99, b99):.2f}x   "
+              f"(pressure failures: {len(pressure.failures)})")
+        for kind, outcomes in sockets.outcomes.items():
+            print(f"slow {kind:5s}: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+        print(f"slow sockets opened: {sockets.opened}")
+        try:
+            after = NormalLoad(base).one("ping")
+            print(f"after     /ping answered in {after * 1000:.0f} ms")
+        except Exception as error:
+            print(f"after     /ping failed: {error}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        print(f"server log: {log}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
