@@ -52,7 +52,10 @@ def start_server(port: int, threads: int | None) -> tuple[subprocess.Popen, str]
 
 
 def run_phase(base: str, port: int, args: argparse.Namespace, slow: int) -> tuple[NormalLoad, SlowSockets | None]:
-    sockets = SlowSockets("127.0.0.1", port, slow, interval=args.interval, kinds=tuple(args.kinds.split(","))).start() if slow else None
+    sockets = None
+    if slow:
+        kinds = tuple(args.kinds.split(","))
+        sockets = SlowSockets("127.0.0.1", port, slow, interval=args.interval, kinds=kinds).start()
     load = NormalLoad(base, clients=args.clients, timeout=args.timeout).start()
     time.sleep(args.duration)
     load.stop()
@@ -88,8 +91,8 @@ def main() -> int:
     base = f"http://127.0.0.1:{args.port}"
     try:
         NormalLoad(base).one("lmi")  # warm up
-        print(f"server threads {args.threads or 'default'}; {args.clients} normal clients; "
-              f"{args.slow} slow sockets ({args.kinds}), a byte every {args.interval} s; {args.duration:.0f} s per phase")
+        print(f"server threads {args.threads or 'default'}; {args.clients} normal clients; {args.slow} slow "
+              f"sockets ({args.kinds}), a byte every {args.interval} s; {args.duration:.0f} s per phase")
         baseline, _ = run_phase(base, args.port, args, 0)
         pressure, sockets = run_phase(base, args.port, args, args.slow)
         b50, b99 = describe("baseline", baseline)

@@ -4,9 +4,10 @@
 - head: sends a request's head one byte at a time,
 - body: sends a whole head declaring a Content-Length, then the body one byte at a time,
 - idle: connects and sends nothing.
-`kinds` picks the mix (in turn). One thread drives them all: every `interval` each socket sends its next byte (or nothing, if idle);
-a socket the server answered or closed is recorded (status code, or `closed`) and replaced by a fresh
-one of the same kind while the pressure lasts, so `count` connections stay open until `stop()`.
+`kinds` picks the mix (in turn). One thread drives them all: every `interval` each socket sends its
+next byte (or nothing, if idle); a socket the server answered or closed is recorded (status code, or
+`closed`) and replaced by a fresh one of the same kind while the pressure lasts, so `count`
+connections stay open until `stop()`.
 
 `NormalLoad` sends ordinary requests in a loop on a few threads (a /ping and a short generation in the
 LMI and OpenAI dialects) and records each one's latency, or its error.

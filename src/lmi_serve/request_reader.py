@@ -30,6 +30,7 @@ out a new one.
 from __future__ import annotations
 
 import logging
+import selectors
 import socket
 import time
 from collections.abc import Callable
@@ -186,7 +187,7 @@ class ReadingFront:
         if buffered and self._advance(reading):
             return
         conn.sock.setblocking(False)
-        self.poller.register(conn.sock, 1, lambda _sock: self._readable(reading))  # 1: EVENT_READ
+        self.poller.register(conn.sock, selectors.EVENT_READ, lambda _sock: self._readable(reading))
         reading.registered = True
         self.reading[conn] = reading
 
