@@ -64,15 +64,33 @@ def run_phase(base: str, port: int, args: argparse.Namespace, slow: int) -> tupl
     return load, sockets
 
 
-def describe(label: str, load: NormalLoad) -> tuple[float, float]:
-    values = load.all_latencies()
-    p50, p99 = percentile(values, 50), percentile(values, 99)
-    by_name = ", ".join(f"{name} p50 {percentile(sorted(v), 50) * 1000:.0f} ms" for name, v in load.latencies.items())
-    print(f"{label:9s} {len(values):5d} ok, {len(load.failures):3d} failed   p50 {p50 * 1000:7.1f} ms   "
-          f"p99 {p99 * 1000:7.1f} ms   ({by_name})")
-    for name, error in load.failures[:5]:
-        print(f"          failed {name}: {error}")
-    return p50, p99
+def cpu_model() -> str:
+    """lscpu's model name."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def figures(values: list[float]) -> tuple[int, float, float]:
+    values = sorted(values)
+    return len(values), percentile(values, 50), percentile(values, 99)
+
+
+def report(baseline: NormalLoad, pressure: NormalLoad) -> None:
+    """One row per normal request kind and one for all: count, p50, p99 in each phase, and ratios."""
+    print(f"{'request':8s} {'baseline n / p50 / p99 (ms)':>30s}   {'pressure n / p50 / p99 (ms)':>30s}   "
+          "ratio p50 / p99")
+    rows = [(name, baseline.latencies[name], pressure.latencies[name]) for name in baseline.latencies]
+    for name, before, during in rows + [("all", baseline.all_latencies(), pressure.all_latencies())]:
+        (bn, b50, b99), (pn, p50, p99) = figures(before), figures(during)
+        ratio = (lambda a, b: a / b if b and not math.isnan(a) else float("nan"))
+        print(f"{name:8s} {bn:10d} / {b50 * 1000:7.1f} / {b99 * 1000:7.1f}   {pn:10d} / {p50 * 1000:7.1f} / "
+              f"{p99 * 1000:7.1f}   {ratio(p50, b50):5.2f}x / {ratio(p99, b99):5.2f}x")
+    for label, load in (("baseline", baseline), ("pressure", pressure)):
+        print(f"{label} failures: {len(load.failures)}")
+        for name, error in load.failures[:5]:
+            print(f"  {name}: {error}")
 
 
 def main() -> int:
@@ -91,18 +109,15 @@ def main() -> int:
     base = f"http://127.0.0.1:{args.port}"
     try:
         NormalLoad(base).one("lmi")  # warm up
+        print(f"{cpu_model()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before")
         print(f"server threads {args.threads or 'default'}; {args.clients} normal clients; {args.slow} slow "
               f"sockets ({args.kinds}), a byte every {args.interval} s; {args.duration:.0f} s per phase")
         baseline, _ = run_phase(base, args.port, args, 0)
         pressure, sockets = run_phase(base, args.port, args, args.slow)
-        b50, b99 = describe("baseline", baseline)
-        p50, p99 = describe("pressure", pressure)
-        ratio = (lambda a, b: a / b if b and not math.isnan(a) else float("nan"))
-        print(f"ratio     p50 {ratio(p50, b50):.2f}x   p99 {ratio(p99, b99):.2f}x   "
-              f"(pressure failures: {len(pressure.failures)})")
+        report(baseline, pressure)
         for kind, outcomes in sockets.outcomes.items():
             print(f"slow {kind:5s}: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
-        print(f"slow sockets opened: {sockets.opened}")
+        print(f"slow sockets opened: {sockets.opened}; load average {os.getloadavg()[0]:.1f} after")
         try:
             after = NormalLoad(base).one("ping")
             print(f"after     /ping answered in {after * 1000:.0f} ms")

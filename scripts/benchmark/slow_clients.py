@@ -140,18 +140,23 @@ NORMAL_REQUESTS = {
 
 @dataclass
 class NormalLoad:
-    """`clients` threads, each sending the NORMAL_REQUESTS in turn on a fresh connection until stop():
-    every request's latency (seconds) by name, and the failures (name, error) that got no 200."""
+    """`clients` threads, each sending the NORMAL_REQUESTS in turn on a fresh connection until stop(),
+    and one more sending only /ping every `ping_every` seconds (a latency the model's CPU use does not
+    dominate): every request's latency (seconds) by name, and the failures (name, error) without a 200."""
 
     base: str
     clients: int = 2
     timeout: float = 30.0
+    ping_every: float = 0.05
     latencies: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name in NORMAL_REQUESTS})
     failures: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.clients)]
+        names = list(NORMAL_REQUESTS)
+        self._threads = [threading.Thread(target=self._run, args=(names[i:] + names[:i], 0.0), daemon=True)
+                         for i in range(self.clients)]
+        self._threads.append(threading.Thread(target=self._run, args=(["ping"], self.ping_every), daemon=True))
 
     def start(self) -> NormalLoad:
         for thread in self._threads:
@@ -176,10 +181,9 @@ class NormalLoad:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
         return elapsed
 
-    def _run(self, offset: int) -> None:
-        names = list(NORMAL_REQUESTS)
-        i = offset
-        while not self._stop.is_set():
+    def _run(self, names: list[str], pause: float) -> None:
+        i = 0
+        while not self._stop.wait(pause):
             name = names[i % len(names)]
             i += 1
             try:

@@ -34,7 +34,7 @@ def test_normal_requests_are_served_beside_200_slow_connections(default_server):
     late = socket.create_connection(("127.0.0.1", default_server.port), timeout=120)
     late.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Le")  # and nothing more
     slow = SlowSockets("127.0.0.1", default_server.port, 200, interval=0.5).start()
-    load = NormalLoad(default_server.base, clients=2, timeout=30).start()
+    load = NormalLoad(default_server.base, clients=2, timeout=90).start()  # finite: before, they hung
     try:
         # Until every kind of slow connection was answered or closed at least once (the deadlines are
         # 20 s), and each normal request was served a few times meanwhile.
