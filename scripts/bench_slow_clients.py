@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +50,15 @@ def start_server(port: int, threads: int | None) -> tuple[subprocess.Popen, str]
             pass
         time.sleep(0.5)
     raise RuntimeError(f"server did not become healthy; see {log.name}")
+
+
+def loop_cpu(master_pid: int) -> float:
+    """CPU seconds used so far by the main threads of the server's workers: gunicorn's event loop,
+    where requests are now read (the request threads and the engine are other threads)."""
+    total = 0.0
+    for worker in psutil.Process(master_pid).children():
+        total += sum(t.user_time + t.system_time for t in worker.threads() if t.id == worker.pid)
+    return total
 
 
 def run_phase(base: str, port: int, args: argparse.Namespace, slow: int) -> tuple[NormalLoad, SlowSockets | None]:
@@ -112,9 +122,14 @@ def main() -> int:
         print(f"{cpu_model()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before")
         print(f"server threads {args.threads or 'default'}; {args.clients} normal clients; {args.slow} slow "
               f"sockets ({args.kinds}), a byte every {args.interval} s; {args.duration:.0f} s per phase")
+        cpu = [loop_cpu(proc.pid)]
         baseline, _ = run_phase(base, args.port, args, 0)
+        cpu.append(loop_cpu(proc.pid))
         pressure, sockets = run_phase(base, args.port, args, args.slow)
+        cpu.append(loop_cpu(proc.pid))
         report(baseline, pressure)
+        print(f"workers' event-loop threads: {(cpu[1] - cpu[0]) / args.duration:.1%} of a core in the baseline, "
+              f"{(cpu[2] - cpu[1]) / args.duration:.1%} under pressure")
         for kind, outcomes in sockets.outcomes.items():
             print(f"slow {kind:5s}: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
         print(f"slow sockets opened: {sockets.opened}; load average {os.getloadavg()[0]:.1f} after")

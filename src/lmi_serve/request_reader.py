@@ -239,7 +239,7 @@ class ReadingFront:
         self._forget(reading)
         sock = reading.conn.sock
         if reading.buf:
-            log.info("408 to %s: request incomplete (%d bytes), %s", reading.conn.client, len(reading.buf), why)
+            log.debug("408 to %s: request incomplete (%d bytes), %s", reading.conn.client, len(reading.buf), why)
             try:
                 sock.send(self.timeout_answer)
                 sock.shutdown(socket.SHUT_WR)
