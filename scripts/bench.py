@@ -71,7 +71,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -83,7 +82,8 @@ sys.path.insert(1, str(ROOT / "src"))
 sys.path.insert(2, str(ROOT / "scripts"))  # the benchmark package next to this file
 
 from benchmark.clients import DynamicClient, openai_sender, stream_one
-from benchmark.common import ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, ModelSource, log
+from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,
+                              stop_on_signals)
 from benchmark.inprocess import inproc_point, run_worker
 from benchmark.monitor import hwm_mib
 from benchmark.points import Runner, http_point
@@ -191,25 +191,33 @@ def main(argv: list[str] | None = None) -> int:
         result = run_worker(args._worker, args._spec)
         print(RESULT_TAG + json.dumps(result), flush=True)
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
+    stop_on_signals()  # SIGINT and SIGTERM alike: servers stopped, partial sweep reported, 128 + signal
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
     log(f"model: {source.describe()}; workload: {args.workload}")
-    if args.workload == "chat":
-        from benchmark.chat import run_chat
-        report, rows = run_chat(args, source)
-    elif args.workload == "gaps":
-        from benchmark.gaps import run_gaps
-        report, rows = run_gaps(args, source)
-    else:
-        report, rows = run_sweep(args, source)
+    status = 0
+    try:
+        if args.workload == "chat":
+            from benchmark.chat import run_chat
+            report, rows = run_chat(args, source)
+        elif args.workload == "gaps":
+            from benchmark.gaps import run_gaps
+            report, rows = run_gaps(args, source)
+        else:
+            report, rows = run_sweep(args, source)
+    except Interrupted as exc:
+        log(f"interrupted by {exc}; the servers it started are stopped"
+            + ("; what was measured follows" if exc.partial else ""))
+        if exc.partial is None:
+            return 128 + exc.signum
+        (report, rows), status = exc.partial, 128 + exc.signum
     print(report)
     if args.out:
         Path(args.out).write_text(report + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    return 0
+    return status
 
 
 def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[dict]]:
@@ -230,6 +238,7 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
     rows: list[dict] = []
     notes: list[str] = []
     runner = Runner(args.quiet_wait, args.quiet_threshold, args.noisy, args.retries)
+    interrupted: Interrupted | None = None
     try:
         from transformers import AutoTokenizer
 
@@ -277,6 +286,9 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
         except Exception as exc:  # noqa: BLE001 - keep what was measured and say why it stopped
             notes.append(f"SWEEP ABORTED: {type(exc).__name__}: {str(exc)[-2000:]}")
             log(f"sweep aborted: {type(exc).__name__}: {str(exc)[-2000:]}")
+        except Interrupted as exc:  # the same, and main exits with the signal's status after the report
+            notes.append(f"SWEEP INTERRUPTED by {exc}: the points above are all that was measured")
+            interrupted = exc
         hwm = {name: hwm_mib(s.proc.pid) for name, s in servers.servers.items()}
         for name, server in servers.servers.items():
             split = phase_split(server) if name not in LLAMA_SYSTEMS else None
@@ -333,6 +345,9 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
         log(f"kept the worker specs and logs in {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
+    if interrupted is not None:
+        interrupted.partial = ("\n".join(out), rows)
+        raise interrupted
     return "\n".join(out), rows
 
 

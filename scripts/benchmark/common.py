@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -56,6 +57,29 @@ def llama_home() -> Path:
     """Where scripts/build_llama_server puts llama.cpp (outside the repo)."""
     default = Path.home() / ".cache" / "lmi-serve" / "llama.cpp"
     return Path(os.environ.get("LLAMA_CPP_HOME", "").strip() or default)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the benchmark: it stops the servers it started, reports what it
+    measured so far (where it can) and exits with 128 + the signal's number, as a shell would say."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.partial: tuple[str, list[dict]] | None = None  # (report, rows) of a sweep cut short
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM both raise Interrupted in the main thread, once: the cleanup that follows
+    (stopping servers, each bounded) is not cut short by a second signal."""
+
+    def interrupt(signum, _frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
 
 
 def log(message: str) -> None:

@@ -161,8 +161,13 @@ def run_inprocess(kind: str, workload: Workload, concurrency: int, num_requests:
                                 stdout=subprocess.PIPE, stderr=err, env=env, cwd=ROOT, text=True)
         # the servers idle meanwhile; bg CPU counts neither them nor the worker
         servers_before = sum(tree_cpu(p) for p in server_pids)
-        with Monitor(proc.pid) as mon:
-            stdout, _ = proc.communicate()
+        try:
+            with Monitor(proc.pid) as mon:
+                stdout, _ = proc.communicate()
+        except BaseException:  # interrupted (bench.py's SIGINT/SIGTERM): the worker must not outlive us
+            proc.kill()
+            proc.wait()
+            raise
         servers_cpu = sum(tree_cpu(p) for p in server_pids) - servers_before
     lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:

@@ -98,12 +98,20 @@ class Servers:
     `servers`: name -> process; `skipped`: name -> why it is not measured."""
 
     def __init__(self, workdir: Path, systems: list[str], settings: ServerSettings, source: ModelSource):
-        from server_process import ServerProcess
-
         self.servers: dict[str, Any] = {}
         self.skipped: dict[str, str] = {}
         self.options: dict[str, dict[str, Any]] = {}
         env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        try:
+            self._start(systems, settings, source, workdir, env)
+        except BaseException:  # interrupted while starting them: stop those already started
+            self.stop()
+            raise
+
+    def _start(self, systems: list[str], settings: ServerSettings, source: ModelSource, workdir: Path,
+               env: dict[str, str]) -> None:
+        from server_process import ServerProcess
+
         for name in systems:
             try:
                 if name in LLAMA_SYSTEMS:
