@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
     from gunicorn.app.base import BaseApplication
 
+    from .drain import DrainingArbiter
+
     # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
     # counts leak in, set before prometheus_client is first imported (it picks its value store at
     # import, and the workers fork from this process).
@@ -64,7 +67,8 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 "worker_class": "lmi_serve.http_worker.JsonErrorWorker",  # gthread; HTTP-layer errors in JSON
                 "threads": config.threads,
                 "timeout": args.timeout,
-                "graceful_timeout": 30,
+                # SIGTERM drains (drain.py): in-flight requests get this long before they are ended.
+                "graceful_timeout": math.ceil(config.graceful_timeout),  # gunicorn takes whole seconds
                 "keepalive": 5,
                 "loglevel": args.log_level,
                 "errorlog": "-",
@@ -88,6 +92,9 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
             from .app import create_app
 
             return create_app(config)
+
+        def run(self) -> None:
+            DrainingArbiter(self).run()  # gunicorn's arbiter, draining on SIGTERM
 
     Server().run()
 

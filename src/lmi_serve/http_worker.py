@@ -15,6 +15,8 @@ import socket
 from gunicorn import util
 from gunicorn.workers.gthread import ThreadWorker
 
+from .drain import on_worker_sigterm
+
 
 def error_type(reason: str) -> str:
     """`Bad Request` -> `BadRequestException`, as the LMI error types are spelled."""
@@ -42,3 +44,7 @@ class JsonErrorWorker(ThreadWorker):
     def init_process(self) -> None:
         util.write_error = write_json_error  # Worker.handle_error's only writer of error pages
         super().init_process()
+
+    def handle_exit(self, sig, frame) -> None:
+        """SIGTERM: drain first (drain.py), then gunicorn's own stop."""
+        on_worker_sigterm(getattr(self, "wsgi", None), lambda: super(JsonErrorWorker, self).handle_exit(sig, frame))
