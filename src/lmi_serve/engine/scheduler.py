@@ -118,9 +118,14 @@ class Scheduler:
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
         return (len(batch) if batch else 0) + (self.chunking is not None) + self.beams.rows
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting and nothing running: a step would have nothing to do."""
+        return not self.waiting and not self.batch and self.chunking is None and not self.beams
+
     def wait_for_work(self, timeout: float) -> None:
         with self.work:
-            if not self.waiting and not self.batch and self.chunking is None and not self.beams:
+            if self.idle:
                 self.work.wait(timeout)
 
     def abort_all(self, reason: str, kind: type[ServingError] = GenerationFailed) -> None:
@@ -142,6 +147,8 @@ class Scheduler:
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
+        if self.idle:
+            return  # an idle wake-up is no step: stats.steps and the observer see only steps with work
         with self.phases.measure(ADMIT):
             self._drop_cancelled_and_expired()
             self._admit_beams()
