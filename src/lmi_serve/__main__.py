@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
     from gunicorn.app.base import BaseApplication
 
+    from .boot import BootingApp
     from .drain import DrainingArbiter
 
     # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
@@ -89,9 +90,13 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 self.cfg.set(key, value)
 
         def load(self):
-            from .app import create_app
+            def create():
+                from .app import create_app  # seconds: torch, transformers, every dialect
 
-            return create_app(config)
+                return create_app(config)
+
+            # Answers at once (/ping: loading) while the app imports on a thread (boot.py).
+            return BootingApp([model.name for model in config.models], create, metrics.ServingMetrics().render)
 
         def run(self) -> None:
             DrainingArbiter(self).run()  # gunicorn's arbiter, draining on SIGTERM

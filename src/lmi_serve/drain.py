@@ -115,10 +115,12 @@ class WorkerDrain:
                 service.engine.stop(reason, NotReady)
 
 
-def on_worker_sigterm(app, stop_worker: Callable[[], None]) -> None:
-    """A worker's SIGTERM handler: drain `app` (the worker's Flask app), or, while the app is not
-    loaded yet (nothing can be in flight), stop at once."""
-    drain = app.extensions.get("lmi_serve.drain") if app is not None and hasattr(app, "extensions") else None
+def on_worker_sigterm(wsgi, stop_worker: Callable[[], None]) -> None:
+    """A worker's SIGTERM handler: drain the worker's app (`wsgi`: the Flask app, or boot.BootingApp
+    holding it), or, while the app is not built yet (nothing can be in flight), stop at once."""
+    app = getattr(wsgi, "app", None) or wsgi
+    extensions = getattr(app, "extensions", None) or {}
+    drain = extensions.get("lmi_serve.drain")
     if drain is None:
         stop_worker()
     else:
