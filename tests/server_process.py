@@ -47,6 +47,8 @@ class ServerProcess:
         return Path(self.log.name).read_text(errors="replace")
 
     def wait_for_ping(self, accept=(200,), timeout: float = 420) -> requests.Response:
+        """Poll /ping until it answers a status in `accept`. Refused connections (before the bind)
+        and timeouts (a loaded machine) are retried until `timeout`; the server exiting fails."""
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
