@@ -141,6 +141,13 @@ class DrainingArbiter(Arbiter):
         self.log.info("Second SIGTERM: stopping at once")
         self.stop_now()
 
+    def handle_int(self) -> None:
+        """SIGINT (and SIGQUIT): stop at once. gunicorn's own would wait up to the graceful timeout
+        for a worker whose stream thread holds up its exit."""
+        self.stop_now()
+
+    handle_quit = handle_int
+
     def manage_workers(self) -> None:
         """Outside a drain, gunicorn's (keep the number of workers); in a drain, exit once every
         worker has, and stop them at once past the graceful timeout and its margin."""
