@@ -47,6 +47,8 @@ class ServerProcess:
         return Path(self.log.name).read_text(errors="replace")
 
     def wait_for_ping(self, accept=(200,), timeout: float = 420) -> requests.Response:
+        """Poll /ping until it answers a status in `accept`. Refused connections (before the bind)
+        and timeouts (a loaded machine) are retried until `timeout`; the server exiting fails."""
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
@@ -62,13 +64,17 @@ class ServerProcess:
         raise TimeoutError(f"/ping never answered {accept} (last: {last and last.status_code}):\n{self.output()[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        """SIGTERM (the server drains: quick when nothing is in flight); a request a test left
+        running would hold it for the graceful timeout, so after a while a second SIGTERM ends it
+        at once; SIGKILL if even that fails."""
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGTERM, 20), (signal.SIGKILL, None)):
+            if self.proc.poll() is not None:
+                break
+            os.killpg(self.proc.pid, sig)
             try:
-                self.proc.wait(30)
+                self.proc.wait(wait)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
         self.log.close()
 
 

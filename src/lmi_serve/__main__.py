@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
     from gunicorn.app.base import BaseApplication
 
+    from .boot import BootingApp
+    from .drain import DrainingArbiter
+
     # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
     # counts leak in, set before prometheus_client is first imported (it picks its value store at
     # import, and the workers fork from this process).
@@ -71,7 +75,8 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 "worker_class": "lmi_serve.http_worker.JsonErrorWorker",  # gthread; HTTP-layer errors in JSON
                 "threads": config.threads,
                 "timeout": args.timeout,
-                "graceful_timeout": 30,
+                # SIGTERM drains (drain.py): in-flight requests get this long before they are ended.
+                "graceful_timeout": math.ceil(config.graceful_timeout),  # gunicorn takes whole seconds
                 "keepalive": 5,
                 "loglevel": args.log_level,
                 "errorlog": "-",
@@ -93,9 +98,16 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 self.cfg.set(key, value)
 
         def load(self):
-            from .app import create_app
+            def create():
+                from .app import create_app  # seconds: torch, transformers, every dialect
 
-            return create_app(config)
+                return create_app(config)
+
+            # Answers at once (/ping: loading) while the app imports on a thread (boot.py).
+            return BootingApp([model.name for model in config.models], create, metrics.ServingMetrics().render)
+
+        def run(self) -> None:
+            DrainingArbiter(self).run()  # gunicorn's arbiter, draining on SIGTERM
 
     Server().run()
 

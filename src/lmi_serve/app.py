@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from . import access_log
 from .config import ServerConfig
+from .drain import WorkerDrain
 from .dialects.lmi import errors as lmi_errors
 from .dialects.lmi import routes as lmi_routes
 from .dialects.openai import errors as openai_errors
@@ -146,10 +147,17 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         body, content_type = metrics.render()
         return Response(body, status=200, content_type=content_type)
 
+    drain = app.extensions["lmi_serve.drain"] = WorkerDrain(registry, config.graceful_timeout)
+    app.wsgi_app = drain.track(app.wsgi_app)  # requests in flight, which a SIGTERM lets finish
+
     @app.before_request
     def assign_request_id() -> None:
         g.request_id = request.headers.get(config.request_id_header) or str(uuid.uuid4())
         access_log.request_started()
+
+    @app.before_request
+    def refuse_work_while_draining() -> None:
+        drain.refuse_new_work(request.method)  # after SIGTERM: a POST is a 503 in its route's dialect
 
     @app.after_request
     def echo_request_id(response: Response) -> Response:

@@ -38,7 +38,8 @@ Server level (no file equivalent; CLI arguments win): port <- SAGEMAKER_BIND_TO_
 PORT (SAGEMAKER_BIND_TO_PORT also means host 0.0.0.0 unless a host was given); workers <-
 SAGEMAKER_NUM_MODEL_WORKERS, SERVING_MAX_WORKERS; max_request_size <- SAGEMAKER_MAX_REQUEST_SIZE
 (bytes), SAGEMAKER_MAX_PAYLOAD_IN_MB (MiB); threads <- SERVING_THREADS; cache_dir <-
-LMI_SERVE_CACHE_DIR.
+LMI_SERVE_CACHE_DIR; graceful_timeout <- SERVING_GRACEFUL_TIMEOUT (seconds a SIGTERM leaves in-flight
+requests to finish, drain.py).
 """
 
 from __future__ import annotations
@@ -258,6 +259,8 @@ class ServerConfig(BaseModel):
     triton_server_name: str = Field("triton", min_length=1)  # GET /v2 "name" (Triton's scripts check it)
     # OpenAI routes: an unknown `model` is a 404 even when one text-generation model is served (vLLM)
     strict_model_names: bool = False
+    # SIGTERM: seconds in-flight requests and streams get to finish before they end with an error (drain.py)
+    graceful_timeout: float = Field(30.0, gt=0)
     models: tuple[ModelConfig, ...] = Field(min_length=1)
 
     @field_validator("models")
@@ -527,4 +530,5 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
     values["cache_dir"] = _expand_home(cache_dir, env)
     take("triton_server_name", "LMI_SERVE_TRITON_SERVER_NAME")
     take("strict_model_names", "LMI_SERVE_STRICT_MODEL_NAMES")
+    take("graceful_timeout", "SERVING_GRACEFUL_TIMEOUT")
     return _validated(lambda: ServerConfig.model_validate(values), values, keys)

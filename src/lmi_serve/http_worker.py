@@ -20,6 +20,7 @@ from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import ThreadWorker
 
 from .request_reader import Limits, ReadingFront
+from .drain import on_worker_sigterm
 
 
 def error_type(reason: str) -> str:
@@ -89,3 +90,7 @@ class JsonErrorWorker(ThreadWorker):
         super().murder_pending()
         if self.front is not None:
             self.front.check(self.alive)
+
+    def handle_exit(self, sig, frame) -> None:
+        """SIGTERM: drain first (drain.py), then gunicorn's own stop."""
+        on_worker_sigterm(getattr(self, "wsgi", None), lambda: super(JsonErrorWorker, self).handle_exit(sig, frame))

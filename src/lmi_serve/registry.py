@@ -13,6 +13,7 @@ from .service import ModelService, ModelStatus
 class ModelRegistry:
     def __init__(self, services: list[ModelService]):
         self.services = {s.name: s for s in services}
+        self.stopping = False  # set by a SIGTERM (drain.py): the health routes answer unhealthy from then on
 
     @classmethod
     def from_config(cls, config: ServerConfig,
@@ -51,8 +52,10 @@ class ModelRegistry:
         raise InvalidRequest("Parameter model_name is required.")
 
     def health(self) -> tuple[ModelStatus, dict]:
-        """(overall status, per-model body) for the health routes: FAILED if any model failed,
-        else LOADING if any is still loading, else READY."""
+        """(overall status, per-model body) for the health routes: STOPPING once the server is
+        shutting down, else FAILED if any model failed, else LOADING if any is still loading, else READY."""
+        if self.stopping:
+            return ModelStatus.STOPPING, {name: {"status": ModelStatus.STOPPING.value} for name in self.services}
         statuses = {name: s.current_status() for name, s in self.services.items()}
         body = {}
         for name, status in statuses.items():

@@ -28,6 +28,7 @@ class ModelStatus(enum.Enum):
     LOADING = "Loading"
     READY = "Healthy"
     FAILED = "Failed"
+    STOPPING = "Stopping"  # the server's, never a model's: SIGTERM came (registry.health, drain.py)
 
 
 class ModelObserver(Protocol):

@@ -358,6 +358,15 @@ def test_workers_and_threads() -> None:
         server(SERVING_THREADS="0")
 
 
+def test_graceful_timeout() -> None:
+    assert server().graceful_timeout == 30
+    assert server(SERVING_GRACEFUL_TIMEOUT="2.5").graceful_timeout == 2.5
+    with pytest.raises(ConfigError, match=r"^SERVING_GRACEFUL_TIMEOUT: '0' must be > 0"):
+        server(SERVING_GRACEFUL_TIMEOUT="0")
+    with pytest.raises(ConfigError, match=r"^SERVING_GRACEFUL_TIMEOUT: 'soon' is not a number"):
+        server(SERVING_GRACEFUL_TIMEOUT="soon")
+
+
 def test_port_and_host() -> None:
     assert server(PORT="9000").port == 9000
     assert server(PORT="9000", SERVING_PORT="9001").port == 9001

@@ -22,7 +22,7 @@ from .watermark import Watermark
 from .generation import POLL_SECONDS, Generation
 from .handle import RequestHandle, Sink
 from .observer import EngineObserver
-from ..errors import ClientGone, InvalidRequest
+from ..errors import ClientGone, GenerationFailed, InvalidRequest, ServingError
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
 from .phases import PhaseTimes
@@ -83,13 +83,14 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop the loop, then end every request still waiting or running (nobody is left to)."""
+    def stop(self, reason: str = "the engine stopped", kind: type[ServingError] = GenerationFailed) -> None:
+        """Stop the loop, then end every request still waiting or running (nobody is left to) with
+        a `kind` failure saying `reason`: each dialect renders it as its own error (event)."""
         self._stopped.set()
         with self.scheduler.work:
             self.scheduler.work.notify()
         self._thread.join(timeout=10)
-        self.scheduler.abort_all("the engine stopped")
+        self.scheduler.abort_all(reason, kind)
 
     def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
         """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,

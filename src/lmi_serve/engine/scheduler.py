@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import Overloaded, Timeout
+from ..errors import GenerationFailed, Overloaded, ServingError, Timeout
 from .batch import Batch, Row, make_row
 from .beam_jobs import BeamJobs, settle
 from .beam_rows import BeamSearch
@@ -118,31 +118,37 @@ class Scheduler:
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
         return (len(batch) if batch else 0) + (self.chunking is not None) + self.beams.rows
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting and nothing running: a step would have nothing to do."""
+        return not self.waiting and not self.batch and self.chunking is None and not self.beams
+
     def wait_for_work(self, timeout: float) -> None:
         with self.work:
-            if not self.waiting and not self.batch and self.chunking is None and not self.beams:
+            if self.idle:
                 self.work.wait(timeout)
 
-    def abort_all(self, reason: str) -> None:
-        """Fail every waiting and running request (engine shutdown)."""
+    def abort_all(self, reason: str, kind: type[ServingError] = GenerationFailed) -> None:
+        """End every waiting and running request with a `kind` failure saying `reason` (engine
+        shutdown; a drain's deadline, drain.py). Only once the step loop has stopped."""
         with self.work:
             waiting, self.waiting = list(self.waiting), collections.deque()
-        for handle in waiting:
-            handle.push(TokenEvent.failure(reason))
-        if self.batch:
-            self._fail(self.batch.rows, RuntimeError(reason))
-            self.batch = None
+        owners = [*waiting, *(row.owner for row in (self.batch.rows if self.batch else ()) if not row.finished)]
         if self.chunking is not None:
-            self._fail([self.chunking.row], RuntimeError(reason))
-            self.chunking = None
+            owners.append(self.chunking.row.owner)
+        self.batch = self.chunking = None
+        for owner in owners:
+            owner.push(TokenEvent.failure(reason, kind))
         with self.work:
             jobs = self.beams.take_all()
         for job in jobs:
             job.release()
-            settle(job, error=RuntimeError(reason))
+            settle(job, error=kind(reason))
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
+        if self.idle:
+            return  # an idle wake-up is no step: stats.steps and the observer see only steps with work
         with self.phases.measure(ADMIT):
             self._drop_cancelled_and_expired()
             self._admit_beams()

@@ -86,4 +86,5 @@ def test_every_phase_of_the_steps_is_timed_and_counted(engine, prompt_ids):
     # every row joined at the first step, so the batch decoded until its longest row was done:
     # the first token comes from the prefill, each later one from a decode
     assert times.counts[DECODE] == max(LENGTHS) - 1
+    assert stats.steps == max(LENGTHS) - 1  # idle wake-ups after the last row (the loop's) are no steps
     assert times.counts[SAMPLE] == times.counts[EMIT] == times.counts[DELIVER] == stats.prefills + max(LENGTHS) - 1

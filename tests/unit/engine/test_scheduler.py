@@ -334,3 +334,25 @@ def test_stats_running_reads_the_batch_once(make_engine):
 
     scheduler.batch = Vanishing()
     assert engine.stats().running in (0, 1)
+
+
+def test_an_idle_engine_counts_no_steps(make_engine, prompt_ids):
+    """`steps` counts steps that ran work: the loop's wake-ups with nothing to do are not steps."""
+    engine = make_engine(start=False)
+    wake_ups = []
+    wait = engine.scheduler.wait_for_work
+
+    def counted(timeout: float) -> None:
+        wait(timeout)
+        wake_ups.append(timeout)
+
+    engine.scheduler.wait_for_work = counted
+    engine.start()
+    result(engine.submit(greedy(prompt_ids[0], n=5)))
+    poll(lambda: idle(engine), what="the request's row evicted")
+    woken = len(wake_ups)
+    poll(lambda: len(wake_ups) > woken, what="the loop back from its last step")
+    woken = len(wake_ups)
+    assert engine.stats().steps == 4  # 5 tokens: the first step prefills and decodes, then one per step
+    poll(lambda: len(wake_ups) >= woken + 3, what="three idle wake-ups")
+    assert engine.stats().steps == 4

@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # the engine imports torch; these routes need only the name
 
 blueprint = Blueprint("lmi", __name__)
 
-# /ping: 200 all healthy, 500 any model failed, 503 any still loading (DJL's answers).
-_PING_STATUS = {ModelStatus.READY: 200, ModelStatus.FAILED: 500, ModelStatus.LOADING: 503}
+# /ping: 200 all healthy, 500 any model failed, 503 any still loading (DJL's answers) or shutting down.
+_PING_STATUS = {ModelStatus.READY: 200, ModelStatus.FAILED: 500, ModelStatus.LOADING: 503, ModelStatus.STOPPING: 503}
 
 JSON = "application/json"
 # Hop-by-hop and framing headers are Werkzeug's to set, never a handler's.

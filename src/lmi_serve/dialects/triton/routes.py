@@ -90,11 +90,15 @@ def server_metadata() -> Response:
 
 @blueprint.get("/v2/health/live")
 def live() -> Response:
+    if _registry().stopping:  # Triton's answer on both health routes while it shuts down (drain.py)
+        return error_response(503, "Server exiting")
     return Response(status=200)
 
 
 @blueprint.get("/v2/health/ready")
 def ready() -> Response:
+    if _registry().stopping:
+        return error_response(503, "Server exiting")
     waiting = sorted(name for name, service in _registry().services.items()
                      if service.current_status() is not ModelStatus.READY)
     if waiting:
