@@ -90,6 +90,7 @@ class ServingMetrics:
         self.running = self._gauge("num_requests_running", "Rows in the batch", "livesum")
         self.waiting = self._gauge("num_requests_waiting", "Requests queued for a row", "livesum")
         self.prefix_cache_bytes = self._gauge("prefix_cache_bytes", "Bytes the prefix cache holds", "livesum")
+        self.kv_cache_bytes = self._gauge("kv_cache_bytes", "Bytes of K/V storage the running batch holds", "livesum")
         self.load_time = self._gauge("model_load_time_seconds", "Seconds the model took to load", "livemax")
         # Every worker loads its own copy: with N workers this is N, and a restarted worker adds one.
         self.loads = self._counter("model_loads", "Times a worker process loaded the model", model)
@@ -137,9 +138,11 @@ class ModelMetrics(EngineObserver):
         self._cancelled = metrics.cancelled.labels(name)
         self._prefix_queries, self._prefix_hits = metrics.prefix_queries.labels(name), metrics.prefix_hits.labels(name)
         self._prefix_bytes = metrics.prefix_cache_bytes.labels(name)
+        self._kv_bytes = metrics.kv_cache_bytes.labels(name)
         self._seen_queries = self._seen_hits = 0  # the engine reports totals; the counters take increments
         self._running.set(0)
         self._waiting.set(0)
+        self._kv_bytes.set(0)
 
     def model_loaded(self, seconds: float) -> None:
         self._metrics.load_time.labels(self.name).set(seconds)
@@ -180,3 +183,4 @@ class ModelMetrics(EngineObserver):
             self._prefix_hits.inc(report.prefix_hit_tokens - self._seen_hits)
             self._seen_queries, self._seen_hits = report.prefix_query_tokens, report.prefix_hit_tokens
         self._prefix_bytes.set(report.prefix_cache_bytes)
+        self._kv_bytes.set(report.kv_cache_bytes)

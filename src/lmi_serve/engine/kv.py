@@ -24,6 +24,8 @@ Contract, for every implementation:
 5. Optionally, for prefix caching (prefix_cache.py): `row_kv(row, start, end)` gives a row's K/V of
    token positions [start, end) per layer, and the class method `resume(model, prefix, device=)` makes
    a one-row batch holding such K/V, which `prefill_more` continues as if it had prefilled them.
+6. Optionally, `held_bytes()`: the bytes of K/V storage the batch holds now (padding and room to
+   grow included), read from tensor sizes only (no device sync); the `kv_cache_bytes` metric.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ class KVBatch(Protocol):
 
     def extend(self, other: "KVBatch") -> None:
         """Append `other`'s rows after this batch's; `other` comes from the same factory and is spent."""
+
+
+def held_bytes(kv: "KVBatch | None") -> int:
+    """`kv.held_bytes()` (contract item 6); 0 for no batch or an implementation without it."""
+    measure = getattr(kv, "held_bytes", None)
+    return measure() if measure is not None else 0
+
+
+def layer_bytes(layers) -> int:
+    """Bytes of the storage behind transformers cache layers' `keys` and `values` (a view counts
+    the whole storage it looks into: that is what stays allocated)."""
+    return sum(tensor.untyped_storage().nbytes() for layer in layers if layer.is_initialized
+               for tensor in (layer.keys, layer.values))
 
 
 @dataclass

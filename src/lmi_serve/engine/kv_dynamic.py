@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .kv import Prefilled
+from .kv import Prefilled, layer_bytes
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +73,10 @@ class DynamicKV:
                              position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V storage held (kv.py contract item 6)."""
+        return layer_bytes(self.cache.layers)
 
     def prefill_more(self, tokens: Sequence[int]) -> torch.Tensor:
         """Continue a one-row prefill with the next chunk of its prompt (chunked prefill, see

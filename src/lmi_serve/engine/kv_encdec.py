@@ -27,7 +27,7 @@ from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
-from .kv import Prefilled
+from .kv import Prefilled, layer_bytes
 from .kv_dynamic import join_left_padded, keep_rows
 
 # How each encoder-decoder family's decoder learns positions: "relative" (T5's bias depends on
@@ -156,6 +156,11 @@ class EncoderDecoderKV:
                 self.positions.rows = None
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1, :]
+
+    def held_bytes(self) -> int:
+        """Bytes of K/V storage held, self- and cross-attention, and the encoder's output (kv.py item 6)."""
+        return (layer_bytes(self.cache.self_attention_cache.layers) + layer_bytes(self.cache.cross_attention_cache.layers)
+                + self.encoded.untyped_storage().nbytes())
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`; drop decoder columns that became padding in every row (on the

@@ -268,6 +268,10 @@ class SlotKV(DynamicKV):
         parts = layers[0].parts if layers else []
         return [p.rows for p in parts], [p.length for p in parts]
 
+    def held_bytes(self) -> int:
+        """Bytes of the slot buffers, every part of every layer, spare rows and columns included."""
+        return sum(part.key_store.nbytes + part.value_store.nbytes for layer in self._layers() for part in layer.parts)
+
     def _locate(self, rows: Sequence[int]) -> list[tuple[int, int]]:
         """(part, row within it) of each of the batch's rows `rows`."""
         ends = list(itertools.accumulate(self.part_shapes()[0]))

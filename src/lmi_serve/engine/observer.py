@@ -45,6 +45,7 @@ class StepReport:
     prefix_query_tokens: int = 0  # cumulative, with prefix caching: prompt tokens looked up
     prefix_hit_tokens: int = 0  # cumulative: of those, tokens whose K/V came from the cache
     prefix_cache_bytes: int = 0  # held now
+    kv_cache_bytes: int = 0  # K/V storage the rolling batch's rows hold now (kv.py held_bytes)
 
 
 class EngineObserver:

@@ -45,7 +45,7 @@ from .chunked import ChunkedPrefill, chunkable, supports_chunks
 from .prefix_cache import PrefixCache, PrefixStats, supports_prefixes
 from .handle import RequestHandle
 from .observer import EngineObserver, StepReport
-from .kv import KVFactory
+from .kv import KVFactory, held_bytes
 from .kv_select import is_encoder_decoder, kv_factory_for
 from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
 from .slot_attention import use_parts
@@ -172,7 +172,7 @@ class Scheduler:
         self.observer.step_finished(StepReport(
             batch_size=decoded, running=self.running, waiting=len(self.waiting) + len(self.beams.waiting),
             prefix_query_tokens=prefixes.prompt_tokens, prefix_hit_tokens=prefixes.hit_tokens,
-            prefix_cache_bytes=prefixes.bytes))
+            prefix_cache_bytes=prefixes.bytes, kv_cache_bytes=held_bytes(self.batch.kv if self.batch else None)))
 
     def _admit_beams(self) -> None:
         """Drop cancelled beam searches, then start waiting ones while their beams fit."""

@@ -138,6 +138,24 @@ def test_kv_keep_and_extend_match_a_fresh_prefill(kind, tiny_model, smollm2_toke
 
 
 @pytest.mark.parametrize("kind", sorted(KV_CACHES))
+def test_kv_held_bytes_cover_the_rows_k_v_and_follow_the_batch(kind, tiny_model, prompt_ids):
+    """held_bytes() (the kv_cache_bytes metric) is at least what the rows' K/V take, grows when
+    rows join, and falls to nothing when none is left."""
+    config = tiny_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # K and V, fp32
+    first = KV_CACHES[kind](tiny_model, [list(prompt_ids[0])], pad_id=0, device=CPU)
+    kv = first.kv
+    alone = kv.held_bytes()
+    assert alone >= per_token * len(prompt_ids[0])
+    joined = KV_CACHES[kind](tiny_model, [list(prompt_ids[1]), list(prompt_ids[2])], pad_id=0, device=CPU)
+    kv.extend(joined.kv)
+    assert kv.held_bytes() >= per_token * sum(len(p) for p in prompt_ids[:3]) and kv.held_bytes() > alone
+    kv.keep([])
+    assert kv.held_bytes() < alone
+
+
+@pytest.mark.parametrize("kind", sorted(KV_CACHES))
 def test_kv_keep_with_repeated_indices_copies_rows(kind, tiny_model, prompt_ids):
     """Beam search replicates a row (`keep([0] * k)`) and reorders beams with repeats: each copy
     then decodes as its own sequence. Ten copies pass the slot cache's first row capacity (8)."""

@@ -105,3 +105,6 @@ def test_an_observed_engine_reports_every_sequence_and_step(tiny_model, smollm2_
     assert [r.queue_seconds for r in reports if r.finish_reason is FinishReason.CANCELLED] == [None]
     assert max(step.batch_size for step in recorder.steps) == 2  # max_batch_size rows decoded together
     assert recorder.steps[-1].running == 0 and recorder.steps[-1].waiting == 0
+    # K/V bytes held: some while rows run; none once the batch emptied (its buffers went with it)
+    assert all(step.kv_cache_bytes > 0 for step in recorder.steps if step.running)
+    assert recorder.steps[-1].kv_cache_bytes == 0
