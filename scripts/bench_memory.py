@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import re
 import shutil
 import subprocess
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=6000)
     parser.add_argument("--settle", type=float, default=30, help="seconds to wait for RSS to stop falling")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server we started (finally)
     print(f"CPU: {cpu_model()}; {args.prompts} prompts of {args.words} words, max_new_tokens 1", flush=True)
     rng = random.Random(0)
     server = ServerProcess()

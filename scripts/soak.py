@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -237,8 +238,9 @@ def deck(rng: random.Random):
         yield from cards
 
 
-def load(base: str, concurrency: int, seconds: float, seed: int, tally: Tally) -> None:
-    """`concurrency` client threads sending the mix back to back for `seconds`."""
+def load(base: str, concurrency: int, seconds: float, seed: int, tally: Tally, progress: bool = False) -> None:
+    """`concurrency` client threads sending the mix back to back for `seconds`; with `progress`, a line
+    of counts about every minute."""
     stop_at = time.monotonic() + seconds
 
     def client(index: int) -> None:
@@ -254,8 +256,14 @@ def load(base: str, concurrency: int, seconds: float, seed: int, tally: Tally) -
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    shown = time.monotonic()
+    while any(thread.is_alive() for thread in threads):
+        time.sleep(0.5)
+        if progress and time.monotonic() - shown >= 60:
+            shown = time.monotonic()
+            with tally.lock:
+                print(f"[soak] {time.strftime('%H:%M:%S')}: {sum(tally.outcomes.values())} answers, "
+                      f"unexpected {tally.outcomes['unexpected']} {dict(tally.unexpected) or ''}", flush=True)
 
 
 # -- what is measured --------------------------------------------------------------------------------
@@ -384,7 +392,7 @@ def run(args, base: str, master: int | None) -> dict:
     print(f"[soak] load {60 * args.minutes:.0f} s; worker at start: {start}", flush=True)
     began = time.monotonic()
     with Sampler(pid, args.sample_seconds) as sampler:
-        load(base, args.concurrency, 60 * args.minutes, args.seed, tally)
+        load(base, args.concurrency, 60 * args.minutes, args.seed, tally, progress=True)
         elapsed = time.monotonic() - began
         rows_left = settle(base, args.idle_seconds)
         end = sampler.sample()
@@ -402,6 +410,7 @@ def run(args, base: str, master: int | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server we started (finally)
     server = None
     if args.url:
         base, master = args.url.rstrip("/"), args.pid
