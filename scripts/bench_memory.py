@@ -66,7 +66,8 @@ def gdb_call(pid: int, expression: str) -> bool:
         return False
     done = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", f"call {expression}"],
                           capture_output=True, text=True, timeout=120)
-    return done.returncode == 0 and "$1" in done.stdout
+    refused = ("ptrace", "Operation not permitted", "Could not attach", "No symbol")
+    return done.returncode == 0 and not any(word in done.stdout + done.stderr for word in refused)
 
 
 def malloc_stats(server: ServerProcess, pid: int) -> str:
