@@ -23,6 +23,7 @@ from .generation import POLL_SECONDS, Generation
 from .handle import RequestHandle, Sink
 from .observer import EngineObserver
 from ..errors import ClientGone, GenerationFailed, InvalidRequest, ServingError
+from ..memory import IdleTrim
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
 from .phases import PhaseTimes
@@ -72,6 +73,7 @@ class Engine:
                                    prefix_cache=prefix_cache)
         self.observer: EngineObserver | None = None  # observe() sets it (metrics)
         self._stopped = threading.Event()
+        self.idle_trim = IdleTrim()  # the heap's freed pages go back once the engine idles (memory.py)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
 
     def observe(self, observer: EngineObserver) -> None:
@@ -174,3 +176,4 @@ class Engine:
                 self.scheduler.step()
             except Exception:  # step() isolates request failures; this guards the loop itself
                 log.exception("Engine %s: unexpected error in a step", self.name)
+            self.idle_trim.tick(busy=not self.scheduler.idle)
