@@ -18,6 +18,7 @@ ADAPTERS = {
     "beta": (2, {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
                  "use_rslora": True}),
     "gamma": (3, {"r": 4, "lora_alpha": 4, "target_modules": ["k_proj", "o_proj"]}),
+    "wide": (4, {"r": 8, "lora_alpha": 8, "target_modules": ["q_proj"]}),  # over a max_lora_rank of 4
 }
 
 

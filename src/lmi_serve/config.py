@@ -281,6 +281,15 @@ class ServerConfig(BaseModel):
             raise ValueError(f"duplicate model names: {', '.join(duplicates)}")
         return models
 
+    @model_validator(mode="after")
+    def _one_worker_for_lora(self) -> ServerConfig:
+        # The adapters API changes one process's adapters; several replicas would disagree on them.
+        lora = [m.name for m in self.models if m.enable_lora]
+        if lora and self.workers > 1:
+            raise _FieldError("workers", f"option.enable_lora (model {lora[0]}) needs a single worker: the adapters API "
+                             f"registers an adapter in the worker that answers it, and workers is {self.workers}")
+        return self
+
     def describe(self) -> str:
         """Every resolved value, one per line, for the single startup log record."""
         lines = ["lmi-serve configuration:"]

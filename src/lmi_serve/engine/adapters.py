@@ -56,6 +56,7 @@ class Adapter:
     rows: int = 0
     requests: int = 0  # requests served since registration
     loads: int = 0  # times its weights were read (1 + reloads after eviction)
+    pinned: bool = False  # never evicted to make room for another
     removed: bool = False
 
     @property
@@ -63,7 +64,8 @@ class Adapter:
         return self.slot is not None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "src": str(self.spec.src), "rank": self.spec.rank, "alpha": self.spec.alpha,
+        return {"name": self.name, "src": str(self.spec.src), "pin": self.pinned, "rank": self.spec.rank,
+                "alpha": self.spec.alpha,
                 "targetModules": sorted({t.rsplit(".", 1)[-1] for t in self.spec.targets}),
                 "baseModel": self.spec.base_model, "resident": self.resident, "slot": self.slot,
                 "activeRequests": self.users, "requests": self.requests, "loads": self.loads}
@@ -89,23 +91,30 @@ class Adapters:
         self._lock = threading.RLock()
 
     # -- registration (API and start-up threads) ------------------------------------------
-    def register(self, name: str, src: str, *, replace: bool = False) -> Adapter:
-        """Check and register the folder `src` as `name`, resident at once when a slot is free or
-        idle. AdapterExists for a taken name (unless `replace`: then the old one is unregistered);
-        AdapterError (a ValueError) for a folder this model cannot serve."""
+    def register(self, name: str, src: str, *, replace: bool = False, preload: bool = True,
+                 pin: bool = False) -> Adapter:
+        """Check and register the folder `src` as `name`; with `preload`, resident at once when a slot
+        is free or idle (else when a request needs it); `pin`: never evicted. AdapterExists for a
+        taken name (unless `replace`: then the old one is unregistered, running requests finishing
+        on it); AdapterError (a ValueError) for a folder this model cannot serve or a pin that would
+        leave no slot to the others."""
         if not name or "/" in name:
             raise AdapterError(f"adapter name {name!r} must be non-empty and hold no '/'")
         spec = read_adapter(check_source(src), self.lora.shapes, self.max_rank)
-        weights = load_weights(spec, self.dtype, self.device)
+        weights = load_weights(spec, self.dtype, self.device) if preload or pin else None
         with self._lock:
             old = self._by_name.get(name)
             if old is not None and not replace:
                 raise AdapterExists(f"Adapter {name} is already registered")
+            pinned = sum(a.pinned for a in self._by_name.values() if a is not old)
+            if pin and pinned + 1 >= self.max_loras:
+                raise AdapterError(f"pinning {name} would pin {pinned + 1} of option.max_loras={self.max_loras} "
+                                   "slots, leaving none for the other adapters")
             if old is not None:
                 self._unregister(old)
-            adapter = Adapter(name, spec, loads=1)
+            adapter = Adapter(name, spec, loads=int(weights is not None), pinned=pin)
             self._by_name[name] = adapter
-            slot = self._free_slot()
+            slot = self._free_slot() if weights is not None else None
             if slot is not None:
                 self._install(adapter, slot, weights)
             return adapter
@@ -179,7 +188,7 @@ class Adapters:
         for slot, holder in enumerate(self._slots):
             if holder is None:
                 return slot
-        idle = [a for a in self._slots if a is not None and a.rows == 0]
+        idle = [a for a in self._slots if a is not None and a.rows == 0 and not a.pinned]
         if not idle:
             return None
         victim = min(idle, key=lambda a: a.last_used)
