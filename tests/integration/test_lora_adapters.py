@@ -194,6 +194,9 @@ def test_the_management_api_and_eviction_beyond_max_loras(server, folders, expec
     assert listed["gamma"]["requests"] == 3 and listed["gamma"]["activeRequests"] == 0
     model = requests.get(server.url(f"/models/{MODEL}"), timeout=30).json()[0]["models"][0]
     assert {a["name"]: a["requests"] for a in model["adapters"]}["gamma"] == 3
+    metrics = requests.get(server.url("/metrics"), timeout=30).text
+    assert 'lmi_serve:lora_requests_total{lora_name="gamma",model_name="lora"} 3.0' in metrics or \
+        'lmi_serve:lora_requests_total{model_name="lora",lora_name="gamma"} 3.0' in metrics
 
     updated = requests.post(f"{base}/gamma/update", params={"src": str(folders["alpha"])}, timeout=60)
     assert updated.json() == {"status": "Adapter gamma updated"}

@@ -40,7 +40,8 @@ class RequestHandle:
         self.adapter, self._adapters = adapter, adapters
         self.adapter_slot: int | None = None
         # Only an observed sequence pays for its clock (observer.py): a clock read per event.
-        self.clock = SequenceClock(observer, len(request.prompt_ids), self.submitted_at) if observer else None
+        self.clock = SequenceClock(observer, len(request.prompt_ids), self.submitted_at,
+                                                request.adapter) if observer else None
         self._sink: Sink = sink if sink is not None else queue.SimpleQueue()
 
     def push(self, event: TokenEvent) -> None:

@@ -8,7 +8,8 @@ Order of operations in `Scheduler.step`:
    tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
    bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
    prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
-   as the step's only prefill;
+   as the step's only prefill. A request of a LoRA adapter also needs its adapter's slot
+   (adapters.py): when every slot is held by running rows of other adapters, it waits at the head;
 3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
    the joiners: one whose prompt starts with blocks the prefix cache holds (prefix_cache.py) alone,
    from those blocks (its budget cost is only the rest); the others in groups of similar length
