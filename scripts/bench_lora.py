@@ -121,41 +121,40 @@ def layer_points(model, folder: Path, rows: int = 16, repeats: int = 40) -> list
     ids = torch.randint(100, 10000, (rows, 1), generator=torch.Generator().manual_seed(0))
     names = [ADAPTERS[i % 3] for i in range(rows)]
 
-    def timed(forward) -> float:
-        with torch.no_grad():
-            for _ in range(3):
-                forward()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                forward()
-                times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
-
-    results = []
     plain = copy.deepcopy(model)
-    results.append(("torch nn.Linear, no LoRA", timed(lambda: plain(input_ids=ids))))
     peft_model = PeftModel.from_pretrained(copy.deepcopy(model), str(folder / "a1"), adapter_name="a1")
     for name in ADAPTERS[1:]:
         peft_model.load_adapter(str(folder / name), adapter_name=name)
     peft_model.eval()
-    results.append(("PEFT adapter_names (torch nn.Linear)", timed(lambda: peft_model(input_ids=ids,
-                                                                                      adapter_names=names))))
     fast = copy.deepcopy(model)
     use_linear_kernel(fast, "auto", torch.device("cpu"))
-    results.append(("oneDNN, no LoRA", timed(lambda: fast(input_ids=ids))))
-    adapters = start_adapters(fast, torch.device("cpu"), max_loras=4, max_rank=64, dtype="auto", folder=None)
+    wrapped = copy.deepcopy(fast)
+    adapters = start_adapters(wrapped, torch.device("cpu"), max_loras=4, max_rank=64, dtype="auto", folder=None)
     for name in ADAPTERS:
         adapters.register(name, str(folder / name))
     slots = [adapters.get(n).slot for n in names]
 
     def ours():
-        with lora_rows(fast, slots):
-            fast(input_ids=ids)
+        with lora_rows(wrapped, slots):
+            wrapped(input_ids=ids)
 
-    results.append(("ours: LoraLinear on oneDNN, rows without adapter", timed(lambda: fast(input_ids=ids))))
-    results.append(("ours: LoraLinear on oneDNN, 3 adapters mixed", timed(ours)))
-    return results
+    forwards = {
+        "torch nn.Linear, no LoRA": lambda: plain(input_ids=ids),
+        "PEFT adapter_names, 3 adapters mixed (torch nn.Linear)": lambda: peft_model(input_ids=ids, adapter_names=names),
+        "oneDNN, no LoRA": lambda: fast(input_ids=ids),
+        "ours, LoraLinear on oneDNN, no row with an adapter": lambda: wrapped(input_ids=ids),
+        "ours, LoraLinear on oneDNN, 3 adapters mixed": ours,
+    }
+    times: dict[str, list[float]] = {name: [] for name in forwards}
+    with torch.no_grad():
+        for name, forward in forwards.items():  # warm-up
+            forward()
+        for _ in range(repeats):  # round robin: a load change on a shared machine hits every variant alike
+            for name, forward in forwards.items():
+                start = time.perf_counter()
+                forward()
+                times[name].append(time.perf_counter() - start)
+    return [(name, statistics.median(values) * 1e3) for name, values in times.items()]
 
 
 def main() -> int:

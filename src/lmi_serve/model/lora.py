@@ -174,6 +174,7 @@ class LoraRouter:
     def __init__(self) -> None:
         # (slot, row indices or None for every row), one entry per slot in the forward; empty: base only
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.batch = 0  # rows in the forward: a layer's input must be [batch, ...] to be split by row
 
     @contextmanager
     def rows(self, slots: Sequence[int | None], device: torch.device | None = None) -> Iterator[None]:
@@ -184,10 +185,11 @@ class LoraRouter:
                 groups.setdefault(slot, []).append(i)
         self.groups = [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
                        for slot, rows in groups.items()]
+        self.batch = len(slots)
         try:
             yield
         finally:
-            self.groups = []
+            self.groups, self.batch = [], 0
 
 
 class LoraLinear(nn.Module):
@@ -206,6 +208,9 @@ class LoraLinear(nn.Module):
             weights = self.slots.get(slot)
             if weights is None:  # this adapter leaves this layer alone
                 continue
+            if rows is not None and x.shape[0] != self.router.batch:  # e.g. a model that flattens rows first
+                raise RuntimeError(f"LoRA: a layer's input of shape {tuple(x.shape)} is not split by the batch's "
+                                   f"{self.router.batch} rows, so rows of different adapters cannot share it")
             part = x if rows is None else x.index_select(0, rows)
             delta = (part.to(weights.a.dtype) @ weights.a.T) @ weights.b.T
             delta = (delta * weights.scale).to(out.dtype)
