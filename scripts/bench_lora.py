@@ -128,7 +128,8 @@ def layer_points(model, folder: Path, rows: int = 16, repeats: int = 40) -> list
     peft_model.eval()
     fast = copy.deepcopy(model)
     use_linear_kernel(fast, "auto", torch.device("cpu"))
-    wrapped = copy.deepcopy(fast)
+    wrapped = copy.deepcopy(model)  # a oneDNN-packed model cannot be deep-copied: pack a second copy
+    use_linear_kernel(wrapped, "auto", torch.device("cpu"))
     adapters = start_adapters(wrapped, torch.device("cpu"), max_loras=4, max_rank=64, dtype="auto", folder=None)
     for name in ADAPTERS:
         adapters.register(name, str(folder / name))

@@ -47,10 +47,10 @@ class RequestHandle:
     def push(self, event: TokenEvent) -> None:
         if self.clock is not None:
             self.clock.event(event)
-        self._sink.put((self.index, event))
-        if event.finish_reason is not None and self.adapter is not None:
+        if event.finish_reason is not None and self.adapter is not None:  # before the reader sees the end
             self._adapters.release(self.adapter, admitted=self.adapter_slot is not None)
             self.adapter = None
+        self._sink.put((self.index, event))
 
     def admitted(self) -> None:
         """The scheduler gave this sequence a row (its queue time ends)."""
