@@ -13,10 +13,12 @@ properties instead, validated back into a ModelConfig. Two modes, chosen once at
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from lmi_serve.config import ModelConfig
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
+from lmi_serve.engine.adapters import Adapters, start_adapters
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.kv_select import choose_kv
@@ -42,6 +44,12 @@ def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
     return quantize_model(model, config.quantize, device, gguf)
 
 
+def _adapters_folder(config: ModelConfig) -> Path | None:
+    """`<model dir>/adapters`: the model dir, else a local model_id folder."""
+    root = config.model_dir or (config.model_id if config.model_id and Path(config.model_id).is_dir() else None)
+    return Path(root) / "adapters" if root else None
+
+
 class TextGenerationService:
     def __init__(self, config: ModelConfig, context: HandlerContext):
         loaded = load_generation_model(
@@ -55,6 +63,15 @@ class TextGenerationService:
         # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
         # fails the load here (UnsupportedModel), before the warm-up runs it.
         check_supported(self.model)
+        # After the swaps above: LoRA wraps the layers as they will run (model/lora.py).
+        self.adapters: Adapters | None = None
+        if config.enable_lora:
+            if not context.rolling_batch:
+                raise ValueError("option.enable_lora: LoRA adapters need the rolling batch, and this model is "
+                                 "served with dynamic batching")
+            self.adapters = start_adapters(self.model, self.device, max_loras=config.max_loras,
+                                           max_rank=config.max_lora_rank, dtype=config.lora_dtype,
+                                           folder=_adapters_folder(config))
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         window = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or window, window)
@@ -73,7 +90,7 @@ class TextGenerationService:
                                  predict_timeout=config.predict_timeout,
                                  max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
                                  max_model_len=self.max_model_len, name=config.name,
-                                 watermark=self._watermark(config)).start()
+                                 watermark=self._watermark(config), adapters=self.adapters).start()
             # A model.py without handle() may still bring formatter hooks (context.*_formatter).
             self.rolling = RollingBatchService(
                 self.engine, max_input_len=self.max_input_len, tgi_compat=config.tgi_compat,

@@ -11,9 +11,11 @@ from typing import Any
 from .workload import Workload
 
 
-def stream_one(session, url: str, prompt: str, max_new_tokens: int) -> dict:
-    """One streaming jsonlines request; timestamps each complete line as it arrives."""
-    payload = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos_token": True},
+def stream_one(session, url: str, prompt: str, max_new_tokens: int, parameters: dict | None = None) -> dict:
+    """One streaming jsonlines request; timestamps each complete line as it arrives. `parameters`:
+    more request parameters (e.g. a LoRA adapter)."""
+    payload = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos_token": True,
+                                                **(parameters or {})},
                "stream": True}
     rec: dict[str, Any] = {"ok": False, "error": None, "tokens": 0, "target": max_new_tokens, "ttft": None,
                            "itl": [], "streamed": True}

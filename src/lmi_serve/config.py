@@ -66,12 +66,15 @@ Quantize = Literal["none", "fp16", "q4"]
 # fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
 # (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
 LinearKernel = Literal["auto", "onednn", "torch"]
+# The LoRA matrices' dtype (model/lora.py): auto = the model's.
+LoraDtype = Literal["auto", "fp32", "fp16", "bf16"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
+    "lora_dtype": get_args(LoraDtype),
 }
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -155,6 +158,11 @@ class ModelConfig(BaseModel):
     watermark_delta: float = Field(2.0, ge=0)
     quantize: Quantize = "none"
     linear_kernel: LinearKernel = "auto"
+    # LoRA adapters (model/lora.py, engine/adapters.py): <model_dir>/adapters/* at start-up, the adapters API
+    enable_lora: bool = False
+    max_loras: int = Field(4, ge=1)  # adapters resident at once; more are reloaded from their folder on demand
+    max_lora_rank: int = Field(64, ge=1)  # a larger adapter is refused at registration
+    lora_dtype: LoraDtype = "auto"
     batch_size: int = Field(1, ge=1)
     max_batch_delay: int = Field(100, ge=0)
     enable_streaming: bool = False
@@ -172,7 +180,8 @@ class ModelConfig(BaseModel):
     options: dict[str, str] = Field(default_factory=dict)
     unknown_options: tuple[str, ...] = ()
 
-    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", mode="before")
+    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "lora_dtype",
+                     mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:
@@ -183,7 +192,7 @@ class ModelConfig(BaseModel):
             raise ValueError(f"is not one of {', '.join(choices)}")
         return text
 
-    @field_validator("trust_remote_code", "tgi_compat", "enable_prefix_caching", mode="before")
+    @field_validator("trust_remote_code", "tgi_compat", "enable_prefix_caching", "enable_lora", mode="before")
     @classmethod
     def _flag(cls, value: Any) -> bool:
         return _parse_bool(value)
@@ -214,6 +223,9 @@ class ModelConfig(BaseModel):
                               f"(batch_size is {self.batch_size}; set it to 1 or disable streaming)")
         if self.enable_prefix_caching and self.rolling_batch == "disable":
             raise _FieldError("enable_prefix_caching", "prefix caching needs the rolling batch; "
+                              "this model has option.rolling_batch=disable")
+        if self.enable_lora and self.rolling_batch == "disable":
+            raise _FieldError("enable_lora", "LoRA adapters need the rolling batch; "
                               "this model has option.rolling_batch=disable")
         if self.quantize != "none" and self.dtype in ("fp16", "bf16"):
             raise _FieldError("quantize", f"option.quantize={self.quantize} computes in fp32 from fp32-loaded "
@@ -271,6 +283,15 @@ class ServerConfig(BaseModel):
         if duplicates:
             raise ValueError(f"duplicate model names: {', '.join(duplicates)}")
         return models
+
+    @model_validator(mode="after")
+    def _one_worker_for_lora(self) -> ServerConfig:
+        # The adapters API changes one process's adapters; several replicas would disagree on them.
+        lora = [m.name for m in self.models if m.enable_lora]
+        if lora and self.workers > 1:
+            raise _FieldError("workers", f"option.enable_lora (model {lora[0]}) needs a single worker: the adapters API "
+                             f"registers an adapter in the worker that answers it, and workers is {self.workers}")
+        return self
 
     def describe(self) -> str:
         """Every resolved value, one per line, for the single startup log record."""

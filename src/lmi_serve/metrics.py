@@ -66,6 +66,8 @@ class ServingMetrics:
         self.cancelled = self._counter("request_cancelled", "Sequences cancelled (the client left)", model)
         self.failures = self._counter("generation_failures", "Sequences the engine ended with a failure, by kind",
                                       model + ("kind",))
+        self.lora_requests = self._counter("lora_requests", "Sequences finished on a LoRA adapter, by adapter",
+                                           model + ("lora_name",))
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens prefilled", model)
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated", model)
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", model)
@@ -165,6 +167,8 @@ class ModelMetrics(EngineObserver):
         self._e2e.observe(report.e2e_seconds)
         if report.generated_tokens > 1:
             self._tpot.observe(report.decode_seconds / (report.generated_tokens - 1))
+        if report.adapter is not None:
+            self._metrics.lora_requests.labels(self.name, report.adapter).inc()
         reason = report.finish_reason
         if reason is FinishReason.CANCELLED:
             self._cancelled.inc()

@@ -493,3 +493,18 @@ def test_watermark_defaults_are_tgis_and_options_change_them(tmp_path: Path) -> 
         synth(WATERMARK_GAMMA="1.5")
     with pytest.raises(ConfigError, match=r"^OPTION_WATERMARK_DELTA: '-1'"):
         synth(OPTION_WATERMARK_DELTA="-1")
+
+
+def test_lora_options_are_off_by_default_and_checked(tmp_path: Path) -> None:
+    default = synth()
+    assert (default.enable_lora, default.max_loras, default.max_lora_rank, default.lora_dtype) == (False, 4, 64, "auto")
+    config = synth(OPTION_ENABLE_LORA="true", OPTION_MAX_LORAS="2", OPTION_MAX_LORA_RANK="16", OPTION_LORA_DTYPE="BF16")
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.lora_dtype) == (True, 2, 16, "bf16")
+    with pytest.raises(ConfigError, match=r"^OPTION_MAX_LORAS: '0' must be >= 1"):
+        synth(OPTION_MAX_LORAS="0")
+    with pytest.raises(ConfigError, match=r"^OPTION_LORA_DTYPE: 'int8' is not one of auto, fp32, fp16, bf16"):
+        synth(OPTION_LORA_DTYPE="int8")
+    with pytest.raises(ConfigError, match=r"^option\.enable_lora: LoRA adapters need the rolling batch"):
+        load(tmp_path, "option.enable_lora=true\noption.rolling_batch=disable\n")
+    with pytest.raises(ConfigError, match=r"^SAGEMAKER_NUM_MODEL_WORKERS: option.enable_lora \(model tiny\) needs a single"):
+        server(OPTION_ENABLE_LORA="true", SAGEMAKER_NUM_MODEL_WORKERS="2")

@@ -101,3 +101,15 @@ def test_metrics_answers_while_loading_and_counts_every_other_response(loading_c
     assert value(s, requests, dialect="triton", model_name="simple", status_class="5xx") == 1
     assert value(s, "lmi_serve:request_errors_total", kind="NotFound") == 1
     assert value(s, "lmi_serve:request_errors_total") == 3
+
+
+def test_sequences_on_lora_adapters_are_counted_per_adapter(metrics):
+    model = metrics.for_model("m")
+    for adapter in ("sql", "sql", "chat", None):
+        model.sequence_finished(SequenceReport(
+            finish_reason=FinishReason.LENGTH, error_kind=None, prompt_tokens=3, generated_tokens=2,
+            e2e_seconds=1.0, queue_seconds=0.1, first_token_seconds=0.2, decode_seconds=0.5, adapter=adapter))
+    s = scrape(metrics.render()[0].decode())
+    assert value(s, "lmi_serve:lora_requests_total", model_name="m", lora_name="sql") == 2
+    assert value(s, "lmi_serve:lora_requests_total", model_name="m", lora_name="chat") == 1
+    assert value(s, "lmi_serve:lora_requests_total", model_name="m") == 3

@@ -43,6 +43,7 @@ class Row:
     constraint: Constraint | None = None  # the row's grammar, when its output is constrained
     token_ids: list[int] = field(default_factory=list)  # generated so far (banned sequences look back)
     watermark: Watermark | None = None  # the engine's watermark, when the request asks for one
+    adapter_slot: int | None = None  # the LoRA slot its forwards use (engine/adapters.py); None: the base model
 
     def advance(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenEvent:
         """Account one chosen token: stop checks and detokenization, in that order."""
@@ -78,14 +79,14 @@ class Row:
 
 
 def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None,
-             watermark: Watermark | None = None) -> Row:
+             watermark: Watermark | None = None, adapter_slot: int | None = None) -> Row:
     options = request.detokenize
     detokenizer = IncrementalDetokenizer(tokenizer, request.stop.stop_sequences,
                                          request.stop.include_stop_str_in_output,
                                          skip_special_tokens=options.skip_special_tokens,
                                          spaces_between_special_tokens=options.spaces_between_special_tokens)
     return Row(request, detokenizer, lambda t: tokenizer.decode([t]), frozenset(tokenizer.all_special_ids), owner,
-               constraint=constraint, watermark=watermark)
+               constraint=constraint, watermark=watermark, adapter_slot=adapter_slot)
 
 
 def _prompt_logprobs(logits: torch.Tensor, row: Row) -> None:
@@ -120,6 +121,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def adapter_slots(self) -> list[int | None]:
+        """Each row's LoRA slot, for `adapters.lora_rows` around this batch's forwards."""
+        return [row.adapter_slot for row in self.rows]
 
     @classmethod
     def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_factory: KVFactory | None = None

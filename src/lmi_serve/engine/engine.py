@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
+from .adapters import Adapters
 from .beam_rows import BeamSearch, replay
 from .grammar import GrammarCompiler
 from .watermark import Watermark
 from .generation import POLL_SECONDS, Generation
 from .handle import RequestHandle, Sink
 from .observer import EngineObserver
-from ..errors import ClientGone, GenerationFailed, InvalidRequest, ServingError
+from ..errors import ClientGone, GenerationFailed, InvalidRequest, NotFound, ServingError
 from ..memory import IdleTrim
 from .kv import KVFactory
 from .kv_select import is_encoder_decoder
@@ -56,7 +57,10 @@ class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
                  max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory | None = None,
-                 prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None):
+                 prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None,
+                 adapters: Adapters | None = None):
+        """`adapters`: the model's LoRA adapters (adapters.py; the model wrapped by model/lora.py), which
+        requests name in `GenerationRequest.adapter`; None: LoRA is off and such requests are refused."""
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
@@ -70,7 +74,8 @@ class Engine:
         self.watermark = watermark  # None: requests asking for a watermark are refused
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache, adapters=adapters)
+        self.adapters = adapters
         self.observer: EngineObserver | None = None  # observe() sets it (metrics)
         self._stopped = threading.Event()
         self.idle_trim = IdleTrim()  # the heap's freed pages go back once the engine idles (memory.py)
@@ -97,8 +102,8 @@ class Engine:
     def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
         """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
         Overloaded when the waiting queue is full, InvalidRequest for prompt logprobs from an
-        encoder-decoder model or for a watermark from an engine made without one. Dialects use
-        `generate`."""
+        encoder-decoder model or for a watermark from an engine made without one, NotFound for an
+        adapter that is not registered. Dialects use `generate`."""
         if request.prompt_logprobs and self.encoder_decoder:
             raise InvalidRequest("This model is an encoder-decoder model: its prompt is the encoder's input, which "
                                  "gets no logprobs (decoder_input_details, prompt_logprobs, echo with logprobs)")
@@ -107,10 +112,23 @@ class Engine:
         if request.sampling.watermark and self.watermark is None:
             raise InvalidRequest("This model's engine has no watermark configured")
         watermark = self.watermark if request.sampling.watermark else None
+        adapter = self._lease(request.adapter) if request.adapter is not None else None
         handle = RequestHandle(request, deadline, constraint, sink=sink, index=index, watermark=watermark,
-                               observer=self.observer)
-        self.scheduler.add(handle)
+                               observer=self.observer, adapter=adapter, adapters=self.adapters)
+        try:
+            self.scheduler.add(handle)
+        except BaseException:
+            if adapter is not None:
+                self.adapters.release(adapter, admitted=False)
+            raise
         return handle
+
+    def _lease(self, name: str):
+        """The registered adapter `name`, kept until the request ends; NotFound naming it otherwise."""
+        if self.adapters is None:
+            raise NotFound(f"Adapter {name} is not registered (LoRA adapters are off: option.enable_lora)",
+                           param="adapter")
+        return self.adapters.lease(name)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> Generation:
         """Queue every sequence of one client request, or none: if one cannot be queued (Overloaded,
@@ -129,7 +147,12 @@ class Engine:
     def submit_beams(self, request: GenerationRequest, num_beams: int) -> BeamSearch:
         """Queue a beam search: its `num_beams` beams run as rows of the rolling batch, one token
         per step (beam_rows.py). Its hypotheses arrive on the job's `future`; `cancel()` frees its
-        rows at the next step. Raises Overloaded when the waiting queue is full."""
+        rows at the next step. Raises Overloaded when the waiting queue is full, InvalidRequest for an
+        adapter (beams run on the base model only)."""
+        if request.adapter is not None:
+            if self.adapters is None or request.adapter not in self.adapters:
+                self._lease(request.adapter)  # NotFound, naming it
+            raise InvalidRequest("Beam search with a LoRA adapter is not supported; use greedy or sampled decoding")
         job = BeamSearch(request, num_beams, self.model, self.scheduler.kv_factory,
                          pad_id=self.tokenizer.pad_token_id, device=self.device)
         self.scheduler.add_beams(job)

@@ -27,7 +27,7 @@ class RequestHandle:
 
     def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None, *,
                  sink: Sink | None = None, index: int = 0, watermark=None,
-                 observer: EngineObserver | None = None):
+                 observer: EngineObserver | None = None, adapter=None, adapters=None):
         self.id = next(_ids)
         self.request = request
         self.constraint = constraint  # the engine's grammar state for a guided request
@@ -36,13 +36,20 @@ class RequestHandle:
         self.submitted_at = time.monotonic()
         self.cancelled = False
         self.index = index
+        # A leased LoRA adapter (engine/adapters.py), returned with the terminal event; its slot once admitted.
+        self.adapter, self._adapters = adapter, adapters
+        self.adapter_slot: int | None = None
         # Only an observed sequence pays for its clock (observer.py): a clock read per event.
-        self.clock = SequenceClock(observer, len(request.prompt_ids), self.submitted_at) if observer else None
+        self.clock = SequenceClock(observer, len(request.prompt_ids), self.submitted_at,
+                                                request.adapter) if observer else None
         self._sink: Sink = sink if sink is not None else queue.SimpleQueue()
 
     def push(self, event: TokenEvent) -> None:
         if self.clock is not None:
             self.clock.event(event)
+        if event.finish_reason is not None and self.adapter is not None:  # before the reader sees the end
+            self._adapters.release(self.adapter, admitted=self.adapter_slot is not None)
+            self.adapter = None
         self._sink.put((self.index, event))
 
     def admitted(self) -> None:

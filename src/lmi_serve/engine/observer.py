@@ -33,6 +33,7 @@ class SequenceReport:
     queue_seconds: float | None  # submission to admission (None: never admitted)
     first_token_seconds: float | None  # submission to the first token
     decode_seconds: float | None  # first token to last token (for the time per output token)
+    adapter: str | None = None  # the LoRA adapter it ran on (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,11 @@ class SequenceClock:
     """One sequence's times, from submission to its last event, reported to an observer (and to
     the current request's tally, if any)."""
 
-    __slots__ = ("observer", "prompt_tokens", "submitted", "admitted", "first", "last", "tokens", "tally")
+    __slots__ = ("observer", "prompt_tokens", "submitted", "admitted", "first", "last", "tokens", "tally", "adapter")
 
-    def __init__(self, observer: EngineObserver, prompt_tokens: int, submitted: float):
+    def __init__(self, observer: EngineObserver, prompt_tokens: int, submitted: float, adapter: str | None = None):
         self.observer, self.prompt_tokens, self.submitted = observer, prompt_tokens, submitted
+        self.adapter = adapter
         self.admitted: float | None = None
         self.first: float | None = None
         self.last: float | None = None
@@ -135,4 +137,4 @@ class SequenceClock:
             prompt_tokens=self.prompt_tokens, generated_tokens=self.tokens, e2e_seconds=now - self.submitted,
             queue_seconds=None if self.admitted is None else self.admitted - self.submitted,
             first_token_seconds=None if self.first is None else self.first - self.submitted,
-            decode_seconds=None if self.first is None else self.last - self.first))
+            decode_seconds=None if self.first is None else self.last - self.first, adapter=self.adapter))

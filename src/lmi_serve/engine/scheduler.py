@@ -8,7 +8,8 @@ Order of operations in `Scheduler.step`:
    tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
    bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
    prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
-   as the step's only prefill;
+   as the step's only prefill. A request of a LoRA adapter also needs its adapter's slot
+   (adapters.py): when every slot is held by running rows of other adapters, it waits at the head;
 3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
    the joiners: one whose prompt starts with blocks the prefix cache holds (prefix_cache.py) alone,
    from those blocks (its budget cost is only the rest); the others in groups of similar length
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import GenerationFailed, Overloaded, ServingError, Timeout
+from ..model.lora import AdapterError
+from .adapters import Adapters, lora_rows
 from .batch import Batch, Row, make_row
 from .beam_jobs import BeamJobs, settle
 from .beam_rows import BeamSearch
@@ -69,10 +72,13 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
-                 kv_factory: KVFactory | None = None, prefix_cache: PrefixCache | None = None):
+                 kv_factory: KVFactory | None = None, prefix_cache: PrefixCache | None = None,
+                 adapters: Adapters | None = None):
         """`kv_factory` prefills new rows into a KV batch (kv.py): the KV cache layout is its choice;
         None picks the model's own (kv_select.py). `prefix_cache` (prefix_cache.py) lets prompts
-        reuse the K/V of a prefix prefilled before; the factory must `supports_prefixes`."""
+        reuse the K/V of a prefix prefilled before; the factory must `supports_prefixes`. `adapters`
+        (adapters.py) gives an admitted request of a LoRA adapter its slot; rows of adapters do not
+        use the prefix cache (its K/V are the base model's)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_factory = kv_factory or kv_factory_for(model)
         if model is not None and not is_encoder_decoder(model):
@@ -81,6 +87,7 @@ class Scheduler:
         if prefix_cache is not None and not supports_prefixes(self.kv_factory):
             raise ValueError("this model's KV cache cannot start a row from a cached prefix")
         self.prefixes = prefix_cache
+        self.adapters = adapters
         self.chunking: ChunkedPrefill | None = None  # the long prompt being prefilled a chunk per step
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
@@ -223,10 +230,12 @@ class Scheduler:
                 length = self._prefill_cost(request)
                 can_chunk = self.chunks and chunkable(request)
                 if length <= budget or (alone and not joiners and not can_chunk):
+                    if not self._adapter_slot(self.waiting[0]):
+                        break
                     joiners.append(self.waiting.popleft())
                     budget -= length
                     continue
-                if can_chunk and self.chunking is None and budget > 0:
+                if can_chunk and self.chunking is None and budget > 0 and self._adapter_slot(self.waiting[0]):
                     self.chunking = self._start_prefill(self.waiting.popleft())
                     self.chunking.row.owner.admitted()
                 break
@@ -234,9 +243,32 @@ class Scheduler:
             handle.admitted()
         return joiners
 
+    def _adapter_slot(self, handle: RequestHandle) -> bool:
+        """Give the head of the queue its adapter's slot (none needed without an adapter); False when
+        no slot is free of running rows now, so it waits. A folder that cannot be read again (after an
+        eviction) fails the request alone (False too: the next step looks at the next request)."""
+        if handle.adapter is None or handle.adapter_slot is not None:
+            return True
+        try:
+            slot = self.adapters.acquire(handle.adapter)
+        except AdapterError as exc:
+            self.waiting.popleft()
+            handle.push(TokenEvent.failure(f"Adapter {handle.adapter.name} could not be loaded: {exc}",
+                                           kind=GenerationFailed))
+            return False
+        if slot is None:
+            return False
+        handle.adapter_slot = slot
+        return True
+
+    def _uses_prefixes(self, request: GenerationRequest) -> bool:
+        """The prefix cache serves this request's prompt: the cache is on, the prompt is chunkable
+        and the request is on the base model."""
+        return self.prefixes is not None and chunkable(request) and request.adapter is None
+
     def _cached_tokens(self, request: GenerationRequest) -> int:
         """How many of `request`'s prompt tokens the prefix cache would spare its prefill."""
-        if self.prefixes is None or not chunkable(request):
+        if not self._uses_prefixes(request):
             return 0
         return self.prefixes.cached_tokens(request.prompt_ids)
 
@@ -247,8 +279,8 @@ class Scheduler:
         """A one-row prefill of `handle`'s prompt, which its first `advance` starts from the prefix
         cache's longest match, if any."""
         row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint,
-                       watermark=handle.watermark)
-        prefixes = self.prefixes if chunkable(handle.request) else None
+                       watermark=handle.watermark, adapter_slot=handle.adapter_slot)
+        prefixes = self.prefixes if self._uses_prefixes(handle.request) else None
         return ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id, self.device, prefixes)
 
     def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
@@ -274,12 +306,12 @@ class Scheduler:
             if self._cached_tokens(handle.request):
                 self._prefill_rest(handle)
                 continue
-            if self.prefixes is not None and chunkable(handle.request):
+            if self._uses_prefixes(handle.request):
                 self.prefixes.count(len(handle.request.prompt_ids), 0)
             misses.append(handle)
         for group in self._groups(misses):
             self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint,
-                                                       watermark=h.watermark)
+                                              watermark=h.watermark, adapter_slot=h.adapter_slot)
                                      for h in group]))
 
     def _add(self, batch: Batch | None) -> None:
@@ -297,7 +329,7 @@ class Scheduler:
         """The next chunk of the chunked prompt; its row joins the batch after the last one."""
         chunking = self.chunking
         try:
-            with self.phases.measure(PREFILL):
+            with self.phases.measure(PREFILL), lora_rows(self.model, [chunking.row.adapter_slot], self.device):
                 batch = chunking.advance(budget)
             if batch is None:
                 return
@@ -315,7 +347,7 @@ class Scheduler:
         """Prefill a prompt whose start the prefix cache holds: only the rest runs, in one forward."""
         prefill = self._start_prefill(handle)
         try:
-            with self.phases.measure(PREFILL):
+            with self.phases.measure(PREFILL), lora_rows(self.model, [prefill.row.adapter_slot], self.device):
                 batch = prefill.finish()
             self._first_tokens(batch)
         except Exception as exc:
@@ -335,6 +367,8 @@ class Scheduler:
             return
         with self.phases.measure(PREFILL):
             for i, row in enumerate(batch.rows):
+                if row.adapter_slot is not None:  # K/V of an adapter: not the base model's prefix
+                    continue
                 self.prefixes.store(row.request.prompt_ids, functools.partial(batch.kv.row_kv, i))
 
     def _admitted(self, batch: Batch) -> Batch | None:
@@ -347,7 +381,7 @@ class Scheduler:
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         try:
-            with self.phases.measure(PREFILL):
+            with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows], self.device):
                 batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
             self._first_tokens(batch)
         except Exception as exc:
@@ -373,7 +407,7 @@ class Scheduler:
     def _decode(self) -> None:
         batch = self.batch
         try:
-            with self.phases.measure(DECODE):
+            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots, self.device):
                 batch.decode()
             events = self._emit(batch, self._sample(batch))
         except Exception as exc:

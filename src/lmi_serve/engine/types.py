@@ -91,6 +91,7 @@ class GenerationRequest:
     prompt_top_n: int = 0  # with prompt_logprobs: alternatives reported per prompt token
     guided: GuidedDecoding | None = None  # constrained decoding (structured output, tool calls)
     detokenize: DetokenizeParams = DetokenizeParams()
+    adapter: str | None = None  # the registered LoRA adapter to generate with (engine/adapters.py); None: the base
 
 
 @dataclass(frozen=True)

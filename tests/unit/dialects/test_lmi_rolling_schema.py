@@ -95,8 +95,27 @@ def test_stream_must_be_bool(value):
 
 
 def test_unknown_top_level_field():
-    with pytest.raises(LmiRequestError, match=r"Unsupported field\(s\) \['adapters'\]"):
-        parse_rolling_request({"inputs": "x", "adapters": "a"})
+    with pytest.raises(LmiRequestError, match=r"Unsupported field\(s\) \['adapter_alias'\]"):
+        parse_rolling_request({"inputs": "x", "adapter_alias": "a"})
+
+
+@pytest.mark.parametrize("payload", [
+    {"inputs": "x", "adapters": "a"}, {"inputs": "x", "adapters": ["a"]},
+    {"inputs": "x", "parameters": {"adapters": "a"}}, {"inputs": "x", "parameters": {"adapters": ["a"]}},
+])
+def test_an_adapter_at_the_top_level_or_in_parameters(payload):
+    assert parse_rolling_request(payload).parameters.adapter == "a"
+    assert parse_rolling_request({"inputs": "x"}).parameters.adapter is None
+
+
+@pytest.mark.parametrize("payload, match", [
+    ({"inputs": "x", "adapters": "a", "parameters": {"adapters": "b"}}, "either at the top level or in"),
+    ({"inputs": "x", "adapters": ["a", "b"]}, "one adapter per input"),
+    ({"inputs": "x", "parameters": {"adapters": ""}}, "must not be empty"),
+])
+def test_bad_adapter_choices_are_refused(payload, match):
+    with pytest.raises(LmiRequestError, match=match):
+        parse_rolling_request(payload)
 
 
 # --- parameters: names ----------------------------------------------------------------------

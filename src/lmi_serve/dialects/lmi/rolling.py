@@ -124,6 +124,7 @@ class RollingBatchService:
                       if self.custom_output is not None else None)
             formatter = choose_formatter(request.parameters.output_formatter, self.output_formatter,
                                          request.stream, self.tgi_compat, custom=custom)
+            request = _with_header_adapter(request, item)
             prompt_ids = self.engine.tokenizer(request.inputs).input_ids
             requests = to_generation_requests(request.parameters, prompt_ids,
                                               eos_token_ids=self.engine.eos_token_ids,
@@ -188,6 +189,18 @@ class RollingBatchService:
         output = Output().add_property("Content-Type", formatter.mimetype)
         return output.add_stream_content(_render_stream(ctx, formatter, generation),
                                          output_formatter=lambda chunk: chunk)
+
+
+# SageMaker's per-request adapter header (inference components), which LMI reads when the body names none
+ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"
+
+
+def _with_header_adapter(request, item: Input):
+    """`request` with the adapter the header names, unless the body names one."""
+    name = item.get_property(ADAPTER_HEADER)
+    if not name or request.parameters.adapters is not None:
+        return request
+    return replace(request, parameters=request.parameters.model_copy(update={"adapters": name}))
 
 
 def _read_payload(item: Input) -> Any:

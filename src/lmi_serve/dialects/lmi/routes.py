@@ -1,4 +1,4 @@
-"""LMI / SageMaker routes: /ping, /invocations, /predictions/<model>, /models.
+"""LMI / SageMaker routes: /ping, /invocations, /predictions/<model>, /models, /models/<m>/adapters.
 
 Routes turn HTTP into an `Input`, hand it to the model's job queue, and turn the handler's
 `Output` back into HTTP. They never parse the body: that is the handler's job (as in DJL).
@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, current_app, g, request
 
+from ...engine.adapters import AdapterExists
 from ...handler_api import Input, Output
 from ...registry import ModelRegistry
 from ...service import ModelService, ModelStatus
+from . import adapters as adapter_api
+from .errors import error_response
 
 if TYPE_CHECKING:  # the engine imports torch; these routes need only the name
     from ...engine.engine import EngineStats
@@ -112,6 +115,9 @@ def _describe(service: ModelService) -> dict:
                        "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
         if stats else None,
         **({"engine": _engine_stats(service.engine.stats())} if service.engine else {}),
+        # LoRA adapters with their requests (served since registration, and active now)
+        **({"adapters": [a.describe() for a in service.engine.adapters.list()]}
+           if getattr(service.engine, "adapters", None) is not None else {}),
     }
 
 
@@ -129,3 +135,46 @@ def _prefix_stats(stats: PrefixStats) -> dict:
     return {"lookups": stats.lookups, "hits": stats.hits, "promptTokens": stats.prompt_tokens,
             "hitTokens": stats.hit_tokens, "storedBlocks": stats.stored_blocks,
             "evictedBlocks": stats.evicted_blocks, "blocks": stats.blocks, "bytes": stats.bytes}
+
+
+# -- DJL's adapters management API (dialects/lmi/adapters.py) ---------------------------------------
+
+def _json(body, status: int = 200) -> Response:
+    return Response(json.dumps(body), status=status, mimetype=JSON)
+
+
+def _query() -> dict[str, str]:
+    return dict(request.args.items())
+
+
+@blueprint.post("/models/<model_name>/adapters")
+def register_adapter(model_name: str) -> Response:
+    adapters = adapter_api.adapters_of(_registry().get(model_name))
+    try:
+        status, body = adapter_api.register(adapters, _query())
+    except AdapterExists as exc:
+        return error_response(409, "ConflictException", exc.message)
+    return _json(body, status)
+
+
+@blueprint.get("/models/<model_name>/adapters")
+def list_adapters(model_name: str) -> Response:
+    return _json(adapter_api.listing(adapter_api.adapters_of(_registry().get(model_name)), _query()))
+
+
+@blueprint.get("/models/<model_name>/adapters/<adapter_name>")
+def describe_adapter(model_name: str, adapter_name: str) -> Response:
+    adapters = adapter_api.adapters_of(_registry().get(model_name))
+    return _json([adapter_api.describe(adapters.get(adapter_name))])
+
+
+@blueprint.post("/models/<model_name>/adapters/<adapter_name>/update")
+def update_adapter(model_name: str, adapter_name: str) -> Response:
+    adapters = adapter_api.adapters_of(_registry().get(model_name))
+    return _json(adapter_api.update(adapters, adapter_name, _query()))
+
+
+@blueprint.delete("/models/<model_name>/adapters/<adapter_name>")
+def unregister_adapter(model_name: str, adapter_name: str) -> Response:
+    adapter_api.adapters_of(_registry().get(model_name)).unregister(adapter_name)  # NotFound: 404
+    return _json({"status": f"Adapter {adapter_name} unregistered"})

@@ -185,6 +185,23 @@ class GenerationParameters(BaseModel):
     output_formatter: str | None = None
     watermark: bool = False  # TGI's watermark (engine/watermark.py), per row
     grammar: GrammarParameter | None = None
+    # The LoRA adapter to generate with (LMI's name and shape: a string, or a list of one per input,
+    # and rolling batch has one input); unset: the base model.
+    adapters: str | list[str] | None = None
+
+    @field_validator("adapters")
+    @classmethod
+    def _one_adapter(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"one adapter per input, and a rolling-batch request has one input (got {len(value)})")
+        if (value[0] if isinstance(value, list) else value) == "":
+            raise ValueError("an adapter name must not be empty")
+        return value
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter's name, or None for the base model."""
+        return self.adapters[0] if isinstance(self.adapters, list) else self.adapters
 
     @field_validator("stop_sequences")
     @classmethod
@@ -245,7 +262,7 @@ class GenerationParameters(BaseModel):
         )
 
 
-_ROLLING_FIELDS = ("inputs", "parameters", "stream")
+_ROLLING_FIELDS = ("inputs", "parameters", "stream", "adapters")
 
 
 @dataclass(frozen=True)
@@ -320,7 +337,7 @@ def parse_rolling_request(payload: Any) -> RollingRequest:
     unknown = sorted(set(payload) - set(_ROLLING_FIELDS))
     if unknown:
         raise LmiRequestError(f"Unsupported field(s) {unknown}: the rolling-batch schema has "
-                              "'inputs', 'parameters' and 'stream'")
+                              "'inputs', 'parameters', 'stream' and 'adapters'")
     if "inputs" not in payload:
         raise LmiRequestError("Missing required field 'inputs'")
     inputs = payload["inputs"]
@@ -335,7 +352,12 @@ def parse_rolling_request(payload: Any) -> RollingRequest:
     stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise LmiRequestError("'stream' must be true or false")
-    return RollingRequest(inputs, parse_generation_parameters(payload.get("parameters"), stream=stream), stream)
+    parameters = payload.get("parameters")
+    if payload.get("adapters") is not None:  # LMI takes the adapter beside `parameters` too
+        if isinstance(parameters, dict) and parameters.get("adapters") is not None:
+            raise LmiRequestError("give 'adapters' either at the top level or in 'parameters', not both")
+        parameters = {**(parameters if isinstance(parameters, dict) else {}), "adapters": payload["adapters"]}
+    return RollingRequest(inputs, parse_generation_parameters(parameters, stream=stream), stream)
 
 
 def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequence[int], *,
@@ -375,6 +397,7 @@ def to_generation_requests(parameters: GenerationParameters, prompt_ids: Sequenc
             top_n_tokens=parameters.top_n_tokens,
             prompt_logprobs=parameters.decoder_input_details,
             guided=constraint,
+            adapter=parameters.adapter,
         )
         for seed in seeds
     ]

@@ -58,7 +58,7 @@ def fit_to_context(prompt: Sequence[int], max_tokens: int | None, max_model_len:
 
 def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ...], max_new_tokens: int, *,
                    count: int, top_n: int = 0, prompt_logprobs: bool = False,
-                   guided: GuidedDecoding | None = None) -> list[GenerationRequest]:
+                   guided: GuidedDecoding | None = None, adapter: str | None = None) -> list[GenerationRequest]:
     do_sample = fields.temperature is None or fields.temperature > 0
     seeds = policy.sequence_seeds(fields.seed, count, sampled=do_sample)
     stop = StopParams(max_new_tokens=max_new_tokens, stop_sequences=fields.stops,
@@ -68,7 +68,7 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
     check_token_ids(fields.stop_token_ids or (), vocab, "stop_token_ids")
     return extend(engine, fields, [
         GenerationRequest(prompt, sampling_params(fields, seed, vocab), stop,
-                          top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided)
+                          top_n_tokens=top_n, prompt_logprobs=prompt_logprobs, guided=guided, adapter=adapter)
         for seed in seeds])
 
 

@@ -1,8 +1,10 @@
 """OpenAI-compatible routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings; GET /v1/models.
 
-`model` picks among the served models (`choose_service`); without it, the first model of the
-route's task; an unknown name selects the only text-generation model, as TGI does (unless
-`LMI_SERVE_STRICT_MODEL_NAMES`), else 404 `model_not_found` listing the served names. Errors are the core's kinds, answered in OpenAI's envelope by the one table in
+`model` picks among the served models (`choose_service`) or names a registered LoRA adapter of one
+(vLLM's convention; /v1/models lists adapters with `parent` = their model); without it, the first
+model of the route's task; an unknown name selects the only text-generation model, as TGI does
+(unless `LMI_SERVE_STRICT_MODEL_NAMES`, or LoRA adapters are served), else 404 `model_not_found`
+listing the served names. Errors are the core's kinds, answered in OpenAI's envelope by the one table in
 errors.py: 400 for every validation error, 404, 429 with `retry-after` when the queue is full, 503
 while loading, 504 on a queue timeout, 500 only for real faults.
 Streams are SSE ending with `data: [DONE]`.
@@ -82,13 +84,34 @@ def choose_service(services: Mapping[str, ModelService], name: str | None, task:
 
 
 def _service(name: str | None, task: str) -> ModelService:
-    strict = current_app.config.get("STRICT_MODEL_NAMES", False)
+    # With LoRA adapters served, `model` names an adapter or a model: an unknown name is a 404, never the base.
+    strict = current_app.config.get("STRICT_MODEL_NAMES", False) or (
+        task == _GENERATION_TASK and any(_adapters_of(s) is not None for s in _registry().services.values()))
     service = choose_service(_registry().services, name, task, strict=strict)
     service.require_ready()
     return service
 
 
+def _adapters_of(service: ModelService):
+    """The service's LoRA adapters (engine/adapters.py), or None when it serves none."""
+    return getattr(getattr(service, "engine", None), "adapters", None)
+
+
+def _adapter_owner(name: str | None) -> ModelService | None:
+    """The model whose registered LoRA adapter `name` is (vLLM's convention: `model` names the adapter),
+    or None when `name` is a model's name or no adapter's."""
+    services = _registry().services
+    if not name or name in services:
+        return None
+    return next((s for s in services.values() if (adapters := _adapters_of(s)) is not None and name in adapters),
+                None)
+
+
 def _generation(name: str | None) -> OpenAIService:
+    owner = _adapter_owner(name)
+    if owner is not None:
+        owner.require_ready()
+        return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name)
     service = _service(name, _GENERATION_TASK)
     return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name)
 
@@ -189,12 +212,22 @@ def list_models() -> Response:
     created = int(time.time())
     data = [{"id": s.name, "object": "model", "created": int(s.loaded_at or created), "owned_by": "lmi-serve"}
             for s in services]
+    data += [_adapter_card(s, a) for s in services if _adapters_of(s) is not None for a in _adapters_of(s).list()]
     return Response(json.dumps({"object": "list", "data": data}), mimetype="application/json")
+
+
+def _adapter_card(service: ModelService, adapter) -> dict:
+    """A LoRA adapter as vLLM lists one: its folder as `root`, the base model as `parent`."""
+    return {"id": adapter.name, "object": "model", "created": int(adapter.registered_at), "owned_by": "lmi-serve",
+            "root": str(adapter.spec.src), "parent": service.name}
 
 
 @blueprint.get("/models/<path:name>")
 def get_model(name: str) -> Response:
     service = _registry().services.get(name)
+    owner = _adapter_owner(name) if service is None else None
+    if owner is not None:
+        return Response(json.dumps(_adapter_card(owner, _adapters_of(owner).get(name))), mimetype="application/json")
     if service is None:
         raise NotFound(f"The model `{name}` does not exist", param="model")
     return Response(json.dumps({"id": service.name, "object": "model", "created": int(service.loaded_at or time.time()),

@@ -68,8 +68,10 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
 
 
 class OpenAIService:
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: Engine, model_name: str, adapter: str | None = None):
+        """`adapter`: the LoRA adapter the request's `model` named (vLLM's convention; responses then
+        name it as their model), or None for the base model."""
+        self.engine, self.model_name, self.adapter = engine, adapter or model_name, adapter
         self.tokenizer = engine.tokenizer
 
     def token_text(self, token_id: int) -> str:
@@ -85,7 +87,7 @@ class OpenAIService:
                                             where="messages", param="messages")
         top = request.top_logprobs or 0 if request.logprobs else 0
         requests = build_requests(self.engine, request, prompt, max_tokens, count=request.n, top_n=top,
-                                  guided=chat.guided_decoding(request))
+                                  guided=chat.guided_decoding(request), adapter=self.adapter)
         generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
         meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
@@ -143,7 +145,8 @@ class OpenAIService:
             text = self.tokenizer.decode(ids) if request.echo else ""  # after any truncation
             requests += build_requests(self.engine, request, ids, max_tokens, count=per_prompt,
                                        top_n=request.logprobs or 0,
-                                       prompt_logprobs=request.echo and request.logprobs is not None)
+                                       prompt_logprobs=request.echo and request.logprobs is not None,
+                                       adapter=self.adapter)
             choices += [CompletionChoice(ChoiceState(len(ids), index=p * per_prompt + j), text, request.echo,
                                          request.suffix) for j in range(per_prompt)]
         generation = submit(self.engine, requests)  # every prompt's sequences, all or none

@@ -60,6 +60,13 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
         raw = {"do_sample": True}  # TGI: no parameters object means sampling
     if isinstance(raw, dict) and raw.get("return_full_text") is None and default_full_text:
         raw = {**raw, "return_full_text": True}
+    if isinstance(raw, dict) and "adapter_id" in raw:  # TGI's name for the LoRA adapter to use
+        raw = {**raw}
+        adapter = raw.pop("adapter_id")
+        if adapter is not None and "adapters" in raw:
+            raise InvalidRequest("give `adapter_id` only", param="adapter_id")
+        if adapter is not None:
+            raw["adapters"] = adapter
     parameters = parse_generation_parameters(raw, stream=stream)  # its refusals are InvalidRequests
     check_tgi_rules(parameters, stream)
     return RollingRequest(payload["inputs"], parameters, stream)

@@ -6,7 +6,8 @@ first, from the request parameters (vLLM reads every request parameter as a samp
 or instead from the `sampling_parameters` JSON string when that tensor is given (its numbers may be
 strings, as genai-perf sends them), then from the dedicated tensors `max_tokens`, `temperature`,
 `top_p`, `top_k` and `stop_words` (TensorRT-LLM style). Tokens are greedy unless a sampling value
-asks otherwise (LMI's rule; vLLM would sample by default).
+asks otherwise (LMI's rule; vLLM would sample by default). The request parameter `adapter` names
+the LoRA adapter to generate with (option.enable_lora).
 """
 
 from __future__ import annotations
@@ -138,6 +139,11 @@ def parse_llm_call(engine: Engine, tensors: dict[str, WireTensor], parameters: d
     """Tensors + request parameters -> one neutral GenerationRequest (validated, context-capped)."""
     prompt = _text(_scalar(tensors, "text_input"), "text_input")
     generation = _parameters(_sampling_values(tensors, parameters))
+    adapter = parameters.get("adapter")  # the LoRA adapter to generate with: a request parameter
+    if adapter is not None:
+        if not isinstance(adapter, str) or not adapter:
+            raise InvalidRequest("request parameter 'adapter' must be the name of a registered LoRA adapter")
+        generation = generation.model_copy(update={"adapters": adapter})
     stream = bool(_scalar(tensors, "stream"))
     exclude = _scalar(tensors, "exclude_input_in_output")
     exclude = True if exclude is None else bool(exclude)
