@@ -91,6 +91,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/predictions/<model_name>/<version>", "POST"): _PREDICT,
     ("/models", "GET"): _lmi("List the served models", response=(doc.LmiModelList,)),
     ("/models/<model_name>", "GET"): _lmi("Describe one model", response=(doc.LmiModelDescription,)),
+    # DJL's LoRA adapters management API (option.enable_lora)
+    ("/models/<model_name>/adapters", "POST"): _lmi(
+        "Register a LoRA adapter", response=(doc.LmiStatus,),
+        description="Query parameters: `name`, `src` (a local PEFT adapter folder), `preload` (default true), "
+                    "`pin` (default false). 409 when the name is taken, 400 for a bad folder or a rank over "
+                    "option.max_lora_rank."),
+    ("/models/<model_name>/adapters", "GET"): _lmi(
+        "List the model's LoRA adapters", response=(doc.LmiAdapterList,),
+        description="Query parameters: `limit` (default 100), `next_page_token`."),
+    ("/models/<model_name>/adapters/<adapter_name>", "GET"): _lmi("Describe one LoRA adapter",
+                                                                  response=(doc.LmiAdapter,)),
+    ("/models/<model_name>/adapters/<adapter_name>/update", "POST"): _lmi(
+        "Load a new version of a LoRA adapter", response=(doc.LmiStatus,),
+        description="Query parameters: `src` (default: the folder it came from), `preload`, `pin`."),
+    ("/models/<model_name>/adapters/<adapter_name>", "DELETE"): _lmi(
+        "Unregister a LoRA adapter (its weights go once the requests using it finish)", response=(doc.LmiStatus,)),
     # TGI
     ("/", "POST"): _tgi("Generate (a one-element array), or stream with `stream`", request=(doc.TgiRequest,),
                         response=(doc.TgiGenerateResponse,), media=_STREAM, model_query=True),

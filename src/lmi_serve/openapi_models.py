@@ -90,6 +90,32 @@ class LmiWorkflow(_Open):
     models: list[LmiModel]
 
 
+class LmiAdapter(_Open):
+    """One LoRA adapter of a model (dialects/lmi/adapters.py)."""
+
+    name: str
+    src: str
+    pin: bool
+    rank: int
+    alpha: float
+    targetModules: list[str]
+    baseModel: str | None = None
+    resident: bool
+    slot: int | None = None
+    activeRequests: int
+    requests: int
+    loads: int
+
+
+class LmiAdapterList(BaseModel):
+    adapters: list[LmiAdapter]
+    nextPageToken: str | None = None
+
+
+class LmiStatus(BaseModel):
+    status: str
+
+
 class LmiModelDescription(RootModel[list[LmiWorkflow]]):
     """LMI's description, with batching and engine counters."""
 
