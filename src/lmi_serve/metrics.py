@@ -12,8 +12,10 @@ Names follow vLLM's (`vllm:` -> `lmi_serve:`) where vLLM has the metric, so dash
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import struct
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess
@@ -36,6 +38,34 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 # The engine's reasons, in vLLM's words (dialects own the words they show clients).
 SUCCESS_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop"}
+
+
+class SettledFilesCollector(multiprocess.MultiProcessCollector):
+    """prometheus_client's MultiProcessCollector, minus two races that fail a whole scrape (a 500):
+    a file removed between its listing and its reading (a dead worker's gauges, `worker_exited`),
+    and a file still empty (a starting worker's: prometheus_client creates it, then sizes it; one
+    whose creator was killed in between stays empty, and would fail every scrape after it). Empty
+    files hold no value yet and are skipped; a vanished one is retried with a fresh listing."""
+
+    ATTEMPTS = 3
+
+    def collect(self):
+        for attempt in range(self.ATTEMPTS):
+            try:
+                return self.merge(self._settled_files(), accumulate=True)
+            except (FileNotFoundError, struct.error):
+                if attempt == self.ATTEMPTS - 1:
+                    raise
+
+    def _settled_files(self) -> list[str]:
+        settled = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(path) > 0:
+                    settled.append(path)
+            except FileNotFoundError:
+                continue
+        return settled
 
 
 def remove_multiprocess_dir(path: str) -> None:
@@ -119,7 +149,7 @@ class ServingMetrics:
         """(body, content type) of `/metrics`: every live and dead worker's values, added up."""
         if self.multiprocess:
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
+            SettledFilesCollector(registry)
         else:
             registry = self._own
         return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4

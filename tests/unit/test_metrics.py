@@ -113,3 +113,26 @@ def test_sequences_on_lora_adapters_are_counted_per_adapter(metrics):
     assert value(s, "lmi_serve:lora_requests_total", model_name="m", lora_name="sql") == 2
     assert value(s, "lmi_serve:lora_requests_total", model_name="m", lora_name="chat") == 1
     assert value(s, "lmi_serve:lora_requests_total", model_name="m") == 3
+
+
+def test_a_scrape_survives_an_empty_and_a_vanished_worker_file(tmp_path, monkeypatch):
+    """Multiprocess mode: a starting (or killed-while-starting) worker's file is empty for a moment (or
+    for good), and a dead worker's gauge file can vanish between listing and reading; neither may
+    fail the scrape (a 500), and the settled files' values are all there."""
+    import glob as glob_module
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from lmi_serve.metrics import SettledFilesCollector
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    written.write_value(mmap_key("lmi_serve:demo", "lmi_serve:demo_total", ("model_name",), ("m",), "demo"), 7.0, 0.0)
+    written.close()
+    (tmp_path / "gauge_livesum_102.db").touch()  # created, never sized
+    listed = glob_module.glob
+    monkeypatch.setattr(glob_module, "glob", lambda pattern: [*listed(pattern), str(tmp_path / "gauge_livesum_103.db")])
+    registry = CollectorRegistry()
+    SettledFilesCollector(registry, path=str(tmp_path))
+    samples = scrape(generate_latest(registry).decode())
+    assert value(samples, "lmi_serve:demo_total", model_name="m") == 7.0
