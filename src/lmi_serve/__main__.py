@@ -29,6 +29,9 @@ _RUNTIME_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # Every tqdm bar (transformers' GGUF conversion uses tqdm directly): a server's log is lines, and
+    # with --log-format json each one must be a JSON object; the conversion is logged once instead.
+    "TQDM_DISABLE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # oneDNN keeps a compiled kernel per Linear shape and input length (1,024 by default): under mixed

@@ -21,8 +21,12 @@ KEY = "sk-never-log-this-key"
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess("--model-dir", str(DEFAULT_STORE / LLM), env={"LMI_SERVE_LOG_FORMAT": "json"})
+def server(tmp_path_factory):
+    # A cache of its own: the first start converts the GGUF, whose output must be JSON lines too
+    # (a tqdm bar there broke every line-parsing test on a fresh clone).
+    cache = tmp_path_factory.mktemp("cache")
+    server = ServerProcess("--model-dir", str(DEFAULT_STORE / LLM),
+                           env={"LMI_SERVE_LOG_FORMAT": "json", "LMI_SERVE_CACHE_DIR": str(cache)})
     try:
         server.wait_for_ping()
         yield server
