@@ -186,6 +186,13 @@ ROUTES = [
           text="messages.0.content", number="max_tokens", nest="tools"),
     Route("/v1/completions", "openai", (COMPLETION, {**COMPLETION, "prompt": [[9906, 11], "Hi"]}),
           guards=OPENAI_GUARDS, streams=True, text="prompt", number="temperature", nest="logit_bias"),
+    # vLLM's tokenizer routes (TGI's /tokenize shares the path: a body with `inputs` goes there).
+    Route("/tokenize", "openai", ({"model": TEXT_MODEL, "prompt": "Hello", "add_special_tokens": True},
+                                  {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                   "add_generation_prompt": True, "return_token_strs": True}),
+          text="prompt", number="add_special_tokens", nest="chat_template_kwargs"),
+    Route("/detokenize", "openai", ({"model": TEXT_MODEL, "tokens": [9906, 11]},),
+          text="model", number="tokens.0", nest="tokens"),
     Route("/v1/embeddings", "openai", ({"model": EMBEDDING_MODEL, "input": ["a cat", "a dog"],
                                         "encoding_format": "base64", "instruction": "Embed:", "user": "u"},
                                        {"input": [[101, 102], [2003]], "dimensions": 384}),
