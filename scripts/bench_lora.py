@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_openai import start_server as start_openai_bench_server  # noqa: E402
 from benchmark.clients import closed_loop, stream_one  # noqa: E402
 from benchmark.common import DEFAULT_MODEL  # noqa: E402
 from benchmark.stats import summarize  # noqa: E402
@@ -58,19 +58,7 @@ def build_adapters(model, folder: Path) -> None:
 
 
 def start_server(port: int, model_dir: Path) -> subprocess.Popen:
-    log = tempfile.NamedTemporaryFile(prefix="lmi-bench-lora-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "lmi_serve", "--port", str(port), "--model-dir", str(model_dir)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    for _ in range(600):
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {log.name}")
-        time.sleep(1)
-    raise RuntimeError("server did not become healthy")
+    return start_openai_bench_server(port, "--model-dir", str(model_dir), log_prefix="lmi-bench-lora-")
 
 
 def sender(choose):

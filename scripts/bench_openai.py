@@ -82,9 +82,10 @@ SYSTEMS = {"lmi": ("/invocations", stream_one), "openai": ("/v1/completions", co
            "openai-json": ("/v1/chat/completions", json_chat_sender)}
 
 
-def start_server(port: int) -> subprocess.Popen:
-    log = tempfile.NamedTemporaryFile(prefix="lmi-bench-openai-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "lmi_serve", "--port", str(port)], stdout=log,
+def start_server(port: int, *args: str, log_prefix: str = "lmi-bench-openai-") -> subprocess.Popen:
+    """`python -m lmi_serve --port port *args`, returned once /ping answers 200."""
+    log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "lmi_serve", "--port", str(port), *args], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     for _ in range(600):
         try:
