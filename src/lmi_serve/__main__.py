@@ -34,10 +34,15 @@ _RUNTIME_ENV = {
     "TQDM_DISABLE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # oneDNN keeps a compiled kernel per Linear shape and input length (1,024 by default): under mixed
-    # prompt lengths that cache is what grows a worker's RSS (README "Soak"). Re-creating one costs
-    # ~0.3-0.45 ms, a few per step whose batch size changed, against steps of tens of ms.
+    # Two caches keep a compiled kernel per Linear shape and input row count, 1,024 entries each by
+    # default: oneDNN's primitive cache and, holding its own references to them, ideep's (torch's oneDNN
+    # layer, read by model/linear_kernels.py's packed Linear). Under mixed prompt lengths every prefill
+    # is a new row count, and the two together held ~290 MiB once full, reached only after tens of
+    # minutes of traffic: the worker's RSS drift in scripts/soak (README "Soak"). Re-creating a kernel
+    # costs ~0.3-0.45 ms, a few per step whose batch size changed, against steps of tens of ms
+    # (scripts/bench_kernel_cache.py measures both).
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64",
+    "LRU_CACHE_CAPACITY": "64",
 }
 
 
