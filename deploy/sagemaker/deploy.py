@@ -37,6 +37,8 @@ DEFAULT_MODEL_LOADING_TIMEOUT = 240
 #: the margin SageMaker's health check gets over the server's own loading timeout: the image's boot
 #: (torch import, /ping answers 503 "Loading" within a second of the bind) and the copy from S3.
 HEALTH_CHECK_MARGIN = 300
+#: the most SageMaker accepts for ContainerStartupHealthCheckTimeoutInSeconds (and the download timeout)
+MAX_HEALTH_CHECK_TIMEOUT = 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,9 @@ class Recipe:
             raise ValueError("give exactly one of model_data (an S3 prefix) and model_id (in the image)")
         if self.model_data is not None and not self.model_data.startswith("s3://"):
             raise ValueError(f"model_data must be an s3:// prefix, not {self.model_data!r}")
+        if self.health_check_timeout() > MAX_HEALTH_CHECK_TIMEOUT:
+            raise ValueError(f"model_loading_timeout {self.model_loading_timeout} s leaves SageMaker's health check "
+                             f"no margin: at most {MAX_HEALTH_CHECK_TIMEOUT - HEALTH_CHECK_MARGIN} s")
 
     def environment(self) -> dict[str, str]:
         """The container's environment: only names lmi-serve's config.py reads, only what was set."""
@@ -100,11 +105,12 @@ class Recipe:
         return ContainerDefinition(**fields)
 
     def production_variant(self) -> ProductionVariant:
-        return ProductionVariant(
-            variant_name="AllTraffic", model_name=self.name, instance_type=self.instance_type,
-            initial_instance_count=self.instance_count,
-            container_startup_health_check_timeout_in_seconds=self.health_check_timeout(),
-            model_data_download_timeout_in_seconds=self.health_check_timeout())
+        fields = {"variant_name": "AllTraffic", "model_name": self.name, "instance_type": self.instance_type,
+                  "initial_instance_count": self.instance_count,
+                  "container_startup_health_check_timeout_in_seconds": self.health_check_timeout()}
+        if self.model_data is not None:  # large weights take a while to copy from S3
+            fields["model_data_download_timeout_in_seconds"] = self.health_check_timeout()
+        return ProductionVariant(**fields)
 
 
 def deploy(recipe: Recipe, session: boto3.Session, *, wait: bool = True, poll: int = 30) -> Endpoint:

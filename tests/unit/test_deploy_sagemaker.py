@@ -106,8 +106,10 @@ def test_deploy_makes_exactly_the_create_calls_and_waits_for_in_service(session)
 def test_deploy_without_waiting_stops_after_create_endpoint(session):
     recipe, _ = deploy_script.parse_args(_args("--model-id", "/opt/ml/model/llama3", "--no-wait"))
     assert recipe.environment() == {"OPTION_MODEL_NAME": "llama3", "HF_MODEL_ID": "/opt/ml/model/llama3"}
+    variant = {"VariantName": "AllTraffic", "ModelName": "llama3", "InitialInstanceCount": 1,
+               "InstanceType": "ml.g5.12xlarge", "ContainerStartupHealthCheckTimeoutInSeconds": 540}
     with Stubber(_sdk_client(session, "sagemaker")) as stub:
-        _stub_deployment(stub, ("Creating",), model={
+        _stub_deployment(stub, ("Creating",), variant=variant, model={
             "ModelName": "llama3", "ExecutionRoleArn": ROLE,
             "PrimaryContainer": {"Image": IMAGE, "Environment": recipe.environment()}})
         endpoint = deploy_script.deploy(recipe, session, wait=False)
@@ -162,6 +164,8 @@ def test_bad_recipes_are_refused():
         deploy_script.Recipe(image=IMAGE, role=ROLE, name="x", instance_type="ml.g5.xlarge", model_data="/local")
     with pytest.raises(SystemExit):
         deploy_script.parse_args(_args("--model-id", "m", "--env", "NOVALUE"))
+    with pytest.raises(ValueError, match="at most 3300 s"):  # SageMaker's health check stops at 3600 s
+        deploy_script.parse_args(_args("--model-id", "m", "--model-loading-timeout", "3400"))
 
 
 # --- the runtime: invoke examples ----------------------------------------------------------------------
