@@ -154,7 +154,9 @@ def test_a_model_id_in_the_image_is_hf_model_id(monkeypatch, tmp_path):
     recipe, _ = deploy_script.parse_args(_args("--model-id", "HuggingFaceTB/SmolLM2-135M-Instruct"))
     (model,) = config.build_server_config(recipe.environment()).models
     assert (model.name, model.model_id) == ("llama3", "HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert recipe.health_check_timeout() > config.ModelConfig.model_fields["model_loading_timeout"].default
+    default = config.ModelConfig.model_fields["model_loading_timeout"].default
+    assert deploy_script.DEFAULT_MODEL_LOADING_TIMEOUT == default  # the script's copy of the server's default
+    assert recipe.health_check_timeout() > default
 
 
 def test_bad_recipes_are_refused():
