@@ -1,6 +1,7 @@
 """deploy/sagemaker against botocore's Stubber (no network): the exact SageMaker API calls the SDK makes
-for a deployment and the runtime calls of the invoke examples, and the container environment checked
-against what lmi-serve's own config.py resolves from it."""
+for a deployment and the runtime calls of the invoke examples (streams as botocore decodes them, their
+lines rendered by lmi-serve's own jsonlines formatter), and the container environment checked against
+what lmi-serve's own config.py resolves from it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from botocore.stub import Stubber
 from sagemaker.core.utils.utils import SageMakerClient
 
 from lmi_serve import config
+from lmi_serve.dialects.lmi.formatters import FORMATTERS, RenderContext
+from lmi_serve.engine.types import FinishReason, TokenEvent
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "sagemaker"
 REGION = "us-east-1"
@@ -202,10 +205,6 @@ def test_chat_sends_messages_and_reads_the_choice(session):
         stub.assert_no_pending_responses()
 
 
-def _lines(*objects) -> bytes:
-    return b"".join(json.dumps(o).encode() + b"\n" for o in objects)
-
-
 def _event(headers: dict[str, str], payload: bytes) -> bytes:
     """One message of AWS's binary event-stream encoding (string headers), as the runtime sends it:
     total length, headers length, prelude CRC32, headers, payload, message CRC32."""
@@ -242,10 +241,15 @@ class _RawStream(io.BytesIO):
             yield chunk
 
 
+def _served_stream(*events: TokenEvent) -> bytes:
+    """The bytes lmi-serve's /invocations streams for these engine events (its jsonlines formatter)."""
+    return FORMATTERS["jsonlines"].render_body(RenderContext("Capital:"), list(events)).encode()
+
+
 def test_stream_sends_the_request_and_reassembles_lines_split_across_payload_parts(session):
     runtime = _runtime(session)
-    data = _lines({"token": {"id": 1, "text": " Par"}}, {"token": {"id": 2, "text": "is"}},
-                  {"token": {"id": 3, "text": "."}, "generated_text": " Paris."})
+    data = _served_stream(TokenEvent(1, " Par", -0.5, False), TokenEvent(2, "is", -0.1, False),
+                          TokenEvent(3, ".", -0.2, False, FinishReason.LENGTH))
     parts = [data[:7], data[7:40], data[40:41], data[41:]]  # boundaries inside lines, as the runtime may cut
     wire = _WireRuntime(runtime, b"".join(_payload_part(p) for p in parts))
     assert list(invoke_script.stream(runtime, "llama3", "Capital:", max_new_tokens=3, adapter="geo")) == [
@@ -261,9 +265,8 @@ def test_stream_sends_the_request_and_reassembles_lines_split_across_payload_par
 
 def test_stream_raises_on_a_failed_generation(session):
     runtime = _runtime(session)
-    failed = _lines({"token": {"id": 1, "text": " a"}},
-                    {"token": {"id": -1, "text": "", "log_prob": -1, "special_token": True}, "generated_text": "",
-                     "error": "The server shut down before this request finished"})
+    failed = _served_stream(TokenEvent(1, " a", -0.5, False),
+                            TokenEvent.failure("The server shut down before this request finished"))
     _WireRuntime(runtime, _payload_part(failed))
     tokens = []
     with pytest.raises(RuntimeError, match="shut down before"):
@@ -276,7 +279,7 @@ def test_the_runtimes_error_event_ends_the_stream_with_its_message(session):
     error = _event({":message-type": "exception", ":exception-type": "ModelStreamError",
                     ":content-type": "application/json"},
                    json.dumps({"Message": "container exited", "ErrorCode": "ModelError"}).encode())
-    _WireRuntime(runtime, _payload_part(_lines({"token": {"id": 1, "text": " a"}})) + error)
+    _WireRuntime(runtime, _payload_part(_served_stream(TokenEvent(1, " a", -0.5, False))) + error)
     tokens = []
     with pytest.raises(EventStreamError, match="ModelStreamError.*container exited"):
         tokens.extend(invoke_script.stream(runtime, "llama3", "x"))
