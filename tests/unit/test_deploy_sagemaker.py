@@ -183,7 +183,9 @@ def test_generate_sends_lmi_json_to_invocations(session):
     runtime = _runtime(session)
     with Stubber(runtime) as stub:
         body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8, "adapters": "geo"}}
-        stub.add_response("invoke_endpoint", {"Body": _streaming_body(b'{"generated_text": " Paris."}'),
+        served = FORMATTERS["json"].render_body(RenderContext("The capital of France is"), [
+            TokenEvent(1, " Paris", -0.1, False), TokenEvent(2, ".", -0.2, False, FinishReason.LENGTH)])
+        stub.add_response("invoke_endpoint", {"Body": _streaming_body(served.encode()),
                                               "ContentType": "application/json"},
                           {"EndpointName": "llama3", "ContentType": "application/json", "Accept": "application/json",
                            "Body": json.dumps(body)})
