@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import logs
+from . import logs, security
 from .config import ConfigError, ServerConfig, build_server_config
 
 log = logging.getLogger("lmi_serve")
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     log.info("Configuration:\n%s", config.describe())
+    security.log_startup(config.security)
     for model in config.models:
         if model.unknown_options:
             log.warning("Model %s: options %s are not lmi-serve options; they are passed to the handler only",

@@ -17,7 +17,7 @@ from flask import Flask, Response, g, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
-from . import access_log
+from . import access_log, security
 from .config import ServerConfig
 from .drain import WorkerDrain
 from .dialects.lmi import errors as lmi_errors
@@ -155,6 +155,9 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         g.request_id = request.headers.get(config.request_id_header) or str(uuid.uuid4())
         access_log.request_started()
 
+    # API keys and the management switch (security.py): before any view, any model work, or the body
+    security.install(app, config.security, render_error)
+
     @app.before_request
     def refuse_work_while_draining() -> None:
         drain.refuse_new_work(request.method)  # after SIGTERM: a POST is a 503 in its route's dialect
@@ -177,7 +180,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         status = exc.code or 500
         error_type, message = _HTTP_ERROR_TYPES.get(status, (type(exc).__name__, None))
         if status == 413:
-            message = f"Request body exceeds the maximum request size of {config.max_request_size} bytes"
+            message = (f"Request body exceeds the maximum request size of {config.max_request_size} bytes "
+                       "(option.max_request_bytes)")
         return render_error(status, error_type, message or exc.description or exc.name)
 
     @app.errorhandler(ParseException)
