@@ -31,7 +31,8 @@ import torch
 
 from ..errors import InvalidRequest, NotFound
 from ..model.lora import (
-    ADAPTER_CONFIG, LORA_DTYPES, AdapterError, AdapterSpec, LoraModel, load_weights, read_adapter, router_of,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_DTYPES, AdapterError, AdapterSpec, LoraModel, load_weights, read_adapter,
+    router_of,
 )
 from .kv_select import is_encoder_decoder
 
