@@ -111,7 +111,10 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 return create_app(config)
 
             # Answers at once (/ping: loading) while the app imports on a thread (boot.py).
-            return BootingApp([model.name for model in config.models], create, metrics.ServingMetrics().render)
+            # /metrics meanwhile only where it needs no key: the gate is the real app's (security.py)
+            open_metrics = config.security.public_metrics or not config.security.keys_required
+            return BootingApp([model.name for model in config.models], create,
+                              metrics.ServingMetrics().render if open_metrics else None)
 
         def run(self) -> None:
             DrainingArbiter(self).run()  # gunicorn's arbiter, draining on SIGTERM

@@ -96,7 +96,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Register a LoRA adapter", response=(doc.LmiStatus,),
         description="Query parameters: `name`, `src` (a local PEFT adapter folder), `preload` (default true), "
                     "`pin` (default false). 409 when the name is taken, 400 for a bad folder or a rank over "
-                    "option.max_lora_rank."),
+                    "option.max_lora_rank; 403 while option.enable_management_api is off, or for a `src` "
+                    "outside option.adapters_root."),
     ("/models/<model_name>/adapters", "GET"): _lmi(
         "List the model's LoRA adapters", response=(doc.LmiAdapterList,),
         description="Query parameters: `limit` (default 100), `next_page_token`."),
@@ -104,9 +105,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                                                   response=(doc.LmiAdapter,)),
     ("/models/<model_name>/adapters/<adapter_name>/update", "POST"): _lmi(
         "Load a new version of a LoRA adapter", response=(doc.LmiStatus,),
-        description="Query parameters: `src` (default: the folder it came from), `preload`, `pin`."),
+        description="Query parameters: `src` (default: the folder it came from), `preload`, `pin`. 403 while "
+                    "option.enable_management_api is off, or for a `src` outside option.adapters_root."),
     ("/models/<model_name>/adapters/<adapter_name>", "DELETE"): _lmi(
-        "Unregister a LoRA adapter (its weights go once the requests using it finish)", response=(doc.LmiStatus,)),
+        "Unregister a LoRA adapter (its weights go once the requests using it finish)", response=(doc.LmiStatus,),
+        description="403 while option.enable_management_api is off."),
     # TGI
     ("/", "POST"): _tgi("Generate (a one-element array), or stream with `stream`", request=(doc.TgiRequest,),
                         response=(doc.TgiGenerateResponse,), media=_STREAM, model_query=True),
