@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 
 from . import __version__
 from . import openapi_models as doc
+from .security import open_routes
 from .dialects.openai import tokenize as vllm_tokenize
 from .dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -241,11 +242,19 @@ def build_document(app: Flask) -> dict[str, Any]:
         path, parameters = openapi_path(rule)
         operation_id = f"{method.lower()}_{re.sub(r'[^a-zA-Z0-9]+', '_', path).strip('_') or 'root'}"
         paths.setdefault(path, {})[method.lower()] = _operation(op, parameters, operation_id)
-    return {"openapi": "3.1.0",
-            "info": {"title": "lmi-serve", "version": __version__,
-                     "description": "One server, four dialects: LMI / SageMaker, TGI, OpenAI (with vLLM's "
-                                    "extensions) and Triton / KServe v2."},
-            "paths": paths, "components": {"schemas": _schemas()}}
+    document = {"openapi": "3.1.0",
+                "info": {"title": "lmi-serve", "version": __version__,
+                         "description": "One server, four dialects: LMI / SageMaker, TGI, OpenAI (with vLLM's "
+                                        "extensions) and Triton / KServe v2."},
+                "paths": paths, "components": {"schemas": _schemas()}}
+    access = app.extensions.get("lmi_serve.security")
+    if access is not None and access.keys_required:  # API keys (security.py): every route but the exempt ones
+        document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"apiKey": []}]
+        for rule, method in served_operations(app) & set(OPERATIONS):
+            if (rule, method) in open_routes(access):
+                paths[openapi_path(rule)[0]][method.lower()]["security"] = []
+    return document
 
 
 @lru_cache(maxsize=1)

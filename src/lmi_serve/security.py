@@ -192,12 +192,17 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() or None
 
 
+def open_routes(security: SecurityConfig) -> frozenset[tuple[str, str]]:
+    """The (rule, method) pairs that answer without a key under `security`."""
+    return EXEMPT | ({METRICS} if security.public_metrics else frozenset())
+
+
 def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any]) -> None:
     """Add the gate (the module docstring) to `app`. `refuse(status, error_type, message)` renders a
     refusal in the dialect of the request's route (app.py's `render_error`)."""
     from flask import request
 
-    exempt = set(EXEMPT) | ({METRICS} if security.public_metrics else set())
+    exempt = open_routes(security)
     app.extensions["lmi_serve.security"] = security
 
     @app.before_request
