@@ -18,6 +18,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from . import access_log, security
+from .body_limit import ServingRequest
 from .config import ServerConfig
 from .drain import WorkerDrain
 from .dialects.lmi import errors as lmi_errors
@@ -97,7 +98,10 @@ def configure_threads(workers: int) -> int:
 
 class ServingFlask(Flask):
     """Flask, noting the kind of every exception a request raised (any blueprint's or the app's
-    handler then renders it): the one place the error counts by kind learn it."""
+    handler then renders it): the one place the error counts by kind learn it. Its requests refuse
+    a chunked body over the limit rather than truncate it (body_limit.py)."""
+
+    request_class = ServingRequest
 
     def handle_user_exception(self, e: Exception):
         g.error_kind = type(e).__name__

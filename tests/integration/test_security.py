@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 import huggingface_hub
+import huggingface_hub.constants
 import numpy as np
 import openai
 import pytest
@@ -65,11 +66,13 @@ def test_openai_client(server):
     assert missing.headers["WWW-Authenticate"].startswith("Bearer")
 
 
-def test_huggingface_hub_token(server):
+def test_huggingface_hub_token(server, monkeypatch):
+    # HF_HUB_OFFLINE (for the server) makes the client refuse localhost too: this client alone goes online
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     right = huggingface_hub.InferenceClient(base_url=server.base, token=OTHER_KEY, timeout=180)
     assert right.text_generation(prompt("hub"), max_new_tokens=3, do_sample=False)
-    for token in (WRONG, False):  # False: the client sends no Authorization header
-        client = huggingface_hub.InferenceClient(base_url=server.base, token=token, timeout=180)
+    for client in (huggingface_hub.InferenceClient(base_url=server.base, token=WRONG, timeout=180),
+                   huggingface_hub.InferenceClient(base_url=server.base, api_key=WRONG, timeout=180)):
         with pytest.raises(Exception) as caught:  # the hub client raises its TGI error, from the HTTP error
             client.text_generation(prompt("hub"), max_new_tokens=3)
         http_error = caught.value if isinstance(caught.value, HfHubHTTPError) else caught.value.__cause__
@@ -95,7 +98,8 @@ def test_tritonclient_headers(server):
     client = httpclient.InferenceServerClient(server.base.removeprefix("http://"))
     try:
         assert client.is_server_live() and client.is_server_ready()  # health: no key
-        result = client.infer(MODEL, [text_input(prompt("triton"))], headers=BEARER)
+        # a fresh dict each call: tritonclient adds its own headers to the one it is given
+        result = client.infer(MODEL, [text_input(prompt("triton"))], headers=dict(BEARER))
         assert result.as_numpy("text_output") is not None
         for headers in ({"Authorization": f"Bearer {WRONG}"}, None):
             with pytest.raises(InferenceServerException) as caught:
@@ -104,7 +108,7 @@ def test_tritonclient_headers(server):
         with pytest.raises(InferenceServerException) as caught:
             client.get_server_metadata()  # metadata is not health: it needs the key too
         assert caught.value.status() == "401"
-        assert client.get_server_metadata(headers=BEARER)["name"]
+        assert client.get_server_metadata(headers=dict(BEARER))["name"]
     finally:
         client.close()
 
