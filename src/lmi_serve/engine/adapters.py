@@ -96,9 +96,15 @@ def check_source(src: str, root: Path | None) -> Path:
     if root is None:
         raise SourceRefused("no folder may be registered through the API: this model has no model dir whose "
                             "adapters/ folder could be the root; set option.adapters_root")
-    root = root.resolve()
     if not src or "\x00" in src:
         raise AdapterError("src must be a folder path")
+    try:  # a symlink loop, a name too long for the filesystem: the client's path, a 400
+        return _confined(src, root.resolve())
+    except (OSError, RuntimeError) as exc:
+        raise AdapterError(f"src {src!r} cannot be resolved: {exc}") from None
+
+
+def _confined(src: str, root: Path) -> Path:
     requested = Path(src) if Path(src).is_absolute() else root / src
     folder = requested.resolve()
     if not folder.is_relative_to(root):

@@ -83,3 +83,11 @@ def test_the_default_root_is_the_models_adapters_folder(tmp_path: Path) -> None:
     assert model_adapters_folder(str(tmp_path), None) == tmp_path / "adapters"
     assert model_adapters_folder(None, str(tmp_path)) == tmp_path / "adapters"  # a local model_id folder
     assert model_adapters_folder(None, "org/hub-model") is None
+
+
+def test_paths_that_cannot_be_resolved_are_a_clear_400(tree) -> None:
+    (tree["root"] / "loop").symlink_to(tree["root"] / "loop")
+    for src in ("loop", "x" * 5000, "a1/" + "y" * 300, "bad\x00name"):
+        with pytest.raises(AdapterError) as caught:
+            check_source(src, tree["root"])
+        assert not isinstance(caught.value, SourceRefused), src
