@@ -2,7 +2,8 @@
 
 It builds one ModelService per configured model (their loading starts at once on background
 threads), registers one blueprint per dialect, and renders every error as JSON in the dialect
-that owns the URL prefix, including Flask's own 404/405/413 which no blueprint sees.
+that owns the URL prefix, including Flask's own 404/405/413 which no blueprint sees, and the
+access gate's 401/403 (security.py).
 """
 
 from __future__ import annotations
