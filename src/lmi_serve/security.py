@@ -12,7 +12,7 @@ matched or not, before any view and before the body is read:
 1. exempt routes (`EXEMPT`: the health routes, and `/metrics` when `option.public_metrics`) pass;
 2. a management route (a view marked `@management_route`) is a 403 while
    `option.enable_management_api` is false, and needs an admin key when `option.admin_api_keys` is set;
-3. any other request needs one of `option.api_keys` when keys are set.
+3. any other request needs one of `option.api_keys` (or an admin key) when keys are set.
 
 A refused request is a 401 (missing or wrong key, with `WWW-Authenticate: Bearer`) or a 403 in
 its route's dialect (app.py's renderers); no model is touched. The gate keys on the app's own
@@ -203,6 +203,8 @@ def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any
     from flask import request
 
     exempt = open_routes(security)
+    # An admin key also opens the ordinary routes, where keys are required at all.
+    everyday = security.api_key_digests + security.admin_key_digests if security.api_key_digests else ()
     app.extensions["lmi_serve.security"] = security
 
     @app.before_request
@@ -212,7 +214,7 @@ def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any
         if (rule, method) in exempt:
             return None
         view = app.view_functions.get(request.endpoint) if request.url_rule is not None else None
-        digests = security.api_key_digests
+        digests = everyday
         if getattr(view, "management_route", False):
             if not security.enable_management_api:
                 return refuse(403, "ForbiddenException", "The management API is off: this route changes what the "
@@ -240,6 +242,9 @@ def log_startup(security: SecurityConfig) -> None:
         log.info("API keys: required on every route but health%s (%d key(s)%s)",
                  "" if not security.public_metrics else " and /metrics", len(security.api_key_digests),
                  f", {len(security.admin_key_digests)} admin key(s)" if security.admin_key_digests else "")
+    elif security.admin_key_digests:
+        log.info("API keys: off but for the management routes, which need one of %d admin key(s)",
+                 len(security.admin_key_digests))
     else:
         log.info("API keys: off, every route answers without a key (set option.api_keys or LMI_SERVE_API_KEYS)")
     if security.enable_management_api and not (security.api_key_digests or security.admin_key_digests):

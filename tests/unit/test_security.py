@@ -195,10 +195,23 @@ def test_management_routes_are_off_by_default_even_with_a_key() -> None:
         assert client.get("/models/m/adapters", headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 404
 
 
-def test_admin_keys_alone_open_the_management_routes() -> None:
+def test_admin_keys_alone_guard_the_management_routes_only(caplog) -> None:
+    config = server(OPTION_ENABLE_MANAGEMENT_API="true", OPTION_ADMIN_API_KEYS=ADMIN)
+    client = create_app(config, ModelRegistry([])).test_client()
+    assert client.get("/v1/models").status_code == 200
+    assert client.delete("/models/m/adapters/a").status_code == 401
+    assert client.delete("/models/m/adapters/a", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+    with caplog.at_level(logging.INFO, logger="lmi_serve.security"):
+        security.log_startup(config.security)
+    assert "off but for the management routes" in caplog.text and ADMIN not in caplog.text
+
+
+def test_with_both_kinds_admin_keys_alone_open_the_management_routes_and_open_the_rest_too() -> None:
     client = make_app(LMI_SERVE_API_KEYS=KEYS[0], OPTION_ENABLE_MANAGEMENT_API="true",
                       OPTION_ADMIN_API_KEYS=ADMIN).test_client()
     for method, url in MANAGEMENT:
         assert client.open(url, method=method, headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 401
         assert client.open(url, method=method, headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
     assert client.get("/models/m/adapters", headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 404
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+    assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
