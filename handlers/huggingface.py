@@ -18,7 +18,7 @@ from pathlib import Path
 from lmi_serve.config import ModelConfig
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
-from lmi_serve.engine.adapters import Adapters, start_adapters
+from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.kv_select import choose_kv
@@ -45,9 +45,7 @@ def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
 
 
 def _adapters_folder(config: ModelConfig) -> Path | None:
-    """`<model dir>/adapters`: the model dir, else a local model_id folder."""
-    root = config.model_dir or (config.model_id if config.model_id and Path(config.model_id).is_dir() else None)
-    return Path(root) / "adapters" if root else None
+    return model_adapters_folder(config.model_dir, config.model_id)
 
 
 class TextGenerationService:
