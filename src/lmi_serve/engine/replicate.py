@@ -135,7 +135,7 @@ class Replicator:
         """Tell the followers to leave their loop (a clean shutdown)."""
         with self._lock:
             if self.broken is None:
-                self._send(Op(STOP))
+                self._send(Op(STOP, dropped=self._take_dropped()))
                 self.broken = "stopped"
 
     def _beat(self, every: float) -> None:
@@ -186,16 +186,17 @@ class ReplicatedBatch:
 
 
 def follow(model: Any, factory: KVFactory, device: torch.device, receive: Callable[[], Op] = lambda: broadcast(None)
-           ) -> None:
-    """A follower rank's loop: apply rank 0's ops to batches of its own until STOP. An exception
-    (a collective's timeout, rank 0 gone) leaves the loop: the process ends and rank 0 notices."""
+           ) -> dict[int, KVBatch]:
+    """A follower rank's loop: apply rank 0's ops to batches of its own until STOP, then return the
+    batches still held (those rank 0 still held). An exception (a collective's timeout, rank 0 gone)
+    leaves the loop: the process ends and rank 0 notices."""
     batches: dict[int, KVBatch] = {}
     while True:
         op = receive()
         for batch in op.dropped:
             batches.pop(batch, None)
         if op.kind == STOP:
-            return
+            return batches
         if op.kind == NOOP:
             continue
         if op.kind == PREFILL:
