@@ -9,7 +9,7 @@ lmi-serve runs that group inside each model replica, torchrun-style, one process
   shard and runs the scheduler, the sampler and everything HTTP-facing;
 - the followers load their shards and replay rank 0's model calls (engine/replicate.py).
 
-Backends: gloo on CPU (each rank gets `cores // N` torch threads, at least 1), NCCL on GPUs (rank r
+Backends: gloo on CPU (each rank gets the worker's torch threads // N, at least 1), NCCL on GPUs (rank r
 on `cuda:r`; that branch has not run on a GPU yet). Every collective has `GROUP_TIMEOUT`, and rank 0
 watches its followers' processes: a rank that dies fails the model (`TPGroup.fail`), never hangs it.
 """
@@ -70,9 +70,9 @@ def check_tp_plan(config: Any, degree: int) -> None:
                 "use option.device_map=auto")
 
 
-def threads_per_rank(world: int, cores: int | None = None) -> int:
-    """CPU threads each rank's torch gets: the cores shared out, at least one."""
-    return max(1, (cores or os.cpu_count() or 1) // world)
+def threads_per_rank(world: int, cores: int) -> int:
+    """CPU threads each rank's torch gets: the replica's cores shared out, at least one."""
+    return max(1, cores // world)
 
 
 def free_port() -> int:
@@ -82,9 +82,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def join_group(rank: int, world: int, port: int) -> Any:
-    """Join the replica's process group (gloo on CPU, NCCL with GPUs) and set this rank's threads
-    and device. Returns the device this rank computes on."""
+def join_group(rank: int, world: int, port: int, threads: int) -> Any:
+    """Join the replica's process group (gloo on CPU, NCCL with GPUs); on a CPU this rank's torch
+    uses `threads` threads. Returns the device this rank computes on."""
     import torch
     import torch.distributed as dist
 
@@ -95,7 +95,7 @@ def join_group(rank: int, world: int, port: int) -> Any:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(threads_per_rank(world))
+        torch.set_num_threads(threads)
     # transformers reads these when it builds the device mesh
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -161,14 +161,14 @@ class TPGroup:
                 process.kill()
 
 
-def start_followers(config_json: str, cache_dir: str, world: int) -> TPGroup:
+def start_followers(config_json: str, cache_dir: str, world: int, threads: int) -> TPGroup:
     """Start ranks 1..world-1 of a new group (each reads `config_json`, a ModelConfig, on stdin) and
-    return it; rank 0 (the caller) joins next with `join_group(0, world, group.port)`."""
+    return it; rank 0 (the caller) joins next with `join_group(0, world, group.port, threads)`."""
     group = TPGroup(world=world, port=free_port())
     for rank in range(1, world):
         process = subprocess.Popen(
             [sys.executable, "-m", "lmi_serve.model.tp_follower", "--rank", str(rank), "--world", str(world),
-             "--port", str(group.port), "--cache-dir", cache_dir],
+             "--port", str(group.port), "--threads", str(threads), "--cache-dir", cache_dir],
             stdin=subprocess.PIPE, text=True)
         process.stdin.write(config_json)
         process.stdin.close()
@@ -180,10 +180,14 @@ def start_followers(config_json: str, cache_dir: str, world: int) -> TPGroup:
 
 def start_group(config_json: str, cache_dir: str, world: int) -> tuple[TPGroup, Any]:
     """Rank 0: start the followers, join the group with them and watch them. Returns the group and
-    rank 0's device; the followers are ended if joining fails."""
-    group = start_followers(config_json, cache_dir, world)
+    rank 0's device; the followers are ended if joining fails. The worker's torch threads (its share
+    of the cores, app.configure_threads) are shared out among the ranks."""
+    import torch
+
+    threads = threads_per_rank(world, torch.get_num_threads())
+    group = start_followers(config_json, cache_dir, world, threads)
     try:
-        device = join_group(0, world, group.port)
+        device = join_group(0, world, group.port, threads)
     except BaseException:
         group.stop()
         raise

@@ -22,6 +22,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--cache-dir", required=True)
     return parser.parse_args(argv)
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from .source import ModelLoadError
     from .tp import join_group
 
-    device = join_group(args.rank, args.world, args.port)
+    device = join_group(args.rank, args.world, args.port, args.threads)
     try:
         loaded = load_generation_model(
             config.model_id or config.model_dir, gguf_file=config.gguf_file, dtype=config.dtype,
