@@ -116,10 +116,11 @@ def main() -> int:
                 for key, value in figures.items():
                     best[label][key] = max(best[label].get(key, 0.0), value)
     print(f"\nCPU: {cpu_summary()}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'':<24}" + "".join(f"{label:>16}" for label, _, _ in SETUPS) + f"{'2 ranks / 1':>14}")
+    print(f"{'':<24}" + "".join(f"{label:>16}" for label, _, _ in SETUPS) + f"{'2 / 1 rank':>12}{'2 / 1 core':>12}")
     for key, label in (("single", "single stream tok/s"), ("batch", f"{args.concurrency} streams tok/s")):
         values = [best[name][key] for name, _, _ in SETUPS]
-        print(f"{label:<24}" + "".join(f"{v:>16.1f}" for v in values) + f"{values[1] / values[0]:>14.2f}")
+        print(f"{label:<24}" + "".join(f"{v:>16.1f}" for v in values)
+              + f"{values[1] / values[0]:>12.2f}{values[1] / values[2]:>12.2f}")
     return 0
 
 
