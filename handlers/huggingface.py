@@ -12,6 +12,7 @@ properties instead, validated back into a ModelConfig. Two modes, chosen once at
 
 from __future__ import annotations
 
+import atexit
 import logging
 from pathlib import Path
 
@@ -110,7 +111,9 @@ class TextGenerationService:
         self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
         if self.tp_group is not None:  # every model call also runs on the other ranks (engine/replicate.py)
             use_parts(self.model)  # before the warm-up, as the followers do
-            self.kv_factory = Replicator(self.kv_factory, on_error=self.tp_group.fail).prefill
+            replicator = Replicator(self.kv_factory, on_error=self.tp_group.fail)
+            self.kv_factory = replicator.prefill
+            atexit.register(self.tp_group.stop, replicator.stop)  # the worker exits: so do the followers
         prefix_cache = self._prefix_cache(config, context)
         self._warm_up()
         self.engine: Engine | None = None

@@ -131,12 +131,17 @@ class Replicator:
         """Rank 0 let go of `batch` (a finalizer): the followers drop theirs with the next op."""
         self._dropped.append(batch)
 
-    def stop(self) -> None:
-        """Tell the followers to leave their loop (a clean shutdown)."""
-        with self._lock:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Tell the followers to leave their loop (a clean shutdown); nothing if an op still runs after
+        `timeout` seconds (then the followers end when rank 0's process does)."""
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
             if self.broken is None:
-                self._send(Op(STOP, dropped=self._take_dropped()))
                 self.broken = "stopped"
+                self._send(Op(STOP, dropped=self._take_dropped()))
+        finally:
+            self._lock.release()
 
     def _beat(self, every: float) -> None:
         while self.broken is None:

@@ -149,16 +149,21 @@ class TPGroup:
                     self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with status {code}")
                     break
 
-    def stop(self) -> None:
-        """End the followers (the worker is stopping, or loading failed)."""
-        for process in self.followers:
-            if process.poll() is None:
-                process.terminate()
+    def stop(self, tell: Callable[[], None] | None = None, wait: float = 5.0) -> None:
+        """End the followers (the worker is exiting, or loading failed): `tell()` asks them to leave
+        (Replicator.stop); those still running `wait` seconds later are killed (they ignore SIGTERM,
+        tp_follower.py). Their exits are no failure."""
+        with self._lock:
+            self.failure = self.failure or "stopped"
+            self._listeners = []
+        if tell is not None:
+            tell()
         for process in self.followers:
             try:
-                process.wait(timeout=10)
+                process.wait(timeout=wait)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
 
 
 def start_followers(config_json: str, cache_dir: str, world: int, threads: int) -> TPGroup:

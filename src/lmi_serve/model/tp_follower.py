@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 log = logging.getLogger("lmi_serve.tp_follower")
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     from .. import logs
     from ..config import ModelConfig
 
+    # Rank 0 owns this process: a SIGTERM or Ctrl-C meant for the server (its process group) must not
+    # end a rank while rank 0 drains its requests. It ends on rank 0's STOP, or when rank 0 is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = parse_args(argv)
     logs.configure(os.environ.get("LMI_SERVE_LOG_LEVEL", "info"), os.environ.get("LMI_SERVE_LOG_FORMAT", "text"))
     config = ModelConfig.model_validate_json(sys.stdin.read())
