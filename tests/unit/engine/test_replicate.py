@@ -15,6 +15,8 @@ import threading
 import pytest
 import torch
 
+from lmi_serve.engine.engine import Engine
+from lmi_serve.errors import GenerationFailed
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv_slots import SlotKV
 from lmi_serve.engine.replicate import DECODE, EXTEND, KEEP, NOOP, PREFILL, PREFILL_MORE, Op, Replicator, follow
@@ -22,6 +24,7 @@ from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
 from engine_prompts import PROMPTS  # noqa: E402
+from waiting import within  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -133,3 +136,33 @@ def test_an_idle_rank_0_sends_heartbeats_until_stopped():
     assert sent[-1] == "stop" and set(sent) == {NOOP, "stop"}
     with pytest.raises(RuntimeError, match="broken: stopped"):
         replicator.run(Op(DECODE), lambda: None)
+
+
+def test_a_group_broken_mid_step_fails_the_engine_and_every_request(tiny_model, smollm2_tokenizer):
+    """The path of a dead rank found by a forward: the replicator's on_error fails the engine from
+    its own scheduler thread; the running and the waiting request both end with the reason."""
+    decodes = []
+
+    def send(op: Op) -> None:
+        if op.kind == DECODE:
+            decodes.append(op)
+            if len(decodes) == 3:
+                raise RuntimeError("Connection reset by peer")
+
+    holder = {}
+    replicator = Replicator(SlotKV.prefill, send=send, on_error=lambda reason: holder["engine"].fail(reason),
+                            heartbeat=None)
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=1, kv_factory=replicator.prefill)
+    holder["engine"] = engine.start()
+    try:
+        request = GenerationRequest(tuple(smollm2_tokenizer.encode(PROMPTS[1])),
+                                    stop=StopParams(max_new_tokens=50, ignore_eos=True))
+        running, waiting = engine.generate([request]), engine.generate([request])  # one row: the second waits
+        (result,) = within(running.results)  # it had tokens: they stay, and the step's error ends it
+        assert len(result.events) > 1 and "Connection reset by peer" in result.error
+        with pytest.raises(GenerationFailed, match="decode failed on rank 0.*Connection reset by peer"):
+            within(waiting.results)  # failed before its first token: raised
+    finally:
+        engine.stop()
+    assert engine.failure is not None and "Connection reset by peer" in engine.failure
+    assert not engine.alive
