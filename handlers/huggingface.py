@@ -58,7 +58,8 @@ def _adapters_folder(config: ModelConfig) -> Path | None:
 
 def _tensor_parallel(config: ModelConfig, context: HandlerContext) -> TPGroup | None:
     """With tensor_parallel_degree > 1 (model/tp.py): start the other ranks and join their group as rank 0."""
-    degree = resolve_degree(config.tensor_parallel_degree, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    degree = resolve_degree(config.tensor_parallel_degree, gpus)
     if degree <= 1:
         return None
     conflict = tensor_parallel_conflict(config, degree)

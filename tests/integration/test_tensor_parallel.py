@@ -139,7 +139,8 @@ def test_a_model_the_ranks_cannot_split_fails_at_start_up(tmp_path):
     try:
         ping = server.wait_for_ping(accept=(500,)).json()
         assert ping["smollm2"]["status"] == "Failed"
-        assert "tensor_parallel_degree=2" in ping["smollm2"]["error"] and "9 attention heads" in ping["smollm2"]["error"]
+        error = ping["smollm2"]["error"]
+        assert "tensor_parallel_degree=2" in error and "9 attention heads" in error and "device_map" in error
         wait_for(lambda: not followers(server), timeout=60)  # the other rank ended too
     finally:
         server.stop()
