@@ -138,6 +138,25 @@ def _text(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
+def tensor_parallel_conflict(config: "ModelConfig", degree: int) -> str | None:
+    """Why `config` cannot run sharded over `degree` ranks (model/tp.py), or None. The followers replay
+    only the KV cache's model calls (engine/replicate.py): what rewrites or reads rank 0's layers or
+    K/V alone cannot follow. `max` is checked once the server knows how many ranks it means."""
+    if degree <= 1:
+        return None
+    refused = [("option.device_map", config.device_map is not None),
+               ("option.enable_prefix_caching", config.enable_prefix_caching),
+               ("option.enable_lora", config.enable_lora),
+               (f"option.quantize={config.quantize}", config.quantize != "none"),
+               ("option.linear_kernel=onednn", config.linear_kernel == "onednn"),
+               ("option.rolling_batch=disable", config.rolling_batch == "disable")]
+    names = [name for name, on in refused if on]
+    if not names:
+        return None
+    return (f"tensor_parallel_degree={degree} cannot be combined with {', '.join(names)} (tensor parallelism "
+            "replays only the KV cache's model calls on the other ranks); use tensor_parallel_degree=1 for them")
+
+
 class ModelConfig(BaseModel):
     """One served model, fully resolved; immutable so workers can share it without surprises."""
 
@@ -237,6 +256,10 @@ class ModelConfig(BaseModel):
         if self.quantize != "none" and self.dtype in ("fp16", "bf16"):
             raise _FieldError("quantize", f"option.quantize={self.quantize} computes in fp32 from fp32-loaded "
                               f"weights; option.dtype={self.dtype} cannot be combined with it (use fp32 or auto)")
+        degree = self.tensor_parallel_degree
+        conflict = tensor_parallel_conflict(self, degree) if isinstance(degree, int) else None
+        if conflict:
+            raise _FieldError("tensor_parallel_degree", conflict)
         if self.max_workers < self.min_workers:
             raise _FieldError("max_workers", f"max_workers ({self.max_workers}) is less than "
                               f"min_workers ({self.min_workers})")
