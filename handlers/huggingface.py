@@ -12,16 +12,21 @@ properties instead, validated back into a ModelConfig. Two modes, chosen once at
 
 from __future__ import annotations
 
+import atexit
 import logging
 from pathlib import Path
 
-from lmi_serve.config import ModelConfig
+import torch
+
+from lmi_serve.config import ModelConfig, tensor_parallel_conflict
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
-from lmi_serve.engine.adapters import Adapters, start_adapters
+from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.kv_select import choose_kv
+from lmi_serve.engine.replicate import Replicator
+from lmi_serve.engine.slot_attention import use_parts
 from lmi_serve.engine.prefix_cache import BLOCK_TOKENS, PrefixCache, supports_prefixes
 from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
@@ -32,6 +37,7 @@ from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
 from lmi_serve.model.quantize import QuantizeReport, quantize_model
+from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +51,44 @@ def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
 
 
 def _adapters_folder(config: ModelConfig) -> Path | None:
-    """`<model dir>/adapters`: the model dir, else a local model_id folder."""
-    root = config.model_dir or (config.model_id if config.model_id and Path(config.model_id).is_dir() else None)
-    return Path(root) / "adapters" if root else None
+    return model_adapters_folder(config.model_dir, config.model_id)
+
+
+def _tensor_parallel(config: ModelConfig, context: HandlerContext) -> TPGroup | None:
+    """With tensor_parallel_degree > 1 (model/tp.py): start the other ranks and join their group as rank 0."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    degree = resolve_degree(config.tensor_parallel_degree, gpus)
+    if degree <= 1:
+        return None
+    conflict = tensor_parallel_conflict(config, degree)
+    if conflict or not context.rolling_batch:
+        raise ValueError(conflict or f"tensor_parallel_degree={degree} needs the rolling batch, and this model is "
+                         "served with dynamic batching")
+    group, _ = start_group(config.model_dump_json(), context.cache_dir, degree)
+    return group
 
 
 class TextGenerationService:
     def __init__(self, config: ModelConfig, context: HandlerContext):
+        self.tp_group = _tensor_parallel(config, context)
+        try:
+            self._load(config, context)
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.stop()
+            raise
+
+    def _load(self, config: ModelConfig, context: HandlerContext) -> None:
         loaded = load_generation_model(
             config.model_id or config.model_dir, gguf_file=config.gguf_file, dtype=config.dtype,
             device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
             revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         self.quantized = _quantize(self.model, config, self.device)
-        # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are.
-        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device)
+        # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are. A
+        # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
+        kernel = "torch" if self.tp_group is not None else config.linear_kernel
+        self.linear_kernel = use_linear_kernel(self.model, kernel, self.device)
         # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
         # fails the load here (UnsupportedModel), before the warm-up runs it.
         check_supported(self.model)
@@ -79,6 +108,11 @@ class TextGenerationService:
         self.streaming = config.enable_streaming
         rows = config.max_rolling_batch_size if context.rolling_batch else config.batch_size
         self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
+        if self.tp_group is not None:  # every model call also runs on the other ranks (engine/replicate.py)
+            use_parts(self.model)  # before the warm-up, as the followers do
+            replicator = Replicator(self.kv_factory, on_error=self.tp_group.fail)
+            self.kv_factory = replicator.prefill
+            atexit.register(self.tp_group.stop, replicator.stop)  # the worker exits: so do the followers
         prefix_cache = self._prefix_cache(config, context)
         self._warm_up()
         self.engine: Engine | None = None
@@ -98,6 +132,8 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name)
+        if self.tp_group is not None and self.engine is not None:
+            self.tp_group.on_failure(self.engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
 
     def _watermark(self, config: ModelConfig) -> Watermark:
         """The model's watermark for requests that ask for one (TGI's `watermark`), built once."""

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import logs
+from . import logs, security
 from .config import ConfigError, ServerConfig, build_server_config
 
 log = logging.getLogger("lmi_serve")
@@ -116,7 +116,10 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
                 return create_app(config)
 
             # Answers at once (/ping: loading) while the app imports on a thread (boot.py).
-            return BootingApp([model.name for model in config.models], create, metrics.ServingMetrics().render)
+            # /metrics meanwhile only where it needs no key: the gate is the real app's (security.py)
+            open_metrics = config.security.public_metrics or not config.security.keys_required
+            return BootingApp([model.name for model in config.models], create,
+                              metrics.ServingMetrics().render if open_metrics else None)
 
         def run(self) -> None:
             DrainingArbiter(self).run()  # gunicorn's arbiter, draining on SIGTERM
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     log.info("Configuration:\n%s", config.describe())
+    security.log_startup(config.security)
     for model in config.models:
         if model.unknown_options:
             log.warning("Model %s: options %s are not lmi-serve options; they are passed to the handler only",

@@ -2,7 +2,8 @@
 
 It builds one ModelService per configured model (their loading starts at once on background
 threads), registers one blueprint per dialect, and renders every error as JSON in the dialect
-that owns the URL prefix, including Flask's own 404/405/413 which no blueprint sees.
+that owns the URL prefix, including Flask's own 404/405/413 which no blueprint sees, and the
+access gate's 401/403 (security.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from flask import Flask, Response, g, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
-from . import access_log
+from . import access_log, security
+from .body_limit import ServingRequest
 from .config import ServerConfig
 from .drain import WorkerDrain
 from .dialects.lmi import errors as lmi_errors
@@ -97,7 +99,10 @@ def configure_threads(workers: int) -> int:
 
 class ServingFlask(Flask):
     """Flask, noting the kind of every exception a request raised (any blueprint's or the app's
-    handler then renders it): the one place the error counts by kind learn it."""
+    handler then renders it): the one place the error counts by kind learn it. Its requests refuse
+    a chunked body over the limit rather than truncate it (body_limit.py)."""
+
+    request_class = ServingRequest
 
     def handle_user_exception(self, e: Exception):
         g.error_kind = type(e).__name__
@@ -155,6 +160,9 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         g.request_id = request.headers.get(config.request_id_header) or str(uuid.uuid4())
         access_log.request_started()
 
+    # API keys and the management switch (security.py): before any view, any model work, or the body
+    security.install(app, config.security, render_error)
+
     @app.before_request
     def refuse_work_while_draining() -> None:
         drain.refuse_new_work(request.method)  # after SIGTERM: a POST is a 503 in its route's dialect
@@ -177,7 +185,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         status = exc.code or 500
         error_type, message = _HTTP_ERROR_TYPES.get(status, (type(exc).__name__, None))
         if status == 413:
-            message = f"Request body exceeds the maximum request size of {config.max_request_size} bytes"
+            message = (f"Request body exceeds the maximum request size of {config.max_request_size} bytes "
+                       "(option.max_request_bytes)")
         return render_error(status, error_type, message or exc.description or exc.name)
 
     @app.errorhandler(ParseException)

@@ -5,7 +5,7 @@ ours (the dialects import the engine, hence torch and transformers) takes second
 request, /ping included, would wait unanswered in the listen backlog. So the worker's app is this
 light stand-in, which imports and builds the real one on a thread and answers at once meanwhile:
 `GET /ping` with its usual loading answer (503, every configured model "Loading"), `GET /metrics` as
-usual (it reads the workers' counter files), any other request with 503 and the JSON body the HTTP
+usual (it reads the workers' counter files) unless it needs an API key, any other request with 503 and the JSON body the HTTP
 layer uses before any dialect is known (http_worker.py), and `Retry-After`. Once the real app is
 built, every request goes to it.
 """
@@ -28,8 +28,9 @@ class BootingApp:
     """A WSGI app answering 503 until `create()` (run on a thread) has returned the real one."""
 
     def __init__(self, model_names: Iterable[str], create: Callable[[], Callable],
-                 metrics: Callable[[], tuple[bytes, str]]):
-        """`metrics()`: the /metrics (body, content type)."""
+                 metrics: Callable[[], tuple[bytes, str]] | None):
+        """`metrics()`: the /metrics (body, content type); None when /metrics needs an API key
+        (security.py), which only the real app checks: then it is a 503 like the rest meanwhile."""
         self.app: Callable | None = None  # the real WSGI app (a Flask app), once built
         self.metrics = metrics
         self._ping = json.dumps({name: {"status": "Loading"} for name in model_names}).encode()
@@ -48,7 +49,7 @@ class BootingApp:
         if app is not None:
             return app(environ, start_response)
         get = environ.get("REQUEST_METHOD") == "GET"
-        if get and environ.get("PATH_INFO") == "/metrics":
+        if get and environ.get("PATH_INFO") == "/metrics" and self.metrics is not None:
             body, content_type = self.metrics()
             start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
             return [body]

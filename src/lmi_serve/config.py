@@ -36,10 +36,14 @@ name                    OPTION_MODEL_NAME
 
 Server level (no file equivalent; CLI arguments win): port <- SAGEMAKER_BIND_TO_PORT, SERVING_PORT,
 PORT (SAGEMAKER_BIND_TO_PORT also means host 0.0.0.0 unless a host was given); workers <-
-SAGEMAKER_NUM_MODEL_WORKERS, SERVING_MAX_WORKERS; max_request_size <- SAGEMAKER_MAX_REQUEST_SIZE
-(bytes), SAGEMAKER_MAX_PAYLOAD_IN_MB (MiB); threads <- SERVING_THREADS; cache_dir <-
+SAGEMAKER_NUM_MODEL_WORKERS, SERVING_MAX_WORKERS; max_request_size <- option.max_request_bytes
+(below), SAGEMAKER_MAX_REQUEST_SIZE (bytes), SAGEMAKER_MAX_PAYLOAD_IN_MB (MiB); threads <- SERVING_THREADS; cache_dir <-
 LMI_SERVE_CACHE_DIR; graceful_timeout <- SERVING_GRACEFUL_TIMEOUT (seconds a SIGTERM leaves in-flight
 requests to finish, drain.py).
+
+Server-wide ``option.*`` keys (access control, security.py; ``option.max_request_bytes``) are read
+from the models' options (serving.properties, else ``OPTION_<KEY>``), else ``LMI_SERVE_<KEY>``;
+models that set one must agree.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .security import OPTION_KEYS as _SECURITY_KEYS
+from .security import SecurityConfig, SecurityError, build_security, server_option
 
 __all__ = ["ConfigError", "ModelConfig", "ServerConfig", "build_server_config", "load_model_config",
            "read_properties"]
@@ -129,6 +136,25 @@ def _parse_bool(value: Any, *, also_true: tuple[str, ...] = ()) -> bool:
 def _text(value: Any) -> str:
     """Render a resolved value the way a properties file would spell it."""
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def tensor_parallel_conflict(config: "ModelConfig", degree: int) -> str | None:
+    """Why `config` cannot run sharded over `degree` ranks (model/tp.py), or None. The followers replay
+    only the KV cache's model calls (engine/replicate.py): what rewrites or reads rank 0's layers or
+    K/V alone cannot follow. `max` is checked once the server knows how many ranks it means."""
+    if degree <= 1:
+        return None
+    refused = [("option.device_map", config.device_map is not None),
+               ("option.enable_prefix_caching", config.enable_prefix_caching),
+               ("option.enable_lora", config.enable_lora),
+               (f"option.quantize={config.quantize}", config.quantize != "none"),
+               ("option.linear_kernel=onednn", config.linear_kernel == "onednn"),
+               ("option.rolling_batch=disable", config.rolling_batch == "disable")]
+    names = [name for name, on in refused if on]
+    if not names:
+        return None
+    return (f"tensor_parallel_degree={degree} cannot be combined with {', '.join(names)} (tensor parallelism "
+            "replays only the KV cache's model calls on the other ranks); use tensor_parallel_degree=1 for them")
 
 
 class ModelConfig(BaseModel):
@@ -230,6 +256,10 @@ class ModelConfig(BaseModel):
         if self.quantize != "none" and self.dtype in ("fp16", "bf16"):
             raise _FieldError("quantize", f"option.quantize={self.quantize} computes in fp32 from fp32-loaded "
                               f"weights; option.dtype={self.dtype} cannot be combined with it (use fp32 or auto)")
+        degree = self.tensor_parallel_degree
+        conflict = tensor_parallel_conflict(self, degree) if isinstance(degree, int) else None
+        if conflict:
+            raise _FieldError("tensor_parallel_degree", conflict)
         if self.max_workers < self.min_workers:
             raise _FieldError("max_workers", f"max_workers ({self.max_workers}) is less than "
                               f"min_workers ({self.min_workers})")
@@ -273,6 +303,8 @@ class ServerConfig(BaseModel):
     strict_model_names: bool = False
     # SIGTERM: seconds in-flight requests and streams get to finish before they end with an error (drain.py)
     graceful_timeout: float = Field(30.0, gt=0)
+    # Access control (security.py): API keys (digests only), the management switch, the adapters root
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     models: tuple[ModelConfig, ...] = Field(min_length=1)
 
     @field_validator("models")
@@ -296,7 +328,8 @@ class ServerConfig(BaseModel):
     def describe(self) -> str:
         """Every resolved value, one per line, for the single startup log record."""
         lines = ["lmi-serve configuration:"]
-        lines += [f"  {k} = {v}" for k, v in self.model_dump(exclude={"models"}).items()]
+        lines += [f"  {k} = {v}" for k, v in self.model_dump(exclude={"models", "security"}).items()]
+        lines += self.security.describe()
         for model in self.models:
             lines.append(f"  model {model.name!r}:")
             for field, value in model.model_dump(exclude={"name", "options", "unknown_options"}).items():
@@ -322,7 +355,9 @@ _OPTION_FIELDS: dict[str, str] = {
     f: f for f in ModelConfig.model_fields if f not in ("name", "model_dir", "options", "unknown_options")
 } | {"entryPoint": "entry_point", "max_dynamic_batch_size": "batch_size", "minWorkers": "min_workers",
      "maxWorkers": "max_workers", "model_name": "name"}
-_KNOWN_WITHOUT_FIELD = frozenset({"engine"})  # accepted for LMI compatibility; there is one engine
+# "engine": accepted for LMI compatibility (there is one engine); the rest are server-wide options
+# read from the models' options (security.py, and the body limit below)
+_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes"})
 #: serving.properties keys that LMI also accepts without the ``option.`` prefix
 _BARE_KEYS = frozenset({"batch_size", "max_dynamic_batch_size", "max_batch_delay", "job_queue_size",
                         "minWorkers", "min_workers", "maxWorkers", "max_workers", "engine", "model_name"})
@@ -539,7 +574,9 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
         values["host"], keys["host"] = "0.0.0.0", "SAGEMAKER_BIND_TO_PORT"
     take("workers", "SAGEMAKER_NUM_MODEL_WORKERS", "SERVING_MAX_WORKERS")
     take("threads", "SERVING_THREADS")
-    take("max_request_size", "SAGEMAKER_MAX_REQUEST_SIZE")
+    _take_server_options(values, keys, env)
+    if "max_request_size" not in values:
+        take("max_request_size", "SAGEMAKER_MAX_REQUEST_SIZE")
     mib = _first(env, "SAGEMAKER_MAX_PAYLOAD_IN_MB")
     if "max_request_size" not in values and mib:
         try:
@@ -553,3 +590,22 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
     take("strict_model_names", "LMI_SERVE_STRICT_MODEL_NAMES")
     take("graceful_timeout", "SERVING_GRACEFUL_TIMEOUT")
     return _validated(lambda: ServerConfig.model_validate(values), values, keys)
+
+
+# --- server-wide options in serving.properties (security.py) -------------------------------------
+
+def _take_server_options(values: dict[str, Any], keys: dict[str, str], env: Mapping[str, str]) -> None:
+    """The server-wide `option.*` keys (the models' options, else LMI_SERVE_*): the access-control
+    block and `option.max_request_bytes` (the body limit; it beats SageMaker's variables)."""
+    model_options = [(m.name, m.options) for m in values["models"]]
+    try:
+        values["security"] = build_security(env, model_options)
+        limit = server_option("max_request_bytes", env, model_options)
+    except SecurityError as exc:
+        raise ConfigError(str(exc)) from None
+    if limit:
+        values["max_request_size"], keys["max_request_size"] = limit
+    # Keys stay out of what handlers receive (handler_properties) once they are digested here.
+    values["models"] = tuple(m.model_copy(update={"options": {k: v for k, v in m.options.items()
+                                                               if k not in _SECURITY_KEYS}})
+                             for m in values["models"])

@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 
 from . import __version__
 from . import openapi_models as doc
+from .security import open_routes
 from .dialects.openai import tokenize as vllm_tokenize
 from .dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -96,7 +97,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Register a LoRA adapter", response=(doc.LmiStatus,),
         description="Query parameters: `name`, `src` (a local PEFT adapter folder), `preload` (default true), "
                     "`pin` (default false). 409 when the name is taken, 400 for a bad folder or a rank over "
-                    "option.max_lora_rank."),
+                    "option.max_lora_rank; 403 while option.enable_management_api is off, or for a `src` "
+                    "outside option.adapters_root."),
     ("/models/<model_name>/adapters", "GET"): _lmi(
         "List the model's LoRA adapters", response=(doc.LmiAdapterList,),
         description="Query parameters: `limit` (default 100), `next_page_token`."),
@@ -104,9 +106,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                                                   response=(doc.LmiAdapter,)),
     ("/models/<model_name>/adapters/<adapter_name>/update", "POST"): _lmi(
         "Load a new version of a LoRA adapter", response=(doc.LmiStatus,),
-        description="Query parameters: `src` (default: the folder it came from), `preload`, `pin`."),
+        description="Query parameters: `src` (default: the folder it came from), `preload`, `pin`. 403 while "
+                    "option.enable_management_api is off, or for a `src` outside option.adapters_root."),
     ("/models/<model_name>/adapters/<adapter_name>", "DELETE"): _lmi(
-        "Unregister a LoRA adapter (its weights go once the requests using it finish)", response=(doc.LmiStatus,)),
+        "Unregister a LoRA adapter (its weights go once the requests using it finish)", response=(doc.LmiStatus,),
+        description="403 while option.enable_management_api is off."),
     # TGI
     ("/", "POST"): _tgi("Generate (a one-element array), or stream with `stream`", request=(doc.TgiRequest,),
                         response=(doc.TgiGenerateResponse,), media=_STREAM, model_query=True),
@@ -238,11 +242,19 @@ def build_document(app: Flask) -> dict[str, Any]:
         path, parameters = openapi_path(rule)
         operation_id = f"{method.lower()}_{re.sub(r'[^a-zA-Z0-9]+', '_', path).strip('_') or 'root'}"
         paths.setdefault(path, {})[method.lower()] = _operation(op, parameters, operation_id)
-    return {"openapi": "3.1.0",
-            "info": {"title": "lmi-serve", "version": __version__,
-                     "description": "One server, four dialects: LMI / SageMaker, TGI, OpenAI (with vLLM's "
-                                    "extensions) and Triton / KServe v2."},
-            "paths": paths, "components": {"schemas": _schemas()}}
+    document = {"openapi": "3.1.0",
+                "info": {"title": "lmi-serve", "version": __version__,
+                         "description": "One server, four dialects: LMI / SageMaker, TGI, OpenAI (with vLLM's "
+                                        "extensions) and Triton / KServe v2."},
+                "paths": paths, "components": {"schemas": _schemas()}}
+    access = app.extensions.get("lmi_serve.security")
+    if access is not None and access.keys_required:  # API keys (security.py): every route but the exempt ones
+        document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"apiKey": []}]
+        for rule, method in served_operations(app) & set(OPERATIONS):
+            if (rule, method) in open_routes(access):
+                paths[openapi_path(rule)[0]][method.lower()]["security"] = []
+    return document
 
 
 @lru_cache(maxsize=1)

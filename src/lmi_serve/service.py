@@ -143,7 +143,11 @@ class ModelService:
         return mode == "scheduler"
 
     def current_status(self) -> ModelStatus:
-        """The status, turning a load that outlives model_loading_timeout into a failure."""
+        """The status, turning a load that outlives model_loading_timeout, or an engine that failed
+        (Engine.fail), into a failure."""
+        failure = getattr(self.engine, "failure", None)
+        if self.status is ModelStatus.READY and failure:
+            self.error, self.status = failure, ModelStatus.FAILED
         if (self.status is ModelStatus.LOADING and self.started_at is not None
                 and time.time() - self.started_at > self.config.model_loading_timeout):
             self.error = f"still loading after model_loading_timeout={self.config.model_loading_timeout:g} s"

@@ -60,8 +60,10 @@ def folders(base_model, tmp_path_factory):
     model, _ = base_model
     model_dir = tmp_path_factory.mktemp("models") / MODEL
     (model_dir / "adapters").mkdir(parents=True)
+    # The adapters root: this session's temporary folder, which holds both the model dir and `spare`
     (model_dir / "serving.properties").write_text(
-        SMOLLM2 + "option.enable_lora=true\noption.max_loras=2\noption.max_lora_rank=4\n")
+        SMOLLM2 + "option.enable_lora=true\noption.max_loras=2\noption.max_lora_rank=4\n"
+        f"option.enable_management_api=true\noption.adapters_root={tmp_path_factory.getbasetemp()}\n")
     for name in ("alpha", "beta"):
         build_adapter(model, model_dir / "adapters", name)
     (model_dir / "adapters" / "notes").mkdir()  # a sub-folder that holds no adapter is not one
@@ -184,6 +186,9 @@ def test_the_management_api_and_eviction_beyond_max_loras(server, folders, expec
     assert wide.status_code == 400 and "option.max_lora_rank" in wide.json()["message"]
     assert requests.post(server.url("/models/nomodel/adapters"), params={"name": "x", "src": "/"},
                          timeout=60).status_code == 404
+    for src in ("/etc", "../../..", str(folders["alpha"]) + "/../../../../.."):  # out of the adapters root
+        refused = requests.post(base, params={"name": "x", "src": src}, timeout=60)
+        assert refused.status_code == 403 and "outside the adapters root" in refused.json()["message"], src
 
     (described,) = requests.get(f"{base}/gamma", timeout=30).json()
     assert described["name"] == "gamma" and described["src"] == str(folders["gamma"]) and described["rank"] == 4

@@ -108,6 +108,8 @@ def test_booting_app_answers_at_once_until_the_real_app_is_built():
     assert status.startswith("503") and headers["Retry-After"] == "1"
     assert json.loads(body)["type"] == "ServiceUnavailableException"
     assert call(app, "GET", "/metrics")[::2] == ("200 OK", b"# metrics\n")
+    guarded = BootingApp(["a"], lambda: release.wait(WAIT), None)  # /metrics needs a key: not before the gate
+    assert call(guarded, "GET", "/metrics")[0].startswith("503")
     release.set()
     wait_for(lambda: app.app is not None, timeout=WAIT)
     assert call(app, "GET", "/ping")[::2] == ("200 OK", b"real")

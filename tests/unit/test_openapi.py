@@ -40,3 +40,16 @@ def test_routes_that_pick_a_model_by_query_say_so():
     for path, method in [("/invocations", "post"), ("/generate", "post"), ("/info", "get")]:
         assert "model_name" in [p["name"] for p in paths[path][method]["parameters"] if p["in"] == "query"]
     assert "parameters" not in paths["/v1/completions"]["post"]  # OpenAI picks by the body's `model`
+
+
+def test_with_api_keys_the_document_says_which_routes_need_one():
+    from lmi_serve.config import build_server_config
+
+    keyed = create_app(build_server_config({"HF_MODEL_ID": "org/tiny", "LMI_SERVE_API_KEYS": "k"}), ModelRegistry([]))
+    document = build_document(keyed)
+    validate(document)
+    assert document["security"] == [{"apiKey": []}]
+    assert document["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
+    assert document["paths"]["/ping"]["get"]["security"] == []  # health: no key
+    assert "security" not in document["paths"]["/invocations"]["post"]  # the document-wide requirement
+    assert "security" not in build_document(app())

@@ -31,7 +31,8 @@ import torch
 
 from ..errors import InvalidRequest, NotFound
 from ..model.lora import (
-    ADAPTER_CONFIG, LORA_DTYPES, AdapterError, AdapterSpec, LoraModel, load_weights, read_adapter, router_of,
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_DTYPES, AdapterError, AdapterSpec, LoraModel, load_weights, read_adapter,
+    router_of,
 )
 from .kv_select import is_encoder_decoder
 
@@ -71,10 +72,57 @@ class Adapter:
                 "activeRequests": self.users, "requests": self.requests, "loads": self.loads}
 
 
-def check_source(src: str) -> str:
-    """Where an adapter's `src` is checked before anything reads it: the hook for a policy on which
-    folders may be registered (allowed roots). Returns the path to read."""
-    return src
+def model_adapters_folder(model_dir: str | None, model_id: str | None) -> Path | None:
+    """`<model dir>/adapters`: the model dir, else a local model_id folder; None for a hub id. The
+    folder registered at start-up, and the default root of the adapters API."""
+    root = model_dir or (model_id if model_id and Path(model_id).is_dir() else None)
+    return Path(root) / "adapters" if root else None
+
+
+class SourceRefused(AdapterError):
+    """A `src` outside the allowed root (after resolving `..` and symlinks): the caller may not
+    make the server read it (403 at the route, where AdapterError is a 400)."""
+
+
+# Weights saved with pickle (torch.save): loading one can run code, so they are never read.
+PICKLE_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
+
+
+def check_source(src: str, root: Path | None) -> Path:
+    """Check an adapter's `src` given through the API against `root`, before anything reads it; the
+    folder to read (resolved). A relative `src` is taken inside `root`. SourceRefused when it, or its
+    config or weights file, resolves (after `..` and symlinks) outside `root`, or when there is no
+    root; AdapterError when it is not a folder or holds pickled weights only."""
+    if root is None:
+        raise SourceRefused("no folder may be registered through the API: this model has no model dir whose "
+                            "adapters/ folder could be the root; set option.adapters_root")
+    if not src or "\x00" in src:
+        raise AdapterError("src must be a folder path")
+    try:  # a symlink loop, a name too long for the filesystem: the client's path, a 400
+        return _confined(src, root.resolve())
+    except (OSError, RuntimeError) as exc:
+        raise AdapterError(f"src {src!r} cannot be resolved: {exc}") from None
+
+
+def _confined(src: str, root: Path) -> Path:
+    requested = Path(src) if Path(src).is_absolute() else root / src
+    folder = requested.resolve()
+    if not folder.is_relative_to(root):
+        raise SourceRefused(f"src {src!r} resolves to {folder}, outside the adapters root {root} "
+                            "(option.adapters_root); '..' and symlinks leading out of it are refused")
+    if not folder.is_dir():
+        raise AdapterError(f"src {src!r} is not a folder inside the adapters root {root}")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        target = (folder / name).resolve()
+        if (folder / name).exists() and not target.is_relative_to(root):
+            raise SourceRefused(f"src {src!r}: {name} is a link to {target}, outside the adapters root {root}")
+    if not (folder / ADAPTER_WEIGHTS).exists():
+        pickled = [name for name in PICKLE_WEIGHTS if (folder / name).exists()]
+        if pickled:
+            raise AdapterError(f"src {src!r} holds {pickled[0]}, pickled weights, which are never loaded (loading "
+                               f"one can run code); save the adapter as {ADAPTER_WEIGHTS} (PEFT's "
+                               "save_pretrained(safe_serialization=True), the default)")
+    return folder
 
 
 class Adapters:
@@ -91,16 +139,17 @@ class Adapters:
         self._lock = threading.RLock()
 
     # -- registration (API and start-up threads) ------------------------------------------
-    def register(self, name: str, src: str, *, replace: bool = False, preload: bool = True,
+    def register(self, name: str, src: str | Path, *, replace: bool = False, preload: bool = True,
                  pin: bool = False) -> Adapter:
         """Check and register the folder `src` as `name`; with `preload`, resident at once when a slot
         is free or idle (else when a request needs it); `pin`: never evicted. AdapterExists for a
         taken name (unless `replace`: then the old one is unregistered, running requests finishing
         on it); AdapterError (a ValueError) for a folder this model cannot serve or a pin that would
-        leave no slot to the others."""
+        leave no slot to the others. `src` is read as given: a folder from a caller goes through
+        `check_source` first."""
         if not name or "/" in name:
             raise AdapterError(f"adapter name {name!r} must be non-empty and hold no '/'")
-        spec = read_adapter(check_source(src), self.lora.shapes, self.max_rank)
+        spec = read_adapter(src, self.lora.shapes, self.max_rank)
         weights = load_weights(spec, self.dtype, self.device) if preload or pin else None
         with self._lock:
             old = self._by_name.get(name)

@@ -77,6 +77,7 @@ class Engine:
                                    prefix_cache=prefix_cache, adapters=adapters)
         self.adapters = adapters
         self.observer: EngineObserver | None = None  # observe() sets it (metrics)
+        self.failure: str | None = None  # set by fail(): the model cannot serve any more
         self._stopped = threading.Event()
         self.idle_trim = IdleTrim()  # the heap's freed pages go back once the engine idles (memory.py)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
@@ -98,6 +99,17 @@ class Engine:
             self.scheduler.work.notify()
         self._thread.join(timeout=10)
         self.scheduler.abort_all(reason, kind)
+
+    def fail(self, reason: str) -> None:
+        """The model broke under the engine (a tensor-parallel rank died, model/tp.py): remember why
+        (the model's status turns failed, service.py), then stop, ending every request with `reason`.
+        Called from the scheduler thread itself (a step's forward found the break), the stop runs on
+        a thread of its own, which waits for the step to end."""
+        self.failure = reason
+        if threading.current_thread() is self._thread:
+            threading.Thread(target=self.stop, args=(reason,), name=f"engine-{self.name}-fail", daemon=True).start()
+        else:
+            self.stop(reason)
 
     def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
         """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,

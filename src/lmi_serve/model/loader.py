@@ -45,12 +45,16 @@ class LoadedModel:
     load_seconds: float
 
 
-def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree: int | str) -> Placement:
+def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree: int | str,
+                     rank: int = 0) -> Placement:
     """CPU: float32 (bf16 is emulated and slower on CPUs without AMX). GPU: bf16 when supported.
 
-    More than one GPU in use (tensor_parallel_degree > 1 or `max`) spreads the layers with
-    accelerate's `device_map="auto"` over exactly that many GPUs.
+    tensor_parallel_degree > 1 (or `max`: every GPU) shards the model over that many ranks (model/tp.py):
+    rank r computes on `cuda:r`, or on the CPU. `device_map` (accelerate's layer spreading, for
+    models without a tensor-parallel plan) is the other way to use several GPUs, never both.
     """
+    from .tp import resolve_degree
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dtype in _DTYPES:
         torch_dtype = _DTYPES[dtype]
@@ -58,18 +62,20 @@ def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree:
         torch_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     else:
         torch_dtype = torch.float32
+    tp = resolve_degree(tensor_parallel_degree, gpus)
+    if tp > 1 and device_map:
+        raise ModelLoadError(f"tensor_parallel_degree={tp} and device_map={device_map!r} both place the model; "
+                             "use one of them")
     if not gpus:
         if device_map not in (None, "cpu", "auto"):
             raise ModelLoadError(f"device_map {device_map!r} needs a GPU, and none is visible")
         return Placement(torch_dtype, None, torch.device("cpu"))
-    tp = gpus if tensor_parallel_degree in ("max", -1) else int(tensor_parallel_degree)
     if tp > gpus:
         raise ModelLoadError(f"tensor_parallel_degree={tp} but only {gpus} GPU(s) are visible")
+    if tp > 1:
+        return Placement(torch_dtype, None, torch.device("cuda", rank))  # transformers places the shards
     if device_map:
         return Placement(torch_dtype, device_map, torch.device("cuda:0"))
-    if tp > 1:
-        max_memory = {i: f"{torch.cuda.get_device_properties(i).total_memory // 2**20}MiB" for i in range(tp)}
-        return Placement(torch_dtype, "auto", torch.device("cuda:0"), max_memory)
     return Placement(torch_dtype, {"": 0}, torch.device("cuda:0"))
 
 
@@ -132,6 +138,23 @@ def _explain(source: str, exc: Exception) -> ModelLoadError:
     return ModelLoadError(f"could not load {source}: {exc}")
 
 
+def _sharding(config: Any, tensor_parallel_degree: int | str) -> dict[str, Any]:
+    """from_pretrained's arguments for tensor parallelism: none for one rank; else transformers' plan
+    over the process group this rank has joined (model/tp.py), after checking the model has one."""
+    from .tp import check_tp_plan, resolve_degree
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    degree = resolve_degree(tensor_parallel_degree, gpus)
+    if degree <= 1:
+        return {}
+    check_tp_plan(config, degree)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() != degree:
+        raise ModelLoadError(f"tensor_parallel_degree={degree}: this process is not in a group of {degree} ranks")
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=degree)}
+
+
 def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype: str = "auto",
                    device_map: str | None = None, tensor_parallel_degree: int | str = 1,
                    revision: str | None = None, trust_remote_code: bool = False,
@@ -146,12 +169,14 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
     gguf = find_gguf(source, gguf_file)
     if gguf is not None:
         source = str(convert_gguf(gguf, cache_dir))
-    placement = choose_placement(dtype, device_map, tensor_parallel_degree)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    placement = choose_placement(dtype, device_map, tensor_parallel_degree, rank)
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = AutoConfig.from_pretrained(source, **kwargs)
         auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        kwargs.update(_sharding(config, tensor_parallel_degree))
         model = auto.from_pretrained(source, config=config, dtype=placement.dtype, device_map=placement.device_map,
                                      max_memory=placement.max_memory, **kwargs)
     except (OSError, ValueError) as exc:

@@ -7,17 +7,22 @@ POST   /models/{m}/adapters/{a}/update[?src=&preload=&pin=]  update     {"status
 DELETE /models/{m}/adapters/{a}                           unregister    {"status": "Adapter a1 unregistered"}
 
 Errors in LMI's management shape (errors.py): 404 an unknown model or adapter, 400 a folder that is
-no adapter this model can serve (or a rank over option.max_lora_rank, or an unknown argument), 409 a
-name already registered. An update re-reads the folder (`src`, by default the one registered)
+no adapter this model can serve (or a rank over option.max_lora_rank, or an unknown argument), 403 a
+`src` outside the adapters root (engine.adapters.check_source; the route renders SourceRefused), 409 a
+name already registered. The routes that change adapters are management routes (security.py): off
+unless option.enable_management_api. An update re-reads the folder (`src`, by default the one registered)
 as a new version under the same name: requests already running finish on the old one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from ...engine.adapters import Adapter, AdapterExists, Adapters
+from ...engine.adapters import (
+    Adapter, AdapterExists, Adapters, SourceRefused, check_source, model_adapters_folder,
+)
 from ...errors import InvalidRequest
 from ...model.lora import AdapterError
 from ...service import ModelService
@@ -53,14 +58,34 @@ def _check_args(args: Mapping[str, str], allowed: set[str]) -> None:
         raise InvalidRequest(f"Unsupported argument(s) {unknown}; this API takes {sorted(allowed)}")
 
 
-def register(adapters: Adapters, args: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
-    """POST /models/{m}/adapters: (status, body). AdapterExists (409 at the route) for a taken name."""
+def source_root(service: ModelService, adapters_root: str | None) -> Path | None:
+    """The folder this model's adapters may be registered from: option.adapters_root, else the
+    model's own adapters/ folder (None for a model from the hub: then none may be)."""
+    if adapters_root:
+        return Path(adapters_root)
+    return model_adapters_folder(service.config.model_dir, service.config.model_id)
+
+
+def _checked(src: str, root: Path | None) -> Path:
+    """check_source: SourceRefused goes up (403 at the route), any other AdapterError is a 400."""
+    try:
+        return check_source(src, root)
+    except SourceRefused:
+        raise
+    except AdapterError as exc:
+        raise InvalidRequest(str(exc), param="src") from None
+
+
+def register(adapters: Adapters, args: Mapping[str, str], root: Path | None) -> tuple[int, dict[str, Any]]:
+    """POST /models/{m}/adapters: (status, body). AdapterExists (409 at the route) for a taken name,
+    SourceRefused (403) for a `src` outside `root`."""
     _check_args(args, _REGISTER_ARGS)
     name, src = args.get("name"), args.get("src")
     if not name or not src:
         raise InvalidRequest("Both name and src are required (POST /models/{model}/adapters?name=...&src=...)")
+    folder = _checked(src, root)
     try:
-        adapters.register(name, src, preload=_flag(args, "preload", True), pin=_flag(args, "pin", False))
+        adapters.register(name, folder, preload=_flag(args, "preload", True), pin=_flag(args, "pin", False))
     except AdapterExists:
         raise
     except AdapterError as exc:
@@ -68,12 +93,14 @@ def register(adapters: Adapters, args: Mapping[str, str]) -> tuple[int, dict[str
     return 200, {"status": f"Adapter {name} registered"}
 
 
-def update(adapters: Adapters, name: str, args: Mapping[str, str]) -> dict[str, Any]:
-    """POST /models/{m}/adapters/{a}/update: a new version from `src` (default: the same folder)."""
+def update(adapters: Adapters, name: str, args: Mapping[str, str], root: Path | None) -> dict[str, Any]:
+    """POST /models/{m}/adapters/{a}/update: a new version from `src` (default: the same folder,
+    which was checked when it was registered); SourceRefused (403) for a `src` outside `root`."""
     _check_args(args, _UPDATE_ARGS)
     current = adapters.get(name)  # NotFound: 404
+    folder = _checked(args["src"], root) if args.get("src") else current.spec.src
     try:
-        adapters.register(name, args.get("src") or str(current.spec.src), replace=True,
+        adapters.register(name, folder, replace=True,
                           preload=_flag(args, "preload", True), pin=_flag(args, "pin", current.pinned))
     except AdapterError as exc:
         raise InvalidRequest(str(exc)) from None

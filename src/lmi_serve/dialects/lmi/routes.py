@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, current_app, g, request
 
-from ...engine.adapters import AdapterExists
+from ...engine.adapters import AdapterExists, SourceRefused
 from ...handler_api import Input, Output
 from ...registry import ModelRegistry
+from ...security import management_route
 from ...service import ModelService, ModelStatus
 from . import adapters as adapter_api
 from .errors import error_response
@@ -147,13 +148,21 @@ def _query() -> dict[str, str]:
     return dict(request.args.items())
 
 
+def _adapters_root(service: ModelService):
+    return adapter_api.source_root(service, current_app.extensions["lmi_serve.security"].adapters_root)
+
+
 @blueprint.post("/models/<model_name>/adapters")
+@management_route
 def register_adapter(model_name: str) -> Response:
-    adapters = adapter_api.adapters_of(_registry().get(model_name))
+    service = _registry().get(model_name)
+    adapters = adapter_api.adapters_of(service)
     try:
-        status, body = adapter_api.register(adapters, _query())
+        status, body = adapter_api.register(adapters, _query(), _adapters_root(service))
     except AdapterExists as exc:
         return error_response(409, "ConflictException", exc.message)
+    except SourceRefused as exc:
+        return error_response(403, "ForbiddenException", str(exc))
     return _json(body, status)
 
 
@@ -169,12 +178,18 @@ def describe_adapter(model_name: str, adapter_name: str) -> Response:
 
 
 @blueprint.post("/models/<model_name>/adapters/<adapter_name>/update")
+@management_route
 def update_adapter(model_name: str, adapter_name: str) -> Response:
-    adapters = adapter_api.adapters_of(_registry().get(model_name))
-    return _json(adapter_api.update(adapters, adapter_name, _query()))
+    service = _registry().get(model_name)
+    adapters = adapter_api.adapters_of(service)
+    try:
+        return _json(adapter_api.update(adapters, adapter_name, _query(), _adapters_root(service)))
+    except SourceRefused as exc:
+        return error_response(403, "ForbiddenException", str(exc))
 
 
 @blueprint.delete("/models/<model_name>/adapters/<adapter_name>")
+@management_route
 def unregister_adapter(model_name: str, adapter_name: str) -> Response:
     adapter_api.adapters_of(_registry().get(model_name)).unregister(adapter_name)  # NotFound: 404
     return _json({"status": f"Adapter {adapter_name} unregistered"})

@@ -55,6 +55,8 @@ def error_response(status: int, error_type: str, message: str, *, param: str | N
     """Renders an error for /v1/... (also Flask's own 404/405/413 there); 429 says when to retry."""
     if status == 404 and error_type == "ResourceNotFoundException":
         code = code or "unknown_url"
+    if status == 401:
+        code = code or "invalid_api_key"  # OpenAI's own code for a missing or wrong key
     response = Response(json.dumps(error_body(status, message, param, code)), status=status,
                         mimetype="application/json")
     if status == 429:

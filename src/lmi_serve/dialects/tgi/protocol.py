@@ -132,7 +132,8 @@ ERROR_TABLE: dict[type[ServingError], TgiRow] = {
 }
 
 # HTTP-level errors (Flask's 404/405/413, a 500) that share a status with a TGI error_type
-_HTTP_ERROR_TYPES = {400: "validation", 422: "validation", 424: "generation", 429: "overloaded", 503: "healthcheck"}
+_HTTP_ERROR_TYPES = {400: "validation", 401: "unauthorized", 403: "forbidden", 422: "validation", 424: "generation",
+                     429: "overloaded", 503: "healthcheck"}
 
 
 def _json_error(status: int, error_type: str, message: str) -> Response:

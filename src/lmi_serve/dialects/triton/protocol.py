@@ -88,7 +88,7 @@ def max_input_size() -> int:
 def size_limit_message(size: int | None) -> str:
     of = f" of {size} bytes" if size is not None else ""
     return (f"request size{of} exceeds the maximum allowed input size of {max_input_size()} bytes; "
-            "raise SAGEMAKER_MAX_REQUEST_SIZE to increase the limit")
+            "raise option.max_request_bytes to increase the limit")
 
 
 # --- bodies ------------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""Deploy lmi-serve to a SageMaker real-time endpoint with the SageMaker Python SDK v3's resource API.
+
+    python deploy/sagemaker/deploy.py --image ACCOUNT.dkr.ecr.REGION.amazonaws.com/lmi-serve:gpu \\
+        --role arn:aws:iam::ACCOUNT:role/SageMakerRole --model-data s3://bucket/models/llama-3-8b/ \\
+        --instance-type ml.g5.12xlarge --tensor-parallel-degree 4 --dtype bf16 --name llama3
+
+Three calls, each a `sagemaker.core.resources` class (SDK v3 generates them from the service model, one
+method per API): `Model.create` (CreateModel: image, role and the environment lmi-serve reads),
+`EndpointConfig.create` (CreateEndpointConfig: instance type and count, and the health-check
+timeout that must cover the model's load), `Endpoint.create` (CreateEndpoint), then `wait_for_status`
+polls DescribeEndpoint until InService. SDK v3's `ModelBuilder` (sagemaker-serve) is not used: it
+detects a model server and packs artefacts, which a ready-made container does not need, and the
+`sagemaker` 3.x meta-package weighs ~1 GB; v2's `Model(image_uri, env, role).deploy()` is the
+previous major version.
+
+The weights come from S3 (`--model-data`, an uncompressed prefix SageMaker copies to /opt/ml/model,
+the folder lmi-serve serves, `serving.properties` and `adapters/` included) or are already in the
+image (`--model-id`, passed as HF_MODEL_ID: a folder in the image or a hub id in its HF cache; the
+server never downloads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import boto3
+from sagemaker.core.resources import Endpoint, EndpointConfig, Model
+from sagemaker.core.shapes import ContainerDefinition, ModelDataSource, ProductionVariant, S3ModelDataSource
+
+# SageMaker's contract with a container (not configurable): GET /ping and POST /invocations on port
+# 8080, and SAGEMAKER_BIND_TO_PORT when it picks another; lmi-serve binds what that variable says.
+CONTAINER_PORT = 8080
+#: lmi-serve's default for OPTION_MODEL_LOADING_TIMEOUT (config.py), seconds
+DEFAULT_MODEL_LOADING_TIMEOUT = 240
+#: the margin SageMaker's health check gets over the server's own loading timeout: the image's boot
+#: (torch import, /ping answers 503 "Loading" within a second of the bind) and the copy from S3.
+HEALTH_CHECK_MARGIN = 300
+#: the most SageMaker accepts for ContainerStartupHealthCheckTimeoutInSeconds (and the download timeout)
+MAX_HEALTH_CHECK_TIMEOUT = 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One endpoint: what lmi-serve serves (turned into its environment) and where SageMaker runs it."""
+
+    image: str
+    role: str
+    name: str
+    instance_type: str
+    model_data: str | None = None
+    model_id: str | None = None
+    dtype: str | None = None
+    tensor_parallel_degree: str | None = None
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_rolling_batch_size: int | None = None
+    model_loading_timeout: int | None = None
+    graceful_timeout: int | None = None
+    instance_count: int = 1
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.model_data is None) == (self.model_id is None):
+            raise ValueError("give exactly one of model_data (an S3 prefix) and model_id (in the image)")
+        if self.model_data is not None and not self.model_data.startswith("s3://"):
+            raise ValueError(f"model_data must be an s3:// prefix, not {self.model_data!r}")
+        if self.health_check_timeout() > MAX_HEALTH_CHECK_TIMEOUT:
+            raise ValueError(f"model_loading_timeout {self.model_loading_timeout} s leaves SageMaker's health check "
+                             f"no margin: at most {MAX_HEALTH_CHECK_TIMEOUT - HEALTH_CHECK_MARGIN} s")
+
+    def environment(self) -> dict[str, str]:
+        """The container's environment: only names lmi-serve's config.py reads, only what was set."""
+        env = {"OPTION_MODEL_NAME": self.name}
+        optional = {
+            "HF_MODEL_ID": self.model_id,
+            "OPTION_DTYPE": self.dtype,
+            "TENSOR_PARALLEL_DEGREE": self.tensor_parallel_degree,
+            "OPTION_MAX_ROLLING_BATCH_SIZE": self.max_rolling_batch_size,
+            "OPTION_MAX_LORAS": self.max_loras,
+            "OPTION_MODEL_LOADING_TIMEOUT": self.model_loading_timeout,
+            "SERVING_GRACEFUL_TIMEOUT": self.graceful_timeout,
+        }
+        env.update({key: str(value) for key, value in optional.items() if value is not None})
+        if self.enable_lora:
+            env["OPTION_ENABLE_LORA"] = "true"
+        env.update(dict(self.extra_env))
+        return env
+
+    def health_check_timeout(self) -> int:
+        """Seconds SageMaker waits for /ping to answer 200: the server's loading timeout plus a margin,
+        so the server (which reports a stuck load as failed) gives up first."""
+        return (self.model_loading_timeout or DEFAULT_MODEL_LOADING_TIMEOUT) + HEALTH_CHECK_MARGIN
+
+    def container(self) -> ContainerDefinition:
+        source = None
+        if self.model_data is not None:
+            prefix = self.model_data if self.model_data.endswith("/") else self.model_data + "/"
+            source = ModelDataSource(s3_data_source=S3ModelDataSource(
+                s3_uri=prefix, s3_data_type="S3Prefix", compression_type="None"))
+        fields = {"image": self.image, "environment": self.environment()}
+        if source is not None:
+            fields["model_data_source"] = source
+        return ContainerDefinition(**fields)
+
+    def production_variant(self) -> ProductionVariant:
+        fields = {"variant_name": "AllTraffic", "model_name": self.name, "instance_type": self.instance_type,
+                  "initial_instance_count": self.instance_count,
+                  "container_startup_health_check_timeout_in_seconds": self.health_check_timeout()}
+        if self.model_data is not None:  # large weights take a while to copy from S3
+            fields["model_data_download_timeout_in_seconds"] = self.health_check_timeout()
+        return ProductionVariant(**fields)
+
+
+def deploy(recipe: Recipe, session: boto3.Session, *, wait: bool = True, poll: int = 30) -> Endpoint:
+    """Create the model, the endpoint configuration and the endpoint (all named `recipe.name`);
+    with `wait`, return once the endpoint is InService (a failed one raises the SDK's error)."""
+    region = session.region_name
+    Model.create(model_name=recipe.name, primary_container=recipe.container(), execution_role_arn=recipe.role,
+                 session=session, region=region)
+    EndpointConfig.create(endpoint_config_name=recipe.name, production_variants=[recipe.production_variant()],
+                          session=session, region=region)
+    endpoint = Endpoint.create(endpoint_name=recipe.name, endpoint_config_name=recipe.name,
+                               session=session, region=region)
+    if wait:
+        endpoint.wait_for_status("InService", poll=poll)
+    return endpoint
+
+
+def parse_args(argv: list[str]) -> tuple[Recipe, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--image", required=True, help="the lmi-serve image in ECR")
+    parser.add_argument("--role", required=True, help="execution role ARN SageMaker assumes")
+    parser.add_argument("--name", required=True, help="model, endpoint config, endpoint and served model name")
+    parser.add_argument("--instance-type", required=True, help="e.g. ml.g5.2xlarge (1 GPU), ml.g5.12xlarge (4)")
+    parser.add_argument("--instance-count", type=int, default=1, help="replicas behind the endpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-data", help="s3:// prefix holding the model folder (copied to /opt/ml/model)")
+    source.add_argument("--model-id", help="HF_MODEL_ID: a folder in the image or a hub id in its HF cache")
+    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "auto"])
+    parser.add_argument("--tensor-parallel-degree", help="GPUs per replica (an integer or 'max')")
+    parser.add_argument("--enable-lora", action="store_true", help="serve the adapters under <model>/adapters/")
+    parser.add_argument("--max-loras", type=int)
+    parser.add_argument("--max-rolling-batch-size", type=int)
+    parser.add_argument("--model-loading-timeout", type=int, help="seconds (lmi-serve's default: 240)")
+    parser.add_argument("--graceful-timeout", type=int, help="SERVING_GRACEFUL_TIMEOUT, seconds")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="any other variable lmi-serve reads (OPTION_*, ...); repeatable")
+    parser.add_argument("--region", help="AWS region (default: the boto3 session's)")
+    parser.add_argument("--no-wait", action="store_true", help="return once CreateEndpoint is accepted")
+    args = parser.parse_args(argv)
+    extra = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--env wants NAME=VALUE, got {item!r}")
+        extra.append((key, value))
+    recipe = Recipe(
+        image=args.image, role=args.role, name=args.name, instance_type=args.instance_type,
+        instance_count=args.instance_count, model_data=args.model_data, model_id=args.model_id, dtype=args.dtype,
+        tensor_parallel_degree=args.tensor_parallel_degree, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_rolling_batch_size=args.max_rolling_batch_size, model_loading_timeout=args.model_loading_timeout,
+        graceful_timeout=args.graceful_timeout, extra_env=tuple(extra))
+    return recipe, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    recipe, args = parse_args(sys.argv[1:] if argv is None else argv)
+    session = boto3.Session(region_name=args.region)
+    endpoint = deploy(recipe, session, wait=not args.no_wait)
+    print(f"endpoint {endpoint.endpoint_name}: {endpoint.endpoint_status}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
