@@ -28,22 +28,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchmark.common import cpu_summary  # noqa: E402
+
 STREAM_PROMPTS = ["Tell me a story about a dragon.", "Explain how rain forms.", "List some fruits:",
                   "Write a poem about the sea.", "What is the capital of France?"]
 BEAM_PROMPT = "The capital of France is"
-
-
-def cpu_summary() -> str:
-    """`lscpu`'s model name and which of SIMD_FLAGS the CPU has."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    present = [f for f in SIMD_FLAGS if f in flags]
-    return f"{fields.get('Model name', '?').strip()}; flags: {' '.join(present) or 'none of the listed'}"
 
 
 def largest_gap(times: list[float], start: float, end: float) -> float:

@@ -27,10 +27,10 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_openai import start_server  # noqa: E402
 from benchmark.clients import closed_loop, stream_one  # noqa: E402
-from benchmark.common import DEFAULT_MODEL  # noqa: E402
+from benchmark.common import DEFAULT_MODEL, cpu_summary  # noqa: E402
 from benchmark.stats import summarize  # noqa: E402
 from benchmark.workload import build_workload, model_folder  # noqa: E402
-from soak import cpu_model, proc_status, worker_pid  # noqa: E402
+from soak import proc_status, worker_pid  # noqa: E402
 
 CONFIGS = {  # name -> (LRU_CACHE_CAPACITY, ONEDNN_PRIMITIVE_CACHE_CAPACITY)
     "torch defaults (1024 / 1024)": ("1024", "1024"),
@@ -93,7 +93,7 @@ def main() -> int:
         return statistics.median(values) if values else None
 
     base_name = next(iter(CONFIGS))
-    print(f"\n## oneDNN kernel caches ({time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()}, {os.cpu_count()} CPUs, "
+    print(f"\n## oneDNN kernel caches ({time.strftime('%Y-%m-%d %H:%M')}, {cpu_summary()}, {os.cpu_count()} CPUs, "
           f"{platform.machine()}; {args.requests} streamed requests per point, prompts 10-1,200 tokens, "
           f"median of {args.rounds} starts)\n")
     print("| LRU / oneDNN capacity | c | tok/s | x base | TTFT p50 ms | x base | TPOT p50 ms | x base | errors |")

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(1, str(ROOT / "scripts"))
 from server_process import ServerProcess  # noqa: E402
-from soak import cpu_model, worker_pid  # noqa: E402
+from benchmark.common import cpu_summary  # noqa: E402
+from soak import worker_pid  # noqa: E402
 
 WORDS = "apple river stone cloud market silver garden window bridge forest engine letter candle mountain ocean".split()
 
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=30, help="seconds to wait for RSS to stop falling")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server we started (finally)
-    print(f"CPU: {cpu_model()}; {args.prompts} prompts of {args.words} words, max_new_tokens 1", flush=True)
+    print(f"CPU: {cpu_summary()}; {args.prompts} prompts of {args.words} words, max_new_tokens 1", flush=True)
     rng = random.Random(0)
     server = ServerProcess()
     try:

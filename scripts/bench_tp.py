@@ -31,21 +31,14 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(1, str(ROOT / "scripts"))
+from benchmark.common import cpu_summary  # noqa: E402
 from server_process import free_port  # noqa: E402
 from tp_model import smollm2_folder, widen_heads  # noqa: E402
 
 PROMPTS = ["Tell me a story about a dragon.", "Explain how rain forms.", "List some fruits:",
            "Write a poem about the sea.", "What is the capital of France?", "Once upon a time",
            "The best way to learn Python is", "Describe a sunset."]
-
-
-def cpu_summary() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "lscpu unavailable"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} cores"
 
 
 def generate(port: int, prompt: str, tokens: int) -> int:

@@ -26,10 +26,8 @@ import argparse
 import collections
 import json
 import os
-import platform
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +38,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(1, str(ROOT / "scripts"))
+from benchmark.common import cpu_summary  # noqa: E402
 
 TEXT = "smollm2-135m-instruct"
 EMBEDDING = "all-minilm-l6-v2"
@@ -336,16 +336,6 @@ def settle(base: str, idle_seconds: float, deadline: float = 120) -> float:
     return rows_in_flight(base)
 
 
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
-
-
 # -- main ---------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -398,7 +388,7 @@ def run(args, base: str, master: int | None) -> dict:
         end = sampler.sample()
     requests_done = sum(tally.outcomes.values())
     return {
-        "cpu": cpu_model(), "minutes": args.minutes, "concurrency": args.concurrency,
+        "cpu": cpu_summary(), "minutes": args.minutes, "concurrency": args.concurrency,
         "requests": requests_done, "requests_per_second": requests_done / elapsed,
         "outcomes": dict(tally.outcomes), "unexpected": tally.outcomes["unexpected"],
         "unexpected_by_kind": dict(tally.unexpected), "per_op": {name: (count, tally.seconds[name] / count) for name, count in tally.per_op.items()}, "rows_left": rows_left,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +13,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "bench.py"  # re-run with --_worker for in-process systems
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_summary() -> str:
+    """`lscpu`'s model name and which of SIMD_FLAGS the CPU has (none listed: not there), for every
+    benchmark's figures: machines differ between runs."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "lscpu unavailable"
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    present = [f for f in SIMD_FLAGS if f in flags]
+    return f"{fields.get('Model name', '?').strip()}; flags: {' '.join(present) or 'none of ' + ' '.join(SIMD_FLAGS)}"
+
 
 @dataclass(frozen=True)
 class ModelSource:
