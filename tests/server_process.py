@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import requests
@@ -18,7 +20,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Configuration variables of the server must come from the test, never from the caller's shell.
 _CONFIG_PREFIXES = ("OPTION_", "SERVING_", "SAGEMAKER_", "HF_MODEL_", "HF_TASK", "HF_REVISION", "TENSOR_PARALLEL",
                     "SM_NUM_GPUS", "MAX_BATCH_SIZE", "MAX_CONCURRENT_REQUESTS", "DJL_", "PREDICT_TIMEOUT",
-                    "MODEL_LOADING_TIMEOUT")
+                    "MODEL_LOADING_TIMEOUT", "LMI_SERVE_API_KEYS", "LMI_SERVE_ADMIN_API_KEYS", "LMI_SERVE_PUBLIC_METRICS",
+                    "LMI_SERVE_ENABLE_MANAGEMENT_API", "LMI_SERVE_ADAPTERS_ROOT", "LMI_SERVE_MAX_REQUEST_BYTES",
+                    "LMI_SERVE_LOG_FORMAT", "LMI_SERVE_STRICT_MODEL_NAMES")
 
 
 def free_port() -> int:
@@ -76,6 +80,18 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
         self.log.close()
+
+
+@contextlib.contextmanager
+def serving(*args: str, env: dict[str, str] | None = None, timeout: float = 420) -> Iterator[ServerProcess]:
+    """A ServerProcess once /ping has answered 200, stopped on leaving the block (a fixture's
+    `with serving(...) as server: yield server`)."""
+    server = ServerProcess(*args, env=env)
+    try:
+        server.wait_for_ping(timeout=timeout)
+        yield server
+    finally:
+        server.stop()
 
 
 def wait_for(predicate, timeout: float = 60) -> None:

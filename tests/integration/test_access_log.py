@@ -11,7 +11,7 @@ import requests
 from openai import OpenAI
 
 from lmi_serve.__main__ import DEFAULT_STORE
-from server_process import ServerProcess, wait_for
+from server_process import serving, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -25,13 +25,9 @@ def server(tmp_path_factory):
     # A cache of its own: the first start converts the GGUF, whose output must be JSON lines too
     # (a tqdm bar there broke every line-parsing test on a fresh clone).
     cache = tmp_path_factory.mktemp("cache")
-    server = ServerProcess("--model-dir", str(DEFAULT_STORE / LLM),
-                           env={"LMI_SERVE_LOG_FORMAT": "json", "LMI_SERVE_CACHE_DIR": str(cache)})
-    try:
-        server.wait_for_ping()
+    with serving("--model-dir", str(DEFAULT_STORE / LLM),
+                           env={"LMI_SERVE_LOG_FORMAT": "json", "LMI_SERVE_CACHE_DIR": str(cache)}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

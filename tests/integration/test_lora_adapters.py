@@ -26,7 +26,7 @@ from huggingface_hub import InferenceClient
 from huggingface_hub.errors import TextGenerationError
 
 from lora_adapters import build_adapter, peft_generate
-from server_process import ServerProcess
+from server_process import serving
 
 pytestmark = pytest.mark.integration
 
@@ -75,12 +75,8 @@ def folders(base_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folders):
-    server = ServerProcess("--model-dir", str(folders["model_dir"]))
-    try:
-        server.wait_for_ping()
+    with serving("--model-dir", str(folders["model_dir"])) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

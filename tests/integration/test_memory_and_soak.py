@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from server_process import ServerProcess, wait_for
+from server_process import serving, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -36,12 +36,8 @@ BOUND = 1.10  # the issue's bound: within 10 % of the warm idle RSS
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess()
-    try:
-        process.wait_for_ping()
+    with serving() as process:
         yield process
-    finally:
-        process.stop()
 
 
 def rss(pid: int) -> float:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from server_process import ServerProcess
+from server_process import serving
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +22,8 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,
 def fp16_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fp16")
     (folder / "serving.properties").write_text(SMOLLM2)
-    server = ServerProcess("--model-dir", str(folder), env={"OPTION_QUANTIZE": "fp16"})
-    try:
-        server.wait_for_ping()
+    with serving("--model-dir", str(folder), env={"OPTION_QUANTIZE": "fp16"}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def generate(server, body, **kwargs):

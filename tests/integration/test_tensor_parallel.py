@@ -17,7 +17,7 @@ import pytest
 import requests
 import torch
 from openai import OpenAI
-from server_process import ServerProcess, wait_for
+from server_process import ServerProcess, serving, wait_for
 from test_drain import Stream
 from test_lmi_rolling import PROMPTS, engine_stats, token_ids
 from tp_model import smollm2_folder, widen_heads
@@ -40,12 +40,8 @@ def widened(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp_server(widened):
-    server = ServerProcess("--model-dir", str(widened))
-    try:
-        server.wait_for_ping()
+    with serving("--model-dir", str(widened)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
