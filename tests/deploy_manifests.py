@@ -94,3 +94,14 @@ def pre_stop_seconds(container: dict[str, Any]) -> float:
 def probe_budget(probe: dict[str, Any]) -> int:
     """Seconds a failing probe is tolerated before the kubelet acts (defaults per the Kubernetes API)."""
     return probe.get("failureThreshold", 3) * probe.get("periodSeconds", 10)
+
+
+def readiness_follows_the_drain(container: dict[str, Any]) -> tuple[int, int]:
+    """What `container`'s readiness probe path answers on an app with no model: (serving, once SIGTERM
+    came), drain.py setting the registry's `stopping`. A probe fit for the drain reads (200, 503)."""
+    registry = ModelRegistry([])
+    client = empty_app(registry).test_client()
+    path = container["readinessProbe"]["httpGet"]["path"]
+    serving = client.get(path).status_code
+    registry.stopping = True
+    return serving, client.get(path).status_code

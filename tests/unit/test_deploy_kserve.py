@@ -12,12 +12,11 @@ import kubernetes_validate
 import pytest
 from deploy_manifests import (
     DEPLOY, documents, drain_budget, empty_app, env_map, is_get_route, one, pre_stop_seconds, probe_budget,
-    resolve, unread_names,
+    readiness_follows_the_drain, resolve, unread_names,
 )
 
 from lmi_serve import config
 from lmi_serve.__main__ import parse_args
-from lmi_serve.registry import ModelRegistry
 
 KSERVE = DEPLOY / "kserve"
 K8S_VERSION = "1.30.0"
@@ -135,9 +134,4 @@ def test_probes_port_and_grace_period_agree_with_the_server(container, isvc, tmp
 
 
 def test_readiness_turns_unhealthy_when_the_drain_starts(container):
-    registry = ModelRegistry([])
-    client = empty_app(registry).test_client()
-    path = container["readinessProbe"]["httpGet"]["path"]
-    assert client.get(path).status_code == 200
-    registry.stopping = True
-    assert client.get(path).status_code == 503
+    assert readiness_follows_the_drain(container) == (200, 503)

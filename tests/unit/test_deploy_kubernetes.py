@@ -8,11 +8,10 @@ import pytest
 import yaml
 from deploy_manifests import (
     DEPLOY, documents, drain_budget, empty_app, env_map, is_get_route, one, pre_stop_seconds, probe_budget,
-    resolve, unread_names,
+    readiness_follows_the_drain, resolve, unread_names,
 )
 
 from lmi_serve import config
-from lmi_serve.registry import ModelRegistry
 
 K8S = DEPLOY / "kubernetes"
 # The oldest Kubernetes these manifests claim (autoscaling/v2 HPA behavior, startup probes) and the newest
@@ -67,12 +66,7 @@ def test_probes_use_health_routes_the_server_serves_on_its_port(docs, container)
 
 def test_readiness_turns_unhealthy_when_the_drain_starts(container):
     """What the readiness probe reads: 200 when serving, 503 once SIGTERM came (drain.py sets `stopping`)."""
-    registry = ModelRegistry([])
-    client = empty_app(registry).test_client()
-    path = container["readinessProbe"]["httpGet"]["path"]
-    assert client.get(path).status_code == 200
-    registry.stopping = True
-    assert client.get(path).status_code == 503
+    assert readiness_follows_the_drain(container) == (200, 503)
 
 
 def test_the_grace_period_outlasts_the_drain(docs, container, tmp_path):
