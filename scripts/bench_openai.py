@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import requests
@@ -82,11 +83,13 @@ SYSTEMS = {"lmi": ("/invocations", stream_one), "openai": ("/v1/completions", co
            "openai-json": ("/v1/chat/completions", json_chat_sender)}
 
 
-def start_server(port: int, *args: str, log_prefix: str = "lmi-bench-openai-") -> subprocess.Popen:
-    """`python -m lmi_serve --port port *args`, returned once /ping answers 200."""
+def start_server(port: int, *args: str, log_prefix: str = "lmi-bench-openai-", env: dict[str, str] | None = None,
+                 wrapper: Sequence[str] = ()) -> subprocess.Popen:
+    """`python -m lmi_serve --port port *args` (after `wrapper`, e.g. taskset, and with `env` over this
+    process's environment), returned once /ping answers 200."""
     log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "lmi_serve", "--port", str(port), *args], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen([*wrapper, sys.executable, "-m", "lmi_serve", "--port", str(port), *args], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     for _ in range(600):
         try:
             if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:

@@ -32,6 +32,7 @@ import requests
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(1, str(ROOT / "scripts"))
+from bench_openai import start_server  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402
 from server_process import free_port  # noqa: E402
 from tp_model import smollm2_folder, widen_heads  # noqa: E402
@@ -55,23 +56,10 @@ SETUPS = (("1 rank", 1, None), ("2 ranks", 2, None), ("1 rank, 1 core", 1, 1))
 def start(port: int, ranks: int, cores: int | None, model: Path) -> subprocess.Popen:
     """A server of `ranks` ranks, on its first `cores` cores (taskset; the worker's torch threads
     follow its affinity) or on all; returned once /ping answers 200."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OPTION_MODEL_ID": str(model), "OPTION_TASK": "text-generation",
-           "OPTION_LINEAR_KERNEL": "torch", "OPTION_TENSOR_PARALLEL_DEGREE": str(ranks)}
-    prefix = ["taskset", "-c", f"0-{cores - 1}"] if cores else []
-    log = tempfile.NamedTemporaryFile(prefix=f"lmi-bench-tp{ranks}-", suffix=".log", delete=False)
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "lmi_serve", "--port", str(port)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {log.name}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server did not become healthy; see {log.name}")
+    env = {"OPTION_MODEL_ID": str(model), "OPTION_TASK": "text-generation", "OPTION_LINEAR_KERNEL": "torch",
+           "OPTION_TENSOR_PARALLEL_DEGREE": str(ranks)}
+    return start_server(port, log_prefix=f"lmi-bench-tp{ranks}-", env=env,
+                        wrapper=["taskset", "-c", f"0-{cores - 1}"] if cores else ())
 
 
 def one_round(model: Path, ranks: int, cores: int | None, args: argparse.Namespace) -> dict[str, float]:
