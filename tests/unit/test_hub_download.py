@@ -13,7 +13,9 @@ import pytest
 from fake_hub import FakeHub
 from lmi_serve import logs
 from lmi_serve.model.hub import HubSettings, download_from_hub
+from lmi_serve.config import ModelConfig
 from lmi_serve.model.source import ModelLoadError
+from lmi_serve.service import ModelService, ModelStatus
 from server_process import free_port
 from tiny_hub_model import as_mistral, pickled_only, tiny_llama_files, with_extras
 
@@ -159,3 +161,22 @@ def test_progress_is_logged_as_lines_in_either_format(files, tmp_path, caplog):
     assert lines[-1].getMessage().startswith("Downloaded Hub model acme/slow")
     as_json = json.loads(logs.formatter("json").format(lines[1]))
     assert as_json["logger"] == "lmi_serve.model.download" and "MiB" in as_json["message"]
+
+
+def test_the_service_hands_its_handler_the_downloaded_folder_and_keeps_the_id(hub, tmp_path, monkeypatch):
+    """What a handler (and a tensor-parallel follower, given the handler's config) loads is the local
+    copy; /models still shows the configured id."""
+    # the settings a server reads from HF_ENDPOINT / HF_HOME (read once, at import, by huggingface_hub)
+    settings = HubSettings(hub.url, tmp_path / "hub", None)
+    monkeypatch.setattr(HubSettings, "from_environment", classmethod(lambda cls: settings))
+    (tmp_path / "model.py").write_text("SEEN = []\n"
+                                       "def handle(inputs):\n"
+                                       "    SEEN.append(inputs.get_properties()['model_id'])\n")
+    config = ModelConfig(name="m", model_dir=str(tmp_path), model_id="acme/tiny", revision="v1",
+                         task="text-generation", rolling_batch="disable")
+    service = ModelService(config, str(tmp_path / "lmi"))
+    service.load()
+    assert service.current_status() is ModelStatus.READY, service.error
+    (seen,) = service.capabilities.handle.__globals__["SEEN"]
+    assert Path(seen).is_dir() and Path(seen).name == hub.repos["acme/tiny"].commits["v1"]
+    assert service.model_source == seen and service.config.model_id == "acme/tiny"
