@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from fake_hub import FakeHub
-from server_process import ServerProcess, serving
+from server_process import ServerProcess, serving, wait_for
 from tiny_hub_model import as_mistral, tiny_llama_files, with_extras
 
 pytestmark = pytest.mark.integration
@@ -38,13 +38,21 @@ def first_start(revisions, tmp_path_factory):
     root = tmp_path_factory.mktemp("hub-model")
     with FakeHub(tokens=(TOKEN,)) as hub:
         hub.add("acme/tiny", revisions)
+        hub.seconds_per_mib = 0.5  # ~8 s of download: long enough to ask /ping in the middle of it
         env = server_env(hub.url, root, HF_REVISION="v1", HF_TOKEN=TOKEN, SAGEMAKER_NUM_MODEL_WORKERS="2")
-        with serving(env=env) as server:
-            facts = {"root": root, "file_gets": hub.file_gets(),
-                     "models": requests.get(server.url("/models/tiny"), timeout=10).json(),
-                     "listed": requests.get(server.url("/models"), timeout=10).text,
-                     "generated": [requests.post(server.url("/invocations"), json=PROMPT, timeout=60)
-                                   for _ in range(4)]}  # 4 requests: both workers answer some
+        server = ServerProcess(env=env)
+        try:
+            wait_for(lambda: "Downloading Hub model" in server.output(), timeout=300)
+            during = requests.get(server.url("/ping"), timeout=10)
+            facts = {"ping_during": during, "ping_was_during": "Downloaded Hub model" not in server.output()}
+            server.wait_for_ping()
+            facts.update({"root": root, "file_gets": hub.file_gets(),
+                          "models": requests.get(server.url("/models/tiny"), timeout=10).json(),
+                          "listed": requests.get(server.url("/models"), timeout=10).text,
+                          "generated": [requests.post(server.url("/invocations"), json=PROMPT, timeout=60)
+                                        for _ in range(4)]})  # 4 requests: both workers answer some
+        finally:
+            server.stop()
         facts["log"] = server.output()
     return facts
 
@@ -57,6 +65,12 @@ def test_two_workers_download_the_pinned_revision_once_and_serve_it(first_start,
     assert description["architectures"] == ["MistralForCausalLM"]  # v1's config, not main's Llama
     assert all(r.status_code == 200 and r.json()["generated_text"] for r in first_start["generated"])
     assert TOKEN not in first_start["log"] and TOKEN not in first_start["listed"]
+
+
+def test_ping_says_loading_while_the_model_downloads(first_start):
+    assert first_start["ping_was_during"]
+    assert first_start["ping_during"].status_code == 503
+    assert first_start["ping_during"].json() == {"tiny": {"status": "Loading"}}
 
 
 def test_a_restart_serves_the_cached_copy_with_the_hub_gone(first_start):
