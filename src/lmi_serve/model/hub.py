@@ -133,6 +133,28 @@ def _route_library_logs() -> None:
     library.propagate = True
 
 
+def _unavailable(exc: Exception) -> bool:
+    """Whether `exc` means the Hub could not answer (unreachable, offline mode, a 5xx), not a refusal."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    status = getattr(getattr(exc, "response", None), "status_code", 0)
+    return isinstance(exc, _unreachable_errors()) or (isinstance(exc, HfHubHTTPError) and status >= 500)
+
+
+def _listing(api, repo_id: str, commit: str, snapshot: Path, cache: Path) -> tuple[dict[str, int], Exception | None]:
+    """The commit's files and sizes from the Hub, else (the Hub unavailable) from the cache, with why."""
+    try:  # the model info, not the tree listing: huggingface_hub retries that for half a minute when the Hub is down
+        info = api.model_info(repo_id, revision=commit, files_metadata=True)
+        return {s.rfilename: s.size or 0 for s in info.siblings or ()}, None
+    except Exception as exc:
+        if not _unavailable(exc):
+            raise
+        sizes = _cached_listing(repo_id, commit, snapshot, cache)
+        if not sizes:
+            raise
+        return sizes, exc
+
+
 def _download(repo_id: str, revision: str | None, allow_pickled: bool, gguf_file: str | None,
               trust_remote_code: bool, progress_every: float, hub: HubSettings) -> Path:
     from huggingface_hub import HfApi, snapshot_download
@@ -144,26 +166,18 @@ def _download(repo_id: str, revision: str | None, allow_pickled: bool, gguf_file
     # the cached ref when the Hub is unreachable
     resolved = api.resolve_revision(repo_id, revision=revision, cache_dir=hub.cache)
     snapshot = storage / "snapshots" / resolved.resolved
-    online = True
-    try:  # the model info, not the tree listing: huggingface_hub retries that for half a minute when the Hub is down
-        info = api.model_info(repo_id, revision=resolved.resolved, files_metadata=True)
-        sizes = {s.rfilename: s.size or 0 for s in info.siblings or ()}
-    except _unreachable_errors() as exc:
-        online, reason = False, exc
-        sizes = _cached_listing(repo_id, resolved.resolved, snapshot, hub.cache)
-        if not sizes:
-            raise
+    sizes, unavailable = _listing(api, repo_id, resolved.resolved, snapshot, hub.cache)
     name = repo_id + (f"@{revision}" if revision else "")
     files = choose_files(sizes, source=f"Hub model {name!r}", allow_pickled=allow_pickled, gguf_file=gguf_file,
                          trust_remote_code=trust_remote_code)
     missing = [f for f in files if not (snapshot / f).is_file()]
     if not missing:
-        log.info("Hub model %s (commit %s): all %d files are in the cache %s", name, resolved.resolved[:12],
-                 len(files), snapshot)
+        log.info("Hub model %s (commit %s): all %d files are in the cache %s%s", name, resolved.resolved[:12],
+                 len(files), snapshot, f" (the Hub is unavailable: {type(unavailable).__name__})" if unavailable else "")
         return snapshot
-    if not online:
-        raise _explain(reason, repo_id, revision, hub) if not snapshot.is_dir() else ModelLoadError(
-            f"Hub model {name!r}: the Hub could not be reached ({type(reason).__name__}) and the cached copy "
+    if unavailable:
+        raise ModelLoadError(
+            f"Hub model {name!r}: the Hub could not be reached ({type(unavailable).__name__}) and the cached copy "
             f"in {snapshot} lacks {len(missing)} of its files ({', '.join(missing[:3])}): it is not loaded")
     blobs = storage / "blobs"
     before = folder_bytes(blobs)
