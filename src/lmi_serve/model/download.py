@@ -12,14 +12,12 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
-import os
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .download_progress import PROGRESS_EVERY_S
 from .remote_files import looks_like_hub_id, parse_s3_url
 from .source import PACKAGE_PREFIX
 
@@ -27,50 +25,6 @@ if TYPE_CHECKING:
     from ..config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-PROGRESS_EVERY_S = 10.0
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-@contextmanager
-def progress_log(what: str, files: int, total: int, measure: Callable[[], int],
-                 every: float = PROGRESS_EVERY_S) -> Iterator[None]:
-    """Log the start, then `measure()` (bytes done) against `total` every `every` seconds from a
-    thread, then the end, while the block downloads `files` files of `what`."""
-    log.info("Downloading %s: %d files, %s", what, files, _mib(total))
-    started = time.monotonic()
-    done = threading.Event()
-
-    def report() -> None:
-        while not done.wait(every):
-            current = min(measure(), total)
-            percent = 100 * current / total if total else 100.0
-            log.info("Downloading %s: %s of %s (%.0f%%)", what, _mib(current), _mib(total), percent)
-
-    reporter = threading.Thread(target=report, name="download-progress", daemon=True)
-    reporter.start()
-    try:
-        yield
-    finally:
-        done.set()
-        reporter.join()
-    seconds = time.monotonic() - started
-    log.info("Downloaded %s: %s in %.1f s", what, _mib(total), seconds)
-
-
-def folder_bytes(folder: Path) -> int:
-    """The bytes of every file under `folder` (partial downloads included); 0 when it is absent."""
-    total = 0
-    for root, _, names in os.walk(folder):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:  # renamed or removed while we looked
-                pass
-    return total
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .download import folder_bytes, progress_log
+from .download_progress import folder_bytes, progress_log
 from .remote_files import choose_files
 from .source import ModelLoadError
 

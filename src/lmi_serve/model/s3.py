@@ -17,7 +17,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from .download import folder_bytes, progress_log
+from .download_progress import folder_bytes, progress_log
 from .remote_files import S3Location, choose_files
 from .source import ModelLoadError
 
