@@ -8,8 +8,9 @@ Reached through `HF_ENDPOINT` (or HubSettings.endpoint). Served, as the real Hub
   and `Range` requests (206) for resumed downloads.
 Errors carry the Hub's `X-Error-Code` / `X-Error-Message` headers, which huggingface_hub maps to its
 exceptions: an unknown repo, or a private one without a token, is 401 `RepoNotFound` to an anonymous
-caller and 404 to an authenticated one; an unknown revision 404 `RevisionNotFound`; a token the Hub does
-not know 401 "Invalid credentials in Authorization header".
+caller and 404 to an authenticated one; a gated repo 401 `GatedRepo` to an anonymous caller and 403 to an
+account without access; an unknown revision 404 `RevisionNotFound`; a token the Hub does not know 401
+"Invalid credentials in Authorization header".
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def git_blob_id(content: bytes) -> str:
 class Repo:
     revisions: dict[str, dict[str, bytes]]  # revision name -> {path: content}; "main" is the default branch
     private: bool = False
+    gated: tuple[str, ...] | None = None  # gated: the tokens whose accounts accepted its conditions
     commits: dict[str, str] = field(default_factory=dict)  # revision name -> commit sha
 
     def __post_init__(self) -> None:
@@ -90,8 +92,9 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def add(self, repo_id: str, revisions: dict[str, dict[str, bytes]], private: bool = False) -> Repo:
-        self.repos[repo_id] = repo = Repo(revisions, private)
+    def add(self, repo_id: str, revisions: dict[str, dict[str, bytes]], private: bool = False,
+            gated: tuple[str, ...] | None = None) -> Repo:
+        self.repos[repo_id] = repo = Repo(revisions, private, gated)
         return repo
 
     def file_gets(self) -> list[str]:
@@ -130,6 +133,11 @@ class FakeHub:
         repo = self.repos.get(match["repo"])
         if repo is None or (repo.private and token is None):
             return self._error(request, 404 if token else 401, "RepoNotFound", "Repository not found")
+        if repo.gated is not None and token not in repo.gated:  # anonymous: 401; signed in without access: 403
+            return self._error(request, 403 if token else 401, "GatedRepo",
+                               f"Access to model {match['repo']} is restricted"
+                               + (" and you are not in the authorized list." if token else
+                                  ". You must have access to it and be authenticated to access it."))
         revision = match["rev"] or "main"
         found = repo.files_at(revision)
         if found is None:

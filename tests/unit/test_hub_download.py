@@ -21,6 +21,7 @@ from tiny_hub_model import as_mistral, pickled_only, tiny_llama_files, with_extr
 
 TOKEN = "hf_valid_0123456789"
 SECRET = "hf_wrong_secret_4242"  # a token the Hub does not know: it must never be shown
+ACCEPTED = "hf_accepted_conditions_77"  # an account that accepted the gated repo's conditions
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,11 @@ def files() -> dict[str, bytes]:
 
 @pytest.fixture
 def hub(files):
-    with FakeHub(tokens=(TOKEN,)) as hub:
+    with FakeHub(tokens=(TOKEN, ACCEPTED)) as hub:
         hub.add("acme/tiny", {"main": with_extras(files), "v1": {**as_mistral(files), "NOTES.txt": b"v1 only"}})
         hub.add("acme/pickled", {"main": pickled_only(files)})
         hub.add("acme/private", {"main": files}, private=True)
+        hub.add("acme/gated", {"main": files}, gated=(ACCEPTED,))
         yield hub
 
 
@@ -111,6 +113,13 @@ def test_a_private_repo_needs_its_token(hub, files, tmp_path):
         fetch(hub.url, tmp_path, "acme/private")
     assert (fetch(hub.url, tmp_path, "acme/private", token=TOKEN) / "model.safetensors").read_bytes() \
         == files["model.safetensors"]
+
+
+@pytest.mark.parametrize("token, status", [(None, 401), (TOKEN, 403)])
+def test_a_gated_repo_says_what_to_do(hub, tmp_path, token, status):
+    with pytest.raises(ModelLoadError, match=rf"'acme/gated' is gated \(HTTP {status}\): accept its conditions"):
+        fetch(hub.url, tmp_path, "acme/gated", token=token)
+    assert (fetch(hub.url, tmp_path, "acme/gated", token=ACCEPTED) / "config.json").is_file()
 
 
 def test_a_missing_revision_is_named(hub, tmp_path):
