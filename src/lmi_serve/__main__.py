@@ -24,11 +24,11 @@ log = logging.getLogger("lmi_serve")
 
 DEFAULT_STORE = Path(__file__).resolve().parent / "defaults"
 
-# Set before transformers is imported anywhere: nothing may reach the network at run time.
+# Set before transformers is imported anywhere. Hub ids and s3:// models are downloaded at start-up
+# (model/download.py; HF_HUB_OFFLINE=1 from the user keeps it to the local cache); transformers is then
+# given local folders only, so nothing reaches the network at load or run time.
 _RUNTIME_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # download progress is logged as lines (model/download.py)
     # Every tqdm bar (transformers' GGUF conversion uses tqdm directly): a server's log is lines, and
     # with --log-format json each one must be a JSON object; the conversion is logged once instead.
     "TQDM_DISABLE": "1",

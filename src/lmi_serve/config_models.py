@@ -106,6 +106,8 @@ class ModelConfig(BaseModel):
     tensor_parallel_degree: int | Literal["max"] = 1
     trust_remote_code: bool = False
     revision: str | None = None
+    # A Hub or S3 model with only *.bin / *.pt / *.pth / *.ckpt weights (unpickling runs code): refused unless set
+    allow_pickled_weights: bool = False
     task: Task | None = None
     rolling_batch: RollingBatch = "auto"
     max_rolling_batch_size: int = Field(32, ge=1)
@@ -153,7 +155,8 @@ class ModelConfig(BaseModel):
             raise ValueError(f"is not one of {', '.join(choices)}")
         return text
 
-    @field_validator("trust_remote_code", "tgi_compat", "enable_prefix_caching", "enable_lora", mode="before")
+    @field_validator("trust_remote_code", "tgi_compat", "enable_prefix_caching", "enable_lora", "allow_pickled_weights",
+                     mode="before")
     @classmethod
     def _flag(cls, value: Any) -> bool:
         return _parse_bool(value)

@@ -2,6 +2,8 @@
 
 Loading runs on a background thread when the worker starts, so `/ping` can answer "loading"
 (not healthy) right away and "failed" if loading raised or outlived `model_loading_timeout`.
+A Hub id or `s3://` model is downloaded first (model/download.py); the download does not count
+against `model_loading_timeout`, which measures loading the local files.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .errors import InvalidRequest, NotReady
 from .handler_api import Input, Output
 from .handler_loader import resolve_handler
 from .handler_protocol import HandlerCapabilities, HandlerContext
+from .model.download import fetch_model_files
 from .model.source import ModelLoadError
 from .model.task import GENERATION_TASKS, ModelTaskError, TaskDecision, decide_task
 
@@ -49,6 +52,8 @@ class ModelService:
         self.cache_dir = cache_dir
         self.task: str | None = config.task or "text-generation"  # None: no task fits (the load fails)
         self.task_decision: TaskDecision | None = None  # set when loading begins (model/task.py)
+        # What the files are loaded from: model_id, or the local copy of a Hub / S3 model once downloaded
+        self.model_source: str | None = config.model_id
         self.status = ModelStatus.LOADING
         self.error: str | None = None
         self.started_at: float | None = None  # set when this model's loading begins
@@ -59,11 +64,22 @@ class ModelService:
         self.capabilities: HandlerCapabilities | None = None  # what the handler declares (handler_protocol.py)
 
     def load(self) -> None:
-        """Load the handler and model; never raises (a failure becomes the FAILED status)."""
+        """Download the model if remote, then load the handler and model; never raises (a failure
+        becomes the FAILED status)."""
+        try:
+            config = self._local_config()
+        except ModelLoadError as exc:  # the message names the model and what to fix; no traceback
+            log.error("Model %s failed to load: %s", self.name, exc)
+            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
+            return
+        except Exception as exc:  # the cache dir unwritable, ...
+            log.exception("Model %s: its files could not be fetched", self.name)
+            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
+            return
         self.started_at = time.time()
         started = time.monotonic()
         try:
-            decision = self.task_decision = decide_task(self.config)
+            decision = self.task_decision = decide_task(config)
             log.info("Model %s: task %s (%s)", self.name, decision.task or "none", decision.reason)
             self.task = decision.task
             # A built-in handler refuses a model no task fits, or an encoder-decoder one (check_builtin);
@@ -78,11 +94,11 @@ class ModelService:
                 self.task = "tensor"  # a model.py declaring its tensors is no text model for /invocations
             rolling = self._resolve_rolling_batch(caps)
             if caps.load is not None:  # a built-in handler: the validated config, typed
-                caps.load(self.config, HandlerContext(
+                caps.load(config, HandlerContext(
                     task=self.task, cache_dir=self.cache_dir, rolling_batch=rolling, user_module=loaded.user_module,
                     input_formatter=caps.input_formatter, output_formatter=caps.output_formatter))
             else:
-                init = Input(properties={**self.config.handler_properties(), "task": self.task,
+                init = Input(properties={**config.handler_properties(), "task": self.task,
                                          "cache_dir": self.cache_dir, "model_name": self.name,
                                          "rolling_batch": "scheduler" if rolling else "disable"})
                 result = caps.handle(init)  # DJL contract: the first call carries the options and no content
@@ -120,6 +136,15 @@ class ModelService:
         self.loaded_at = time.time()
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, caps.module_name, elapsed)
+
+    def _local_config(self) -> ModelConfig:
+        """The configuration the handler loads: model_id is the local copy when it names a Hub repo or
+        an S3 prefix (downloaded now, once per container), else the configured one."""
+        folder = fetch_model_files(self.config, self.cache_dir)
+        if folder is None:
+            return self.config
+        self.model_source = folder
+        return self.config.model_copy(update={"model_id": folder})
 
     @property
     def generates_text(self) -> bool:

@@ -39,13 +39,16 @@ def test_invalid_value_in_serving_properties_names_the_property(tmp_path):
         server.stop()
 
 
-def test_missing_hub_model_fails_fast_with_a_clear_message():
-    server = ServerProcess(env={"HF_MODEL_ID": "no-such-org/no-such-model"})
+def test_missing_hub_model_fails_fast_with_a_clear_message(tmp_path):
+    """With downloads off (HF_HUB_OFFLINE=1, set by the user) a Hub id not in the local cache fails
+    at once, saying so (downloads themselves: test_hub_model.py)."""
+    server = ServerProcess(env={"HF_MODEL_ID": "no-such-org/no-such-model", "HF_HUB_OFFLINE": "1",
+                                "HF_HOME": str(tmp_path / "hf"), "LMI_SERVE_CACHE_DIR": str(tmp_path / "lmi")})
     try:
         ping = server.wait_for_ping(accept=(500,), timeout=120)
         status = ping.json()["no-such-model"]
         assert status["status"] == "Failed"
-        assert "HF_HUB_OFFLINE" in status["error"]
+        assert "HF_HUB_OFFLINE=1" in status["error"] and "'no-such-org/no-such-model'" in status["error"]
         refused = requests.post(server.url("/invocations"), json={"inputs": "x"}, timeout=10)
         assert refused.status_code == 503 and refused.json()["type"] == "ServiceUnavailableException"
     finally:

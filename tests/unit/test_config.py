@@ -508,3 +508,11 @@ def test_lora_options_are_off_by_default_and_checked(tmp_path: Path) -> None:
         load(tmp_path, "option.enable_lora=true\noption.rolling_batch=disable\n")
     with pytest.raises(ConfigError, match=r"^SAGEMAKER_NUM_MODEL_WORKERS: option.enable_lora \(model tiny\) needs a single"):
         server(OPTION_ENABLE_LORA="true", SAGEMAKER_NUM_MODEL_WORKERS="2")
+
+
+def test_pickled_weights_are_refused_by_default_and_the_option_is_a_checked_boolean(tmp_path: Path) -> None:
+    assert synth().allow_pickled_weights is False
+    assert synth(OPTION_ALLOW_PICKLED_WEIGHTS="true").allow_pickled_weights is True
+    assert load(tmp_path, "option.allow_pickled_weights=yes\n").allow_pickled_weights is True
+    with pytest.raises(ConfigError, match=r"^OPTION_ALLOW_PICKLED_WEIGHTS: 'sure' is not a boolean"):
+        synth(OPTION_ALLOW_PICKLED_WEIGHTS="sure")

@@ -319,7 +319,9 @@ def test_djl_first_call_reaches_the_same_typed_load(no_model):
 
 
 def test_the_service_calls_the_typed_load_with_its_config_and_the_model_py_hooks(no_model):
-    config = TYPED.model_copy(update={"model_dir": str(FIXTURES / "formatted_model")})
+    # a local model_id: a Hub id would be downloaded first (model/download.py, test_hub_download.py)
+    folder = str(FIXTURES / "formatted_model")
+    config = TYPED.model_copy(update={"model_dir": folder, "model_id": folder})
     service = ModelService(config, "/tmp/cache")
     service.load()
     assert service.current_status() is ModelStatus.READY, service.error

@@ -1,5 +1,8 @@
 """Locate a model (local dir, GGUF file, PyPI-packaged files, or cached hub id) and load it.
 
+transformers is never let download (`local_files_only`): Hub and S3 models are fetched before they
+load (model/download.py, in ModelService.load), and reach here as local folders.
+
 GGUF parsing in transformers is slow (three pure-Python passes, ~30 s for a 135M model), so a GGUF model
 is converted once into a safetensors folder under the cache dir; later starts load that in ~2 s.
 """
@@ -124,7 +127,7 @@ def convert_gguf(gguf: Path, cache_dir: str) -> Path:
 
 
 def _pretrained_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": True}
     if revision:
         kwargs["revision"] = revision
     return kwargs
@@ -133,8 +136,9 @@ def _pretrained_kwargs(revision: str | None, trust_remote_code: bool) -> dict[st
 def _explain(source: str, exc: Exception) -> ModelLoadError:
     if not Path(source).exists():
         return ModelLoadError(
-            f"model {source!r} is neither a local path nor in the local Hugging Face cache, and downloads "
-            f"are off (HF_HUB_OFFLINE=1): put the files in a folder and point option.model_id at it ({exc})")
+            f"model {source!r} is neither a local path nor in the local Hugging Face cache, and the loader "
+            f"never downloads (the server fetches Hub ids at start-up): put the files in a folder and point "
+            f"option.model_id at it ({exc})")
     return ModelLoadError(f"could not load {source}: {exc}")
 
 

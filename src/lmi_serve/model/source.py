@@ -38,7 +38,7 @@ def resolve_model_source(model_id: str) -> str:
         return str(local.resolve())
     if model_id.startswith(("/", "./", "../", "~")):
         raise ModelLoadError(f"model_id {model_id!r}: no such file or directory")
-    return model_id  # a hub id: only the local HF cache is consulted (HF_HUB_OFFLINE=1)
+    return model_id  # a hub id not fetched first (model/download.py): only the local HF cache is consulted
 
 
 def find_gguf(source: str, gguf_file: str | None) -> Path | None:

@@ -62,7 +62,7 @@ def contract_for(service: ModelService) -> ModelContract:
     if service.engine is not None:
         return ModelContract("llm", LLM_INPUTS, LLM_OUTPUTS, lenient_single_elements=True)
     if service.task == "text-embedding":
-        dim = embedding_dimension(service.config.model_id, service.config.model_dir)
+        dim = embedding_dimension(service.model_source, service.config.model_dir)
         return ModelContract("embedding", (TensorSpec("text_input", "BYTES", (-1,)),),
                              (TensorSpec("embedding", "FP32", (-1, dim)),))
     caps = service.capabilities
