@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lmi_serve.config import ModelConfig
+from lmi_serve.config import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.handler_utils import parse_batch, read_payload
@@ -47,11 +47,10 @@ def _parse(item: Input) -> list[EmbeddingInput]:
 
 class EmbeddingService:
     def __init__(self, config: ModelConfig):
-        # Text-generation options that would change nothing here are refused by name, not ignored.
-        for option, asked in (("quantize", config.quantize != "none"),
-                              ("enable_prefix_caching", config.enable_prefix_caching)):
-            if asked:
-                raise ValueError(f"option.{option}: not available for embedding models (text generation only)")
+        # Options an embedding model does not take (config_models.NOT_TAKEN) are refused by name, not
+        # ignored; the configuration already refuses them for a model declared text-embedding.
+        for field, reason in options_not_taken(config, "text-embedding"):
+            raise ValueError(f"option.{field}: {reason}")
         loaded = load_encoder(config.model_id or config.model_dir, dtype=config.dtype, device_map=config.device_map,
                               revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from . import logs, security
-from .config import ConfigError, ServerConfig, build_server_config
+from .config import KIND_NAMES, ConfigError, ServerConfig, build_server_config
 
 log = logging.getLogger("lmi_serve")
 
@@ -149,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         if model.unknown_options:
             log.warning("Model %s: options %s are not lmi-serve options; they are passed to the handler only",
                         model.name, ", ".join(model.unknown_options))
+        if model.ignored_options:
+            log.warning("Model %s: %s ignored: not for %s models (the variable applies to every model of the "
+                        "store; set it in a model's serving.properties to name one)", model.name,
+                        ", ".join(model.ignored_options), KIND_NAMES.get(model.task or "", model.task))
     run_gunicorn(config, args)
     return 0
 

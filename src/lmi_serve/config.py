@@ -55,12 +55,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config_models import ConfigError, ModelConfig, ServerConfig, _validated, tensor_parallel_conflict
+from .config_models import (
+    KIND_NAMES, NOT_TAKEN, ConfigError, ModelConfig, ServerConfig, _validated, options_not_taken,
+    tensor_parallel_conflict,
+)
 from .security import OPTION_KEYS as _SECURITY_KEYS
 from .security import SecurityError, build_security, server_option
 
-__all__ = ["ConfigError", "ModelConfig", "ServerConfig", "build_server_config", "load_model_config",
-           "read_properties", "tensor_parallel_conflict"]
+__all__ = ["KIND_NAMES", "ConfigError", "ModelConfig", "ServerConfig", "build_server_config", "load_model_config",
+           "options_not_taken", "read_properties", "tensor_parallel_conflict"]
 
 #: Where SageMaker mounts the model artefacts; a module constant so tests can point it elsewhere.
 SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
@@ -184,8 +187,10 @@ def _name_from_id(model_id: str) -> str:
 
 
 def load_model_config(model_dir: Path | None, env: Mapping[str, str],
-                      name: str | None = None) -> ModelConfig:
-    """Merge ``model_dir/serving.properties`` over ``env`` into one validated ModelConfig."""
+                      name: str | None = None, *, one_of_many: bool = False) -> ModelConfig:
+    """Merge ``model_dir/serving.properties`` over ``env`` into one validated ModelConfig.
+    `one_of_many`: a model of a store serving several, where `OPTION_*` variables reach every
+    model, so one its kind does not take is left out (`_leave_out_not_taken`)."""
     props: dict[str, str] = {}
     if model_dir is not None:
         model_dir = Path(os.path.abspath(model_dir))
@@ -211,10 +216,27 @@ def load_model_config(model_dir: Path | None, env: Mapping[str, str],
         values["name"] = model_dir.name if model_dir else _name_from_id(values.get("model_id") or "model")
         keys["name"] = "model_dir" if model_dir else keys.get("model_id", "name")
 
+    ignored = _leave_out_not_taken(values, keys, options, file_fields) if one_of_many else ()
     unknown = tuple(sorted(k for k in options if k not in _OPTION_FIELDS and k not in _KNOWN_WITHOUT_FIELD))
     data = {**values, "model_dir": str(model_dir) if model_dir else None,
-            "options": options, "unknown_options": unknown}
+            "options": options, "unknown_options": unknown, "ignored_options": ignored}
     return _validated(lambda: ModelConfig.model_validate(data), values, keys, lambda f: f"option.{f}")
+
+
+def _leave_out_not_taken(values: dict[str, Any], keys: dict[str, str], options: dict[str, str],
+                         file_fields: _Layer) -> tuple[str, ...]:
+    """Drop from `values` and `options` each option the model's declared kind does not take
+    (NOT_TAKEN) that only the environment set; return the variables dropped. One the model's own
+    serving.properties sets stays, and is refused by name when the model is validated."""
+    task = str(values.get("task") or "").strip().lower()
+    dropped = []
+    for field in NOT_TAKEN.get(task, {}):
+        if field in values and field not in file_fields:
+            dropped.append(keys.pop(field))
+            del values[field]
+            for key in [k for k in options if _OPTION_FIELDS.get(k) == field]:
+                del options[key]
+    return tuple(dropped)
 
 
 def _load_store(store: Path, env: Mapping[str, str]) -> tuple[ModelConfig, ...]:
@@ -228,7 +250,7 @@ def _load_store(store: Path, env: Mapping[str, str]) -> tuple[ModelConfig, ...]:
     models = []
     for folder in folders:
         try:
-            models.append(load_model_config(folder, env, name=folder.name))
+            models.append(load_model_config(folder, env, name=folder.name, one_of_many=len(folders) > 1))
         except ConfigError as exc:
             raise ConfigError(f"{exc} (model folder {folder})") from None
     return tuple(models)

@@ -38,6 +38,20 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
     "lora_dtype": get_args(LoraDtype),
 }
+# What each kind of model cannot honour: field -> why. The one declaration of it: config.py refuses
+# such an option, naming it, when the user set it for that model, and ignores it (with a log line)
+# when an OPTION_* variable set it for every model of a store; a handler refuses it for a model
+# whose kind is only decided at load (options_not_taken).
+NOT_TAKEN: dict[str, dict[str, str]] = {
+    "text-generation": {},
+    "text2text-generation": {
+        "enable_prefix_caching": "an encoder-decoder model's KV cache cannot start a row from a cached prefix",
+        "enable_lora": "LoRA adapters are served on decoder-only models",
+    },
+    "text-embedding": {"quantize": "text generation only", "enable_prefix_caching": "text generation only"},
+    "tensor": {},
+}
+KIND_NAMES = {"text2text-generation": "encoder-decoder", "text-embedding": "embedding"}  # in messages
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 _SECRET_KEY = re.compile(r"token|secret|password|api_key|credential", re.IGNORECASE)
@@ -71,6 +85,14 @@ def _parse_bool(value: Any, *, also_true: tuple[str, ...] = ()) -> bool:
 def _text(value: Any) -> str:
     """Render a resolved value the way a properties file would spell it."""
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def options_not_taken(config: "ModelConfig", task: str) -> list[tuple[str, str]]:
+    """(field, "not available for <kind> models (why)") for each option `config` sets that a
+    `task` model does not take (NOT_TAKEN)."""
+    return [(field, f"not available for {KIND_NAMES.get(task, task)} models ({why})")
+            for field, why in NOT_TAKEN.get(task, {}).items()
+            if getattr(config, field) != ModelConfig.model_fields[field].default]
 
 
 def tensor_parallel_conflict(config: "ModelConfig", degree: int) -> str | None:
@@ -142,6 +164,8 @@ class ModelConfig(BaseModel):
     max_workers: int = Field(1, ge=1)
     options: dict[str, str] = Field(default_factory=dict)
     unknown_options: tuple[str, ...] = ()
+    # OPTION_* variables left out for this model: its kind does not take them (NOT_TAKEN)
+    ignored_options: tuple[str, ...] = ()
 
     @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "lora_dtype",
                      mode="before")
@@ -182,6 +206,8 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ModelConfig:
+        for field, reason in options_not_taken(self, self.task) if self.task else ():
+            raise _FieldError(field, reason)
         if self.enable_streaming and self.batch_size > 1:
             raise _FieldError("enable_streaming", "We cannot enable streaming for dynamic batching "
                               f"(batch_size is {self.batch_size}; set it to 1 or disable streaming)")
@@ -206,7 +232,7 @@ class ModelConfig(BaseModel):
     def handler_properties(self) -> dict[str, str]:
         """DJL-style init properties: raw options overlaid with every resolved (typed) value."""
         props = dict(self.options)
-        for field, value in self.model_dump(exclude={"options", "unknown_options"}).items():
+        for field, value in self.model_dump(exclude={"options", "unknown_options", "ignored_options"}).items():
             if value is not None:
                 props[field] = _text(value)
         return props
@@ -217,7 +243,7 @@ class ModelConfig(BaseModel):
         into a ModelConfig (keys that name no field stay in ``options``). For a built-in handler
         reached through DJL's first ``handle()`` call, e.g. from a user's model.py delegating to it.
         Without ``name`` (or DJL's ``model_name``) the model is called ``model``."""
-        fields = set(cls.model_fields) - {"options", "unknown_options"}
+        fields = set(cls.model_fields) - {"options", "unknown_options", "ignored_options"}
         values: dict[str, Any] = {k: v for k, v in props.items() if k in fields and v not in (None, "")}
         values.setdefault("name", props.get("model_name") or "model")
         values["options"] = {k: str(v) for k, v in props.items() if k not in fields}
@@ -270,13 +296,17 @@ class ServerConfig(BaseModel):
         lines += self.security.describe()
         for model in self.models:
             lines.append(f"  model {model.name!r}:")
-            for field, value in model.model_dump(exclude={"name", "options", "unknown_options"}).items():
+            for field, value in model.model_dump(exclude={"name", "options", "unknown_options",
+                                                          "ignored_options"}).items():
                 lines.append(f"    {field} = {'-' if value is None else _text(value)}")
             shown = {k: "****" if _SECRET_KEY.search(k) else v for k, v in model.options.items()}
             lines.append(f"    options = {', '.join(f'{k}={v}' for k, v in sorted(shown.items())) or '-'}")
             if model.unknown_options:
                 unknown = ", ".join(model.unknown_options)
                 lines.append(f"    unknown options (custom handlers only) = {unknown}")
+            if model.ignored_options:
+                lines.append(f"    ignored (not for {KIND_NAMES.get(model.task or '', model.task)} models) = "
+                             f"{', '.join(model.ignored_options)}")
         return "\n".join(lines)
 
     def to_json(self) -> str:

@@ -7,17 +7,16 @@ so bodies are read with `request.get_data()` and parsed here, never with `get_js
 from __future__ import annotations
 
 import json
-import re
 import zlib
 from typing import Any
 
-import numpy as np
 from flask import Response, current_app, request
 
-from ... import json_body
+from ... import json_body, json_scan
 from ...errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )
+from ...json_scan import BodyScan
 
 MAX_JSON_DEPTH = 100  # Triton's limit on JSON nesting
 # Request-level parameters Triton itself consumes; every other one goes to the model.
@@ -166,33 +165,22 @@ def _object_hook(pairs: list[tuple[str, Any]]) -> JsonObject:
     return obj
 
 
-def parse_json(data: bytes, what: str = "request") -> Any:
-    """JSON decoded by the shared `json_body` rules (no lone surrogates, NaN or Infinity), with
-    duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first."""
-    if json_body.nesting_depth(data) > MAX_JSON_DEPTH:
+def check_depth(scanned: BodyScan) -> None:
+    """Triton's nesting limit, in Triton's words."""
+    if scanned.depth > MAX_JSON_DEPTH:
         raise TritonError(400, f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})")
+
+
+def parse_json(data: bytes, what: str = "request", scanned: BodyScan | None = None) -> Any:
+    """JSON decoded by the shared `json_body` rules (no lone surrogates, NaN or Infinity), with
+    duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first.
+    `scanned` is `json_scan.scan(data)` when the caller has it (one scan of the body in all)."""
+    facts = scanned if scanned is not None else json_scan.scan(data)
+    check_depth(facts)
     try:
-        return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook)
+        return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts)
     except json_body.InvalidJson as exc:
         raise TritonError(400, f"failed to parse the {what} JSON buffer: {exc.reason}") from None
-
-
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NESTING_STEP = np.zeros(256, dtype=np.int32)  # byte -> +1 opens a level, -1 closes one
-_NESTING_STEP[list(b"[{")] = 1
-_NESTING_STEP[list(b"]}")] = -1
-
-
-def flatten_below(data: bytes, depth: int) -> bytes:
-    """`data` with every array or object nested deeper than `depth` emptied (`[[[1]]]` at depth 1
-    reads `[]`), so the outer levels can be read, and their types checked, whatever lies below."""
-    masked = _STRING.sub(lambda m: b'"' + b" " * (len(m.group()) - 2) + b'"', data)  # same offsets
-    codes = np.frombuffer(masked, dtype=np.uint8)
-    steps = _NESTING_STEP[codes]
-    level = np.cumsum(steps)
-    own_level = level + (steps < 0)  # a closing bracket belongs to the level it closes
-    kept = np.frombuffer(data, dtype=np.uint8)[own_level <= depth]
-    return kept.tobytes()
 
 
 def check_parameter(key: str, value: Any) -> None:

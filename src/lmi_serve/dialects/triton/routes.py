@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
-from ... import __version__
+from ... import __version__, json_scan
 from ...errors import ServingError, lookup
 from ...registry import ModelRegistry
 from ...service import ModelStatus
@@ -27,7 +27,7 @@ from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
 from .protocol import (
-    ERROR_TABLE, TritonError, error_response, flatten_below, json_response, parse_json, read_body,
+    ERROR_TABLE, MAX_JSON_DEPTH, TritonError, check_depth, error_response, json_response, parse_json, read_body,
 )
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
@@ -142,15 +142,17 @@ def repository(repository: str | None = None) -> Response:
     body = read_body(allow_compression=False)
     if not body.strip():
         return json_response(repository_index(_registry(), False))
-    # The type of `ready` is checked before the depth of the whole body, as Triton does: the
-    # outer levels are read first with anything deeper emptied.
-    outline = parse_json(flatten_below(body, 2))
+    # One scan of the body. Within the depth limit it is decoded whole; beyond, the type of `ready`
+    # is still checked before the depth is refused, as Triton does: on the outer levels alone.
+    scanned = json_scan.scan(body, outline_depth=2)
+    deep = scanned.depth > MAX_JSON_DEPTH
+    outline = parse_json(scanned.outline, scanned=scanned.of_outline()) if deep else parse_json(body, scanned=scanned)
     if not isinstance(outline, dict):
-        parse_json(body)  # a body that is no object at all reports its depth first
+        check_depth(scanned)  # a deep body that is no object at all reports its depth first
         raise TritonError(400, "Unable to parse the repository index request: expected a JSON object")
     if not isinstance(outline.get("ready", False), bool):
         raise TritonError(400, "Invalid value for 'ready': expected a boolean")
-    parse_json(body)  # the rest of the body must be acceptable JSON too
+    check_depth(scanned)
     return json_response(repository_index(_registry(), outline.get("ready", False)))
 
 
