@@ -112,3 +112,11 @@ def test_hadolint_finds_nothing():
     result = subprocess.run([str(hadolint), "--no-color", "--config", str(ROOT / ".hadolint.yaml"), str(DOCKERFILE)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_declares_bind_to_port_and_leaves_offline_mode_to_the_launcher():
+    steps = instructions(DOCKERFILE.read_text())
+    labels = " ".join(arguments for keyword, arguments in steps if keyword == "LABEL")
+    assert "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true" in labels
+    assert not [arguments for keyword, arguments in steps if keyword in ("ENV", "ARG") and "HF_HUB_OFFLINE" in arguments]
+    assert steps[-1] == ("CMD", '["serve"]')
