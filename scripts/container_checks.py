@@ -3,7 +3,10 @@
 Each check prints one line, `PASS <name>` or `FAIL <name>: <why>`, which the script counts; the exit
 status is the number of failures (capped at 100).
 
-  container_checks.py ready  URL [--timeout S]       /ping: 503 while the models load, then 200
+  container_checks.py ready  URL [--timeout S] [--alive CMD]
+                                                     /ping: 503 while the models load, then 200 (CMD,
+                                                     printing `true` while the container runs, ends
+                                                     the wait early when the container has died)
   container_checks.py api    URL MODEL [--tensor-model M]
                                                      /invocations whole and streamed, an OpenAI chat,
                                                      a Triton infer (on MODEL, and on M when given)
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import threading
@@ -42,11 +46,21 @@ def check(name: str, run: Callable[[], None]) -> None:
         print(f"PASS {name}", flush=True)
 
 
-def ping_statuses(url: str, timeout: float) -> list[int]:
+def still_running(alive: str | None) -> bool:
+    if not alive:
+        return True
+    answer = subprocess.run(shlex.split(alive), capture_output=True, text=True, timeout=120)
+    return answer.stdout.strip() == "true"
+
+
+def ping_statuses(url: str, timeout: float, alive: str | None) -> list[int]:
     """Every /ping status seen from now until the first 200 (connection errors are not statuses)."""
     seen: list[int] = []
-    deadline = time.monotonic() + timeout
+    deadline, next_alive_check = time.monotonic() + timeout, time.monotonic() + 5
     while time.monotonic() < deadline:
+        if time.monotonic() > next_alive_check:
+            assert still_running(alive), f"the container stopped before /ping answered 200 (statuses seen: {seen})"
+            next_alive_check = time.monotonic() + 5
         try:
             status = requests.get(f"{url}/ping", timeout=10).status_code
         except requests.RequestException:
@@ -59,11 +73,11 @@ def ping_statuses(url: str, timeout: float) -> list[int]:
     raise AssertionError(f"/ping did not answer 200 within {timeout:.0f} s (statuses seen: {seen})")
 
 
-def check_ready(url: str, timeout: float) -> None:
+def check_ready(url: str, timeout: float, alive: str | None) -> None:
     seen: list[int] = []
 
     def reaches_200() -> None:
-        seen.extend(ping_statuses(url, timeout))
+        seen.extend(ping_statuses(url, timeout, alive))
 
     def loading_was_503() -> None:
         assert seen and seen[0] == 503 and seen[-1] == 200, f"statuses in order: {seen}"
@@ -190,6 +204,7 @@ def main(argv: list[str]) -> int:
     ready = commands.add_parser("ready")
     ready.add_argument("url")
     ready.add_argument("--timeout", type=float, default=900)
+    ready.add_argument("--alive", help="a command printing `true` while the server runs")
     api = commands.add_parser("api")
     api.add_argument("url")
     api.add_argument("model")
@@ -199,7 +214,7 @@ def main(argv: list[str]) -> int:
     drain.add_argument("stop", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "ready":
-        check_ready(args.url, args.timeout)
+        check_ready(args.url, args.timeout, args.alive)
     elif args.command == "api":
         check_api(args.url, args.model, args.tensor_model)
     else:
