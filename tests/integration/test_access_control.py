@@ -67,7 +67,7 @@ def test_openai_client(server):
 
 
 def test_huggingface_hub_token(server, monkeypatch):
-    # HF_HUB_OFFLINE (for the server) makes the client refuse localhost too: this client alone goes online
+    # HF_HUB_OFFLINE=1 (a developer's shell) would make the client refuse localhost too: this client goes online
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     right = huggingface_hub.InferenceClient(base_url=server.base, token=OTHER_KEY, timeout=180)
     assert right.text_generation(prompt("hub"), max_new_tokens=3, do_sample=False)

@@ -33,8 +33,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client(default_server):
-    # HF_HUB_OFFLINE (set for the server, which must never download) makes the client refuse every
-    # request, to localhost too; the client process alone is put online, for these tests only.
+    # HF_HUB_OFFLINE=1 (a developer's shell locking downloads down) makes the client refuse every
+    # request, to localhost too; the client process is put online, for these tests only.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
         yield InferenceClient(base_url=default_server.base, timeout=180)
