@@ -1,5 +1,5 @@
 """Running one measured point: wait for the machine to calm down, run, re-run a disturbed point.
-Shared by the sweep and the chat workload (scripts/bench.py)."""
+Shared by the sweep and the chat workload (benchmarks/bench.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .stats import summarize
 
 class Runner:
     """Remembers the waits and re-runs of a run for its notes.
-    quiet_wait/quiet_threshold/noisy/retries: as scripts/bench.py's options of those names."""
+    quiet_wait/quiet_threshold/noisy/retries: as benchmarks/bench.py's options of those names."""
 
     def __init__(self, quiet_wait: float, quiet_threshold: float, noisy: float, retries: int):
         self.quiet_wait, self.quiet_threshold, self.noisy, self.retries = quiet_wait, quiet_threshold, noisy, retries

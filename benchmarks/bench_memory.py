@@ -7,7 +7,7 @@ falling, at most --settle seconds), and, where gdb may attach, after a `malloc_t
 worker by gdb, with glibc's `malloc_stats()` (arenas, bytes held vs in use) before and after it. What
 the trim gives back was freed heap glibc kept; what stays is held by something alive.
 
-Run: .venv/bin/python scripts/bench_memory.py [--prompts 4] [--words 6000]
+Run: .venv/bin/python benchmarks/bench_memory.py [--prompts 4] [--words 6000]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "scripts"))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 from server_process import ServerProcess  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402
 from soak import worker_pid  # noqa: E402

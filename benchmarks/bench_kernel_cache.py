@@ -9,7 +9,7 @@ alternation (ABCABC) so a noisy machine spreads over all of them, and the same c
 streamed LMI requests whose prompts span 10 to 1,200 tokens. Prints tok/s, TTFT and TPOT p50 as
 ratios to the first configuration (torch's defaults), and the worker's RSS once idle after the load.
 
-    .venv/bin/python scripts/bench_kernel_cache.py [--requests 48] [--concurrency 1,16] [--rounds 2]
+    .venv/bin/python benchmarks/bench_kernel_cache.py [--requests 48] [--concurrency 1,16] [--rounds 2]
 """
 
 from __future__ import annotations

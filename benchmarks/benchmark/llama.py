@@ -5,7 +5,7 @@
 cached next to the build. Both run with continuous batching (`-np` = the largest concurrency, `-c`
 = that many slots of `ctx_per_slot` tokens, `-t` threads) and are driven through the OpenAI routes
 (`/v1/completions`, `/v1/chat/completions`) by the same closed loop as our servers.
-The binaries come from scripts/build_llama_server; without them the systems are skipped.
+The binaries come from benchmarks/build_llama_server; without them the systems are skipped.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .common import ModelSource, llama_home, log
 
-BUILD_HINT = "build it once with scripts/build_llama_server (about 9 minutes on 2 cores)"
+BUILD_HINT = "build it once with benchmarks/build_llama_server (about 9 minutes on 2 cores)"
 
 
 class Unavailable(Exception):

@@ -35,7 +35,7 @@ Systems:
               Q4_1 GGUF / an F32 GGUF made from it, continuous batching with -np = the largest
               concurrency, streaming POST /v1/completions (`max_tokens` + `ignore_eos`); its prompt
               cache is off in the sweep (no reuse across requests), on in the chat workload.
-              Needs scripts/build_llama_server once; skipped with that hint when not built.
+              Needs benchmarks/build_llama_server once; skipped with that hint when not built.
 
 A system whose server does not start (or that ignores an option it needs: the server warns "not
 lmi-serve options") is reported as "skipped: <reason from its log>" and the run goes on.
@@ -58,7 +58,7 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
                    [--systems rolling,rolling-dynamic,...] [--out FILE] [--json FILE]
      scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
      scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
-     (or .venv/bin/python scripts/bench.py ...). Durations on a quiet 2-core box (estimates from the
+     (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (8 systems: all but rolling-prefix and
      rolling-q4; about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus
      start-up) about 25 minutes, --quick about 5;
@@ -79,7 +79,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(1, str(ROOT / "src"))
-sys.path.insert(2, str(ROOT / "scripts"))  # the benchmark package next to this file
+sys.path.insert(2, str(ROOT / "benchmarks"))  # the benchmark package next to this file
 
 from benchmark.clients import DynamicClient, openai_sender, stream_one
 from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,

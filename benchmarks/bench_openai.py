@@ -8,7 +8,7 @@ Systems, all streaming, closed loop, the same prompts and forced output lengths:
                still end a row early, so compare TPOT/ITL, not only tok/s)
 Prints one row per system and concurrency, and each system's ratio to lmi.
 
-    .venv/bin/python scripts/bench_openai.py [--concurrency 1,8] [--requests 16]   (after scripts/serve or scripts/test set up .venv)
+    .venv/bin/python benchmarks/bench_openai.py [--concurrency 1,8] [--requests 16]   (after scripts/serve or scripts/test set up .venv)
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    all of it, which the scan does not change).
 2. Against real servers (the default model store, body limit --size), one with each scan: for
    one body of each shape and route, the largest inter-token gap of a stream running on the same
-   worker, the slowest /ping, and the worker's RSS growth (scripts/benchmark/body_probe.py).
+   worker, the slowest /ping, and the worker's RSS growth (benchmarks/benchmark/body_probe.py).
    The former scan is put back into a server by replacing `json_scan.scan` before the workers
    fork; it then runs once per body, where the former routes ran it up to five times, so the
    baseline here flatters it.
 
-    scripts/bench_body_scan.py [--size BYTES] [--skip-servers]
+    benchmarks/bench_body_scan.py [--size BYTES] [--skip-servers]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
 from benchmark.body_probe import ROUTES, SHAPES, body, probe, worker_process  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402

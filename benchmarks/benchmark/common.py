@@ -70,7 +70,7 @@ RESULT_TAG = "BENCH_RESULT "
 
 
 def llama_home() -> Path:
-    """Where scripts/build_llama_server puts llama.cpp (outside the repo)."""
+    """Where benchmarks/build_llama_server puts llama.cpp (outside the repo)."""
     default = Path.home() / ".cache" / "lmi-serve" / "llama.cpp"
     return Path(os.environ.get("LLAMA_CPP_HOME", "").strip() or default)
 

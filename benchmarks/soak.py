@@ -38,7 +38,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "scripts"))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 from benchmark.common import cpu_summary  # noqa: E402
 
 TEXT = "smollm2-135m-instruct"

@@ -14,7 +14,7 @@ token, three adapters mixed): our LoraLinear around the oneDNN base layers, agai
 mixed-batch forward (`PeftModel(..., adapter_names=[...])`, on plain nn.Linear, which is what PEFT
 wraps), and the model without LoRA.
 
-    .venv/bin/python scripts/bench_lora.py [--concurrency 16] [--requests 48] [--layers]
+    .venv/bin/python benchmarks/bench_lora.py [--concurrency 16] [--requests 48] [--layers]
 """
 
 from __future__ import annotations

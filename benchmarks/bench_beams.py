@@ -9,7 +9,7 @@ and the search's own latency. With --before SRC the same rounds also run on anot
 (e.g. main's, where a beam search ran alone), alternating A, B, A, B ... each in a fresh process;
 the table gives min and median over rounds and the after/before ratio of the minimums.
 
-    .venv/bin/python scripts/bench_beams.py [--before ../main/src] [--streams 32] [--rounds 3] [--threads N]
+    .venv/bin/python benchmarks/bench_beams.py [--before ../main/src] [--streams 32] [--rounds 3] [--threads N]
 
 The machine is shared and noisy: read ratios within one run and the minimums; the header gives the
 CPU model, its SIMD flags and the load average.
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from benchmark.common import cpu_summary  # noqa: E402
 
 STREAM_PROMPTS = ["Tell me a story about a dragon.", "Explain how rain forms.", "List some fruits:",

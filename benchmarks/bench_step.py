@@ -24,7 +24,7 @@ alone (10 prompts of tests/unit/engine/engine_prompts.py, 32 tokens each, alone 
 exact implementation scores 100 %) and the perplexity of benchmark/perplexity.txt (plain
 transformers forward against each implementation's prefill).
 
-    .venv/bin/python scripts/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
+    .venv/bin/python benchmarks/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
                                            [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
                                            [--variants fp16,q4,onednn] [--ppl-tokens N] [--gate-tokens 32]
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's engine, not whichever one the venv installed
-sys.path.insert(1, str(ROOT / "scripts"))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 sys.path.insert(2, str(ROOT / "tests" / "unit" / "engine"))  # engine_prompts
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -3,7 +3,7 @@ the first answer to /ping (any status), and to a healthy /ping; the longest a si
 for its answer; and the statuses seen. The gap between "bound" and "first answer" is the worker's
 own start (gunicorn forks it, then it imports the app) during which connections wait in the backlog.
 
-Run: .venv/bin/python scripts/bench_boot.py [--runs N] [--model-dir DIR]
+Run: .venv/bin/python benchmarks/bench_boot.py [--runs N] [--model-dir DIR]
 """
 
 from __future__ import annotations

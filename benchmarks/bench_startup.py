@@ -1,7 +1,7 @@
 """Start-up figures for the default models: cold (GGUF converted into an empty cache) and warm
 (safetensors cache reused), each as seconds to a healthy /ping and the server's RSS.
 
-Run: .venv/bin/python scripts/bench_startup.py [--runs N]
+Run: .venv/bin/python benchmarks/bench_startup.py [--runs N]
 """
 
 from __future__ import annotations

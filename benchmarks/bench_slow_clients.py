@@ -4,11 +4,11 @@ Starts the server (embedded defaults), then for `--duration` seconds each:
 1. baseline: `--clients` threads send normal requests (/ping, a 4-token LMI and OpenAI generation,
    each on a fresh connection);
 2. pressure: the same, while `--slow` connections trickle a request head or body one byte every
-   `--interval` seconds, or sit idle (scripts/benchmark/slow_clients.py).
+   `--interval` seconds, or sit idle (benchmarks/benchmark/slow_clients.py).
 Prints each phase's p50/p99 latency, the pressure/baseline ratios, the normal requests that failed
 (timeout `--timeout`), and what became of the slow connections (408, closed, still open).
 
-    .venv/bin/python scripts/bench_slow_clients.py [--slow 200] [--duration 30] [--threads 64]
+    .venv/bin/python benchmarks/bench_slow_clients.py [--slow 200] [--duration 30] [--threads 64]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The quality gates of scripts/bench_step.py: what a faster KV implementation must not change.
+"""The quality gates of benchmarks/bench_step.py: what a faster KV implementation must not change.
 
 (a) greedy agreement: fixed prompts, generated alone and batched with each KV implementation,
     compared token by token with `dynamic` alone (an exact implementation scores 100 %);
