@@ -4,12 +4,14 @@ lmi_serve.config_doc renders from the config models, every key and variable it l
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from markdown.extensions.toc import slugify
 
 from lmi_serve import config_doc
 from lmi_serve.config import load_model_config
@@ -29,6 +31,19 @@ def test_site_builds_strictly_without_a_warning(tmp_path: Path) -> None:
     assert "WARNING" not in done.stderr, done.stderr
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
     assert (tmp_path / "site" / "repo" / "benchmarks" / "RESULTS" / "index.html").is_file()
+
+
+def test_readme_links_reach_files_and_headings() -> None:
+    """The site's build checks docs/; README's links into it are checked here, anchors by MkDocs' slugs."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\((?!https?:)([^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert any(path.startswith("docs/") for path, _ in links)
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.exists(), path
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), flags=re.MULTILINE)
+            assert anchor in {slugify(h, "-") for h in headings}, f"{path}#{anchor}"
 
 
 @pytest.fixture
