@@ -442,7 +442,7 @@ def catalog(route: Route) -> list[Case]:
     cases.append(Case(render({**seed, "unknown_field": 1}), note="an unknown field"))
     body = render(seed)
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
-        # On LMI routes a text/plain body is the prompt (README): send a prompt, not 500 bytes of JSON.
+        # On LMI routes a text/plain body is the prompt (docs/lmi.md): send a prompt, not 500 bytes of JSON.
         plain = route.dialect == "lmi" and content_type == "text/plain"
         cases.append(Case(b"Hello" if plain else body, {"Content-Type": content_type},
                           note=f"Content-Type: {content_type}"))

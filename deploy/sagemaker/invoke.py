@@ -6,7 +6,7 @@
     python deploy/sagemaker/invoke.py --endpoint llama3 --adapter sql "List the tables"
 
 SageMaker forwards every InvokeEndpoint body to the container's POST /invocations, unchanged, with the
-ContentType and Accept given here; lmi-serve answers in LMI's schema (README "Routes"): `{"inputs",
+ContentType and Accept given here; lmi-serve answers in LMI's schema (docs/lmi.md, "Routes"): `{"inputs",
 "parameters"}` -> `{"generated_text"}`; with `"stream": true` one JSON object per line (jsonlines,
 `{"token": {"text", ...}}`), which InvokeEndpointWithResponseStream delivers as PayloadPart events whose
 boundaries need not fall between lines; a body with `messages` is a chat completion in OpenAI's shape.
@@ -26,7 +26,7 @@ import boto3
 def _parameters(max_new_tokens: int, adapter: str | None) -> dict[str, Any]:
     parameters: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     if adapter:
-        parameters["adapters"] = adapter  # a LoRA adapter registered on the endpoint (README "LoRA adapters")
+        parameters["adapters"] = adapter  # a LoRA adapter registered on the endpoint (docs/models.md, "LoRA adapters")
     return parameters
 
 

@@ -119,49 +119,229 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
-    name: str = Field(pattern=_NAME_PATTERN)
+    name: str = Field(
+        pattern=_NAME_PATTERN,
+        description="the served name (a model store always uses folder names)",
+        json_schema_extra={"doc_default": "folder name"},
+    )
     model_dir: str | None = None
-    model_id: str | None = None
-    gguf_file: str | None = None
-    dtype: Dtype = "auto"
-    device_map: str | None = None
-    tensor_parallel_degree: int | Literal["max"] = 1
-    trust_remote_code: bool = False
-    revision: str | None = None
+    model_id: str | None = Field(
+        None,
+        description=(
+            "local folder, GGUF file, `package:<python_module>[/sub]`, a Hub id or `s3://bucket/prefix` "
+            "(downloaded at start-up, see [Bring your own model](models.md#bring-your-own-model))"
+        ),
+        json_schema_extra={"doc_default": "the folder itself"},
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="which GGUF file in the folder",
+        json_schema_extra={"doc_default": "the only `*.gguf`"},
+    )
+    dtype: Dtype = Field(
+        "auto",
+        description=(
+            "`fp32`, `fp16`, `bf16`, `auto` (fp32 on CPU, where bf16 is emulated and slower; bf16 or fp16 on "
+            "GPU)"
+        ),
+    )
+    device_map: str | None = Field(
+        None,
+        description=(
+            "passed to `from_pretrained` (GPU only): `auto` spreads the layers of a model without a "
+            "tensor-parallel plan over the GPUs"
+        ),
+    )
+    tensor_parallel_degree: int | Literal["max"] = Field(
+        1,
+        description=(
+            "int or `max`/-1 (every GPU; 1 on a CPU); > 1 shards the model over that many ranks (see [Tensor "
+            "parallelism](models.md#tensor-parallelism))"
+        ),
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description=(
+            "let transformers run Python code the model's repo ships (`trust_remote_code`); see "
+            "[Security](security.md)"
+        ),
+    )
+    revision: str | None = Field(
+        None,
+        description="the Hub branch, tag or commit to download",
+        json_schema_extra={"doc_default": "`main`"},
+    )
     # A Hub or S3 model with only *.bin / *.pt / *.pth / *.ckpt weights (unpickling runs code): refused unless set
-    allow_pickled_weights: bool = False
-    task: Task | None = None
-    rolling_batch: RollingBatch = "auto"
-    max_rolling_batch_size: int = Field(32, ge=1)
-    max_rolling_batch_prefill_tokens: int = Field(512, ge=1)
-    kv_cache: KvCache = "slots"
+    allow_pickled_weights: bool = Field(
+        False,
+        description=(
+            "a Hub or S3 model whose only weights are pickled (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`) is downloaded "
+            "and loaded instead of refused"
+        ),
+    )
+    task: Task | None = Field(
+        None,
+        description=(
+            "`text-generation`, `text2text-generation` (an encoder-decoder model; served by the same routes), "
+            "`text-embedding` or `tensor` (a model.py serving tensors, see Triton); inferred from the model's own"
+            " files, see [Bring your own model](models.md#bring-your-own-model)"
+        ),
+        json_schema_extra={"doc_default": "inferred"},
+    )
+    rolling_batch: RollingBatch = Field(
+        "auto",
+        description=(
+            "`auto`: the rolling batch when the built-in text-generation handler serves the model with "
+            "`batch_size=1` and no `enable_streaming`, else dynamic batching; `scheduler`: the rolling batch (an "
+            "error at start-up where it cannot apply); `disable`: dynamic batching"
+        ),
+    )
+    max_rolling_batch_size: int = Field(32, ge=1, description="rows decoded together (16–32 suits a 2-core CPU)")
+    max_rolling_batch_prefill_tokens: int = Field(
+        512, ge=1,
+        description=(
+            "prompt tokens prefilled per step: a prefill pauses every running stream, so this bounds the longest "
+            "gap between tokens; a longer prompt is prefilled in chunks of at most this many tokens (fewer as its"
+            " context grows: a chunk's tokens count their attention over the context), one chunk per step, while "
+            "the other streams go on (an encoder-decoder's prompt, or one asking for prompt logprobs, goes "
+            "whole); larger admits bursts faster"
+        ),
+    )
+    kv_cache: KvCache = Field(
+        "slots",
+        description=(
+            "`slots`: each layer's K/V in preallocated buffers a step writes one column into, kept in parts of "
+            "rows of similar length, each attending over its own columns only (a long prompt joining short ones "
+            "neither copies nor slows them; grown as used, freed when the part empties; start-up logs the bound, "
+            "`max_rolling_batch_size` × `max_model_len` tokens, warns when it exceeds the memory available and "
+            "fails when not even one row of `max_model_len` fits); `dynamic`: transformers' `DynamicCache`, "
+            "concatenated every step (the baseline). Same output either way; encoder-decoder models have their "
+            "own cache"
+        ),
+    )
     # Prompts that share a prefix reuse its K/V (engine/prefix_cache.py), held within prefix_cache_mb.
-    enable_prefix_caching: bool = False
-    prefix_cache_mb: int = Field(512, ge=1)
+    enable_prefix_caching: bool = Field(
+        False,
+        description=(
+            "prompts that share a prefix (a chat's system prompt, few-shot examples, earlier turns) reuse its "
+            "K/V: after a prefill the prompt's full blocks of 16 tokens are kept, and a later prompt starting "
+            "with the same blocks prefills only the rest (at least its last token); blocks are keyed by "
+            "everything before them, so only a whole shared prefix matches. Same greedy output as without it. "
+            "`GET /models/<m>` shows `engine.prefixCache` (lookups, hits, tokens reused, blocks, bytes). Rolling "
+            "batch only; not for encoder-decoder models (a start-up error)"
+        ),
+    )
+    prefix_cache_mb: int = Field(
+        512, ge=1,
+        description=(
+            "memory for cached prefix blocks (MiB); past it the least recently used block that no later block and"
+            " no running prefill refers to is dropped (SmolLM2: 46 KB per token, so 512 MiB holds ~11,000 tokens)"
+        ),
+    )
     # TGI's watermark (engine/watermark.py): the green list's share of the vocabulary, and its bias
-    watermark_gamma: float = Field(0.5, gt=0, lt=1)
-    watermark_delta: float = Field(2.0, ge=0)
-    quantize: Quantize = "none"
-    linear_kernel: LinearKernel = "auto"
+    watermark_gamma: float = Field(
+        0.5, gt=0, lt=1,
+        description=(
+            "the watermark's green-list share of the vocabulary (0 < gamma < 1), for requests with `watermark: "
+            "true` (TGI's default)"
+        ),
+    )
+    watermark_delta: float = Field(
+        2.0, ge=0,
+        description="the bias added to green tokens (≥ 0), for requests with `watermark: true` (TGI's default)",
+    )
+    quantize: Quantize = Field(
+        "none",
+        description=(
+            "opt-in lighter weights, CPU only, fp32 activations (`none` is today's fp32 output). `fp16`: every "
+            "Linear (lm_head too) stores its weights in fp16 and computes in fp32 (fbgemm); a tied embedding "
+            "keeps its fp32 weight. Perplexity 23.7155 against 23.7171, 10/10 greedy continuations identical to "
+            "fp32 here, weights 513 → 256 MiB, a step 0.59–0.85x of fp32 on an AVX2 EPYC. `q4`: the GGUF's own "
+            "Q4_0/Q4_1 blocks on torch's int4 kernel (exact relative to the GGUF: every packed layer is checked "
+            "against the loaded weights; layers the GGUF holds in another type, such as SmolLM2's Q8_0 tied "
+            "lm_head, stay fp32): weights 405 → 76 MiB, memory 905 → 606 MiB, but torch 2.13's x86 int4 kernel "
+            "has vector code only for bf16 activations, so with exact fp32 activations it is 4.6–42x *slower* "
+            "than fp32 (start-up warns): it saves memory, not time. Refused, naming the option, with "
+            "`option.dtype` fp16/bf16, on a GPU, or `q4` for a model that is not a Q4 GGUF. No `int8` (see the "
+            "fast-engine notes)"
+        ),
+    )
+    linear_kernel: LinearKernel = Field(
+        "auto",
+        description=(
+            "the kernel of fp32 Linear layers on the CPU. `auto`: oneDNN's matmul on weights reordered once into "
+            "its blocked layout (model/linear_kernels.py) wherever the model is fp32 on the CPU, else torch's "
+            "own; `onednn`: that, or a start-up error naming the option (a GPU, fp16/bf16); `torch`: `nn.Linear` "
+            "as loaded (MKL's sgemm), the path before. Still fp32 arithmetic: logits differ from MKL's only in "
+            "summation order (~1e-6), perplexity 23.4280 both, 10/10 greedy continuations identical; a decode "
+            "step 0.51–0.59x of `torch`'s at 1–32 rows here (Zen 5 EPYC). Applies after `option.quantize` (its "
+            "fp16/int4 layers are not `nn.Linear`; the fp32 ones it keeps are swapped) and to embedding models "
+            "too"
+        ),
+    )
     # LoRA adapters (model/lora.py, engine/adapters.py): <model_dir>/adapters/* at start-up, the adapters API
-    enable_lora: bool = False
-    max_loras: int = Field(4, ge=1)  # adapters resident at once; more are reloaded from their folder on demand
-    max_lora_rank: int = Field(64, ge=1)  # a larger adapter is refused at registration
-    lora_dtype: LoraDtype = "auto"
-    batch_size: int = Field(1, ge=1)
-    max_batch_delay: int = Field(100, ge=0)
-    enable_streaming: bool = False
-    output_formatter: str | None = None
-    tgi_compat: bool = False
-    entry_point: str | None = None
-    handler: str = "handle"
-    predict_timeout: float = Field(120.0, gt=0)
-    model_loading_timeout: float = Field(240.0, gt=0)
-    job_queue_size: int = Field(1000, ge=1)
-    max_input_len: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    min_workers: int = Field(1, ge=0)
-    max_workers: int = Field(1, ge=1)
+    enable_lora: bool = Field(
+        False,
+        description=(
+            "serve LoRA adapters on this model: every sub-folder of `<model dir>/adapters/` holding a PEFT "
+            "adapter is registered at start-up under its folder's name, more through the adapters API; requests "
+            "name theirs per dialect (see [LoRA adapters](models.md#lora-adapters)). Rolling batch, decoder-only "
+            "models, one worker (start-up errors otherwise)"
+        ),
+    )
+    max_loras: int = Field(
+        4, ge=1,
+        description=(
+            "adapters resident at once; registering or requesting another evicts the least recently used one that"
+            " no running row uses (read again from its folder when needed)"
+        ),
+    )
+    max_lora_rank: int = Field(
+        64, ge=1,
+        description=(
+            "an adapter of a larger rank is refused at registration (400; a start-up error for the adapters "
+            "folder)"
+        ),
+    )
+    lora_dtype: LoraDtype = Field(
+        "auto",
+        description="the LoRA matrices' dtype: `auto` (the model's), `fp32`, `fp16`, `bf16`",
+    )
+    batch_size: int = Field(1, ge=1, description="dynamic batch size")
+    max_batch_delay: int = Field(100, ge=0, description="ms to wait for a batch to fill after its first request")
+    enable_streaming: bool = Field(
+        False,
+        description="`true`/`huggingface`: jsonlines `{\"outputs\": [...]}` (needs `batch_size=1`)",
+    )
+    output_formatter: str | None = Field(None, description="`json`, `jsonlines`, `sse` (rolling batch)")
+    tgi_compat: bool = Field(False, description="TGI-shaped bodies and errors on the LMI routes (rolling batch)")
+    entry_point: str | None = Field(
+        None,
+        description="handler file (path, or file in the model folder) or module",
+        json_schema_extra={"doc_default": "`model.py` in the folder, else built-in"},
+    )
+    handler: str = Field("handle", description="handler function name")
+    predict_timeout: float = Field(
+        120.0, gt=0,
+        description=(
+            "seconds a request may wait + run (dynamic batch); may wait for a free row (rolling batch: once "
+            "generating, it runs to the end)"
+        ),
+    )
+    model_loading_timeout: float = Field(240.0, gt=0, description="seconds before a loading model counts as failed")
+    job_queue_size: int = Field(1000, ge=1, description="waiting requests per model before 503 (TGI routes: 429)")
+    max_input_len: int | None = Field(
+        None, ge=1,
+        description="prompt tokens allowed",
+        json_schema_extra={"doc_default": "context − 1"},
+    )
+    max_model_len: int | None = Field(
+        None, ge=1,
+        description="prompt + output tokens",
+        json_schema_extra={"doc_default": "the model's context"},
+    )
+    min_workers: int = Field(1, ge=0, description="validated; replicas are server-wide (below)")
+    max_workers: int = Field(1, ge=1, description="validated; replicas are server-wide (below)")
     options: dict[str, str] = Field(default_factory=dict)
     unknown_options: tuple[str, ...] = ()
     # OPTION_* variables left out for this model: its kind does not take them (NOT_TAKEN)

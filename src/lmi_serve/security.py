@@ -1,4 +1,4 @@
-"""Access control: API keys, the management switch, and the adapters root (README "Security").
+"""Access control: API keys, the management switch, and the adapters root (docs/security.md).
 
 `SecurityConfig` is the server-wide block of options, built once by the launcher (`build_security`)
 from `option.<key>` (serving.properties or `OPTION_<KEY>`) or `LMI_SERVE_<KEY>`; it holds SHA-256

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from benchmark.common import DEFAULT_MODEL  # noqa: E402
 from benchmark.servers import ServerSettings, Servers  # noqa: E402
@@ -26,4 +26,4 @@ def test_a_server_that_refuses_its_options_is_skipped_with_the_logged_reason(tmp
         servers.stop()
     assert servers.servers == {}
     assert "kv_cache" in servers.skipped["rolling"] and "invalid configuration" in servers.skipped["rolling"]
-    assert "scripts/build_llama_server" in servers.skipped["llama-server"]
+    assert "benchmarks/build_llama_server" in servers.skipped["llama-server"]

@@ -22,7 +22,7 @@ import pytest
 
 from server_process import serving
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from benchmark.body_probe import ROUTES, SHAPES, probe, worker_process  # noqa: E402
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ missing, empty/non-JSON/oversized bodies, Content-Type, Content-Encoding, Triton
 Inference-Header-Content-Length), then hypothesis sends requests built from the route's real schema
 and mutated (tests/fuzz_strategies.py), derandomized so CI sees the same requests every run.
 Every answer must hold, whatever was sent:
-- no 5xx except the few the README documents for load (ALLOWED_5XX below);
+- no 5xx except the few the docs document for load (ALLOWED_5XX below);
 - JSON, never an HTML page: a whole body parses as JSON; a stream that answered 200 is well-formed
   SSE or JSON lines whose every frame is JSON (an error inside a started stream is a JSON frame);
 - an error (>= 400) in the shape of the route's dialect (`assert_error_shape`);
@@ -29,13 +29,13 @@ from fuzz_strategies import EMBEDDING_MODEL, ROUTES, TENSOR_MODEL, TEXT_MODEL, C
 pytestmark = pytest.mark.integration
 
 TIMEOUT = 60  # seconds for one request (connect and each read): a request that never answers fails
-# The only 5xx statuses a client can be given for any input, each documented in the README.
+# The only 5xx statuses a client can be given for any input, each documented in docs/.
 ALLOWED_5XX = {
-    503: "waiting queue full or model loading (README, Errors; Triton: not ready / queue full)",
-    504: "waited longer than predict_timeout (README, Errors)",
-    507: "out of memory in a handler (README, Errors)",
+    503: "waiting queue full or model loading (docs/lmi.md, Errors; Triton: not ready / queue full)",
+    504: "waited longer than predict_timeout (docs/lmi.md, Errors)",
+    507: "out of memory in a handler (docs/lmi.md, Errors)",
 }
-TRITON_ALLOWED_5XX = {501: "unsupported Content-Encoding on /infer (README, Triton: 501 Unsupported compression type)"}
+TRITON_ALLOWED_5XX = {501: "unsupported Content-Encoding on /infer (docs/triton.md: 501 Unsupported compression type)"}
 # Examples per route: generation routes cost a prefill and two tokens for each accepted request.
 EXAMPLES = {"cheap": 100, "generation": 40}
 GENERATION = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
@@ -68,7 +68,7 @@ def send(server, route: Route, case: Case) -> requests.Response:
 # --- what every answer must look like ----------------------------------------------------------
 
 def assert_error_shape(dialect: str, status: int, body) -> None:
-    """The error body of `dialect` (shapes from README and /work/shared/reference)."""
+    """The error body of `dialect` (shapes from docs/ and /work/shared/reference)."""
     assert isinstance(body, dict), f"error body is not a JSON object: {body!r}"
     if dialect == "openai":
         error = body.get("error")

@@ -2,7 +2,7 @@
 
 1. After long prompts (chunked prefill, max_new_tokens 1) the worker's RSS returns to within 10 % of
    its warm idle value: the engine trims glibc's heap once it idles (memory.py). Without the trim
-   the freed activations stay in the heap and RSS stays well above (scripts/bench_memory.py).
+   the freed activations stay in the heap and RSS stays well above (benchmarks/bench_memory.py).
 2. Prompts of many lengths leave RSS within 10 % of where it was: every prefill length is a new
    input shape, and oneDNN's and ideep's kernel caches keep a kernel per shape (1,024 entries each
    unless the launcher caps them at 64). Measured +2-5 % with the caps, +24-27 % without.
@@ -27,7 +27,7 @@ from server_process import serving, wait_for
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from soak import proc_status, worker_pid  # noqa: E402
 
 WORDS = "apple river stone cloud market silver garden window bridge forest engine letter candle mountain ocean".split()
@@ -96,7 +96,7 @@ def test_rss_stays_put_over_many_prompt_lengths(server):
 
 def test_soak_smoke_has_no_unexpected_answer_and_leaves_no_row(server, tmp_path):
     out = tmp_path / "soak.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--url", server.base,
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--url", server.base,
                            "--pid", str(server.proc.pid), "--minutes", "0.25", "--warmup-minutes", "0.05",
                            "--concurrency", "4", "--idle-seconds", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)

@@ -2,7 +2,7 @@
 (request_reader.py) and a request thread gets each one whole. Normal requests keep being served
 beside 200 slow connections; the slow ones are answered 408 (in JSON) or closed; bytes read ahead
 (a trickled chunked body, a pipelined request) still reach gunicorn's parser.
-Latency figures are not asserted here: scripts/bench_slow_clients.py prints them."""
+Latency figures are not asserted here: benchmarks/bench_slow_clients.py prints them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import requests
 from server_process import wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from benchmark.slow_clients import NORMAL_REQUESTS, NormalLoad, SlowSockets  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark: the parts of the benchmark that decide what runs and what it reports (no server,
+"""benchmarks/benchmark: the parts of the benchmark that decide what runs and what it reports (no server,
 no model): skip reasons, system options, prompt windows, the chat workload, SSE parsing, ratio lines."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from benchmark import llama  # noqa: E402
 from benchmark.chat import ttft_ratio  # noqa: E402
@@ -50,7 +50,7 @@ def test_rolling_options_carry_the_prefill_budget_and_the_quantization():
 
 def test_llama_server_without_a_build_is_unavailable_with_the_build_hint(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_CPP_HOME", str(tmp_path))
-    with pytest.raises(llama.Unavailable, match="scripts/build_llama_server"):
+    with pytest.raises(llama.Unavailable, match="benchmarks/build_llama_server"):
         llama.binary("llama-server")
     assert skipped_lines({"llama-server": "not built"}) == ["", "- llama-server: skipped: not built"]
 

@@ -1,5 +1,5 @@
 """metrics.py in one process (no PROMETHEUS_MULTIPROC_DIR): observer facts and HTTP counts become
-exactly the series the README lists, and /metrics answers while a model is still loading."""
+exactly the series docs/operations.md lists, and /metrics answers while a model is still loading."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 On CPU, `nn.Linear` in fp32 runs torch's `addmm`, which calls MKL's sgemm. For the shapes a decode step
 has (a few to a few dozen rows against a weight matrix) oneDNN's matmul with the weight reordered once
 into its own blocked layout is 1.3-3.7x faster (measured on a Zen 5 EPYC: the 49,152-row lm_head of
-SmolLM2 at 32 rows 17.7 -> 4.7 ms, its MLP's 1536x576 at 32 rows 0.39 -> 0.13 ms; see the README's fast
+SmolLM2 at 32 rows 17.7 -> 4.7 ms, its MLP's 1536x576 at 32 rows 0.39 -> 0.13 ms; see benchmarks/RESULTS.md's fast
 engine section for the whole step). The arithmetic stays fp32: the results differ from MKL's only in
 the order in which a dot product is summed (~1e-6 on SmolLM2's activations), as MKL's own results
 differ between one row and several. `torch` keeps the plain layers (the baseline, and a fallback).

@@ -1,4 +1,4 @@
-"""Triton's example model `simple`, written as an lmi-serve tensor model (README, "Tensor models").
+"""Triton's example model `simple`, written as an lmi-serve tensor model (docs/triton.md, "Tensor models").
 
 OUTPUT0 = INPUT0 + INPUT1 and OUTPUT1 = INPUT0 - INPUT1, element-wise, for INT32 tensors of shape
 [-1, 16]. The server has already checked names, datatypes and shapes against INPUT_TENSORS before

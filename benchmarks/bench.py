@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Benchmarks of one text model (default: the embedded SmolLM2; --model DIR for any), several systems
+side by side in one run. Three workloads (--workload):
+
+- sweep (default): a closed-loop concurrency sweep (1, 4, 16, 32 clients); every system gets the same
+  prompts (10-200 tokens, each point its own) and the same forced output lengths (16-128 tokens).
+- chat: OpenAI /v1/chat/completions streaming requests that all share one ~200-token system prompt,
+  each with its own short user message (benchmark/chat.py): what a prefix cache saves.
+- gaps: 32 streaming clients for a fixed time while 2,000-token prompts join (and, with --beam,
+  num_beams=4 requests run): the longest gap between two tokens of a stream (benchmark/gaps.py).
+
+Systems:
+
+- rolling     our server, option.rolling_batch=scheduler (max_rolling_batch_size 32, kv_cache=slots,
+              linear_kernel=auto: oneDNN's packed fp32 weights on a CPU); streaming
+              POST /invocations, application/jsonlines, one line per token. TTFT = first line,
+              ITL = gaps between lines, output tokens = token lines.
+- rolling-dynamic  the path before the fast engine: option.kv_cache=dynamic (transformers' DynamicCache,
+              concatenated every step) and option.linear_kernel=torch (nn.Linear: MKL's sgemm).
+- rolling-linear-torch  rolling with option.linear_kernel=torch: splits rolling / rolling-dynamic into
+              the KV cache's part and the Linear kernel's.
+- rolling-fp16, rolling-q4  rolling with option.quantize=fp16 / q4 (opt-in lighter weights).
+- rolling-prefix  rolling with option.enable_prefix_caching=true (in the sweep no prompts share a
+              prefix, so it measures the cache's overhead; the chat workload measures its gain).
+- dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;
+              non-streaming POST /invocations, so TTFT = E2E and there is no TPOT/ITL.
+- sequential  not a separate server: rolling at concurrency 1 is the one-at-a-time baseline.
+- cb          transformers' own continuous batching in a subprocess (init_continuous_batching +
+              add_request(streaming=True), per-request max_new_tokens, EOS disabled), driven
+              closed-loop at the same concurrency.
+- static      one padded model.generate per batch of `concurrency` requests in a subprocess
+              (left padding, greedy, min_new_tokens = max_new_tokens = the batch's longest target);
+              tok/s counts each row's target tokens only ("useful"), the raw ceiling is also shown.
+- llama-server, llama-server-f32  llama.cpp's server (the CPU anchor, benchmark/llama.py) on the same
+              Q4_1 GGUF / an F32 GGUF made from it, continuous batching with -np = the largest
+              concurrency, streaming POST /v1/completions (`max_tokens` + `ignore_eos`); its prompt
+              cache is off in the sweep (no reuse across requests), on in the chat workload.
+              Needs benchmarks/build_llama_server once; skipped with that hint when not built.
+
+A system whose server does not start (or that ignores an option it needs: the server warns "not
+lmi-serve options") is reported as "skipped: <reason from its log>" and the run goes on.
+
+Lengths are forced: `parameters.ignore_eos_token: true` + `max_new_tokens` (OpenAI: `ignore_eos` +
+`max_tokens`), so every system generates exactly the target number of tokens (dynamic batching falls
+back to not sending the flag when its schema rejects it; the run says so). Metric definitions follow
+`vllm bench serve`: TTFT; TPOT = (E2E - TTFT) / (out_tokens - 1); ITL = the gaps between streamed
+chunks, pooled over requests; E2E; output tok/s = all output tokens / (last response end - first
+request start); p50/p99.
+
+One system runs at a time; every server stays up (idle) for the whole run, so the systems interleave
+point by point (each system at c, then the next c; cb/static at the largest c). The machine is shared
+and noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
+for CPU use outside the benchmark to calm down, shows that outside use per point ("bg CPU", % of
+one core), and re-runs a point disturbed by more than --noisy % (--retries times), keeping the
+least disturbed run. Read ratios, not absolute numbers.
+
+Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N | --num-prompts N]
+                   [--systems rolling,rolling-dynamic,...] [--out FILE] [--json FILE]
+     scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
+     scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
+     (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
+     per-point times of earlier runs): the default sweep (8 systems: all but rolling-prefix and
+     rolling-q4; about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus
+     start-up) about 25 minutes, --quick about 5;
+     chat (3 systems at 1, 4, 16 clients) about 5; gaps about 1.5 minutes per system and budget
+     (60 s each, the requests in flight, start-up). On a loaded box all of these stretch a lot.
+"""
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(1, str(ROOT / "src"))
+sys.path.insert(2, str(ROOT / "benchmarks"))  # the benchmark package next to this file
+
+from benchmark.clients import DynamicClient, openai_sender, stream_one
+from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,
+                              stop_on_signals)
+from benchmark.inprocess import inproc_point, run_worker
+from benchmark.monitor import hwm_mib
+from benchmark.points import Runner, http_point
+from benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
+from benchmark.servers import ServerSettings, Servers, phase_split, warm_up
+from benchmark.workload import build_workload, model_folder
+
+WORKLOADS = ("sweep", "chat", "gaps")
+DEFAULT_SYSTEMS = {
+    # rolling-q4 only when named: torch's x86 int4 kernel is scalar for fp32 activations (4-42x slower
+    # than fp32, model/quantize.py), so it would take most of the run's time.
+    "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-prefix", "rolling-q4")],
+    "chat": ["rolling", "rolling-prefix", "llama-server"],
+    "gaps": ["rolling", "rolling-dynamic"],
+}
+DEFAULT_CONCURRENCY = {"sweep": ("1,4,16,32", "1,8"), "chat": ("1,4,16", "1,16"), "gaps": ("32", "8")}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=WORKLOADS, default="sweep", help="sweep (default), chat or gaps")
+    p.add_argument("--concurrency", help="comma-separated client counts (sweep: 1,4,16,32, --quick 1,8; "
+                                         "chat: 1,4,16, --quick 1,16)")
+    p.add_argument("--requests-per-client", type=int, help="requests per client and point (default 2; --quick: 1)")
+    p.add_argument("--min-requests", type=int, help="at least this many requests per point (default 8; --quick: 3)")
+    p.add_argument("--num-prompts", type=int, help="fixed number of requests per point (overrides the two above)")
+    p.add_argument("--systems", help="comma-separated subset of " + ",".join(ALL_SYSTEMS) + " (default per "
+                   "workload: " + "; ".join(f"{w}: {','.join(s)}" for w, s in DEFAULT_SYSTEMS.items()) + ")")
+    p.add_argument("--model", help="the model to serve: a folder, hub id or package: source (default: the "
+                                   "embedded SmolLM2 GGUF)")
+    p.add_argument("--gguf-file", help="with --model: the GGUF file inside it, if it is a GGUF folder")
+    p.add_argument("--inproc-concurrency",
+                   help="concurrency/batch sizes for cb and static (default: the largest --concurrency)")
+    p.add_argument("--output-len", help="min,max output tokens (default 16,128; --quick: 16,48)")
+    p.add_argument("--prompt-len", default="10,200", help="min,max prompt tokens (default 10,200)")
+    p.add_argument("--dynamic-batch-size", type=int, default=32)
+    p.add_argument("--max-rolling-batch-size", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads of the in-process systems and llama-server's -t (default 2)")
+    p.add_argument("--ttft-concurrency", type=int, default=16, help="concurrency of the TTFT targets (default 16)")
+    p.add_argument("--quiet-wait", type=float,
+                   help="before each point wait up to this many seconds for CPU use outside the benchmark to drop "
+                        "below --quiet-threshold (default 30; --quick: 10; 0 = never wait)")
+    p.add_argument("--quiet-threshold", type=float, default=30.0, help="%% of one core (default 30)")
+    p.add_argument("--noisy", type=float, default=25.0,
+                   help="a point with more outside CPU than this (%% of one core) counts as disturbed (default 25)")
+    p.add_argument("--retries", type=int, help="re-runs of a disturbed point (default 1; --quick: 0)")
+    g = p.add_argument_group("gaps workload")
+    g.add_argument("--clients", type=int, help="streaming clients (default 32; --quick: 8)")
+    g.add_argument("--duration", type=float, help="seconds per system (default 60; --quick: 20)")
+    g.add_argument("--long-every", type=float, default=10.0, help="a long prompt joins every this many s (default 10)")
+    g.add_argument("--long-tokens", type=int, default=2000, help="tokens of each long prompt (default 2000)")
+    g.add_argument("--beam", action="store_true", help="also run num_beams=4 requests, one after another")
+    g.add_argument("--prefill-budget", help="comma-separated option.max_rolling_batch_prefill_tokens values: "
+                                           "every system runs once per value (default: the server's default)")
+    p.add_argument("--quick", action="store_true", help="short smoke run")
+    p.add_argument("--out", help="also write the markdown report here")
+    p.add_argument("--json", help="also write every row as JSON here")
+    p.add_argument("--_worker", help=argparse.SUPPRESS)
+    p.add_argument("--_spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x.strip()]
+
+    full, quick = DEFAULT_CONCURRENCY[args.workload]
+    args.concurrency = ints(args.concurrency or (quick if args.quick else full))
+    args.requests_per_client = args.requests_per_client or (1 if args.quick else 2)
+    args.min_requests = args.min_requests or (3 if args.quick else 8)
+    args.output_len = tuple(ints(args.output_len or ("16,48" if args.quick else "16,128")))
+    args.prompt_len = tuple(ints(args.prompt_len))
+    if args.retries is None:
+        args.retries = 0 if args.quick else 1
+    if args.quiet_wait is None:
+        args.quiet_wait = 10.0 if args.quick else 30.0
+    args.clients = args.clients or (8 if args.quick else 32)
+    args.duration = args.duration or (20.0 if args.quick else 60.0)
+    args.prefill_budget = ints(args.prefill_budget) if args.prefill_budget else [None]
+    args.systems = [s for s in (args.systems or ",".join(DEFAULT_SYSTEMS[args.workload])).split(",") if s]
+    unknown = set(args.systems) - set(ALL_SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}")
+    args.inproc_concurrency = ints(args.inproc_concurrency) if args.inproc_concurrency else [max(args.concurrency)]
+    return args
+
+
+def requests_for(args: argparse.Namespace, concurrency: int) -> int:
+    if args.num_prompts:
+        return args.num_prompts
+    return max(concurrency * args.requests_per_client, args.min_requests)
+
+
+def sweep_sender(name: str, dyn: DynamicClient) -> tuple[str, object]:
+    """(route, sender) of a system in the sweep."""
+    if name in LLAMA_SYSTEMS:  # no prompt cache: every request prefills its whole prompt, as ours do
+        return "/v1/completions", openai_sender("completions", extra={"cache_prompt": False})
+    if name == "dynamic":
+        return "/invocations", dyn
+    return "/invocations", stream_one
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        result = run_worker(args._worker, args._spec)
+        print(RESULT_TAG + json.dumps(result), flush=True)
+        return 0
+    stop_on_signals()  # SIGINT and SIGTERM alike: servers stopped, partial sweep reported, 128 + signal
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    source = ModelSource(args.model, args.gguf_file) if args.model else DEFAULT_MODEL
+    log(f"model: {source.describe()}; workload: {args.workload}")
+    status = 0
+    try:
+        if args.workload == "chat":
+            from benchmark.chat import run_chat
+            report, rows = run_chat(args, source)
+        elif args.workload == "gaps":
+            from benchmark.gaps import run_gaps
+            report, rows = run_gaps(args, source)
+        else:
+            report, rows = run_sweep(args, source)
+    except Interrupted as exc:
+        log(f"interrupted by {exc}; the servers it started are stopped"
+            + ("; what was measured follows" if exc.partial else ""))
+        if exc.partial is None:
+            return 128 + exc.signum
+        (report, rows), status = exc.partial, 128 + exc.signum
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    return status
+
+
+def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[dict]]:
+    t_begin = time.monotonic()
+    load_before = os.getloadavg()
+    workdir = Path(tempfile.mkdtemp(prefix="lmi-bench-"))
+    baselines = [s for s in ("cb", "static") if s in args.systems]
+    if baselines and source.encoder_decoder():
+        # transformers' continuous batching serves decoder-only models, and the static worker
+        # slices a decoder-only output: against an encoder-decoder, only our servers compare.
+        log(f"{source.describe()} is encoder-decoder: skipping {', '.join(baselines)} (decoder-only baselines)")
+        args.systems = [s for s in args.systems if s not in baselines]
+    ctx = args.prompt_len[1] + args.output_len[1] + 64
+    settings = ServerSettings(max_rolling=args.max_rolling_batch_size, dynamic_batch=args.dynamic_batch_size,
+                              llama_slots=max(args.concurrency), llama_ctx_per_slot=-(-ctx // 256) * 256,
+                              llama_threads=args.threads, llama_prompt_cache=False)
+    servers = Servers(workdir, args.systems, settings, source)
+    rows: list[dict] = []
+    notes: list[str] = []
+    runner = Runner(args.quiet_wait, args.quiet_threshold, args.noisy, args.retries)
+    interrupted: Interrupted | None = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_folder(source))
+        points = sorted(set(args.concurrency) | set(args.inproc_concurrency))
+        sizes = {c: requests_for(args, c) for c in points}
+        # each point its own window of prompts (and the warm-up the last one): no prompt repeats in a run
+        offsets, total = {}, 0
+        for c in points:
+            offsets[c], total = total, total + sizes[c]
+        workload = build_workload(tokenizer, total + 2, args.prompt_len, args.output_len)
+        log(f"workload: {len(workload.prompts)} prompts, {min(workload.prompt_tokens)}-{max(workload.prompt_tokens)} "
+            f"prompt tokens, outputs {min(workload.max_new_tokens)}-{max(workload.max_new_tokens)}; requests per point "
+            + ", ".join(f"c{c}: {n}" for c, n in sizes.items()))
+        servers.wait()
+        dyn = DynamicClient(tokenizer, send_ignore_eos=True)
+        senders = {name: sweep_sender(name, dyn) for name in servers.servers}
+        for name, server in list(servers.servers.items()):
+            try:
+                notes += warm_up(name, server, workload.window(total, 2), dyn, senders[name][1], senders[name][0])
+            except RuntimeError as exc:
+                servers.drop(name, f"warm-up failed: {str(exc)[:300]}")
+        try:
+            for c in points:
+                n, window = sizes[c], workload.window(offsets[c], sizes[c])
+                if c in args.concurrency:
+                    for name, server in servers.servers.items():
+                        path, send = senders[name]
+                        run = functools.partial(http_point, name, server, send, path, window, c, n)
+                        rows.append(runner.measure(f"{name}@{c}", run))
+                if c in args.inproc_concurrency:
+                    for kind in ("cb", "static"):
+                        if kind not in args.systems:
+                            continue
+                        extra_notes: list[str] = []
+                        run = functools.partial(inproc_point, kind, window, c, n, args.threads, workdir,
+                                                servers.pids(), extra_notes, source)
+                        try:
+                            rows.append(runner.measure(f"{kind}@{c}", run))
+                        except Exception as exc:  # noqa: BLE001 - report and go on with the other systems
+                            notes.append(f"{kind}@{c} failed: {str(exc)[-1500:]}")
+                            log(f"{kind}@{c} FAILED: {str(exc)[-800:]}")
+                            continue
+                        notes += [x for x in dict.fromkeys(extra_notes) if x not in notes]
+        except Exception as exc:  # noqa: BLE001 - keep what was measured and say why it stopped
+            notes.append(f"SWEEP ABORTED: {type(exc).__name__}: {str(exc)[-2000:]}")
+            log(f"sweep aborted: {type(exc).__name__}: {str(exc)[-2000:]}")
+        except Interrupted as exc:  # the same, and main exits with the signal's status after the report
+            notes.append(f"SWEEP INTERRUPTED by {exc}: the points above are all that was measured")
+            interrupted = exc
+        hwm = {name: hwm_mib(s.proc.pid) for name, s in servers.servers.items()}
+        for name, server in servers.servers.items():
+            split = phase_split(server) if name not in LLAMA_SYSTEMS else None
+            if split:
+                notes.append(f"engine phases of {name} over the whole run: {split}")
+        server_logs = {name: s.output() for name, s in servers.servers.items()}
+        llama_commands = {name: s.command for name, s in servers.servers.items() if name in LLAMA_SYSTEMS}
+    finally:
+        servers.stop()
+
+    order = {s: i for i, s in enumerate(ALL_SYSTEMS)}
+    rows.sort(key=lambda r: (order[r["system"]], r["concurrency"]))
+    top = max(args.concurrency)
+    out = ["## lmi-serve benchmark (sweep)", "",
+           f"Model {source.describe()}. "
+           f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average before "
+           f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; total run {time.monotonic() - t_begin:.0f} s. "
+           f"Prompts {min(workload.prompt_tokens)}-{max(workload.prompt_tokens)} tokens "
+           f"(mean {sum(workload.prompt_tokens) / len(workload.prompt_tokens):.0f}), outputs "
+           f"{args.output_len[0]}-{args.output_len[1]} tokens forced (ignore EOS); greedy; requests per point: "
+           + ", ".join(f"{c}: {n}" for c, n in sizes.items()) + ".", "",
+           render_table(rows), *skipped_lines(servers.skipped), "",
+           "Notes:",
+           "- rolling at concurrency 1 is the sequential baseline (one request at a time on the same server).",
+           "- every point has its own prompts (no prompt repeats within a run), so no prefix cache hits.",
+           ("- dynamic is non-streaming: TTFT = E2E, no TPOT/ITL. static: every row returns when its batch's longest "
+            "row is done, so TTFT = E2E = the batch time; tok/s counts each row's target tokens, raw counts all "
+            "generated (padded-to-longest) tokens."),
+           (f"- cb and static run in a subprocess (torch threads = {args.threads}) while the servers idle; their peak "
+            "RSS is the subprocess's ru_maxrss. Server peak RSS is sampled every 0.5 s over the whole process tree "
+            "(gunicorn arbiter + worker) during that point."),
+           ("- bg CPU = average CPU used by processes outside this benchmark during the point, in % of one core "
+            f"(the machine has {os.cpu_count()}); a high value means the numbers are depressed by other load."),
+           "- ITL is pooled over all gaps of all requests; TPOT = (E2E - TTFT) / (tokens - 1) per request."]
+    out += [f"- {name}: `{command}` (prompt cache off; streaming /v1/completions)"
+            for name, command in llama_commands.items()]
+    stalls = [f"{r['system']}@{r['concurrency']} {r['itl_max']:.2f} s" for r in rows if r.get("itl_max") is not None]
+    if stalls:
+        out.append("- longest gap between two tokens of one stream (max ITL; a joiner's prefill stalls the running "
+                   "rows): " + ", ".join(stalls))
+    out += [f"- {n}" for n in notes]
+    out += retried_lines(rows)
+    busy_idle = [f"{r['system']}@{r['concurrency']}: {r['idle_servers_cpu_s']:.1f} s" for r in rows
+                 if r.get("idle_servers_cpu_s", 0) > 1.0]
+    if busy_idle:
+        out.append("- the idle servers used CPU while an in-process system ran: " + "; ".join(busy_idle))
+    out += runner.notes()
+    out += ["", "Targets and ratios (reports, not assertions):"] + target_checks(rows, top, args.ttft_concurrency)
+    out += ["", "Server peak RSS (kernel VmHWM per process, MiB): "
+            + "; ".join(f"{name}: " + ", ".join(f"pid {pid} {v:.0f}" for pid, v in h.items())
+                        for name, h in hwm.items())]
+    out += server_log_problems(server_logs)
+    if any("failed" in n or "ABORTED" in n for n in notes):
+        log(f"kept the worker specs and logs in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if interrupted is not None:
+        interrupted.partial = ("\n".join(out), rows)
+        raise interrupted
+    return "\n".join(out), rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,1 +1,0 @@
-"""Pieces of scripts/bench.py (the closed-loop concurrency sweep); run it as `python scripts/bench.py`."""
