@@ -35,9 +35,9 @@ VALIDATION_PREFIX = "Input validation error: "
 BODY_FIELDS = ("inputs", "parameters", "stream")
 
 
-class NotJson(InvalidRequest):
-    """The body is not JSON this server accepts (invalid, too deep, lone surrogates): TGI answers
-    400 here, where any other invalid request gets 422."""
+# The body is not JSON this server accepts (invalid, too deep, lone surrogates): TGI answers 400 there,
+# where any other invalid request gets 422. The server's one JSON-body error, under TGI's name for it.
+NotJson = json_body.InvalidJson
 
 
 # --- parsing --------------------------------------------------------------------------------
@@ -74,10 +74,7 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
 
 def decode_body(body: bytes) -> Any:
     """The body as JSON; NotJson (TGI's 400) when it is not JSON we accept."""
-    try:
-        return json_body.loads(body)
-    except json_body.InvalidJson as exc:
-        raise NotJson(str(exc)) from None
+    return json_body.loads(body)
 
 
 def check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:
@@ -118,7 +115,7 @@ class TgiRow(NamedTuple):
 
 
 # kind -> TGI's answer; a kind not listed takes its nearest base class's row
-ERROR_TABLE: dict[type[ServingError], TgiRow] = {
+ERROR_TABLE: dict[type[ServingError | NotJson], TgiRow] = {
     NotJson: TgiRow(400, "validation"),
     InvalidRequest: TgiRow(422, "validation", VALIDATION_PREFIX),
     ContextOverflow: TgiRow(422, "validation", VALIDATION_PREFIX),
@@ -146,7 +143,7 @@ def error_response(status: int, error_type: str, message: str) -> Response:
     return _json_error(status, _HTTP_ERROR_TYPES.get(status, error_type), message)
 
 
-def render_kind(error: ServingError) -> Response:
+def render_kind(error: ServingError | NotJson) -> Response:
     row = lookup(ERROR_TABLE, error)
     return _json_error(row.status, row.error_type, row.prefix + (row.message or error.message))
 
