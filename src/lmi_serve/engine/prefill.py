@@ -98,14 +98,15 @@ class PrefillSteps:
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         """One prefill forward of `rows`; if a group's fails, each row is retried alone."""
-        with guarded_forward(rows, self.stats, None if len(rows) > 1 else
-                             f"Prefill failed for request {rows[0].owner.id}") as forward:
+        group = len(rows) > 1
+        failure = None if group else f"Prefill failed for request {rows[0].owner.id}"  # a group's rows retry alone
+        with guarded_forward(rows, self.stats, failure) as forward:
             with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows], self.device):
                 batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
             self._first_tokens(batch)
         if not forward.failed:
             return self._admitted(batch)
-        if len(rows) == 1:
+        if not group:
             return None
         log.warning("Prefill of %d requests failed (%s); retrying each alone", len(rows), forward.error)
         alone = [self._prefill([row]) for row in rows]
