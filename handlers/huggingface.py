@@ -20,7 +20,7 @@ import torch
 
 from lmi_serve.config import ModelConfig, tensor_parallel_conflict
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
-from lmi_serve.dialects.lmi.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
+from lmi_serve.dialects.common.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
 from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch

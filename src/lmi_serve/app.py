@@ -32,6 +32,7 @@ from .dialects.tgi import routes as tgi_routes
 from .dialects.triton import protocol as triton_protocol
 from .dialects.triton import routes as triton_routes
 from .errors import ServingError
+from .json_body import InvalidJson
 from .metrics import ServingMetrics
 from .openapi import blueprint as openapi_blueprint
 from .registry import ModelRegistry
@@ -41,10 +42,10 @@ log = logging.getLogger(__name__)
 class ErrorRenderers(NamedTuple):
     """How one dialect answers errors: `http` renders an HTTP-level error that comes with its
     status (Flask's 404/405/413, gunicorn's parse errors, an unexpected exception's 500); `kind`
-    renders one of the core's error kinds through the dialect's own table."""
+    renders one of the core's error kinds, or a body that is not JSON, through the dialect's own table."""
 
     http: Callable[[int, str, str], Response]
-    kind: Callable[[ServingError], Response]
+    kind: Callable[[ServingError | InvalidJson], Response]
 
 
 LMI_ERRORS = ErrorRenderers(lmi_errors.error_response, lmi_errors.render_kind)
@@ -177,7 +178,8 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.teardown_request(lambda exc: access_log.request_torn_down())
 
     @app.errorhandler(ServingError)
-    def serving_error(exc: ServingError) -> Response:
+    @app.errorhandler(InvalidJson)
+    def serving_error(exc: ServingError | InvalidJson) -> Response:
         return error_renderers().kind(exc)
 
     @app.errorhandler(HTTPException)

@@ -7,7 +7,8 @@ Every dialect decodes its bodies here, so one rule holds on every route:
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not valid Unicode) is
   refused, since no tokenizer, encoder or renderer can take it;
 - `NaN`, `Infinity` and `-Infinity` (not JSON) are refused.
-Failures raise `InvalidJson` (a ValueError) with a message for the client; each dialect renders it.
+Failures raise `InvalidJson` (a ValueError) with a message for the client; callers let it go, and
+each dialect's error table renders it (Triton in its own words).
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ MAX_DEPTH = 128  # far beyond any real request (JSON Schemas, tool parameters, t
 
 
 class InvalidJson(ValueError):
-    """The body is not JSON this server accepts. `str()` is a sentence for the client; `reason`
-    is the same without "The request body ..." for callers that word their own sentence."""
+    """The body is not JSON this server accepts. `message` (and `str()`) is a sentence for the
+    client; `reason` is the same without "The request body ..." for a dialect that words its own.
+
+    Each dialect's error table has a row for it, as for the core's kinds, whose fields it carries
+    (`message`, `param`, `code`). It is no ServingError on purpose: a custom handler whose
+    `get_as_json` fails has failed (DJL's 424), while a ServingError would pass through as a kind."""
+
+    param: str | None = None
+    code: str | None = None
 
     def __init__(self, reason: str, lead: str = "The request body is not acceptable JSON"):
-        super().__init__(f"{lead}: {reason}")
+        self.message = f"{lead}: {reason}"
+        super().__init__(self.message)
         self.reason = reason
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lmi_serve import guided
-from lmi_serve.dialects.lmi.schema import parse_generation_parameters, to_generation_requests
+from lmi_serve.dialects.common.schema import parse_generation_parameters, to_generation_requests
 from lmi_serve.dialects.openai import chat
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, parse
 from lmi_serve.dialects.tgi.protocol import parse_request

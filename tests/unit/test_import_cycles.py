@@ -132,3 +132,30 @@ def test_dialects_depend_one_way(first, second):
 
     forth, back = edges(first, second), edges(second, first)
     assert not (forth and back), f"{first} and {second} import each other: {forth + back}"
+
+
+# Pairs of dialect packages that import each other in neither direction: what both need is in
+# dialects/common.
+APART = [("lmi", "tgi")]
+
+
+def dialect_edges(graph: dict[str, set[str]], src: str, dst: str) -> list[str]:
+    """The imports from dialect package `src` (or its modules) of `dst` (or its modules)."""
+    a, b = f"{PACKAGE}.dialects.{src}", f"{PACKAGE}.dialects.{dst}"
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if m == a or m.startswith(a + ".")
+                  for t in targets if t == b or t.startswith(b + "."))
+
+
+def test_dialect_edges_sees_an_import_either_way():
+    graph = {f"{PACKAGE}.dialects.lmi.formatters": {f"{PACKAGE}.dialects.tgi.protocol"},
+             f"{PACKAGE}.dialects.tgi.routes": {f"{PACKAGE}.dialects.common.schema"}}
+    assert dialect_edges(graph, "lmi", "tgi") == [
+        f"{PACKAGE}.dialects.lmi.formatters -> {PACKAGE}.dialects.tgi.protocol"]
+    assert dialect_edges(graph, "tgi", "lmi") == []
+
+
+@pytest.mark.parametrize("first, second", APART)
+def test_dialects_kept_apart_import_each_other_in_neither_direction(first, second):
+    graph = import_graph()
+    found = dialect_edges(graph, first, second) + dialect_edges(graph, second, first)
+    assert not found, f"{first} and {second} must not import each other: {found}"

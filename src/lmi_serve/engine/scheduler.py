@@ -23,15 +23,14 @@ Order of operations in `Scheduler.step`:
    batch of its own); one that raises fails alone.
 `Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode (and step 8), sample, emit,
 deliver, evict.
-An exception in a prefill fails only the joiners it concerns (each is retried alone first); one
-in a decode fails the running rows. Either way the loop goes on with new requests.
+Steps 3 and 4 (the prefill half) are in prefill.py. Every forward runs under one rule (guarded.py): an
+exception in a prefill fails only the joiners it concerns (each is retried alone first); one in a
+decode fails the running rows. Either way the loop goes on with new requests.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
-import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -41,24 +40,23 @@ from typing import TYPE_CHECKING
 from ..errors import GenerationFailed, Overloaded, ServingError, Timeout
 from ..model.lora import AdapterError
 from .adapters import Adapters, lora_rows
-from .batch import Batch, Row, make_row
+from .batch import Batch, Row
 from .beam_jobs import BeamJobs, settle
 from .beam_rows import BeamSearch
 from .chunked import ChunkedPrefill, chunkable, supports_chunks
+from .guarded import guarded_forward
 from .prefix_cache import PrefixCache, PrefixStats, supports_prefixes
 from .handle import RequestHandle
 from .observer import EngineObserver, StepReport
 from .kv import KVFactory, held_bytes
 from .kv_select import is_encoder_decoder, kv_factory_for
-from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PREFILL, SAMPLE, PhaseClock
+from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
+from .prefill import PrefillSteps
 from .slot_attention import use_parts
-from .types import GenerationRequest, TokenEvent
+from .types import TokenEvent
 
 if TYPE_CHECKING:
     from .sampling import SampleOutput
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class SchedulerStats:
@@ -69,7 +67,9 @@ class SchedulerStats:
     failed_steps: int = 0
 
 
-class Scheduler:
+class Scheduler(PrefillSteps):
+    """The rolling batch (see the module docstring); the prefill methods are in prefill.py."""
+
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
                  kv_factory: KVFactory | None = None, prefix_cache: PrefixCache | None = None,
@@ -156,17 +156,17 @@ class Scheduler:
     def step(self) -> None:
         if self.idle:
             return  # an idle wake-up is no step: stats.steps and the observer see only steps with work
-        with self.phases.measure(ADMIT):
+        with self.phases.measure(ADMIT):  # steps 1-2
             self._drop_cancelled_and_expired()
             self._admit_beams()
             chunk = self.chunking.cost(self.max_prefill_tokens) if self.chunking else 0
             joiners = self._admit(self.max_prefill_tokens - chunk)
-        if self.chunking is not None:
+        if self.chunking is not None:  # steps 3-4 (prefill.py)
             self._advance_chunk(chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners))
         if joiners:
             self._join(joiners)
         decoded = len(self.batch) if self.batch else 0
-        if self.batch:
+        if self.batch:  # steps 5-7
             self._decode()
         if self.beams:
             self._step_beams()
@@ -261,59 +261,6 @@ class Scheduler:
         handle.adapter_slot = slot
         return True
 
-    def _uses_prefixes(self, request: GenerationRequest) -> bool:
-        """The prefix cache serves this request's prompt: the cache is on, the prompt is chunkable
-        and the request is on the base model."""
-        return self.prefixes is not None and chunkable(request) and request.adapter is None
-
-    def _cached_tokens(self, request: GenerationRequest) -> int:
-        """How many of `request`'s prompt tokens the prefix cache would spare its prefill."""
-        if not self._uses_prefixes(request):
-            return 0
-        return self.prefixes.cached_tokens(request.prompt_ids)
-
-    def _prefill_cost(self, request: GenerationRequest) -> int:
-        return len(request.prompt_ids) - self._cached_tokens(request)
-
-    def _start_prefill(self, handle: RequestHandle) -> ChunkedPrefill:
-        """A one-row prefill of `handle`'s prompt, which its first `advance` starts from the prefix
-        cache's longest match, if any."""
-        row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint,
-                       watermark=handle.watermark, adapter_slot=handle.adapter_slot)
-        prefixes = self.prefixes if self._uses_prefixes(handle.request) else None
-        return ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id, self.device, prefixes)
-
-    def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
-        """Split joiners into prefill groups whose left padding stays under `max_padding`."""
-        groups: list[list[RequestHandle]] = []
-        real = 0
-        for handle in sorted(handles, key=lambda h: len(h.request.prompt_ids)):
-            length = len(handle.request.prompt_ids)
-            group = groups[-1] if groups else None
-            if group and (len(group) + 1) * length <= (1 + self.max_padding) * (real + length):
-                group.append(handle)
-                real += length
-            else:
-                groups.append([handle])
-                real = length
-        return groups
-
-    def _join(self, handles: list[RequestHandle]) -> None:
-        """Prefill the joiners: each prompt with a cached prefix alone (only its rest runs), the others
-        in groups."""
-        misses = []
-        for handle in handles:
-            if self._cached_tokens(handle.request):
-                self._prefill_rest(handle)
-                continue
-            if self._uses_prefixes(handle.request):
-                self.prefixes.count(len(handle.request.prompt_ids), 0)
-            misses.append(handle)
-        for group in self._groups(misses):
-            self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint,
-                                              watermark=h.watermark, adapter_slot=h.adapter_slot)
-                                     for h in group]))
-
     def _add(self, batch: Batch | None) -> None:
         """Merge newly prefilled rows into the running batch."""
         if batch is None:
@@ -325,95 +272,14 @@ class Scheduler:
                 self.batch.concatenate(batch)
         self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
 
-    def _advance_chunk(self, budget: int) -> None:
-        """The next chunk of the chunked prompt; its row joins the batch after the last one."""
-        chunking = self.chunking
-        try:
-            with self.phases.measure(PREFILL), lora_rows(self.model, [chunking.row.adapter_slot], self.device):
-                batch = chunking.advance(budget)
-            if batch is None:
-                return
-            self.chunking = None
-            self._first_tokens(batch)
-        except Exception as exc:
-            self.chunking = None
-            self.stats.failed_steps += 1
-            log.exception("Chunked prefill failed for request %s", chunking.row.owner.id)
-            self._fail([chunking.row], exc)
-            return
-        self._add(self._admitted(batch))
-
-    def _prefill_rest(self, handle: RequestHandle) -> None:
-        """Prefill a prompt whose start the prefix cache holds: only the rest runs, in one forward."""
-        prefill = self._start_prefill(handle)
-        try:
-            with self.phases.measure(PREFILL), lora_rows(self.model, [prefill.row.adapter_slot], self.device):
-                batch = prefill.finish()
-            self._first_tokens(batch)
-        except Exception as exc:
-            self.stats.failed_steps += 1
-            log.exception("Prefill failed for request %s", handle.id)
-            self._fail([prefill.row], exc)
-            return
-        self._add(self._admitted(batch))
-
-    def _first_tokens(self, batch: Batch) -> None:
-        """After a prefill: keep the prompts' blocks for later prompts, sample and send the first tokens."""
-        self._remember(batch)
-        self._deliver(self._emit(batch, self._sample(batch)))
-
-    def _remember(self, batch: Batch) -> None:
-        if self.prefixes is None:
-            return
-        with self.phases.measure(PREFILL):
-            for i, row in enumerate(batch.rows):
-                if row.adapter_slot is not None:  # K/V of an adapter: not the base model's prefix
-                    continue
-                self.prefixes.store(row.request.prompt_ids, functools.partial(batch.kv.row_kv, i))
-
-    def _admitted(self, batch: Batch) -> Batch | None:
-        """Count a successful prefill and drop its rows that finished at their first token."""
-        self.stats.prefills += 1
-        self.stats.admitted += len(batch)
-        with self.phases.measure(EVICT):
-            batch.evict_finished()
-        return batch if len(batch) else None
-
-    def _prefill(self, rows: list[Row]) -> Batch | None:
-        try:
-            with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows], self.device):
-                batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
-            self._first_tokens(batch)
-        except Exception as exc:
-            self.stats.failed_steps += 1
-            if len(rows) > 1:
-                log.warning("Prefill of %d requests failed (%s); retrying each alone", len(rows), exc)
-                alone = [self._prefill([row]) for row in rows]
-                return self._merge([b for b in alone if b is not None])
-            log.exception("Prefill failed for request %s", rows[0].owner.id)
-            self._fail(rows, exc)
-            return None
-        return self._admitted(batch)
-
-    def _merge(self, batches: list[Batch]) -> Batch | None:
-        if not batches:
-            return None
-        first, *rest = batches
-        with self.phases.measure(EVICT):
-            for other in rest:
-                first.concatenate(other)
-        return first
-
     def _decode(self) -> None:
         batch = self.batch
-        try:
+        with guarded_forward(batch.rows, self.stats,
+                             f"Decode step failed; failing its {len(batch)} running requests") as forward:
             with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots, self.device):
                 batch.decode()
             events = self._emit(batch, self._sample(batch))
-        except Exception as exc:
-            self.stats.failed_steps += 1
-            log.exception("Decode step failed; failing its %d running requests", len(batch))
-            self._fail(batch.rows, exc)
+        if forward.failed:
             self.batch = None
             return
         self._deliver(events)
@@ -437,9 +303,3 @@ class Scheduler:
         with self.phases.measure(DELIVER):
             for row, event in events:
                 row.owner.push(event)
-
-    @staticmethod
-    def _fail(rows: Iterable[Row], exc: BaseException) -> None:
-        for row in rows:
-            row.finished = True
-            row.owner.push(TokenEvent.failure(f"exception occurred during rolling batch inference: {exc}"))

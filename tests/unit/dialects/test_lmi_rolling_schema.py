@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmi_serve.dialects.lmi.schema import (
+from lmi_serve.dialects.common.schema import (
     GenerationParameters, LmiRequestError, RollingRequest, parse_generation_parameters, parse_rolling_request,
     to_generation_requests,
 )

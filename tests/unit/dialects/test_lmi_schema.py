@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmi_serve.dialects.lmi.schema import (
+from lmi_serve.dialects.common.schema import (
     DynamicBatchParameters, DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request,
 )
 from lmi_serve.engine.types import SamplingParams

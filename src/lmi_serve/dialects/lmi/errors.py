@@ -13,9 +13,11 @@ from flask import Response
 from ...errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )
+from ...json_body import InvalidJson
 
 # kind -> (status, DJL's exception name)
-ERROR_TABLE: dict[type[ServingError], tuple[int, str]] = {
+ERROR_TABLE: dict[type[ServingError | InvalidJson], tuple[int, str]] = {
+    InvalidJson: (400, "BadRequestException"),  # a body that is not JSON we accept
     InvalidRequest: (400, "BadRequestException"),
     NotFound: (404, "ModelNotFoundException"),
     NotReady: (503, "ServiceUnavailableException"),
@@ -33,6 +35,6 @@ def error_response(status: int, error_type: str, message: str) -> Response:
     return Response(json.dumps(body), status=status, mimetype="application/json")
 
 
-def render_kind(error: ServingError) -> Response:
+def render_kind(error: ServingError | InvalidJson) -> Response:
     status, error_type = lookup(ERROR_TABLE, error)
     return error_response(status, error_type, error.message)

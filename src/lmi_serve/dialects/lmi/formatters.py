@@ -36,10 +36,10 @@ from typing import Any
 
 from ...streaming import JSONLINES_MIMETYPE, SSE_MIMETYPE, json_line, sse_event
 from ...streaming import dumps as _dumps  # the one JSON writer, under the name the renderers use
-from ..tgi.protocol import tgi_error_body as _tgi_error
-from ..tgi.protocol import tgi_stream_frame
-from .schema import LmiRequestError
-from .shapes import (
+from ..common.schema import LmiRequestError
+from ..common.tgi_shapes import tgi_error_body as _tgi_error
+from ..common.tgi_shapes import tgi_stream_frame
+from ..common.shapes import (
     ChunkRenderer, Events, FinalRenderer, RenderContext, _details, _event_token, _failure, _finish, _generated,
     _is_failure, _prefill, _text, _top_tokens,
 )

@@ -17,8 +17,8 @@ from typing import Any
 from ...handler_api import Input
 from ...streaming import JSONLINES_MIMETYPE, dumps
 from .formatters import OutputFormatter
-from .shapes import Events, RenderContext, _details, _text
-from .schema import LmiRequestError, RollingRequest, parse_rolling_request
+from ..common.schema import LmiRequestError, RollingRequest, parse_rolling_request
+from ..common.shapes import Events, RenderContext, _details, _text
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ from ...handler_utils import read_payload
 from ..openai.schema import ChatCompletionRequest
 from ..openai.schema import parse as parse_openai
 from ..openai.service import OpenAIService
+from ..common.ranking import best_first, rank_with_seeds
+from ..common.schema import parse_rolling_request, to_generation_requests
 from .formatters import OutputFormatter, RenderContext, choose_formatter
 from .hooks import apply_input_formatter, custom_formatter
-from .schema import parse_rolling_request, to_generation_requests
 
 # kind -> the status of plain LMI's `{"error", "code"}` answer; None: the kind propagates.
 LMI_HANDLER_ERRORS: dict[type[ServingError], int | None] = {
@@ -65,27 +66,6 @@ def handler_error(error: ServingError, *, tgi_compat: bool) -> Output | None:
             return None
         body = {"error": error.message, "code": status}
     return Output(code=status, message="invoke handler failure").add(body)
-
-
-def best_first(results: Sequence[GenerationResult], n: int) -> list[GenerationResult]:
-    """Sequences by cumulative logprob, best first: the best `n` when n > 1 (vLLM's n of best_of),
-    else all of them (TGI's best_of: the others become best_of_sequences)."""
-    return [results[i] for i in _ranking(results, n)]
-
-
-def _ranking(results: Sequence[GenerationResult], n: int) -> list[int]:
-    """The indices of `results` in `best_first` order."""
-    ranked = sorted(range(len(results)), key=lambda i: results[i].cumulative_logprob, reverse=True)
-    return ranked[:n] if n > 1 else ranked
-
-
-def rank_with_seeds(ctx: RenderContext, requests: Sequence[GenerationRequest], results: Sequence[GenerationResult],
-                    n: int) -> tuple[RenderContext, list[GenerationResult]]:
-    """`best_first(results, n)`, and `ctx` reporting each ranked sequence's own sampling seed
-    (`requests[i]` produced `results[i]`): the best one's as `seed`, the others' as `other_seeds`."""
-    order = _ranking(results, n)
-    seeds = [requests[i].sampling.seed for i in order]
-    return replace(ctx, seed=seeds[0], other_seeds=tuple(seeds[1:])), [results[i] for i in order]
 
 
 def _any_failed(results: Sequence[GenerationResult]) -> bool:

@@ -14,13 +14,15 @@ from ...errors import (
     ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
     Timeout, lookup,
 )
+from ...json_body import InvalidJson
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable",
           504: "timeout"}
 
 # kind -> (status, OpenAI's `code` when the error does not bring its own)
-ERROR_TABLE: dict[type[ServingError], tuple[int, str | None]] = {
+ERROR_TABLE: dict[type[ServingError | InvalidJson], tuple[int, str | None]] = {
+    InvalidJson: (400, None),  # a body that is not JSON we accept
     InvalidRequest: (400, None),
     ContextOverflow: (400, "context_length_exceeded"),
     NotFound: (404, "model_not_found"),
@@ -33,7 +35,7 @@ ERROR_TABLE: dict[type[ServingError], tuple[int, str | None]] = {
 }
 
 
-def status(error: ServingError) -> int:
+def status(error: ServingError | InvalidJson) -> int:
     """The HTTP status OpenAI's routes answer `error` with."""
     return lookup(ERROR_TABLE, error)[0]
 
@@ -43,7 +45,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def kind_body(error: ServingError) -> dict:
+def kind_body(error: ServingError | InvalidJson) -> dict:
     """`error`'s OpenAI error object: the response body, or the last chunk of a stream that failed
     after it started."""
     status, code = lookup(ERROR_TABLE, error)
@@ -64,6 +66,6 @@ def error_response(status: int, error_type: str, message: str, *, param: str | N
     return response
 
 
-def render_kind(error: ServingError) -> Response:
+def render_kind(error: ServingError | InvalidJson) -> Response:
     status, code = lookup(ERROR_TABLE, error)
     return error_response(status, type(error).__name__, error.message, param=error.param, code=error.code or code)

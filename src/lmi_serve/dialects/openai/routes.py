@@ -42,17 +42,15 @@ def _registry() -> ModelRegistry:
 
 
 @blueprint.errorhandler(ServingError)
-def _serving_error(exc: ServingError) -> Response:
+@blueprint.errorhandler(InvalidJson)
+def _serving_error(exc: ServingError | InvalidJson) -> Response:
     # app.py renders kinds by URL too; this keeps the blueprint whole on its own (unit tests mount it alone)
     return render_kind(exc)
 
 
 def _body() -> Any:
     """The decoded body; too deep, lone surrogates, NaN and non-JSON are a 400 (json_body's rules)."""
-    try:
-        return json_body.loads(request.get_data())
-    except InvalidJson as exc:
-        raise InvalidRequest(str(exc)) from None
+    return json_body.loads(request.get_data())
 
 
 def _serves(service: ModelService, task: str) -> bool:

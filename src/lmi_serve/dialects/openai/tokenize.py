@@ -20,7 +20,7 @@ from flask import Blueprint, Response, current_app, g, json, request
 from pydantic import Field, model_validator
 
 from ... import json_body
-from ...errors import InvalidRequest, ServingError
+from ...errors import ServingError
 from ...json_body import InvalidJson
 from ..tgi import protocol as tgi_protocol
 from ..tgi import routes as tgi_routes
@@ -89,7 +89,8 @@ class DetokenizeResponse(_Lenient):
 
 
 @blueprint.errorhandler(ServingError)
-def _serving_error(exc: ServingError) -> Response:
+@blueprint.errorhandler(InvalidJson)
+def _serving_error(exc: ServingError | InvalidJson) -> Response:
     """A TGI body's errors in TGI's shape; every other one in OpenAI's (vLLM's) envelope."""
     if g.get("tokenize_dialect") == "tgi":
         return tgi_protocol.render_kind(exc)
@@ -97,10 +98,7 @@ def _serving_error(exc: ServingError) -> Response:
 
 
 def _body() -> Any:
-    try:
-        return json_body.loads(request.get_data())
-    except InvalidJson as exc:
-        raise InvalidRequest(str(exc)) from None
+    return json_body.loads(request.get_data())  # decoded before the dialect is known: OpenAI's 400
 
 
 def _engine(name: str | None):

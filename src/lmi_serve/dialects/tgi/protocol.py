@@ -5,17 +5,17 @@
 - `ERROR_TABLE`: the one map from the core's error kinds to TGI's status, `error_type` and the
   words TGI puts before the message ("Input validation error: ", "Request failed during
   generation: "); `render_kind` renders a kind through it, `error_response` an HTTP-level error.
-- `tgi_response`, `tgi_stream_frame`, `tgi_error_body`: TGI's GenerateResponse, StreamResponse
-  and generation-error shapes, also used by the LMI formatters in `tgi_compat` mode.
+- `tgi_response`, `tgi_stream_frame`, `tgi_error_body`: TGI's response shapes, kept in
+  `common.tgi_shapes` because LMI's formatters render them too (`tgi_compat`); imported here for
+  TGI's routes.
 
-The shapes are built from `lmi.shapes` (tokens, details, text), which LMI's own formatters use too;
-lmi.formatters imports this module for tgi_compat, never the other way round.
+The request schema is the rolling-batch one LMI shares (`common.schema`); TGI and LMI never import
+each other.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from flask import Response
@@ -25,19 +25,16 @@ from ...errors import (
     ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
     Timeout, lookup,
 )
-from ..lmi.schema import GenerationParameters, RollingRequest, parse_generation_parameters
-from ..lmi.shapes import (
-    Events, RenderContext, _details, _event_token, _failure, _finish, _generated, _is_failure, _text, _top_tokens,
-)
+from ..common.schema import GenerationParameters, RollingRequest, parse_generation_parameters
+from ..common.tgi_shapes import TGI_ERROR_PREFIX, tgi_error_body, tgi_response, tgi_stream_frame
 
-TGI_ERROR_PREFIX = "Request failed during generation: "
 VALIDATION_PREFIX = "Input validation error: "
 BODY_FIELDS = ("inputs", "parameters", "stream")
 
 
-class NotJson(InvalidRequest):
-    """The body is not JSON this server accepts (invalid, too deep, lone surrogates): TGI answers
-    400 here, where any other invalid request gets 422."""
+# The body is not JSON this server accepts (invalid, too deep, lone surrogates): TGI answers 400 there,
+# where any other invalid request gets 422. The server's one JSON-body error, under TGI's name for it.
+NotJson = json_body.InvalidJson
 
 
 # --- parsing --------------------------------------------------------------------------------
@@ -74,10 +71,7 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
 
 def decode_body(body: bytes) -> Any:
     """The body as JSON; NotJson (TGI's 400) when it is not JSON we accept."""
-    try:
-        return json_body.loads(body)
-    except json_body.InvalidJson as exc:
-        raise NotJson(str(exc)) from None
+    return json_body.loads(body)
 
 
 def check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:
@@ -118,7 +112,7 @@ class TgiRow(NamedTuple):
 
 
 # kind -> TGI's answer; a kind not listed takes its nearest base class's row
-ERROR_TABLE: dict[type[ServingError], TgiRow] = {
+ERROR_TABLE: dict[type[ServingError | NotJson], TgiRow] = {
     NotJson: TgiRow(400, "validation"),
     InvalidRequest: TgiRow(422, "validation", VALIDATION_PREFIX),
     ContextOverflow: TgiRow(422, "validation", VALIDATION_PREFIX),
@@ -146,39 +140,6 @@ def error_response(status: int, error_type: str, message: str) -> Response:
     return _json_error(status, _HTTP_ERROR_TYPES.get(status, error_type), message)
 
 
-def render_kind(error: ServingError) -> Response:
+def render_kind(error: ServingError | NotJson) -> Response:
     row = lookup(ERROR_TABLE, error)
     return _json_error(row.status, row.error_type, row.prefix + (row.message or error.message))
-
-
-# --- response shapes ------------------------------------------------------------------------
-
-def tgi_error_body(message: str | None) -> dict:
-    """TGI's object for a request that failed during generation (a response body or a last frame)."""
-    return {"error": TGI_ERROR_PREFIX + (message or "unknown error"), "error_type": "generation"}
-
-
-def tgi_response(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> dict:
-    """One TGI GenerateResponse (`details` only when asked), or TGI's generation-error object."""
-    failed = next((f for f in (_failure(s) for s in (events, *others)) if f is not None), None)
-    if failed is not None:
-        return tgi_error_body(failed.error)
-    body: dict[str, Any] = {"generated_text": _text(ctx, events, full=True)}
-    if ctx.details or ctx.decoder_input_details:
-        body["details"] = _details(ctx, events, others)
-    return body
-
-
-def tgi_stream_frame(ctx: RenderContext, events: Events) -> dict:
-    """A TGI StreamResponse; `index` counts frames from 1."""
-    last = events[-1]
-    if _is_failure(last):
-        return tgi_error_body(last.error)
-    frame: dict[str, Any] = {"index": len(events), "token": _event_token(ctx, last)}
-    if ctx.top_n_tokens > 0:
-        frame["top_tokens"] = _top_tokens(ctx, last)
-    done = last.finish_reason is not None
-    frame["generated_text"] = _text(ctx, events, full=True) if done else None
-    frame["details"] = {"finish_reason": _finish(ctx, events), "generated_tokens": len(_generated(events)),
-                        "seed": ctx.seed, "input_length": ctx.prompt_tokens_count} if done else None
-    return frame

@@ -32,9 +32,9 @@ from ...engine.generation import Generation
 from ...errors import InvalidRequest
 from ...registry import ModelRegistry
 from ...service import ModelStatus
-from ..lmi.formatters import RenderContext
-from ..lmi.rolling import rank_with_seeds
-from ..lmi.schema import RollingRequest, to_generation_requests
+from ..common.ranking import rank_with_seeds
+from ..common.schema import RollingRequest, to_generation_requests
+from ..common.shapes import RenderContext
 from .protocol import check_context, error_response, parse_request, tgi_response, tgi_stream_frame
 
 blueprint = Blueprint("tgi", __name__)

@@ -19,7 +19,7 @@ from typing import Any
 from ...errors import ServingError
 from ...streaming import sse_event
 from .models import MODEL_VERSION, ModelContract
-from .protocol import JsonObject, TritonError, check_parameter, parse_json, printable
+from .protocol import BadRequest, JsonObject, TritonError, check_parameter, parse_json, printable
 from .tensor_model import TensorSpec
 from .tensors import TensorError, WireTensor, tensor_to_json_data, values_to_array
 
@@ -38,26 +38,26 @@ def deduce_shape(spec: TensorSpec, count: int) -> tuple[int, ...]:
     for dim in spec.shape:
         if dim != -1:
             if dim == 0 or remaining % dim:
-                raise TritonError(400, f"The schema can not convert input '{spec.name}' to tensor with proper shape")
+                raise BadRequest(f"The schema can not convert input '{spec.name}' to tensor with proper shape")
             remaining //= dim
     shape = [1 if d == -1 else d for d in spec.shape]
     variable = [i for i, d in enumerate(spec.shape) if d == -1]
     if variable:
         shape[variable[-1]] = remaining
     elif remaining != 1:
-        raise TritonError(400, f"The schema can not convert input '{spec.name}' to tensor with proper shape")
+        raise BadRequest(f"The schema can not convert input '{spec.name}' to tensor with proper shape")
     return tuple(shape)
 
 
 def _tensor(spec: TensorSpec, value: Any, model: str) -> WireTensor:
     values = value if isinstance(value, list) else [value]
     if spec.datatype in ("FP16", "BF16"):
-        raise TritonError(400, f"receiving {spec.datatype} data via JSON is not supported. Please use the binary "
-                               f"data format for input {spec.name}")
+        raise BadRequest(f"receiving {spec.datatype} data via JSON is not supported. Please use the binary "
+                         f"data format for input {spec.name}")
     try:
         array = values_to_array(spec.datatype, values, spec.name)
     except TensorError as exc:
-        raise TritonError(400, str(exc)) from None
+        raise BadRequest(str(exc)) from None
     shape = deduce_shape(spec, len(values))
     return WireTensor(spec.name, spec.datatype, shape, array.reshape(shape))
 
@@ -80,17 +80,17 @@ def _map_keys(obj: JsonObject, contract: ModelContract, model: str, request: Gen
 
 def _already_exists(key: str, contract: ModelContract) -> None:
     what = "input" if contract.input(key) is not None else "parameter"
-    raise TritonError(400, f"{what} '{key}' already exists in request")
+    raise BadRequest(f"{what} '{key}' already exists in request")
 
 
 def parse_generate_request(body: bytes, model: str, contract: ModelContract) -> GenerateRequest:
     obj = parse_json(body) if body.strip() else JsonObject()
     if not isinstance(obj, JsonObject):
-        raise TritonError(400, "failed to parse the request JSON buffer: expected a JSON object")
+        raise BadRequest("failed to parse the request JSON buffer: expected a JSON object")
     request, seen = GenerateRequest(), set()
     nested = obj.get("parameters")
     if "parameters" in obj and not isinstance(nested, JsonObject):
-        raise TritonError(400, "Expected JSON object for keyword: 'parameters'")
+        raise BadRequest("Expected JSON object for keyword: 'parameters'")
     top = JsonObject((k, v) for k, v in obj.items() if k != "parameters")
     top.duplicate = obj.duplicate
     _map_keys(top, contract, model, request, seen)
@@ -98,7 +98,7 @@ def parse_generate_request(body: bytes, model: str, contract: ModelContract) -> 
         try:
             _map_keys(nested, contract, model, request, seen)
         except TritonError as exc:
-            raise TritonError(exc.status, f"Converting keyword: 'parameters': {exc.message}") from None
+            raise exc.reworded(f"Converting keyword: 'parameters': {exc.message}") from None
     request_id = obj.get("id")
     request.request_id = request_id if isinstance(request_id, str) else ""
     return request
@@ -112,7 +112,7 @@ def response_object(model: str, request_id: str, outputs: list[WireTensor]) -> d
         try:
             data = tensor_to_json_data(tensor)
         except TensorError as exc:
-            raise TritonError(400, str(exc)) from None
+            raise BadRequest(str(exc)) from None
         body[tensor.name] = data[0] if prod(tensor.shape) == 1 else data
     return body
 

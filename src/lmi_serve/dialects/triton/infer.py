@@ -17,7 +17,7 @@ from typing import Any
 from flask import Response
 
 from .models import MODEL_VERSION, ModelContract
-from .protocol import JsonObject, TritonError, check_parameter, compress_for_client, parse_json
+from .protocol import BadRequest, JsonObject, check_parameter, compress_for_client, parse_json
 from .tensors import (ELEMENT_SIZES, TensorError, WireTensor, check_datatype, parse_shape, tensor_from_binary,
                       tensor_from_json, tensor_to_binary, tensor_to_json_data)
 
@@ -41,12 +41,12 @@ def header_length(value: str | None, body_size: int) -> int | None:
     try:
         length = int(value.strip())
     except ValueError:
-        raise TritonError(400, f"Unable to parse Inference-Header-Content-Length, got: {value}") from None
+        raise BadRequest(f"Unable to parse Inference-Header-Content-Length, got: {value}") from None
     if length > _INT32_MAX:
-        raise TritonError(400, f"Unable to parse Inference-Header-Content-Length, got: {value}, value is out of "
-                               f"range [0, {_INT32_MAX}]")
+        raise BadRequest(f"Unable to parse Inference-Header-Content-Length, got: {value}, value is out of "
+                         f"range [0, {_INT32_MAX}]")
     if length < 0 or length > body_size:
-        raise TritonError(400, f"inference header size should be in range (0, {body_size}), got: {length}")
+        raise BadRequest(f"inference header size should be in range (0, {body_size}), got: {length}")
     return length
 
 
@@ -54,7 +54,7 @@ def _object(value: Any, what: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise TritonError(400, f"Unable to parse '{what}': expected a JSON object")
+        raise BadRequest(f"Unable to parse '{what}': expected a JSON object")
     return value
 
 
@@ -63,14 +63,14 @@ def _request_parameters(raw: Any) -> dict[str, Any]:
     for key, value in parameters.items():
         check_parameter(key, value)
     if not isinstance(parameters.get("binary_data_output", False), bool):
-        raise TritonError(400, "Unable to parse 'binary_data_output': expected a boolean")
+        raise BadRequest("Unable to parse 'binary_data_output': expected a boolean")
     return parameters
 
 
 def _input_tensor(entry: Any, model: str, rest: memoryview, offset: int) -> tuple[WireTensor, int]:
     """One `inputs` entry; binary ones consume bytes of `rest` from `offset`. Returns the new offset."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-        raise TritonError(400, "Unable to parse 'inputs': each input needs a string 'name'")
+        raise BadRequest("Unable to parse 'inputs': each input needs a string 'name'")
     name = entry["name"]
     datatype = check_datatype(entry.get("datatype"), name)
     shape = parse_shape(entry.get("shape"), name)
@@ -78,40 +78,40 @@ def _input_tensor(entry: Any, model: str, rest: memoryview, offset: int) -> tupl
     present = [f for f in _DATA_FIELDS if (f in entry if f == "data" else f in params)]
     if len(present) != 1:
         got = "no field is set" if not present else "set " + " ".join(f"'{f}'" for f in present)
-        raise TritonError(400, "Input must set only one of the following fields: 'data', 'binary_data_size' in "
-                               f"'parameters', 'shared_memory_region' in 'parameters'. But {got}")
+        raise BadRequest("Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                         f"'parameters', 'shared_memory_region' in 'parameters'. But {got}")
     if present[0] == "shared_memory_region":
-        raise TritonError(400, f"input '{name}': shared memory is not supported by this server")
+        raise BadRequest(f"input '{name}': shared memory is not supported by this server")
     if present[0] == "data":
         return tensor_from_json(name, datatype, shape, entry["data"]), offset
     size = params["binary_data_size"]
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise TritonError(400, "Unable to parse 'binary_data_size'")
+        raise BadRequest("Unable to parse 'binary_data_size'")
     if offset + size > len(rest):
-        raise TritonError(400, f"unexpected size for input '{name}', expecting {offset + size - len(rest)} "
-                               f"additional bytes for model '{model}'")
+        raise BadRequest(f"unexpected size for input '{name}', expecting {offset + size - len(rest)} "
+                         f"additional bytes for model '{model}'")
     return tensor_from_binary(name, datatype, shape, bytes(rest[offset:offset + size]), model), offset + size
 
 
 def _requested_outputs(raw: Any, model: str, contract: ModelContract) -> tuple[list[str], set[str]]:
     if not isinstance(raw, list):
-        raise TritonError(400, "Unable to parse 'outputs': expected an array")
+        raise BadRequest("Unable to parse 'outputs': expected an array")
     names: list[str] = []
     binary: set[str] = set()
     for entry in raw:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise TritonError(400, "Unable to parse 'outputs': each output needs a string 'name'")
+            raise BadRequest("Unable to parse 'outputs': each output needs a string 'name'")
         name, params = entry["name"], _object(entry.get("parameters"), "parameters")
         if name in names:
-            raise TritonError(400, f"output '{name}' already exists in request")
+            raise BadRequest(f"output '{name}' already exists in request")
         if contract.output(name) is None:
-            raise TritonError(400, f"unexpected inference output '{name}' for model '{model}'")
+            raise BadRequest(f"unexpected inference output '{name}' for model '{model}'")
         if "classification" in params:
-            raise TritonError(400, "the classification extension is not supported by this server")
+            raise BadRequest("the classification extension is not supported by this server")
         if "shared_memory_region" in params:
-            raise TritonError(400, f"output '{name}': shared memory is not supported by this server")
+            raise BadRequest(f"output '{name}': shared memory is not supported by this server")
         if not isinstance(params.get("binary_data", False), bool):
-            raise TritonError(400, "Unable to parse 'binary_data': expected a boolean")
+            raise BadRequest("Unable to parse 'binary_data': expected a boolean")
         names.append(name)
         if params.get("binary_data"):
             binary.add(name)
@@ -122,25 +122,25 @@ def _raw_request(body: bytes, model: str, contract: ModelContract) -> InferReque
     """IHCL 0: the body is the data of the model's only (required) input; every output is binary."""
     required = [spec for spec in contract.inputs if not spec.optional]
     if len(required) != 1:
-        raise TritonError(400, f"Raw request must only have 1 input (found 1) to be deduced but got {len(required)} "
-                               f"inputs in '{model}' model configuration")
+        raise BadRequest(f"Raw request must only have 1 input (found 1) to be deduced but got {len(required)} "
+                         f"inputs in '{model}' model configuration")
     spec = required[0]
     if spec.datatype == "BYTES":
         if spec.shape not in ((1,), (-1,)):
-            raise TritonError(400, f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+            raise BadRequest(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
         import numpy as np
 
         return InferRequest([WireTensor(spec.name, "BYTES", (1,), np.array([body], dtype=object))])
     variable = [i for i, d in enumerate(spec.shape) if d == -1]
     if len(variable) > 1:
-        raise TritonError(400, f"The shape of the raw input '{spec.name}' can not be deduced because there are more "
-                               "than one variable-sized dimension")
+        raise BadRequest(f"The shape of the raw input '{spec.name}' can not be deduced because there are more "
+                         "than one variable-sized dimension")
     fixed = prod(d for d in spec.shape if d != -1) * ELEMENT_SIZES[spec.datatype]
     shape = list(spec.shape)
     if variable:
         if fixed == 0 or len(body) % fixed:
-            raise TritonError(400, f"input byte size mismatch for input '{spec.name}' for model '{model}': "
-                                   f"{len(body)} bytes is not a multiple of {fixed}")
+            raise BadRequest(f"input byte size mismatch for input '{spec.name}' for model '{model}': "
+                             f"{len(body)} bytes is not a multiple of {fixed}")
         shape[variable[0]] = len(body) // fixed
     tensor = _tensor_or_400(lambda: tensor_from_binary(spec.name, spec.datatype, tuple(shape), body, model))
     return InferRequest([tensor])
@@ -150,7 +150,7 @@ def _tensor_or_400(build):
     try:
         return build()
     except TensorError as exc:
-        raise TritonError(400, str(exc)) from None
+        raise BadRequest(str(exc)) from None
 
 
 def parse_infer_request(body: bytes, ihcl: str | None, model: str, contract: ModelContract) -> InferRequest:
@@ -160,21 +160,21 @@ def parse_infer_request(body: bytes, ihcl: str | None, model: str, contract: Mod
     json_size = len(body) if json_size is None else json_size
     header = parse_json(body[:json_size])
     if not isinstance(header, JsonObject):
-        raise TritonError(400, "failed to parse the request JSON buffer: expected a JSON object")
+        raise BadRequest("failed to parse the request JSON buffer: expected a JSON object")
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
-        raise TritonError(400, "Unable to parse 'id': attempt to access JSON non-string as string")
+        raise BadRequest("Unable to parse 'id': attempt to access JSON non-string as string")
     entries = header.get("inputs", [])
     if not isinstance(entries, list):
-        raise TritonError(400, "Unable to parse 'inputs': expected an array")
+        raise BadRequest("Unable to parse 'inputs': expected an array")
     rest, offset, tensors = memoryview(body)[json_size:], 0, []
     for entry in entries:
         tensor, offset = _tensor_or_400(lambda: _input_tensor(entry, model, rest, offset))
         if any(t.name == tensor.name for t in tensors):
-            raise TritonError(400, f"input '{tensor.name}' already exists in request")
+            raise BadRequest(f"input '{tensor.name}' already exists in request")
         tensors.append(tensor)
     if offset != len(rest):
-        raise TritonError(400, f"unexpected additional input data for model '{model}'")
+        raise BadRequest(f"unexpected additional input data for model '{model}'")
     parameters = _request_parameters(header.get("parameters"))
     request = InferRequest(tensors, request_id, parameters)
     if "outputs" in header:

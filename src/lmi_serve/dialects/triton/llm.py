@@ -22,7 +22,7 @@ from ...engine.engine import Engine
 from ...engine.types import FinishReason, GenerationRequest, GenerationResult
 from ...errors import InvalidRequest
 from ...validation import field_problems
-from ..lmi.schema import GenerationParameters, to_generation_requests
+from ..common.schema import GenerationParameters, to_generation_requests
 from .tensor_model import TensorSpec
 from .tensors import WireTensor, as_wire_tensor
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from ...registry import ModelRegistry
 from ...service import ModelService, ModelStatus
 from .llm import LLM_INPUTS, LLM_OUTPUTS
-from .protocol import TritonError
+from .protocol import BadRequest, Unavailable, UnknownTarget
 from .tensor_model import TensorSpec
 from .tensors import WireTensor
 
@@ -68,16 +68,16 @@ def contract_for(service: ModelService) -> ModelContract:
     caps = service.capabilities
     if caps is not None and caps.serves_tensors:
         return ModelContract("tensor", caps.input_tensors, caps.output_tensors)
-    raise TritonError(400, f"model '{service.name}' does not speak tensors: a text-generation model needs the "
-                           "rolling batch, and a custom model.py must declare INPUT_TENSORS and OUTPUT_TENSORS")
+    raise BadRequest(f"model '{service.name}' does not speak tensors: a text-generation model needs the "
+                     "rolling batch, and a custom model.py must declare INPUT_TENSORS and OUTPUT_TENSORS")
 
 
 def find_model(registry: ModelRegistry, name: str, version: str | None) -> ModelService:
     service = registry.services.get(name)
     if service is None:
-        raise TritonError(404, f"Request for unknown model: '{name}' is not found")
+        raise UnknownTarget(f"Request for unknown model: '{name}' is not found")
     if version not in (None, "", MODEL_VERSION):
-        raise TritonError(404, f"Request for unknown model: '{name}' version {version} is not found")
+        raise UnknownTarget(f"Request for unknown model: '{name}' version {version} is not found")
     service.requested()
     return service
 
@@ -85,7 +85,7 @@ def find_model(registry: ModelRegistry, name: str, version: str | None) -> Model
 def ready_model(registry: ModelRegistry, name: str, version: str | None) -> tuple[ModelService, ModelContract]:
     service = find_model(registry, name, version)
     if service.current_status() is not ModelStatus.READY:
-        raise TritonError(503, f"Request for unknown model: '{name}' version {MODEL_VERSION} is not at ready state")
+        raise Unavailable(f"Request for unknown model: '{name}' version {MODEL_VERSION} is not at ready state")
     return service, contract_for(service)
 
 
@@ -127,24 +127,24 @@ def validate_inputs(model: str, contract: ModelContract, tensors: list[WireTenso
     """Triton's checks of a request against the model, in its order and words."""
     for tensor in tensors:
         if contract.input(tensor.name) is None:
-            raise TritonError(400, f"unexpected inference input '{tensor.name}' for model '{model}'")
+            raise BadRequest(f"unexpected inference input '{tensor.name}' for model '{model}'")
     given = [t.name for t in tensors]
     required = [s.name for s in contract.inputs if not s.optional]
     missing = [name for name in required if name not in given]
     if missing:
         expected = (f"expected {len(required)} inputs" if len(required) == len(contract.inputs) else
                     f"expected number of inputs between {len(required)} and {len(contract.inputs)}")
-        raise TritonError(400, f"{expected} but got {len(given)} inputs for model '{model}'. Got input(s) "
-                               f"{_names(given)}, but missing required input(s) {_names(missing)}. "
-                               "Please provide all required input(s).")
+        raise BadRequest(f"{expected} but got {len(given)} inputs for model '{model}'. Got input(s) "
+                         f"{_names(given)}, but missing required input(s) {_names(missing)}. "
+                         "Please provide all required input(s).")
     for tensor in tensors:
         spec = contract.input(tensor.name)
         if tensor.datatype != spec.datatype:
-            raise TritonError(400, f"inference input '{tensor.name}' data-type is '{tensor.datatype}', but model "
-                                   f"'{model}' expects '{spec.datatype}'")
+            raise BadRequest(f"inference input '{tensor.name}' data-type is '{tensor.datatype}', but model "
+                             f"'{model}' expects '{spec.datatype}'")
         if not _shape_fits(spec, tensor.shape, contract.lenient_single_elements):
-            raise TritonError(400, f"unexpected shape for input '{tensor.name}' for model '{model}'. Expected "
-                                   f"{_shape_text(spec.shape)}, got {_shape_text(tensor.shape)}")
+            raise BadRequest(f"unexpected shape for input '{tensor.name}' for model '{model}'. Expected "
+                             f"{_shape_text(spec.shape)}, got {_shape_text(tensor.shape)}")
     return {tensor.name: tensor for tensor in tensors}
 
 

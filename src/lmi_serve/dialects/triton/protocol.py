@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any
+from typing import Any, ClassVar
 
 from flask import Response, current_app, request
 
@@ -31,14 +31,48 @@ def printable(message: object) -> str:
 
 
 class TritonError(Exception):
-    """An error of Triton's own protocol, in Triton's words, status and headers: `{"error": message}`
-    with `status`. Everything else (a bad sampling value, a model that failed, a full queue) is one of
-    the core's kinds, answered through ERROR_TABLE."""
+    """An error of Triton's own protocol, in Triton's words: `{"error": message}` with `status` and
+    any `headers`. Raise one of its kinds below, which each declare their status once; everything
+    else (a bad sampling value, a model that failed, a full queue) is one of the core's kinds, and a
+    body that is not JSON is json_body.InvalidJson: `render_error` answers all three."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         message = printable(message)
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
+
+    def reworded(self, message: str) -> TritonError:
+        """The same error (kind, status, headers) with another message."""
+        copy = type(self).__new__(type(self))
+        TritonError.__init__(copy, self.status, message, self.headers)
+        return copy
+
+
+class _TritonKind(TritonError):
+    STATUS: ClassVar[int]
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None):
+        super().__init__(self.STATUS, message, headers)
+
+
+class BadRequest(_TritonKind):
+    """The request breaks Triton's protocol (malformed, inconsistent or unsupported by this server)."""
+    STATUS = 400
+
+
+class UnknownTarget(_TritonKind):
+    """The URL names no model or version served here (or a version Triton's route would not match)."""
+    STATUS = 404
+
+
+class NotImplementedHere(_TritonKind):
+    """A protocol feature Triton defines that this server does not offer."""
+    STATUS = 501
+
+
+class Unavailable(_TritonKind):
+    """The model exists but cannot take requests (not ready; or a load / unload, which is refused)."""
+    STATUS = 503
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -57,14 +91,16 @@ _HTTP_ERROR_MESSAGES = {404: "Not Found", 405: "Method Not Allowed"}
 def app_error_response(status: int, error_type: str, message: str) -> Response:
     """The app-level renderer for the `/v2` prefix (unknown route, wrong method, body too large)."""
     if status == 413:  # Triton answers an oversized body with 400 and this wording
-        return error_response(400, size_limit_message(request.content_length))
+        return render_error(BadRequest(size_limit_message(request.content_length)))
     return error_response(status, _HTTP_ERROR_MESSAGES.get(status, message))
 
 
-# kind -> status; the body is always `{"error": message}`. A model that cannot take the request now is
+# kind -> status; the body is always `{"error": message}`. Triton's own protocol errors (TritonError's
+# kinds above) carry their status instead. A model that cannot take the request now is
 # a 503 (Triton's status for an unavailable model), one that failed on it a 500; ContextOverflow is an
 # InvalidRequest (400); an unlisted kind falls back to 503.
-ERROR_TABLE: dict[type[ServingError], int] = {
+ERROR_TABLE: dict[type[ServingError | json_body.InvalidJson], int] = {
+    json_body.InvalidJson: 400,
     InvalidRequest: 400,
     NotFound: 404,
     NotReady: 503,
@@ -76,8 +112,18 @@ ERROR_TABLE: dict[type[ServingError], int] = {
 }
 
 
-def render_kind(error: ServingError) -> Response:
+def render_kind(error: ServingError | json_body.InvalidJson) -> Response:
+    """A core kind, or a body that is not JSON (in Triton's words), through ERROR_TABLE."""
+    if isinstance(error, json_body.InvalidJson):
+        return error_response(lookup(ERROR_TABLE, error), f"failed to parse the request JSON buffer: {error.reason}")
     return error_response(lookup(ERROR_TABLE, error), error.message)
+
+
+def render_error(error: TritonError | ServingError | json_body.InvalidJson) -> Response:
+    """Triton's one answer to a failed request: `{"error": message}` with the status of its kind."""
+    if isinstance(error, TritonError):
+        return error_response(error.status, error.message, error.headers)
+    return render_kind(error)
 
 
 def max_input_size() -> int:
@@ -96,7 +142,7 @@ def _decompress(body: bytes, wbits: int, limit: int) -> bytes:
     decompressor = zlib.decompressobj(wbits)
     data = decompressor.decompress(body, limit + 1)
     if len(data) > limit:
-        raise TritonError(400, size_limit_message(None))
+        raise BadRequest(size_limit_message(None))
     return data
 
 
@@ -107,7 +153,7 @@ def read_body(*, allow_compression: bool) -> bytes:
     if encoding in ("", "identity"):
         return body
     if not allow_compression:
-        raise TritonError(400, "Unsupported content-encoding, only 'identity' is supported.")
+        raise BadRequest("Unsupported content-encoding, only 'identity' is supported.")
     limit = max_input_size()
     try:
         if encoding == "gzip":
@@ -118,8 +164,8 @@ def read_body(*, allow_compression: bool) -> bytes:
             except zlib.error:
                 return _decompress(body, -zlib.MAX_WBITS, limit)  # some clients send raw deflate
     except zlib.error as exc:
-        raise TritonError(400, f"Unable to decompress the request body ({encoding}): {exc}") from None
-    raise TritonError(501, "Unsupported compression type", {"Accept-Encoding": "gzip, deflate"})
+        raise BadRequest(f"Unable to decompress the request body ({encoding}): {exc}") from None
+    raise NotImplementedHere("Unsupported compression type", {"Accept-Encoding": "gzip, deflate"})
 
 
 def compress_for_client(body: bytes) -> tuple[bytes, str | None]:
@@ -168,26 +214,24 @@ def _object_hook(pairs: list[tuple[str, Any]]) -> JsonObject:
 def check_depth(scanned: BodyScan) -> None:
     """Triton's nesting limit, in Triton's words."""
     if scanned.depth > MAX_JSON_DEPTH:
-        raise TritonError(400, f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})")
+        raise BadRequest(f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})")
 
 
-def parse_json(data: bytes, what: str = "request", scanned: BodyScan | None = None) -> Any:
+def parse_json(data: bytes, scanned: BodyScan | None = None) -> Any:
     """JSON decoded by the shared `json_body` rules (no lone surrogates, NaN or Infinity), with
-    duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first.
+    duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first; other
+    refusals raise json_body.InvalidJson, which `render_error` words as Triton does.
     `scanned` is `json_scan.scan(data)` when the caller has it (one scan of the body in all)."""
     facts = scanned if scanned is not None else json_scan.scan(data)
     check_depth(facts)
-    try:
-        return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts)
-    except json_body.InvalidJson as exc:
-        raise TritonError(400, f"failed to parse the {what} JSON buffer: {exc.reason}") from None
+    return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts)
 
 
 def check_parameter(key: str, value: Any) -> None:
     """Request parameters are scalars (string, int, bool, double); `triton_` keys are reserved."""
     if key.startswith("triton_"):
-        raise TritonError(400, "parameter keys starting with 'triton_' are reserved for Triton usage and should "
-                               "not be specified.")
+        raise BadRequest("parameter keys starting with 'triton_' are reserved for Triton usage and should "
+                         "not be specified.")
     out_of_int64 = isinstance(value, int) and not -2**63 <= value < 2**63  # Triton's int parameters are int64
     if value is None or isinstance(value, (dict, list)) or out_of_int64:
-        raise TritonError(400, f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
+        raise BadRequest(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")

@@ -3,9 +3,10 @@ infer, generate.
 
 Every error is `{"error": "..."}` with Triton's status (400 client errors, 404 unknown model or
 route, 405 wrong method, 501 unsupported, 503 not ready / overloaded / load refused, 500 model
-failure). A TritonError (Triton's own protocol wording, its own status) is rendered here; the core's
-kinds reach `protocol.render_kind` (Triton's one table) through app.py, as do Flask's own
-404/405/413 under /v2 (`protocol.app_error_response`).
+failure). Views raise one of Triton's own error kinds (protocol.BadRequest, UnknownTarget, ...: Triton's
+wording, each kind's status declared once) or json_body.InvalidJson, rendered here by
+`protocol.render_error`; the core's kinds reach `protocol.render_kind` (Triton's one table) through
+app.py, as do Flask's own 404/405/413 under /v2 (`protocol.app_error_response`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
-from ... import __version__, json_scan
+from ... import __version__, json_body, json_scan
 from ...errors import ServingError, lookup
 from ...registry import ModelRegistry
 from ...service import ModelStatus
@@ -27,7 +28,8 @@ from .infer import infer_response, parse_infer_request
 from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
 from .protocol import (
-    ERROR_TABLE, MAX_JSON_DEPTH, TritonError, check_depth, error_response, json_response, parse_json, read_body,
+    ERROR_TABLE, MAX_JSON_DEPTH, BadRequest, NotImplementedHere, TritonError, Unavailable, UnknownTarget, check_depth,
+    json_response, parse_json, read_body, render_error,
 )
 from .runners import ModelCall, run_model, stream_model
 from .stats import StatsBook, Timer
@@ -74,13 +76,14 @@ def model_route(suffix: str, methods: list[str]):
 
 def _version(version: str | None) -> str | None:
     if version is not None and not version.isdigit():
-        raise TritonError(404, "Not Found")  # Triton's URL pattern only takes digits here
+        raise UnknownTarget("Not Found")  # Triton's URL pattern only takes digits here
     return version
 
 
 @blueprint.errorhandler(TritonError)
-def _triton_error(exc: TritonError) -> Response:
-    return error_response(exc.status, exc.message, exc.headers)
+@blueprint.errorhandler(json_body.InvalidJson)
+def _protocol_error(exc: TritonError | json_body.InvalidJson) -> Response:
+    return render_error(exc)
 
 
 @blueprint.get("/v2")
@@ -91,18 +94,18 @@ def server_metadata() -> Response:
 @blueprint.get("/v2/health/live")
 def live() -> Response:
     if _registry().stopping:  # Triton's answer on both health routes while it shuts down (drain.py)
-        return error_response(503, "Server exiting")
+        return render_error(Unavailable("Server exiting"))
     return Response(status=200)
 
 
 @blueprint.get("/v2/health/ready")
 def ready() -> Response:
     if _registry().stopping:
-        return error_response(503, "Server exiting")
+        return render_error(Unavailable("Server exiting"))
     waiting = sorted(name for name, service in _registry().services.items()
                      if service.current_status() is not ModelStatus.READY)
     if waiting:
-        return error_response(400, f"Server not ready: model(s) {waiting} not ready")
+        return render_error(BadRequest(f"Server not ready: model(s) {waiting} not ready"))
     return Response(status=200)
 
 
@@ -115,7 +118,7 @@ def metadata(model: str, version: str | None = None) -> Response:
 def model_ready(model: str, version: str | None = None) -> Response:
     service = find_model(_registry(), model, _version(version))
     if service.current_status() is not ModelStatus.READY:
-        return error_response(400, "Model version not ready")
+        return render_error(BadRequest("Model version not ready"))
     return Response(status=200)
 
 
@@ -149,9 +152,9 @@ def repository(repository: str | None = None) -> Response:
     outline = parse_json(scanned.outline, scanned=scanned.of_outline()) if deep else parse_json(body, scanned=scanned)
     if not isinstance(outline, dict):
         check_depth(scanned)  # a deep body that is no object at all reports its depth first
-        raise TritonError(400, "Unable to parse the repository index request: expected a JSON object")
+        raise BadRequest("Unable to parse the repository index request: expected a JSON object")
     if not isinstance(outline.get("ready", False), bool):
-        raise TritonError(400, "Invalid value for 'ready': expected a boolean")
+        raise BadRequest("Invalid value for 'ready': expected a boolean")
     check_depth(scanned)
     return json_response(repository_index(_registry(), outline.get("ready", False)))
 
@@ -167,7 +170,7 @@ def model_trace_setting(model: str, version: str | None = None) -> Response:
         find_model(_registry(), model, _version(version))  # an unknown version is a 404, as on every route
     service = _registry().services.get(model)
     if service is None or service.current_status() is not ModelStatus.READY:
-        raise TritonError(400, f"Request for unknown model : {model}")  # Triton's words and status here
+        raise BadRequest(f"Request for unknown model : {model}")  # Triton's words and status here
     return _trace_setting(model)
 
 
@@ -183,8 +186,8 @@ def _trace_setting(model: str | None) -> Response:
 @blueprint.post("/v2/repository/<repository>/models/<model>/<any(load, unload):action>")
 def load_or_unload(model: str, action: str, repository: str | None = None) -> Response:
     if repository is not None:
-        raise TritonError(501, "'repository_name' specification is not supported")
-    raise TritonError(503, LOAD_REFUSED)  # models load once at start-up, like Triton's default control mode
+        raise NotImplementedHere("'repository_name' specification is not supported")
+    raise Unavailable(LOAD_REFUSED)  # models load once at start-up, like Triton's default control mode
 
 
 @model_route("/infer", ["POST"])

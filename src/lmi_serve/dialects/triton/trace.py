@@ -17,7 +17,7 @@ import re
 import threading
 from typing import Any
 
-from .protocol import TritonError
+from .protocol import BadRequest
 
 LEVELS = ("TIMESTAMPS", "TENSORS")  # in the order Triton lists them; "OFF" stands alone
 # Triton's defaults when started without --trace-config options.
@@ -31,14 +31,14 @@ _INTEGER = re.compile(r"[+-]?[0-9]+")
 
 def _string(name: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise TritonError(400, f"Unable to parse '{name}': attempt to access JSON non-string as string")
+        raise BadRequest(f"Unable to parse '{name}': attempt to access JSON non-string as string")
     return value
 
 
 def _integer(name: str, value: Any) -> int:
     text = _string(name, value)
     if not _INTEGER.fullmatch(text):
-        raise TritonError(400, f"Unable to parse '{name}', got: {text}")
+        raise BadRequest(f"Unable to parse '{name}', got: {text}")
     return int(text)
 
 
@@ -46,38 +46,38 @@ def _unsigned(name: str, value: Any) -> str:
     number = _integer(name, value)
     low, high = _UINT32
     if not low <= number <= high:
-        raise TritonError(400, f"Unable to parse '{name}', value is out of range [ {low}, {high} ], got: {value}")
+        raise BadRequest(f"Unable to parse '{name}', value is out of range [ {low}, {high} ], got: {value}")
     return str(number)
 
 
 def _trace_count(value: Any) -> str:
     count = _integer("trace_count", value)
     if not -2**31 <= count <= _INT32_MAX:
-        raise TritonError(400, f"Unable to parse 'trace_count', value is out of range [ {_MIN_TRACE_COUNT}, "
-                               f"{_INT32_MAX} ], got: {value}")
+        raise BadRequest(f"Unable to parse 'trace_count', value is out of range [ {_MIN_TRACE_COUNT}, "
+                         f"{_INT32_MAX} ], got: {value}")
     if count < _MIN_TRACE_COUNT:
-        raise TritonError(400, f"Unable to parse 'trace_count'. Expecting value >= {_MIN_TRACE_COUNT}, got:{value}")
+        raise BadRequest(f"Unable to parse 'trace_count'. Expecting value >= {_MIN_TRACE_COUNT}, got:{value}")
     return str(count)
 
 
 def _trace_level(value: Any) -> list[str]:
     if not isinstance(value, list):
-        raise TritonError(400, "Unable to parse 'trace_level': attempt to access JSON non-array as array")
+        raise BadRequest("Unable to parse 'trace_level': attempt to access JSON non-array as array")
     levels = [_string("trace_level", level) for level in value]
     if levels == ["OFF"]:
         return levels
     if "OFF" in levels:
-        raise TritonError(400, "Expect only one trace level 'OFF' is specified")
+        raise BadRequest("Expect only one trace level 'OFF' is specified")
     unknown = [level for level in levels if level not in LEVELS]
     if unknown or not levels:
-        raise TritonError(400, f"Unable to parse 'trace_level': expected ['OFF'] or one or more of "
-                               f"{list(LEVELS)}, got {levels}")
+        raise BadRequest(f"Unable to parse 'trace_level': expected ['OFF'] or one or more of "
+                         f"{list(LEVELS)}, got {levels}")
     return [level for level in LEVELS if level in levels]
 
 
 def _trace_mode(value: Any) -> str:
     if _string("trace_mode", value) != DEFAULTS["trace_mode"]:
-        raise TritonError(400, f"Unable to set 'trace_mode' to '{value}': only 'triton' is supported")
+        raise BadRequest(f"Unable to set 'trace_mode' to '{value}': only 'triton' is supported")
     return value
 
 
@@ -87,12 +87,12 @@ _PARSERS = {"trace_level": _trace_level, "trace_rate": lambda v: _unsigned("trac
 
 
 def parse_update(body: Any) -> dict[str, Any]:
-    """A POST body as {setting: new value, or None to clear it}; raises TritonError (400)."""
+    """A POST body as {setting: new value, or None to clear it}; raises BadRequest."""
     if not isinstance(body, dict):
-        raise TritonError(400, "Unable to parse the trace setting request: expected a JSON object")
+        raise BadRequest("Unable to parse the trace setting request: expected a JSON object")
     unknown = sorted(set(body) - set(_PARSERS))
     if unknown:
-        raise TritonError(400, f"Unknown trace setting(s) {unknown}; the settings are {sorted(_PARSERS)}")
+        raise BadRequest(f"Unknown trace setting(s) {unknown}; the settings are {sorted(_PARSERS)}")
     return {name: None if value is None else _PARSERS[name](value) for name, value in body.items()}
 
 

@@ -2,7 +2,7 @@
 the token, details, text and finish-reason shapes of a sequence's events.
 
 Pure functions of (RenderContext, events). `lmi.formatters` assembles LMI's bodies and lines from
-them and `tgi.protocol` TGI's, so neither has to import the other's renderers.
+them and `tgi_shapes` TGI's, so LMI and TGI never import each other.
 """
 
 from __future__ import annotations

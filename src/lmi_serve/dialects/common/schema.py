@@ -1,4 +1,5 @@
-"""LMI request schemas -> neutral generation parameters.
+"""LMI request schemas -> neutral generation parameters (TGI's routes and Triton's LLM model take
+the same parameters, hence this shared place).
 
 Two schemas, as in the LMI docs:
 - dynamic batch (`rolling_batch=disable`): `{"inputs": str | [str], "parameters": {...}}`;

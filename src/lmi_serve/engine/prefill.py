@@ -1,0 +1,180 @@
+"""The prefill half of `Scheduler.step` (scheduler.py): the admitted joiners' prompts become rows
+of the running batch, with their first tokens sampled and sent.
+
+- a prompt whose start the prefix cache holds (prefix_cache.py) is prefilled alone, from those
+  blocks: only the rest of it runs;
+- the other joiners are prefilled in groups of similar length (`_groups`: padding is wasted
+  compute, and prefill on a CPU is compute-bound, so a group only pays when it adds little padding);
+  a group that fails is retried a row at a time, so only the request at fault fails;
+- the chunked prompt (chunked.py) is continued by one chunk; its row joins after its last chunk.
+Each forward runs under `guarded_forward` (guarded.py), as the decode does.
+
+`PrefillSteps` is a part of Scheduler, not a class of its own: it uses the scheduler's state and
+the step's other halves, named below.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+from .adapters import lora_rows
+from .batch import Batch, Row, make_row
+from .chunked import ChunkedPrefill, chunkable
+from .guarded import guarded_forward
+from .handle import RequestHandle
+from .kv import KVFactory
+from .phases import EVICT, PREFILL, PhaseClock
+from .prefix_cache import PrefixCache
+from .types import GenerationRequest
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerStats
+
+log = logging.getLogger("lmi_serve.engine.scheduler")  # the scheduler's log, where these lines always were
+
+
+class PrefillSteps:
+    """Scheduler's prefill methods. From the rest of Scheduler they call `_add` (merge rows into the
+    running batch), `_sample`, `_emit` and `_deliver`; the state they use is declared below."""
+
+    model: object
+    tokenizer: object
+    device: object
+    kv_factory: KVFactory
+    prefixes: PrefixCache | None
+    chunking: ChunkedPrefill | None  # set by admission, dropped here once its last chunk is in
+    max_padding: float
+    phases: PhaseClock
+    stats: SchedulerStats
+
+    # -- what a prompt costs -------------------------------------------------------------------
+    def _uses_prefixes(self, request: GenerationRequest) -> bool:
+        """The prefix cache serves this request's prompt: the cache is on, the prompt is chunkable
+        and the request is on the base model."""
+        return self.prefixes is not None and chunkable(request) and request.adapter is None
+
+    def _cached_tokens(self, request: GenerationRequest) -> int:
+        """How many of `request`'s prompt tokens the prefix cache would spare its prefill."""
+        if not self._uses_prefixes(request):
+            return 0
+        return self.prefixes.cached_tokens(request.prompt_ids)
+
+    def _prefill_cost(self, request: GenerationRequest) -> int:
+        return len(request.prompt_ids) - self._cached_tokens(request)
+
+    # -- the joiners ---------------------------------------------------------------------------
+    def _join(self, handles: list[RequestHandle]) -> None:
+        """Prefill the joiners: each prompt with a cached prefix alone (only its rest runs), the others
+        in groups."""
+        misses = []
+        for handle in handles:
+            if self._cached_tokens(handle.request):
+                self._prefill_rest(handle)
+                continue
+            if self._uses_prefixes(handle.request):
+                self.prefixes.count(len(handle.request.prompt_ids), 0)
+            misses.append(handle)
+        for group in self._groups(misses):
+            self._add(self._prefill([make_row(h.request, self.tokenizer, owner=h, constraint=h.constraint,
+                                              watermark=h.watermark, adapter_slot=h.adapter_slot)
+                                     for h in group]))
+
+    def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
+        """Split joiners into prefill groups whose left padding stays under `max_padding`."""
+        groups: list[list[RequestHandle]] = []
+        real = 0
+        for handle in sorted(handles, key=lambda h: len(h.request.prompt_ids)):
+            length = len(handle.request.prompt_ids)
+            group = groups[-1] if groups else None
+            if group and (len(group) + 1) * length <= (1 + self.max_padding) * (real + length):
+                group.append(handle)
+                real += length
+            else:
+                groups.append([handle])
+                real = length
+        return groups
+
+    def _prefill(self, rows: list[Row]) -> Batch | None:
+        """One prefill forward of `rows`; if a group's fails, each row is retried alone."""
+        group = len(rows) > 1
+        failure = None if group else f"Prefill failed for request {rows[0].owner.id}"  # a group's rows retry alone
+        with guarded_forward(rows, self.stats, failure) as forward:
+            with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows], self.device):
+                batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
+            self._first_tokens(batch)
+        if not forward.failed:
+            return self._admitted(batch)
+        if not group:
+            return None
+        log.warning("Prefill of %d requests failed (%s); retrying each alone", len(rows), forward.error)
+        alone = [self._prefill([row]) for row in rows]
+        return self._merge([b for b in alone if b is not None])
+
+    def _prefill_rest(self, handle: RequestHandle) -> None:
+        """Prefill a prompt whose start the prefix cache holds: only the rest runs, in one forward."""
+        prefill = self._start_prefill(handle)
+        with guarded_forward([prefill.row], self.stats, f"Prefill failed for request {handle.id}") as forward:
+            with self.phases.measure(PREFILL), lora_rows(self.model, [prefill.row.adapter_slot], self.device):
+                batch = prefill.finish()
+            self._first_tokens(batch)
+        if not forward.failed:
+            self._add(self._admitted(batch))
+
+    # -- the chunked prompt --------------------------------------------------------------------
+    def _start_prefill(self, handle: RequestHandle) -> ChunkedPrefill:
+        """A one-row prefill of `handle`'s prompt, which its first `advance` starts from the prefix
+        cache's longest match, if any."""
+        row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint,
+                       watermark=handle.watermark, adapter_slot=handle.adapter_slot)
+        prefixes = self.prefixes if self._uses_prefixes(handle.request) else None
+        return ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id, self.device, prefixes)
+
+    def _advance_chunk(self, budget: int) -> None:
+        """The next chunk of the chunked prompt; its row joins the batch after the last one."""
+        chunking = self.chunking
+        batch = None
+        with guarded_forward([chunking.row], self.stats,
+                             f"Chunked prefill failed for request {chunking.row.owner.id}") as forward:
+            with self.phases.measure(PREFILL), lora_rows(self.model, [chunking.row.adapter_slot], self.device):
+                batch = chunking.advance(budget)
+            if batch is not None:
+                self.chunking = None
+                self._first_tokens(batch)
+        if forward.failed:
+            self.chunking = None
+        elif batch is not None:
+            self._add(self._admitted(batch))
+
+    # -- after a prefill -----------------------------------------------------------------------
+    def _first_tokens(self, batch: Batch) -> None:
+        """After a prefill: keep the prompts' blocks for later prompts, sample and send the first tokens."""
+        self._remember(batch)
+        self._deliver(self._emit(batch, self._sample(batch)))
+
+    def _remember(self, batch: Batch) -> None:
+        if self.prefixes is None:
+            return
+        with self.phases.measure(PREFILL):
+            for i, row in enumerate(batch.rows):
+                if row.adapter_slot is not None:  # K/V of an adapter: not the base model's prefix
+                    continue
+                self.prefixes.store(row.request.prompt_ids, functools.partial(batch.kv.row_kv, i))
+
+    def _admitted(self, batch: Batch) -> Batch | None:
+        """Count a successful prefill and drop its rows that finished at their first token."""
+        self.stats.prefills += 1
+        self.stats.admitted += len(batch)
+        with self.phases.measure(EVICT):
+            batch.evict_finished()
+        return batch if len(batch) else None
+
+    def _merge(self, batches: list[Batch]) -> Batch | None:
+        if not batches:
+            return None
+        first, *rest = batches
+        with self.phases.measure(EVICT):
+            for other in rest:
+                first.concatenate(other)
+        return first
