@@ -59,7 +59,7 @@ def _serves(service: ModelService, task: str) -> bool:
 
 def choose_service(services: Mapping[str, ModelService], name: str | None, task: str, *,
                    strict: bool) -> ModelService:
-    """The model a request's `model` field selects for a route of `task` (README, "Model names"):
+    """The model a request's `model` field selects for a route of `task` (docs/openai.md, "Model names"):
     - a served name selects that model (of another task: 400);
     - no name: the first model of the task;
     - an unknown name, when exactly one text-generation model is served and `strict` is off: that

@@ -1,6 +1,6 @@
 """OpenAI request bodies (chat, completions, embeddings) as validated pydantic models.
 
-Rules (see README "OpenAI-compatible API"):
+Rules (see docs/openai.md):
 - every validation error is a 400 naming the field (`param`) and the rule;
 - unknown fields are ignored and logged, so `vllm bench serve`, guidellm and other tools work;
 - known OpenAI fields this server cannot honour are rejected (`REJECTED_FIELDS`), never dropped;

@@ -1,6 +1,6 @@
 """The text-generation model as a Triton tensor model: its tensor contract and its sampling inputs.
 
-The contract is a superset of Triton's vLLM and TensorRT-LLM models (see README): `text_input`
+The contract is a superset of Triton's vLLM and TensorRT-LLM models (see docs/triton.md): `text_input`
 BYTES [1] plus optional tensors, `text_output` BYTES out. Sampling values come, lowest precedence
 first, from the request parameters (vLLM reads every request parameter as a sampling parameter),
 or instead from the `sampling_parameters` JSON string when that tensor is given (its numbers may be

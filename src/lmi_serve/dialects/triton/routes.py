@@ -223,7 +223,7 @@ def generate(model: str, version: str | None = None) -> Response:
 def generate_stream(model: str, version: str | None = None) -> Response:
     call, request_id = _generate_call(model, version)
     if call.contract.kind == "llm" and "stream" not in call.tensors:
-        call.tensors["stream"] = _stream_flag()  # our default here: stream tokens (README, decisions)
+        call.tensors["stream"] = _stream_flag()  # our default here: stream tokens (docs/triton.md, Decisions)
     started = time.perf_counter_ns()
     responses = stream_model(call)  # validation and submission errors raise here: a JSON error
     try:

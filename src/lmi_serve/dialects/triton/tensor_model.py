@@ -1,4 +1,4 @@
-"""How a custom `model.py` serves tensors on the KServe v2 / Triton routes (see README, "Tensor models").
+"""How a custom `model.py` serves tensors on the KServe v2 / Triton routes (see docs/triton.md, "Tensor models").
 
 A model.py declares its tensors at module level and keeps DJL's `handle(Input) -> Output`:
 

@@ -4,7 +4,7 @@ Settings are validated and stored, globally and per model, in Triton's shape (ev
 string, `trace_level` an array of strings). A model's setting falls back to the global one until
 the model sets its own; an update with `null` clears that override (on the global settings: back to
 the server default). No trace is collected or written, so the server metadata does not list the
-`trace` extension (README, "Triton / KServe v2").
+`trace` extension (docs/triton.md).
 
 Deviations from Triton, each refusing what Triton would silently ignore or misread: an unknown
 setting, an unknown trace level or an empty `trace_level` is a 400, and numbers must be whole
