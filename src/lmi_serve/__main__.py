@@ -17,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import logs, security
-from .config import KIND_NAMES, ConfigError, ServerConfig, build_server_config
+from lmi_serve import logs, security
+from lmi_serve.config import KIND_NAMES, ConfigError, ServerConfig, build_server_config
 
 log = logging.getLogger("lmi_serve")
 
@@ -69,15 +69,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
     from gunicorn.app.base import BaseApplication
 
-    from .boot import BootingApp
-    from .drain import DrainingArbiter
+    from lmi_serve.boot import BootingApp
+    from lmi_serve.drain import DrainingArbiter
 
     # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
     # counts leak in, set before prometheus_client is first imported (it picks its value store at
     # import, and the workers fork from this process).
     metrics_dir = tempfile.mkdtemp(prefix="lmi-serve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    from . import metrics
+    from lmi_serve import metrics
 
     class Server(BaseApplication):
         def load_config(self) -> None:
@@ -111,7 +111,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
 
         def load(self):
             def create():
-                from .app import create_app  # seconds: torch, transformers, every dialect
+                from lmi_serve.app import create_app  # seconds: torch, transformers, every dialect
 
                 return create_app(config)
 

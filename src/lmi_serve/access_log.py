@@ -16,7 +16,7 @@ from typing import Any
 
 from flask import Response, g, request
 
-from .engine.observer import CURRENT_TALLY, RequestTally
+from lmi_serve.engine.observer import CURRENT_TALLY, RequestTally
 
 log = logging.getLogger("lmi_serve.access")
 

@@ -18,24 +18,24 @@ from flask import Flask, Response, g, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
-from . import access_log, security
-from .body_limit import ServingRequest
-from .config import ServerConfig
-from .drain import WorkerDrain
-from .dialects.lmi import errors as lmi_errors
-from .dialects.lmi import routes as lmi_routes
-from .dialects.openai import errors as openai_errors
-from .dialects.openai import routes as openai_routes
-from .dialects.openai import tokenize as tokenize_routes
-from .dialects.tgi import protocol as tgi_protocol
-from .dialects.tgi import routes as tgi_routes
-from .dialects.triton import protocol as triton_protocol
-from .dialects.triton import routes as triton_routes
-from .errors import ServingError
-from .json_body import InvalidJson
-from .metrics import ServingMetrics
-from .openapi import blueprint as openapi_blueprint
-from .registry import ModelRegistry
+from lmi_serve import access_log, security
+from lmi_serve.body_limit import ServingRequest
+from lmi_serve.config import ServerConfig
+from lmi_serve.drain import WorkerDrain
+from lmi_serve.dialects.lmi import errors as lmi_errors
+from lmi_serve.dialects.lmi import routes as lmi_routes
+from lmi_serve.dialects.openai import errors as openai_errors
+from lmi_serve.dialects.openai import routes as openai_routes
+from lmi_serve.dialects.openai import tokenize as tokenize_routes
+from lmi_serve.dialects.tgi import protocol as tgi_protocol
+from lmi_serve.dialects.tgi import routes as tgi_routes
+from lmi_serve.dialects.triton import protocol as triton_protocol
+from lmi_serve.dialects.triton import routes as triton_routes
+from lmi_serve.errors import ServingError
+from lmi_serve.json_body import InvalidJson
+from lmi_serve.metrics import ServingMetrics
+from lmi_serve.openapi import blueprint as openapi_blueprint
+from lmi_serve.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 

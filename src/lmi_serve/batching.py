@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import Overloaded, ServingError, Timeout
-from .handler_api import Input, Output
+from lmi_serve.errors import Overloaded, ServingError, Timeout
+from lmi_serve.handler_api import Input, Output
 
 log = logging.getLogger(__name__)
 

@@ -55,12 +55,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config_models import (
+from lmi_serve.config_models import (
     KIND_NAMES, NOT_TAKEN, ConfigError, ModelConfig, ServerConfig, _validated, options_not_taken,
     tensor_parallel_conflict,
 )
-from .security import OPTION_KEYS as _SECURITY_KEYS
-from .security import SecurityError, build_security, server_option
+from lmi_serve.security import OPTION_KEYS as _SECURITY_KEYS
+from lmi_serve.security import SecurityError, build_security, server_option
 
 __all__ = ["KIND_NAMES", "ConfigError", "ModelConfig", "ServerConfig", "build_server_config", "load_model_config",
            "options_not_taken", "read_properties", "tensor_parallel_conflict"]

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from .config import _BARE_KEYS, _ENV_ALIASES, _OPTION_FIELDS
-from .config_models import ModelConfig
+from lmi_serve.config import _BARE_KEYS, _ENV_ALIASES, _OPTION_FIELDS
+from lmi_serve.config_models import ModelConfig
 
 #: ModelConfig fields the launcher fills itself; no key or variable sets them
 INTERNAL_FIELDS = ("model_dir", "options", "unknown_options", "ignored_options")

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .security import SecurityConfig
+from lmi_serve.security import SecurityConfig
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
 RollingBatch = Literal["auto", "scheduler", "disable"]

@@ -23,8 +23,8 @@ import ssl
 
 from flask import has_request_context, request
 
-from .engine.generation import Generation
-from .engine.types import GenerationResult
+from lmi_serve.engine.generation import Generation
+from lmi_serve.engine.types import GenerationResult
 
 
 class ClientConnection:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from gunicorn.arbiter import Arbiter
 from werkzeug.wsgi import ClosingIterator
 
-from .errors import NotReady
+from lmi_serve.errors import NotReady
 
 log = logging.getLogger(__name__)
 

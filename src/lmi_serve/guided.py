@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import json_body
-from .engine.grammar import GrammarError
-from .engine.types import GenerationRequest, GuidedDecoding
-from .errors import InvalidRequest
+from lmi_serve import json_body
+from lmi_serve.engine.grammar import GrammarError
+from lmi_serve.engine.types import GenerationRequest, GuidedDecoding
+from lmi_serve.errors import InvalidRequest
 
 ANY_OBJECT = {"type": "object"}
 

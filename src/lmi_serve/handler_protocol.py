@@ -42,13 +42,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .config import ModelConfig, ServerConfig
-from .handler_api import Input, Output, find_annotated
-from .handler_loader import HandlerLoadError
+from lmi_serve.config import ModelConfig, ServerConfig
+from lmi_serve.handler_api import Input, Output, find_annotated
+from lmi_serve.handler_loader import HandlerLoadError
 
 if TYPE_CHECKING:
-    from .dialects.triton.tensor_model import TensorSpec
-    from .engine.engine import Engine
+    from lmi_serve.dialects.triton.tensor_model import TensorSpec
+    from lmi_serve.engine.engine import Engine
 
 __all__ = ["EmbeddingModel", "Handler", "HandlerCapabilities", "HandlerContext", "HandlerDeclarationError",
            "RollingBatch", "TensorModel", "TokenIdInputs", "TypedLoad", "typed_from_properties"]
@@ -214,7 +214,7 @@ def _tensors(module: ModuleType, where: str) -> tuple[tuple[TensorSpec, ...] | N
         given = next(name for name in declared if name not in missing)
         raise HandlerDeclarationError(f"{where} declares {given} but not {missing[0]}; a tensor model "
                                       "declares both")
-    from .dialects.triton.tensor_model import TensorSpec
+    from lmi_serve.dialects.triton.tensor_model import TensorSpec
 
     checked = []
     for name, value in declared.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .handler_api import Input, Output
+from lmi_serve.handler_api import Input, Output
 
 T = TypeVar("T")
 

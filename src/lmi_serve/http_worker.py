@@ -19,8 +19,8 @@ from gunicorn import http, util
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import ThreadWorker
 
-from .request_reader import Limits, ReadingFront
-from .drain import on_worker_sigterm
+from lmi_serve.request_reader import Limits, ReadingFront
+from lmi_serve.drain import on_worker_sigterm
 
 
 def error_type(reason: str) -> str:

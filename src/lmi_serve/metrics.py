@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every scraper reads
 
-from .engine.observer import EngineObserver, SequenceReport, StepReport
-from .engine.types import FinishReason
+from lmi_serve.engine.observer import EngineObserver, SequenceReport, StepReport
+from lmi_serve.engine.types import FinishReason
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "lmi_serve:"

@@ -21,11 +21,11 @@ from flask import Blueprint, Flask, Response, current_app, json, send_from_direc
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from . import __version__
-from . import openapi_models as doc
-from .security import open_routes
-from .dialects.openai import tokenize as vllm_tokenize
-from .dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from lmi_serve import __version__
+from lmi_serve import openapi_models as doc
+from lmi_serve.security import open_routes
+from lmi_serve.dialects.openai import tokenize as vllm_tokenize
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
-from .dialects.common.schema import DynamicBatchParameters, GenerationParameters
+from lmi_serve.dialects.common.schema import DynamicBatchParameters, GenerationParameters
 
 
 class _Open(BaseModel):

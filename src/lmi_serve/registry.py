@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from .config import ServerConfig
-from .errors import InvalidRequest, NotFound
-from .service import ModelService, ModelStatus
+from lmi_serve.config import ServerConfig
+from lmi_serve.errors import InvalidRequest, NotFound
+from lmi_serve.service import ModelService, ModelStatus
 
 
 class ModelRegistry:

@@ -14,15 +14,15 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .batching import DirectDispatcher, DynamicBatcher, Job
-from .config import ModelConfig
-from .errors import InvalidRequest, NotReady
-from .handler_api import Input, Output
-from .handler_loader import resolve_handler
-from .handler_protocol import HandlerCapabilities, HandlerContext
-from .model.download import fetch_model_files
-from .model.source import ModelLoadError
-from .model.task import GENERATION_TASKS, ModelTaskError, TaskDecision, decide_task
+from lmi_serve.batching import DirectDispatcher, DynamicBatcher, Job
+from lmi_serve.config import ModelConfig
+from lmi_serve.errors import InvalidRequest, NotReady
+from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_loader import resolve_handler
+from lmi_serve.handler_protocol import HandlerCapabilities, HandlerContext
+from lmi_serve.model.download import fetch_model_files
+from lmi_serve.model.source import ModelLoadError
+from lmi_serve.model.task import GENERATION_TASKS, ModelTaskError, TaskDecision, decide_task
 
 log = logging.getLogger(__name__)
 

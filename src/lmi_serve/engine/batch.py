@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer
-from .grammar import Constraint
-from .history import SamplingHistory
-from .kv import KVBatch, KVFactory, Prefilled
-from .kv_select import kv_factory_for
-from .sampling import SampleOutput
-from .token_masks import token_mask
-from .types import FinishReason, GenerationRequest, TokenEvent, TopToken
-from .watermark import Watermark, watermark_bias
+from lmi_serve.engine.detokenizer import IncrementalDetokenizer
+from lmi_serve.engine.grammar import Constraint
+from lmi_serve.engine.history import SamplingHistory
+from lmi_serve.engine.kv import KVBatch, KVFactory, Prefilled
+from lmi_serve.engine.kv_select import kv_factory_for
+from lmi_serve.engine.sampling import SampleOutput
+from lmi_serve.engine.token_masks import token_mask
+from lmi_serve.engine.types import FinishReason, GenerationRequest, TokenEvent, TopToken
+from lmi_serve.engine.watermark import Watermark, watermark_bias
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .beam_rows import BeamSearch
+from lmi_serve.engine.beam_rows import BeamSearch
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from .batch import make_row
-from .kv import KVBatch, KVFactory
-from .types import FinishReason, GenerationRequest, GenerationResult
+from lmi_serve.engine.batch import make_row
+from lmi_serve.engine.kv import KVBatch, KVFactory
+from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult
 
 NEG = -1.0e9  # transformers' "impossible" score; finite, so sums with it stay ordered
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .batch import Batch, Row
-from .kv import KVBatch, KVFactory, Prefilled
-from .prefix_cache import PrefixCache, resume_from_cache
-from .types import GenerationRequest
+from lmi_serve.engine.batch import Batch, Row
+from lmi_serve.engine.kv import KVBatch, KVFactory, Prefilled
+from lmi_serve.engine.prefix_cache import PrefixCache, resume_from_cache
+from lmi_serve.engine.types import GenerationRequest
 
 
 def supports_chunks(factory: KVFactory) -> bool:

@@ -16,23 +16,23 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
-from .adapters import Adapters
-from .beam_rows import BeamSearch, replay
-from .grammar import GrammarCompiler
-from .watermark import Watermark
-from .generation import POLL_SECONDS, Generation
-from .handle import RequestHandle, Sink
-from .observer import EngineObserver
-from ..errors import ClientGone, GenerationFailed, InvalidRequest, NotFound, ServingError
-from ..memory import IdleTrim
-from .kv import KVFactory
-from .kv_select import is_encoder_decoder
-from .phases import PhaseTimes
-from .prefix_cache import PrefixCache, PrefixStats
-from .scheduler import Scheduler
-from .static_batch import eos_token_ids
-from .support import check_supported
-from .types import GenerationRequest, GenerationResult
+from lmi_serve.engine.adapters import Adapters
+from lmi_serve.engine.beam_rows import BeamSearch, replay
+from lmi_serve.engine.grammar import GrammarCompiler
+from lmi_serve.engine.watermark import Watermark
+from lmi_serve.engine.generation import POLL_SECONDS, Generation
+from lmi_serve.engine.handle import RequestHandle, Sink
+from lmi_serve.engine.observer import EngineObserver
+from lmi_serve.errors import ClientGone, GenerationFailed, InvalidRequest, NotFound, ServingError
+from lmi_serve.memory import IdleTrim
+from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.kv_select import is_encoder_decoder
+from lmi_serve.engine.phases import PhaseTimes
+from lmi_serve.engine.prefix_cache import PrefixCache, PrefixStats
+from lmi_serve.engine.scheduler import Scheduler
+from lmi_serve.engine.static_batch import eos_token_ids
+from lmi_serve.engine.support import check_supported
+from lmi_serve.engine.types import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 

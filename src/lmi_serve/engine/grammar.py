@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .types import GuidedDecoding
+from lmi_serve.engine.types import GuidedDecoding
 
 
 # One canonical layout: with free whitespace a model (a small one especially) can pad forever.

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from .batch import Row
-from .types import TokenEvent
+from lmi_serve.engine.batch import Row
+from lmi_serve.engine.types import TokenEvent
 
 log = logging.getLogger("lmi_serve.engine.scheduler")  # the scheduler's log, where these lines always were
 

@@ -7,8 +7,8 @@ import queue
 import time
 from collections.abc import Iterator
 
-from .observer import EngineObserver, SequenceClock
-from .types import GenerationRequest, GenerationResult, TokenEvent
+from lmi_serve.engine.observer import EngineObserver, SequenceClock
+from lmi_serve.engine.types import GenerationRequest, GenerationResult, TokenEvent
 
 _ids = itertools.count(1)
 

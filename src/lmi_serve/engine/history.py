@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import HeterogeneousSampler, SampleOutput
-from .types import GenerationRequest
+from lmi_serve.engine.sampling import HeterogeneousSampler, SampleOutput
+from lmi_serve.engine.types import GenerationRequest
 
 
 @dataclass

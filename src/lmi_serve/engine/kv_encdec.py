@@ -27,8 +27,8 @@ from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
-from .kv import Prefilled, layer_bytes
-from .kv_dynamic import join_left_padded, keep_rows
+from lmi_serve.engine.kv import Prefilled, layer_bytes
+from lmi_serve.engine.kv_dynamic import join_left_padded, keep_rows
 
 # How each encoder-decoder family's decoder learns positions: "relative" (T5's bias depends on
 # column distance only) or "embedding" (an absolute embedding lookup, fed per-row positions by

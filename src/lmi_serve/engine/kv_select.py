@@ -8,10 +8,10 @@ from typing import Any
 
 import psutil
 
-from .kv import KVFactory
-from .kv_dynamic import DynamicKV
-from .kv_encdec import EncoderDecoderKV
-from .kv_slots import SlotKV, slot_bytes
+from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.kv_dynamic import DynamicKV
+from lmi_serve.engine.kv_encdec import EncoderDecoderKV
+from lmi_serve.engine.kv_slots import SlotKV, slot_bytes
 
 log = logging.getLogger(__name__)
 

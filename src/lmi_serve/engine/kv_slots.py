@@ -40,9 +40,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .kv import Prefilled
-from .kv_dynamic import DynamicKV, leading_padding
-from .slot_attention import Parts, use_parts
+from lmi_serve.engine.kv import Prefilled
+from lmi_serve.engine.kv_dynamic import DynamicKV, leading_padding
+from lmi_serve.engine.slot_attention import Parts, use_parts
 
 ROW_STEP = 8  # row capacity grows in multiples of this
 MIN_COLUMNS = 256  # column capacity: at least this, doubling as sequences grow

@@ -17,8 +17,8 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from ..errors import ServingError
-from .types import FinishReason, TokenEvent
+from lmi_serve.errors import ServingError
+from lmi_serve.engine.types import FinishReason, TokenEvent
 
 
 @dataclass(frozen=True)

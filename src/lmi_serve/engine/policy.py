@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from typing import Literal
 
-from ..errors import ContextOverflow, InvalidRequest
+from lmi_serve.errors import ContextOverflow, InvalidRequest
 
 MAX_SEED = 2**63 - 1  # seeds are int64 on every wire; torch's generators take them as they are
 

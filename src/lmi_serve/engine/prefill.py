@@ -19,18 +19,18 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from .adapters import lora_rows
-from .batch import Batch, Row, make_row
-from .chunked import ChunkedPrefill, chunkable
-from .guarded import guarded_forward
-from .handle import RequestHandle
-from .kv import KVFactory
-from .phases import EVICT, PREFILL, PhaseClock
-from .prefix_cache import PrefixCache
-from .types import GenerationRequest
+from lmi_serve.engine.adapters import lora_rows
+from lmi_serve.engine.batch import Batch, Row, make_row
+from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
+from lmi_serve.engine.guarded import guarded_forward
+from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.phases import EVICT, PREFILL, PhaseClock
+from lmi_serve.engine.prefix_cache import PrefixCache
+from lmi_serve.engine.types import GenerationRequest
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerStats
+    from lmi_serve.engine.scheduler import SchedulerStats
 
 log = logging.getLogger("lmi_serve.engine.scheduler")  # the scheduler's log, where these lines always were
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv import KVBatch, KVFactory
+from lmi_serve.engine.kv import KVBatch, KVFactory
 
 LayerKV = tuple[torch.Tensor, torch.Tensor] | None  # one layer's K and V, or None (a layer that keeps none)
 BLOCK_TOKENS = 16

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .kv import KVBatch, KVFactory, Prefilled, held_bytes
+from lmi_serve.engine.kv import KVBatch, KVFactory, Prefilled, held_bytes
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from functools import cached_property
 
 import torch
 
-from .types import SamplingParams
+from lmi_serve.engine.types import SamplingParams
 
 # The first candidate set of a top-p row without top-k. With SmolLM2 at temperature 1, a 0.9 nucleus
 # fits in 256 tokens at ~96% of steps and in 1024 at all but ~0.3%; topk(256) costs ~2% of a sort.

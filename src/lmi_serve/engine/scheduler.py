@@ -37,26 +37,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import GenerationFailed, Overloaded, ServingError, Timeout
-from ..model.lora import AdapterError
-from .adapters import Adapters, lora_rows
-from .batch import Batch, Row
-from .beam_jobs import BeamJobs, settle
-from .beam_rows import BeamSearch
-from .chunked import ChunkedPrefill, chunkable, supports_chunks
-from .guarded import guarded_forward
-from .prefix_cache import PrefixCache, PrefixStats, supports_prefixes
-from .handle import RequestHandle
-from .observer import EngineObserver, StepReport
-from .kv import KVFactory, held_bytes
-from .kv_select import is_encoder_decoder, kv_factory_for
-from .phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
-from .prefill import PrefillSteps
-from .slot_attention import use_parts
-from .types import TokenEvent
+from lmi_serve.errors import GenerationFailed, Overloaded, ServingError, Timeout
+from lmi_serve.model.lora import AdapterError
+from lmi_serve.engine.adapters import Adapters, lora_rows
+from lmi_serve.engine.batch import Batch, Row
+from lmi_serve.engine.beam_jobs import BeamJobs, settle
+from lmi_serve.engine.beam_rows import BeamSearch
+from lmi_serve.engine.chunked import ChunkedPrefill, chunkable, supports_chunks
+from lmi_serve.engine.guarded import guarded_forward
+from lmi_serve.engine.prefix_cache import PrefixCache, PrefixStats, supports_prefixes
+from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.observer import EngineObserver, StepReport
+from lmi_serve.engine.kv import KVFactory, held_bytes
+from lmi_serve.engine.kv_select import is_encoder_decoder, kv_factory_for
+from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
+from lmi_serve.engine.prefill import PrefillSteps
+from lmi_serve.engine.slot_attention import use_parts
+from lmi_serve.engine.types import TokenEvent
 
 if TYPE_CHECKING:
-    from .sampling import SampleOutput
+    from lmi_serve.engine.sampling import SampleOutput
 
 @dataclass
 class SchedulerStats:

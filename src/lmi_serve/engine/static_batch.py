@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from .batch import Batch, make_row
-from .kv import KVFactory
-from .types import GenerationRequest, TokenEvent
+from lmi_serve.engine.batch import Batch, make_row
+from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.types import GenerationRequest, TokenEvent
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .kv_encdec import DECODER_POSITIONS
+from lmi_serve.engine.kv_encdec import DECODER_POSITIONS
 
 # Layer kinds (transformers' `config.layer_types` names) a left-padded DynamicCache serves exactly:
 # every layer keeps its whole KV; transformers' masks apply the window or the chunks per row.

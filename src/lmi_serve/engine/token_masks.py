@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .grammar import allowed_tokens
+from lmi_serve.engine.grammar import allowed_tokens
 
 
 def banned_now(request, generated: Sequence[int]) -> set[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ..errors import GenerationFailed, ServingError
+from lmi_serve.errors import GenerationFailed, ServingError
 
 
 class FinishReason(enum.Enum):

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .download_progress import PROGRESS_EVERY_S
-from .remote_files import looks_like_hub_id, parse_s3_url
-from .source import PACKAGE_PREFIX
+from lmi_serve.model.download_progress import PROGRESS_EVERY_S
+from lmi_serve.model.remote_files import looks_like_hub_id, parse_s3_url
+from lmi_serve.model.source import PACKAGE_PREFIX
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from lmi_serve.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def fetch_model_files(config: ModelConfig, cache_dir: str, *, progress_every: fl
         return None
     s3 = parse_s3_url(model_id)
     if s3 is not None:
-        from .s3 import download_from_s3
+        from lmi_serve.model.s3 import download_from_s3
 
         with _exclusive(cache_dir, s3.url, s3.url):
             return str(download_from_s3(s3, cache_dir=cache_dir, allow_pickled=config.allow_pickled_weights,
@@ -72,7 +72,7 @@ def fetch_model_files(config: ModelConfig, cache_dir: str, *, progress_every: fl
                                         progress_every=progress_every))
     if not is_hub_id(model_id):
         return None
-    from .hub import download_from_hub
+    from lmi_serve.model.hub import download_from_hub
 
     key = f"hub:{model_id}@{config.revision or 'main'}"
     with _exclusive(cache_dir, key, model_id):

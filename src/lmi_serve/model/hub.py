@@ -15,9 +15,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .download_progress import folder_bytes, progress_log
-from .remote_files import choose_files
-from .source import ModelLoadError
+from lmi_serve.model.download_progress import folder_bytes, progress_log
+from lmi_serve.model.remote_files import choose_files
+from lmi_serve.model.source import ModelLoadError
 
 log = logging.getLogger(__name__)
 

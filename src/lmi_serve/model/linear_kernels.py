@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .quantize import own_remaining_tensors, replace_module, return_freed_memory
+from lmi_serve.model.quantize import own_remaining_tensors, replace_module, return_freed_memory
 
 log = logging.getLogger(__name__)
 

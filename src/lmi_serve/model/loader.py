@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 # Where the files are lives in source.py (torch-free); these names stay importable from here.
-from .source import ModelLoadError, find_gguf, resolve_model_source
+from lmi_serve.model.source import ModelLoadError, find_gguf, resolve_model_source
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree:
     rank r computes on `cuda:r`, or on the CPU. `device_map` (accelerate's layer spreading, for
     models without a tensor-parallel plan) is the other way to use several GPUs, never both.
     """
-    from .tp import resolve_degree
+    from lmi_serve.model.tp import resolve_degree
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if dtype in _DTYPES:
@@ -154,7 +154,7 @@ def _explain(source: str, exc: Exception) -> ModelLoadError:
 def _sharding(config: Any, tensor_parallel_degree: int | str) -> dict[str, Any]:
     """from_pretrained's arguments for tensor parallelism: none for one rank; else transformers' plan
     over the process group this rank has joined (model/tp.py), after checking the model has one."""
-    from .tp import check_tp_plan, resolve_degree
+    from lmi_serve.model.tp import check_tp_plan, resolve_degree
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     degree = resolve_degree(tensor_parallel_degree, gpus)

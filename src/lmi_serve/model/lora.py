@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .linear_kernels import OneDnnLinear
-from .quantize import replace_module
+from lmi_serve.model.linear_kernels import OneDnnLinear
+from lmi_serve.model.quantize import replace_module
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

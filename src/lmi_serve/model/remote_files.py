@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from .source import ModelLoadError
+from lmi_serve.model.source import ModelLoadError
 
 S3_PREFIX = "s3://"
 _METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab")

@@ -32,10 +32,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .source import ModelLoadError, find_gguf, resolve_model_source
+from lmi_serve.model.source import ModelLoadError, find_gguf, resolve_model_source
 
 if TYPE_CHECKING:
-    from ..config import ModelConfig
+    from lmi_serve.config import ModelConfig
 
 TEXT_GENERATION = "text-generation"
 TEXT2TEXT_GENERATION = "text2text-generation"

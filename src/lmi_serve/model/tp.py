@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .source import ModelLoadError
+from lmi_serve.model.source import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .. import logs
-    from ..config import ModelConfig
+    from lmi_serve import logs
+    from lmi_serve.config import ModelConfig
 
     # Rank 0 owns this process: a SIGTERM or Ctrl-C meant for the server (its process group) must not
     # end a rank while rank 0 drains its requests. It ends on rank 0's STOP, or when rank 0 is gone.
@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from ..engine.kv_select import is_encoder_decoder, kv_factory_for
-    from ..engine.replicate import follow
-    from ..engine.slot_attention import use_parts
-    from .loader import load_generation_model
-    from .source import ModelLoadError
-    from .tp import join_group
+    from lmi_serve.engine.kv_select import is_encoder_decoder, kv_factory_for
+    from lmi_serve.engine.replicate import follow
+    from lmi_serve.engine.slot_attention import use_parts
+    from lmi_serve.model.loader import load_generation_model
+    from lmi_serve.model.source import ModelLoadError
+    from lmi_serve.model.tp import join_group
 
     device = join_group(args.rank, args.world, args.port, args.threads)
     try:

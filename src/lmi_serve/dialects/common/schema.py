@@ -27,11 +27,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ...engine.policy import MAX_SEED, fit_to_context, sequence_seeds  # MAX_SEED: others import it here too
-from ... import guided
-from ...engine.types import GenerationRequest, GuidedDecoding, SamplingParams, StopParams
-from ...errors import InvalidRequest
-from ...validation import field_problems
+from lmi_serve.engine.policy import MAX_SEED, fit_to_context, sequence_seeds  # MAX_SEED: others import it here too
+from lmi_serve import guided
+from lmi_serve.engine.types import GenerationRequest, GuidedDecoding, SamplingParams, StopParams
+from lmi_serve.errors import InvalidRequest
+from lmi_serve.validation import field_problems
 
 
 class LmiRequestError(InvalidRequest, ValueError):

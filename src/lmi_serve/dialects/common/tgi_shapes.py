@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .shapes import (
+from lmi_serve.dialects.common.shapes import (
     Events, RenderContext, _details, _event_token, _failure, _finish, _generated, _is_failure, _text, _top_tokens,
 )
 

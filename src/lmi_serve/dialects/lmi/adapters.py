@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ...engine.adapters import (
+from lmi_serve.engine.adapters import (
     Adapter, AdapterExists, Adapters, SourceRefused, check_source, model_adapters_folder,
 )
-from ...errors import InvalidRequest
-from ...model.lora import AdapterError
-from ...service import ModelService
+from lmi_serve.errors import InvalidRequest
+from lmi_serve.model.lora import AdapterError
+from lmi_serve.service import ModelService
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _REGISTER_ARGS = {"name", "src", "preload", "pin"}

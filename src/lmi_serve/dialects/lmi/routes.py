@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, current_app, g, request
 
-from ...engine.adapters import AdapterExists, SourceRefused
-from ...handler_api import Input, Output
-from ...registry import ModelRegistry
-from ...security import management_route
-from ...service import ModelService, ModelStatus
-from . import adapters as adapter_api
-from .errors import error_response
+from lmi_serve.engine.adapters import AdapterExists, SourceRefused
+from lmi_serve.handler_api import Input, Output
+from lmi_serve.registry import ModelRegistry
+from lmi_serve.security import management_route
+from lmi_serve.service import ModelService, ModelStatus
+from lmi_serve.dialects.lmi import adapters as adapter_api
+from lmi_serve.dialects.lmi.errors import error_response
 
 if TYPE_CHECKING:  # the engine imports torch; these routes need only the name
-    from ...engine.engine import EngineStats
-    from ...engine.prefix_cache import PrefixStats
+    from lmi_serve.engine.engine import EngineStats
+    from lmi_serve.engine.prefix_cache import PrefixStats
 
 blueprint = Blueprint("lmi", __name__)
 

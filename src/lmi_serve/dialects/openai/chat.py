@@ -18,11 +18,11 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ... import guided, json_body
-from ...engine.types import GuidedDecoding
-from ...errors import InvalidRequest
-from ...json_body import InvalidJson
-from .schema import ChatCompletionRequest, NamedToolChoice, Tool
+from lmi_serve import guided, json_body
+from lmi_serve.engine.types import GuidedDecoding
+from lmi_serve.errors import InvalidRequest
+from lmi_serve.json_body import InvalidJson
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # The layout the grammar enforces inside embedded JSON (see engine/grammar.py).

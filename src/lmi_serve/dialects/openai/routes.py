@@ -21,16 +21,16 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from ... import json_body, streaming
-from ...errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
-from ...handler_api import Input
-from ...json_body import InvalidJson
-from ...registry import ModelRegistry
-from ...service import ModelService
-from .errors import render_kind
-from .generation import check_token_ids
-from .schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
-from .service import OpenAIService, Reply
+from lmi_serve import json_body, streaming
+from lmi_serve.errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
+from lmi_serve.handler_api import Input
+from lmi_serve.json_body import InvalidJson
+from lmi_serve.registry import ModelRegistry
+from lmi_serve.service import ModelService
+from lmi_serve.dialects.openai.errors import render_kind
+from lmi_serve.dialects.openai.generation import check_token_ids
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
+from lmi_serve.dialects.openai.service import OpenAIService, Reply
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 ERROR_PREFIXES = ("/v1",)

@@ -10,18 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ... import streaming
-from ...disconnect import wait_for_results
-from ...engine.engine import Engine
-from ...engine.generation import Generation
-from ...engine.types import GenerationRequest, TokenEvent
-from ...errors import GenerationFailed, InvalidRequest, ServingError
-from . import chat, vllm
-from .errors import kind_body
-from .generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
-from .render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
+from lmi_serve import streaming
+from lmi_serve.disconnect import wait_for_results
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.generation import Generation
+from lmi_serve.engine.types import GenerationRequest, TokenEvent
+from lmi_serve.errors import GenerationFailed, InvalidRequest, ServingError
+from lmi_serve.dialects.openai import chat, vllm
+from lmi_serve.dialects.openai.errors import kind_body
+from lmi_serve.dialects.openai.generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
+from lmi_serve.dialects.openai.render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
-from .schema import ChatCompletionRequest, CompletionRequest
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
 
 Chunk = dict
 

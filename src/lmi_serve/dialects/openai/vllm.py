@@ -20,10 +20,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ... import guided
-from ...engine.grammar import GrammarError
-from ...engine.types import DetokenizeParams, GenerationRequest, GuidedDecoding, TokenEvent
-from ...errors import InvalidRequest
+from lmi_serve import guided
+from lmi_serve.engine.grammar import GrammarError
+from lmi_serve.engine.types import DetokenizeParams, GenerationRequest, GuidedDecoding, TokenEvent
+from lmi_serve.errors import InvalidRequest
 
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs
 

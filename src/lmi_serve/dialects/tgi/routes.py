@@ -25,17 +25,17 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, current_app, request
 
-from ... import guided, streaming
-from ...disconnect import wait_for_results
-from ...engine.engine import Engine
-from ...engine.generation import Generation
-from ...errors import InvalidRequest
-from ...registry import ModelRegistry
-from ...service import ModelStatus
-from ..common.ranking import rank_with_seeds
-from ..common.schema import RollingRequest, to_generation_requests
-from ..common.shapes import RenderContext
-from .protocol import check_context, error_response, parse_request, tgi_response, tgi_stream_frame
+from lmi_serve import guided, streaming
+from lmi_serve.disconnect import wait_for_results
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.generation import Generation
+from lmi_serve.errors import InvalidRequest
+from lmi_serve.registry import ModelRegistry
+from lmi_serve.service import ModelStatus
+from lmi_serve.dialects.common.ranking import rank_with_seeds
+from lmi_serve.dialects.common.schema import RollingRequest, to_generation_requests
+from lmi_serve.dialects.common.shapes import RenderContext
+from lmi_serve.dialects.tgi.protocol import check_context, error_response, parse_request, tgi_response, tgi_stream_frame
 
 blueprint = Blueprint("tgi", __name__)
 ERROR_PREFIXES = ("/generate", "/info", "/health")  # app-level 404/405/413 render in TGI shape here
@@ -157,6 +157,6 @@ def info() -> Response:
 
 
 def _version() -> str:
-    from ... import __version__
+    from lmi_serve import __version__
 
     return __version__

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ...registry import ModelRegistry
-from ...service import ModelService, ModelStatus
-from .llm import LLM_INPUTS, LLM_OUTPUTS
-from .protocol import BadRequest, Unavailable, UnknownTarget
-from .tensor_model import TensorSpec
-from .tensors import WireTensor
+from lmi_serve.registry import ModelRegistry
+from lmi_serve.service import ModelService, ModelStatus
+from lmi_serve.dialects.triton.llm import LLM_INPUTS, LLM_OUTPUTS
+from lmi_serve.dialects.triton.protocol import BadRequest, Unavailable, UnknownTarget
+from lmi_serve.dialects.triton.tensor_model import TensorSpec
+from lmi_serve.dialects.triton.tensors import WireTensor
 
 MODEL_VERSION = "1"
 CONFIG_TYPES = {"BYTES": "TYPE_STRING"}  # every other datatype is TYPE_<datatype>
@@ -43,7 +43,7 @@ class ModelContract:
 @lru_cache(maxsize=None)
 def embedding_dimension(model_id: str | None, model_dir: str | None) -> int:
     """The vector size from the model's files (sentence-transformers pooling, else hidden_size); -1 if unknown."""
-    from ...model.source import ModelLoadError, resolve_model_source
+    from lmi_serve.model.source import ModelLoadError, resolve_model_source
 
     try:
         folder = Path(resolve_model_source(model_id)) if model_id else Path(model_dir or ".")

@@ -12,11 +12,11 @@ from typing import Any, ClassVar
 
 from flask import Response, current_app, request
 
-from ... import json_body, json_scan
-from ...errors import (
+from lmi_serve import json_body, json_scan
+from lmi_serve.errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )
-from ...json_scan import BodyScan
+from lmi_serve.json_scan import BodyScan
 
 MAX_JSON_DEPTH = 100  # Triton's limit on JSON nesting
 # Request-level parameters Triton itself consumes; every other one goes to the model.

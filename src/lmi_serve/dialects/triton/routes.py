@@ -18,23 +18,23 @@ from dataclasses import dataclass, field
 import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
-from ... import __version__, json_body, json_scan
-from ...errors import ServingError, lookup
-from ...registry import ModelRegistry
-from ...service import ModelStatus
-from ...streaming import SSE_HEADERS, SSE_MIMETYPE
-from .generate import dumps, error_event, parse_generate_request, response_object, sse_events
-from .infer import infer_response, parse_infer_request
-from .models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
+from lmi_serve import __version__, json_body, json_scan
+from lmi_serve.errors import ServingError, lookup
+from lmi_serve.registry import ModelRegistry
+from lmi_serve.service import ModelStatus
+from lmi_serve.streaming import SSE_HEADERS, SSE_MIMETYPE
+from lmi_serve.dialects.triton.generate import dumps, error_event, parse_generate_request, response_object, sse_events
+from lmi_serve.dialects.triton.infer import infer_response, parse_infer_request
+from lmi_serve.dialects.triton.models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
                      validate_inputs)
-from .protocol import (
+from lmi_serve.dialects.triton.protocol import (
     ERROR_TABLE, MAX_JSON_DEPTH, BadRequest, NotImplementedHere, TritonError, Unavailable, UnknownTarget, check_depth,
     json_response, parse_json, read_body, render_error,
 )
-from .runners import ModelCall, run_model, stream_model
-from .stats import StatsBook, Timer
-from .tensors import WireTensor
-from .trace import TraceSettings, parse_update
+from lmi_serve.dialects.triton.runners import ModelCall, run_model, stream_model
+from lmi_serve.dialects.triton.stats import StatsBook, Timer
+from lmi_serve.dialects.triton.tensors import WireTensor
+from lmi_serve.dialects.triton.trace import TraceSettings, parse_update
 
 blueprint = Blueprint("triton", __name__)
 ERROR_PREFIXES = ("/v2",)

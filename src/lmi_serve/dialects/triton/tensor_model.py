@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import InvalidRequest
-from ...handler_api import DATA_KEY, Input, Output
-from .tensors import (NUMPY_DTYPES, WireTensor, as_wire_tensor, check_datatype, datatype_of,
+from lmi_serve.errors import InvalidRequest
+from lmi_serve.handler_api import DATA_KEY, Input, Output
+from lmi_serve.dialects.triton.tensors import (NUMPY_DTYPES, WireTensor, as_wire_tensor, check_datatype, datatype_of,
                       tensor_from_binary, tensor_to_binary)
 
 _MAGIC = b'{"tensor":'

@@ -17,7 +17,7 @@ import re
 import threading
 from typing import Any
 
-from .protocol import BadRequest
+from lmi_serve.dialects.triton.protocol import BadRequest
 
 LEVELS = ("TIMESTAMPS", "TENSORS")  # in the order Triton lists them; "OFF" stands alone
 # Triton's defaults when started without --trace-config options.
