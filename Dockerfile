@@ -34,7 +34,6 @@ RUN mkdir -p src/lmi_serve && touch README.md src/lmi_serve/__init__.py \
     && source scripts/_setup.sh serve \
     && rm -rf /root/.cache/pip
 COPY src ./src
-COPY handlers ./handlers
 # The default model's config, as a template for what to mount at /opt/ml/model.
 COPY serving.properties ./
 # Convert the default GGUF at build time (the loader and cache key the server uses), so a container

@@ -49,7 +49,7 @@ def one_round(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from lmi_serve.engine.engine import Engine
-    from lmi_serve.engine.kv_select import KV_CACHES
+    from lmi_serve.engine.kv.select import KV_CACHES
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
     from lmi_serve.model.loader import load_generation_model
 

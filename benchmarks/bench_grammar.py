@@ -161,7 +161,7 @@ def main() -> None:
 
 def bench_engine_mask(tokenizer) -> None:
     """What the engine adds per decode step: every constrained row's mask, unpacked and applied."""
-    from lmi_serve.engine.grammar import GrammarCompiler, allowed_tokens
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler, allowed_tokens
     from lmi_serve.engine.types import GuidedDecoding
 
     vocab = len(tokenizer)

@@ -3,7 +3,7 @@
 emit, on the default model in-process (SmolLM2-135M-Instruct, fp32 from the packaged Q4_1 GGUF).
 
 For each batch size B and context length KV: B rows whose KV cache holds KV tokens, built by each KV
-implementation of `lmi_serve.engine.kv_select.KV_CACHES` (every entry, or --kv), then one decode step
+implementation of `lmi_serve.engine.kv.select.KV_CACHES` (every entry, or --kv), then one decode step
 (`Batch.decode`, the scheduler's decode phase) timed per implementation, interleaved (A, B, A, B ...)
 over --repeats rounds after warm-up; min and median per implementation, tok/s = B / step and the
 time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each B, the engine's
@@ -56,9 +56,9 @@ import torch  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402
 
 from lmi_serve.engine.batch import Batch, make_row  # noqa: E402
-from lmi_serve.engine.history import SamplingHistory  # noqa: E402
-from lmi_serve.engine.kv import KVFactory  # noqa: E402
-from lmi_serve.engine.kv_select import KV_CACHES  # noqa: E402
+from lmi_serve.engine.kv.protocol import KVFactory  # noqa: E402
+from lmi_serve.engine.kv.select import KV_CACHES  # noqa: E402
+from lmi_serve.engine.sampling.history import SamplingHistory  # noqa: E402
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams  # noqa: E402
 
 BASELINE = "dynamic"

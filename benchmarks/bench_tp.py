@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tokens per second at 1 and at 2 tensor-parallel ranks, side by side (model/tp.py, engine/replicate.py).
+"""Tokens per second at 1 and at 2 tensor-parallel ranks, side by side (model/tp.py, engine/kv/replicate.py).
 
 The model is SmolLM2-135M widened with zero heads so 2 ranks can split it (tests/tp_model.py: the same
 logits). For each degree a server starts with option.tensor_parallel_degree=1 or 2 (both with

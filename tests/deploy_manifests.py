@@ -8,9 +8,10 @@ from typing import Any
 
 import yaml
 
-from lmi_serve import config, drain
-from lmi_serve.app import create_app
-from lmi_serve.registry import ModelRegistry
+from lmi_serve.config.sources import sources as config
+from lmi_serve.server import drain
+from lmi_serve.server.app import create_app
+from lmi_serve.serving.registry import ModelRegistry
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 BOGUS = "?not-a-valid-value?"
@@ -63,7 +64,7 @@ def resolve(env: dict[str, str], model_dir: Path, argv_model_dir: bool = False) 
 
 def unread_names(env: dict[str, str], model_dir: Path, argv_model_dir: bool = False) -> list[str]:
     """The names in `env` lmi-serve does not read: for each, an invalid value must stop the
-    configuration with an error naming it (config.py fails fast naming the key as written). A name that
+    configuration with an error naming it (config/sources.py fails fast naming the key as written). A name that
     takes any text (HF_MODEL_ID) cannot be shown read this way: check where its value lands instead."""
     unread = []
     for name in env:

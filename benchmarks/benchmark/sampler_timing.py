@@ -1,6 +1,6 @@
-"""The sampler's cost per step, before and after the candidate sets (engine/sampling.py), A/B interleaved.
+"""The sampler's cost per step, before and after the candidate sets (engine/sampling/sampler.py), A/B interleaved.
 
-"Before" is engine/sampling.py at commit d788aea (the full-vocabulary sort), loaded from git history;
+"Before" is engine/sampling/sampler.py at commit d788aea (the full-vocabulary sort), loaded from git history;
 "after" is this checkout's. Both choose for the same [rows, 49152] logits with the same parameters:
 - `model` logits: SmolLM2-135M's own next-token logits along sampled continuations of a few prompts
   (peaked, as a model's are: a 0.9 nucleus is a handful to a few hundred tokens);
@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT / "src"))  # this checkout's lmi_serve, not an insta
 
 import torch  # noqa: E402
 
-from lmi_serve.engine import sampling  # noqa: E402
+from lmi_serve.engine.sampling.sampler import sampler as sampling
 from lmi_serve.engine.types import SamplingParams  # noqa: E402
 
-BEFORE_COMMIT = "d788aea"  # the last engine/sampling.py that sorted the whole vocabulary
+BEFORE_COMMIT = "d788aea"  # the last engine/sampling/sampler.py that sorted the whole vocabulary
 VOCAB = 49152
 ROWS = (1, 8, 32)
 PROMPTS = ("Write a short story about a dragon.", "What is the capital of France?", "List some fruits:",
@@ -44,14 +44,14 @@ PROMPTS = ("Write a short story about a dragon.", "What is the capital of France
 
 
 def load_before() -> types.ModuleType:
-    """engine/sampling.py as it was at BEFORE_COMMIT, as a module inside lmi_serve.engine."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE_COMMIT}:src/lmi_serve/engine/sampling.py"],
+    """engine/sampling/sampler.py as it was at BEFORE_COMMIT, as a module inside lmi_serve.engine."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{BEFORE_COMMIT}:src/lmi_serve/engine/sampling/sampler.py"],
                             check=True, capture_output=True, text=True).stdout
     name = "lmi_serve.engine._sampling_full_sort"
     module = types.ModuleType(name)
     module.__package__ = "lmi_serve.engine"
     sys.modules[name] = module  # dataclasses look their module up
-    exec(compile(source, f"{BEFORE_COMMIT}:src/lmi_serve/engine/sampling.py", "exec"), module.__dict__)
+    exec(compile(source, f"{BEFORE_COMMIT}:src/lmi_serve/engine/sampling/sampler.py", "exec"), module.__dict__)
     return module
 
 

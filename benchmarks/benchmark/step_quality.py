@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from lmi_serve.engine.batch import Batch, make_row
-from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.kv.protocol import KVFactory
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
 PERPLEXITY_TEXT = Path(__file__).with_name("perplexity.txt")

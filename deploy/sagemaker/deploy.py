@@ -32,7 +32,7 @@ from sagemaker.core.shapes import ContainerDefinition, ModelDataSource, Producti
 # SageMaker's contract with a container (not configurable): GET /ping and POST /invocations on port
 # 8080, and SAGEMAKER_BIND_TO_PORT when it picks another; lmi-serve binds what that variable says.
 CONTAINER_PORT = 8080
-#: lmi-serve's default for OPTION_MODEL_LOADING_TIMEOUT (config.py), seconds
+#: lmi-serve's default for OPTION_MODEL_LOADING_TIMEOUT (config/sources.py), seconds
 DEFAULT_MODEL_LOADING_TIMEOUT = 240
 #: the margin SageMaker's health check gets over the server's own loading timeout: the image's boot
 #: (torch import, /ping answers 503 "Loading" within a second of the bind) and the copy from S3.
@@ -71,7 +71,7 @@ class Recipe:
                              f"no margin: at most {MAX_HEALTH_CHECK_TIMEOUT - HEALTH_CHECK_MARGIN} s")
 
     def environment(self) -> dict[str, str]:
-        """The container's environment: only names lmi-serve's config.py reads, only what was set."""
+        """The container's environment: only names lmi-serve's config/sources.py reads, only what was set."""
         env = {"OPTION_MODEL_NAME": self.name}
         optional = {
             "HF_MODEL_ID": self.model_id,

@@ -17,12 +17,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lmi_serve import logs, security
-from lmi_serve.config import KIND_NAMES, ConfigError, ServerConfig, build_server_config
+from lmi_serve.config.sources import KIND_NAMES, ConfigError, ServerConfig, build_server_config
+from lmi_serve.server import logs
+from lmi_serve.server import security
 
 log = logging.getLogger("lmi_serve")
 
-DEFAULT_STORE = Path(__file__).resolve().parent / "defaults"
+DEFAULT_STORE = Path(__file__).resolve().parent / "serving" / "defaults"
 
 # Set before transformers is imported anywhere. Hub ids and s3:// models are downloaded at start-up
 # (model/download.py; HF_HUB_OFFLINE=1 from the user keeps it to the local cache); transformers is then
@@ -69,22 +70,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
     from gunicorn.app.base import BaseApplication
 
-    from lmi_serve.boot import BootingApp
-    from lmi_serve.drain import DrainingArbiter
+    from lmi_serve.server.boot import BootingApp
+    from lmi_serve.server.drain import DrainingArbiter
 
     # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
     # counts leak in, set before prometheus_client is first imported (it picks its value store at
     # import, and the workers fork from this process).
     metrics_dir = tempfile.mkdtemp(prefix="lmi-serve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    from lmi_serve import metrics
+    from lmi_serve.server import metrics
 
     class Server(BaseApplication):
         def load_config(self) -> None:
             settings = {
                 "bind": f"{config.host}:{config.port}",
                 "workers": config.workers,
-                "worker_class": "lmi_serve.http_worker.JsonErrorWorker",  # gthread; HTTP-layer errors in JSON
+                "worker_class": "lmi_serve.server.http_worker.JsonErrorWorker",  # gthread; HTTP-layer errors in JSON
                 "threads": config.threads,
                 "timeout": args.timeout,
                 # SIGTERM drains (drain.py): in-flight requests get this long before they are ended.
@@ -111,7 +112,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
 
         def load(self):
             def create():
-                from lmi_serve.app import create_app  # seconds: torch, transformers, every dialect
+                from lmi_serve.server.app import create_app  # seconds: torch, transformers, every dialect
 
                 return create_app(config)
 

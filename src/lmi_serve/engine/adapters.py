@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
+from lmi_serve.engine.kv.select import is_encoder_decoder
 from lmi_serve.errors import InvalidRequest, NotFound
 from lmi_serve.model.lora import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_DTYPES, AdapterError, AdapterSpec, LoraModel, load_weights, read_adapter,
     router_of,
 )
-from lmi_serve.engine.kv_select import is_encoder_decoder
 
 log = logging.getLogger(__name__)
 

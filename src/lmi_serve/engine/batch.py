@@ -1,7 +1,7 @@
 """A batch of sequences being generated together: per-row Python state, the KV batch, the sampling history.
 
 Three parts, row i of each being `rows[i]`: the `Row`s (request, detokenizer, stop state), the
-`KVBatch` that runs the model (kv.py; by default the left-padded `DynamicCache` of kv_dynamic.py)
+`KVBatch` that runs the model (kv/protocol.py; by default the left-padded `DynamicCache` of kv/dynamic.py)
 and the `SamplingHistory` (history.py: sampler, seen tokens, counts). Three verbs change the set of
 rows, and each passes to every part: `Batch.prefill` (new rows), `filter` (rows leave) and
 `concatenate` (two batches become one). The KV contract keeps a row's logits independent of its
@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from lmi_serve.engine.detokenizer import IncrementalDetokenizer
-from lmi_serve.engine.grammar import Constraint
-from lmi_serve.engine.history import SamplingHistory
-from lmi_serve.engine.kv import KVBatch, KVFactory, Prefilled
-from lmi_serve.engine.kv_select import kv_factory_for
-from lmi_serve.engine.sampling import SampleOutput
-from lmi_serve.engine.token_masks import token_mask
+from lmi_serve.engine.kv.protocol import KVBatch, KVFactory, Prefilled
+from lmi_serve.engine.kv.select import kv_factory_for
+from lmi_serve.engine.sampling.grammar import Constraint
+from lmi_serve.engine.sampling.history import SamplingHistory
+from lmi_serve.engine.sampling.sampler import SampleOutput
+from lmi_serve.engine.sampling.token_masks import token_mask
+from lmi_serve.engine.sampling.watermark import Watermark, watermark_bias
 from lmi_serve.engine.types import FinishReason, GenerationRequest, TokenEvent, TopToken
-from lmi_serve.engine.watermark import Watermark, watermark_bias
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _prompt_logprobs(logits: torch.Tensor, row: Row) -> None:
 
 @dataclass
 class Batch:
-    """Rows generated together: the Python rows, the KV batch that runs the model for them (kv.py)
+    """Rows generated together: the Python rows, the KV batch that runs the model for them (kv/protocol.py)
     and their sampling history (history.py). Row i of each is the same request."""
 
     rows: list[Row]
@@ -131,7 +131,7 @@ class Batch:
     def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_factory: KVFactory | None = None
                 ) -> "Batch":
         """One forward over the prompts of `rows` (by `kv_factory`, by default the model's own:
-        kv_select.py); leaves logits ready to sample."""
+        kv/select.py); leaves logits ready to sample."""
         kv_factory = kv_factory or kv_factory_for(model)
         requests = [r.request for r in rows]
         want_prompt = any(r.prompt_logprobs for r in requests)

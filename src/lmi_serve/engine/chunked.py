@@ -12,8 +12,8 @@ took 1.2 s where the first took 0.6 s (AVX-512 Xeon). The budget therefore count
 weighted by the context they attend over (`chunk_tokens`, `attention_crossover`): late chunks are
 shorter, and every step's prefill costs about the same.
 
-A KV implementation supports this with `prefill_more(tokens)` on a one-row KVBatch (kv_dynamic.py,
-and kv_slots.py through it); encoder-decoder rows and requests that want prompt logprobs are
+A KV implementation supports this with `prefill_more(tokens)` on a one-row KVBatch (kv/dynamic.py,
+and kv/slots.py through it); encoder-decoder rows and requests that want prompt logprobs are
 prefilled whole, as before.
 """
 
@@ -23,8 +23,8 @@ import math
 from typing import Any
 
 from lmi_serve.engine.batch import Batch, Row
-from lmi_serve.engine.kv import KVBatch, KVFactory, Prefilled
-from lmi_serve.engine.prefix_cache import PrefixCache, resume_from_cache
+from lmi_serve.engine.kv.prefix_cache import PrefixCache, resume_from_cache
+from lmi_serve.engine.kv.protocol import KVBatch, KVFactory, Prefilled
 from lmi_serve.engine.types import GenerationRequest
 
 
@@ -71,7 +71,7 @@ class ChunkedPrefill:
     def __init__(self, row: Row, model: Any, factory: KVFactory, pad_id: int, device: Any,
                  prefixes: PrefixCache | None = None):
         """With `prefixes`, the first `advance` starts from the longest prefix of the prompt that the
-        prefix cache holds (prefix_cache.py), so only the rest is prefilled."""
+        prefix cache holds (kv/prefix_cache.py), so only the rest is prefilled."""
         self.row = row
         self._model, self._factory, self._pad_id, self._device = model, factory, pad_id, device
         self._prefixes = prefixes

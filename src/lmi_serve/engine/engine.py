@@ -17,22 +17,22 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
 from lmi_serve.engine.adapters import Adapters
-from lmi_serve.engine.beam_rows import BeamSearch, replay
-from lmi_serve.engine.grammar import GrammarCompiler
-from lmi_serve.engine.watermark import Watermark
+from lmi_serve.engine.beams.rows import BeamSearch, replay
 from lmi_serve.engine.generation import POLL_SECONDS, Generation
 from lmi_serve.engine.handle import RequestHandle, Sink
+from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
+from lmi_serve.engine.kv.protocol import KVFactory
+from lmi_serve.engine.kv.select import is_encoder_decoder
+from lmi_serve.engine.memory import IdleTrim
 from lmi_serve.engine.observer import EngineObserver
-from lmi_serve.errors import ClientGone, GenerationFailed, InvalidRequest, NotFound, ServingError
-from lmi_serve.memory import IdleTrim
-from lmi_serve.engine.kv import KVFactory
-from lmi_serve.engine.kv_select import is_encoder_decoder
 from lmi_serve.engine.phases import PhaseTimes
-from lmi_serve.engine.prefix_cache import PrefixCache, PrefixStats
+from lmi_serve.engine.sampling.grammar import GrammarCompiler
+from lmi_serve.engine.sampling.watermark import Watermark
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.static_batch import eos_token_ids
 from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult
+from lmi_serve.errors import ClientGone, GenerationFailed, InvalidRequest, NotFound, ServingError
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Engine:
 
     def submit_beams(self, request: GenerationRequest, num_beams: int) -> BeamSearch:
         """Queue a beam search: its `num_beams` beams run as rows of the rolling batch, one token
-        per step (beam_rows.py). Its hypotheses arrive on the job's `future`; `cancel()` frees its
+        per step (beams/rows.py). Its hypotheses arrive on the job's `future`; `cancel()` frees its
         rows at the next step. Raises Overloaded when the waiting queue is full, InvalidRequest for an
         adapter (beams run on the base model only)."""
         if request.adapter is not None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Iterator, Sequence
 
-from lmi_serve.errors import ClientGone
 from lmi_serve.engine.handle import RequestHandle, Sink
 from lmi_serve.engine.types import GenerationResult, TokenEvent
+from lmi_serve.errors import ClientGone
 
 # How long `results` waits for an event before it asks `client_gone` again. A running request gets
 # an event every engine step, so the check runs at least once per step; this bounds it for a

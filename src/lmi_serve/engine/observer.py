@@ -17,8 +17,8 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from lmi_serve.errors import ServingError
 from lmi_serve.engine.types import FinishReason, TokenEvent
+from lmi_serve.errors import ServingError
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class StepReport:
     prefix_query_tokens: int = 0  # cumulative, with prefix caching: prompt tokens looked up
     prefix_hit_tokens: int = 0  # cumulative: of those, tokens whose K/V came from the cache
     prefix_cache_bytes: int = 0  # held now
-    kv_cache_bytes: int = 0  # K/V storage the rolling batch's rows hold now (kv.py held_bytes)
+    kv_cache_bytes: int = 0  # K/V storage the rolling batch's rows hold now (kv/protocol.py held_bytes)
 
 
 class EngineObserver:

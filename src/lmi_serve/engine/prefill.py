@@ -1,7 +1,7 @@
 """The prefill half of `Scheduler.step` (scheduler.py): the admitted joiners' prompts become rows
 of the running batch, with their first tokens sampled and sent.
 
-- a prompt whose start the prefix cache holds (prefix_cache.py) is prefilled alone, from those
+- a prompt whose start the prefix cache holds (kv/prefix_cache.py) is prefilled alone, from those
   blocks: only the rest of it runs;
 - the other joiners are prefilled in groups of similar length (`_groups`: padding is wasted
   compute, and prefill on a CPU is compute-bound, so a group only pays when it adds little padding);
@@ -24,9 +24,9 @@ from lmi_serve.engine.batch import Batch, Row, make_row
 from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
 from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.kv.prefix_cache import PrefixCache
+from lmi_serve.engine.kv.protocol import KVFactory
 from lmi_serve.engine.phases import EVICT, PREFILL, PhaseClock
-from lmi_serve.engine.prefix_cache import PrefixCache
 from lmi_serve.engine.types import GenerationRequest
 
 if TYPE_CHECKING:

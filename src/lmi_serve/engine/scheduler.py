@@ -2,7 +2,7 @@
 
 Order of operations in `Scheduler.step`:
 1. drop cancelled requests and beam searches (waiting or running) and fail waiting requests past
-   their deadline; start waiting beam searches whose beams fit in the free rows (beam_jobs.py: the
+   their deadline; start waiting beam searches whose beams fit in the free rows (beams/jobs.py: the
    first one waiting holds the free rows until it fits);
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
    tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
@@ -11,7 +11,7 @@ Order of operations in `Scheduler.step`:
    as the step's only prefill. A request of a LoRA adapter also needs its adapter's slot
    (adapters.py): when every slot is held by running rows of other adapters, it waits at the head;
 3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
-   the joiners: one whose prompt starts with blocks the prefix cache holds (prefix_cache.py) alone,
+   the joiners: one whose prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone,
    from those blocks (its budget cost is only the rest); the others in groups of similar length
    (padding is wasted compute: prefill on a CPU is compute-bound, so a group only pays when it adds
    little padding); store the prompts' blocks and sample the first tokens;
@@ -19,7 +19,7 @@ Order of operations in `Scheduler.step`:
 5. one decode forward for every running row, then sample;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
 7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`);
-8. advance every running beam search one token (beam_rows.py: one forward of its k beams in a KV
+8. advance every running beam search one token (beams/rows.py: one forward of its k beams in a KV
    batch of its own); one that raises fails alone.
 `Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode (and step 8), sample, emit,
 deliver, evict.
@@ -37,26 +37,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lmi_serve.errors import GenerationFailed, Overloaded, ServingError, Timeout
-from lmi_serve.model.lora import AdapterError
 from lmi_serve.engine.adapters import Adapters, lora_rows
 from lmi_serve.engine.batch import Batch, Row
-from lmi_serve.engine.beam_jobs import BeamJobs, settle
-from lmi_serve.engine.beam_rows import BeamSearch
+from lmi_serve.engine.beams.jobs import BeamJobs, settle
+from lmi_serve.engine.beams.rows import BeamSearch
 from lmi_serve.engine.chunked import ChunkedPrefill, chunkable, supports_chunks
 from lmi_serve.engine.guarded import guarded_forward
-from lmi_serve.engine.prefix_cache import PrefixCache, PrefixStats, supports_prefixes
 from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats, supports_prefixes
+from lmi_serve.engine.kv.protocol import KVFactory, held_bytes
+from lmi_serve.engine.kv.select import is_encoder_decoder, kv_factory_for
+from lmi_serve.engine.kv.slot_attention import use_parts
 from lmi_serve.engine.observer import EngineObserver, StepReport
-from lmi_serve.engine.kv import KVFactory, held_bytes
-from lmi_serve.engine.kv_select import is_encoder_decoder, kv_factory_for
 from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
 from lmi_serve.engine.prefill import PrefillSteps
-from lmi_serve.engine.slot_attention import use_parts
 from lmi_serve.engine.types import TokenEvent
+from lmi_serve.errors import GenerationFailed, Overloaded, ServingError, Timeout
+from lmi_serve.model.lora import AdapterError
 
 if TYPE_CHECKING:
-    from lmi_serve.engine.sampling import SampleOutput
+    from lmi_serve.engine.sampling.sampler import SampleOutput
 
 @dataclass
 class SchedulerStats:
@@ -74,15 +74,15 @@ class Scheduler(PrefillSteps):
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
                  kv_factory: KVFactory | None = None, prefix_cache: PrefixCache | None = None,
                  adapters: Adapters | None = None):
-        """`kv_factory` prefills new rows into a KV batch (kv.py): the KV cache layout is its choice;
-        None picks the model's own (kv_select.py). `prefix_cache` (prefix_cache.py) lets prompts
+        """`kv_factory` prefills new rows into a KV batch (kv/protocol.py): the KV cache layout is its choice;
+        None picks the model's own (kv/select.py). `prefix_cache` (kv/prefix_cache.py) lets prompts
         reuse the K/V of a prefix prefilled before; the factory must `supports_prefixes`. `adapters`
         (adapters.py) gives an admitted request of a LoRA adapter its slot; rows of adapters do not
         use the prefix cache (its K/V are the base model's)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_factory = kv_factory or kv_factory_for(model)
         if model is not None and not is_encoder_decoder(model):
-            use_parts(model)  # one attention function for every KV cache (slot_attention.py)
+            use_parts(model)  # one attention function for every KV cache (kv/slot_attention.py)
         self.chunks = supports_chunks(self.kv_factory)
         if prefix_cache is not None and not supports_prefixes(self.kv_factory):
             raise ValueError("this model's KV cache cannot start a row from a cached prefix")

@@ -1,6 +1,6 @@
 """One batched generation for a fixed set of requests (the dynamic-batch path).
 
-The prompts share one prefill (by default left-padded, kv_dynamic.py); then every step runs one
+The prompts share one prefill (by default left-padded, kv/dynamic.py); then every step runs one
 decode forward for the rows still going. A finished row leaves the batch (and its KV cache) at once.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from lmi_serve.engine.batch import Batch, make_row
-from lmi_serve.engine.kv import KVFactory
+from lmi_serve.engine.kv.protocol import KVFactory
 from lmi_serve.engine.types import GenerationRequest, TokenEvent
 
 

@@ -1,10 +1,10 @@
 """Which models the engine serves exactly, checked once at start-up.
 
 The engine batches rows of different lengths in one left-padded transformers `DynamicCache`
-(kv_dynamic.py): a row's logits must not depend on the padding or on its neighbours. That holds for
+(kv/dynamic.py): a row's logits must not depend on the padding or on its neighbours. That holds for
 decoder-only models whose every layer is full, sliding-window or chunked attention over a KV cache,
 fed per-row position ids (or ALiBi, which depends only on distances), and for the encoder-decoder
-families kv_encdec.py knows how to give per-row decoder positions (T5's relative bias, BART's
+families kv/encdec.py knows how to give per-row decoder positions (T5's relative bias, BART's
 position embeddings). `tests/unit/engine/
 test_architectures.py` checks the families it names token for token against `model.generate()`.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from lmi_serve.engine.kv_encdec import DECODER_POSITIONS
+from lmi_serve.engine.kv.encdec import DECODER_POSITIONS
 
 # Layer kinds (transformers' `config.layer_types` names) a left-padded DynamicCache serves exactly:
 # every layer keeps its whole KV; transformers' masks apply the window or the chunks per row.
@@ -76,7 +76,7 @@ def check_supported(model: Any) -> None:
         if model_type not in DECODER_POSITIONS:
             raise UnsupportedModel(f"{what} is an encoder-decoder model of a family the engine has not been "
                                    f"checked to serve exactly{ending}")
-        return  # kv_encdec.py: per-row decoder positions for each of these (checked by the matrix)
+        return  # kv/encdec.py: per-row decoder positions for each of these (checked by the matrix)
 
     supports_dynamic_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
     if callable(supports_dynamic_cache) and not supports_dynamic_cache():

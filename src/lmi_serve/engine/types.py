@@ -37,7 +37,7 @@ class SamplingParams:
     # Token sequences that must not be generated: the last token of one is banned at a step where the
     # tokens generated just before equal the rest of it (a one-token sequence is always banned).
     banned_sequences: tuple[tuple[int, ...], ...] = ()
-    # Watermark the output (engine/watermark.py): a green list seeded by the previous token gets a bias.
+    # Watermark the output (engine/sampling/watermark.py): a green list seeded by the previous token gets a bias.
     watermark: bool = False
 
     @property

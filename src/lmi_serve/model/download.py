@@ -22,7 +22,7 @@ from lmi_serve.model.remote_files import looks_like_hub_id, parse_s3_url
 from lmi_serve.model.source import PACKAGE_PREFIX
 
 if TYPE_CHECKING:
-    from lmi_serve.config import ModelConfig
+    from lmi_serve.config.sources import ModelConfig
 
 log = logging.getLogger(__name__)
 

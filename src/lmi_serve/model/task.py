@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from lmi_serve.model.source import ModelLoadError, find_gguf, resolve_model_source
 
 if TYPE_CHECKING:
-    from lmi_serve.config import ModelConfig
+    from lmi_serve.config.sources import ModelConfig
 
 TEXT_GENERATION = "text-generation"
 TEXT2TEXT_GENERATION = "text2text-generation"

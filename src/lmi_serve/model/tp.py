@@ -5,9 +5,9 @@ MLP columns split, an all-reduce after each row-wise layer) over a torch.distrib
 lmi-serve runs that group inside each model replica, torchrun-style, one process per device:
 
 - rank 0 is the server's worker process: it starts ranks 1..N-1 (`start_followers`: `python -m
-  lmi_serve.model.tp_follower`, the model's config as JSON on stdin), joins the group, loads its
+  lmi_serve.server.tp_follower`, the model's config as JSON on stdin), joins the group, loads its
   shard and runs the scheduler, the sampler and everything HTTP-facing;
-- the followers load their shards and replay rank 0's model calls (engine/replicate.py).
+- the followers load their shards and replay rank 0's model calls (engine/kv/replicate.py).
 
 Backends: gloo on CPU (each rank gets the worker's torch threads // N, at least 1), NCCL on GPUs (rank r
 on `cuda:r`; that branch has not run on a GPU yet). Every collective has `GROUP_TIMEOUT`, and rank 0
@@ -32,7 +32,7 @@ from lmi_serve.model.source import ModelLoadError
 log = logging.getLogger(__name__)
 
 # A collective waiting longer than this raises: loading a large model's shards (rank skew) must fit,
-# and rank 0 sends a heartbeat well within it while idle (engine/replicate.py).
+# and rank 0 sends a heartbeat well within it while idle (engine/kv/replicate.py).
 GROUP_TIMEOUT = datetime.timedelta(seconds=180)
 WATCH_SECONDS = 0.5  # how often rank 0 looks at its followers' processes
 
@@ -172,7 +172,7 @@ def start_followers(config_json: str, cache_dir: str, world: int, threads: int) 
     group = TPGroup(world=world, port=free_port())
     for rank in range(1, world):
         process = subprocess.Popen(
-            [sys.executable, "-m", "lmi_serve.model.tp_follower", "--rank", str(rank), "--world", str(world),
+            [sys.executable, "-m", "lmi_serve.server.tp_follower", "--rank", str(rank), "--world", str(world),
              "--port", str(group.port), "--threads", str(threads), "--cache-dir", cache_dir],
             stdin=subprocess.PIPE, text=True)
         process.stdin.write(config_json)

@@ -7,12 +7,12 @@ import json
 import pytest
 from text_generation.types import Response, StreamResponse
 
+from lmi_serve.dialects.common.schema import OUTPUT_FORMATTERS, LmiRequestError, RollingRequest, parse_rolling_request
 from lmi_serve.dialects.lmi.formatters import (
     FORMATTERS, OutputFormatter, RenderContext, choose_formatter, render_json, render_jsonlines_chunk,
     render_sse_chunk,
 )
 from lmi_serve.dialects.lmi.hooks import GenerationOutput, apply_input_formatter, custom_formatter
-from lmi_serve.dialects.common.schema import OUTPUT_FORMATTERS, LmiRequestError, RollingRequest, parse_rolling_request
 from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 from lmi_serve.handler_api import Input
 

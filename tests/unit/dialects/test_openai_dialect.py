@@ -159,7 +159,7 @@ def test_grammars_follow_response_format_and_tool_choice():
 
 def test_grammars_compile(smollm2_tokenizer):
     """Every grammar the chat layer writes is one llguidance accepts."""
-    from lmi_serve.engine.grammar import GrammarCompiler
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(smollm2_tokenizer, len(smollm2_tokenizer), [2])
     for request in (chat_request(tools=[TOOL, OTHER_TOOL]), chat_request(tools=[TOOL], tool_choice="required"),

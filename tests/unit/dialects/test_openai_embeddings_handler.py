@@ -8,8 +8,8 @@ import json
 import pytest
 
 from lmi_serve.handler_api import Input
-from lmi_serve.handler_loader import load_handler
 from lmi_serve.model.loader import resolve_model_source
+from lmi_serve.serving.handler_loader import load_handler
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lmi_serve.config import build_server_config
+from lmi_serve.config.sources import build_server_config
 from lmi_serve.dialects.openai.routes import choose_service
 from lmi_serve.errors import InvalidRequest, NotFound, NotReady
 
@@ -87,8 +87,8 @@ class FakeRegistry:
 
 
 def chat_status(strict: bool) -> tuple[int, dict]:
-    from lmi_serve.app import create_app
-    from lmi_serve.config import ServerConfig
+    from lmi_serve.server.app import create_app
+    from lmi_serve.config.sources import ServerConfig
 
     config = ServerConfig.model_construct(max_request_size=10_000, request_id_header="x-request-id",
                                           triton_server_name="triton", strict_model_names=strict, models=())

@@ -13,8 +13,8 @@ from lmi_serve.dialects.openai.errors import status
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService
 from lmi_serve.engine.generation import Generation
-from lmi_serve.engine.grammar import GrammarError
 from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.sampling.grammar import GrammarError
 from lmi_serve.engine.types import FinishReason, TokenEvent
 from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded
 

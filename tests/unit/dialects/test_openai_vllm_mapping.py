@@ -12,7 +12,7 @@ from lmi_serve.dialects.openai import vllm
 from lmi_serve.dialects.openai.errors import status
 from lmi_serve.dialects.openai.render import ResponseMeta
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, parse
-from lmi_serve.engine.grammar import GrammarError
+from lmi_serve.engine.sampling.grammar import GrammarError
 from lmi_serve.engine.types import GenerationRequest, GuidedDecoding, StopParams, TokenEvent, TopToken
 from lmi_serve.errors import InvalidRequest
 

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from lmi_serve.app import create_app
-from lmi_serve.config import ModelConfig, ServerConfig
-from lmi_serve.service import ModelService, ModelStatus
+from lmi_serve.config.sources import ModelConfig, ServerConfig
+from lmi_serve.server.app import create_app
+from lmi_serve.serving.service import ModelService, ModelStatus
 
 ROUTES = ["/", "/generate", "/generate_stream"]
 

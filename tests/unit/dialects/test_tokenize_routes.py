@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from lmi_serve.app import create_app
-from lmi_serve.config import ModelConfig, ServerConfig
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelService
+from lmi_serve.config.sources import ModelConfig, ServerConfig
+from lmi_serve.server.app import create_app
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService
 
 
 @pytest.fixture

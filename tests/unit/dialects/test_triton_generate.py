@@ -12,9 +12,9 @@ from lmi_serve.dialects.triton.generate import (deduce_shape, dumps, parse_gener
 from lmi_serve.dialects.triton.llm import LLM_INPUTS, LLM_OUTPUTS
 from lmi_serve.dialects.triton.models import ModelContract
 from lmi_serve.dialects.triton.protocol import TritonError
-from lmi_serve.dialects.triton.tensor_model import TensorSpec
-from lmi_serve.dialects.triton.tensors import WireTensor
 from lmi_serve.errors import GenerationFailed
+from lmi_serve.tensor_model import TensorSpec
+from lmi_serve.tensors import WireTensor
 
 LLM = ModelContract("llm", LLM_INPUTS, LLM_OUTPUTS, lenient_single_elements=True)
 

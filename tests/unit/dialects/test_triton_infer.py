@@ -15,8 +15,8 @@ from lmi_serve.dialects.triton.infer import infer_response, parse_infer_request
 from lmi_serve.dialects.triton.llm import LLM_INPUTS, LLM_OUTPUTS
 from lmi_serve.dialects.triton.models import ModelContract, validate_inputs
 from lmi_serve.dialects.triton.protocol import TritonError, parse_json, read_body
-from lmi_serve.dialects.triton.tensor_model import TensorSpec
-from lmi_serve.dialects.triton.tensors import WireTensor, serialize_bytes
+from lmi_serve.tensor_model import TensorSpec
+from lmi_serve.tensors import WireTensor, serialize_bytes
 
 SIMPLE = ModelContract("tensor", (TensorSpec("INPUT0", "INT32", (-1, 16)), TensorSpec("INPUT1", "INT32", (-1, 16))),
                        (TensorSpec("OUTPUT0", "INT32", (-1, 16)), TensorSpec("OUTPUT1", "INT32", (-1, 16))))

@@ -9,11 +9,11 @@ import pytest
 
 from lmi_serve.dialects.triton.llm import parse_llm_call
 from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
-from lmi_serve.dialects.triton.tensor_model import (TensorSpec, add_tensors, get_tensors, read_output_tensors,
-                                                    tensor_input)
-from lmi_serve.dialects.triton.tensors import WireTensor
 from lmi_serve.errors import InvalidRequest, lookup
 from lmi_serve.handler_api import Input, Output
+from lmi_serve.tensor_model import (TensorSpec, add_tensors, get_tensors, read_output_tensors,
+                                                    tensor_input)
+from lmi_serve.tensors import WireTensor
 
 
 def test_a_tensor_model_receives_and_returns_numpy_through_input_and_output():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from lmi_serve.__main__ import DEFAULT_STORE
-from lmi_serve.app import create_app
-from lmi_serve.config import build_server_config
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelService
+from lmi_serve.config.sources import build_server_config
+from lmi_serve.server.app import create_app
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService
 
 SIMPLE_BODY = {"INPUT0": list(range(16)), "INPUT1": [1] * 16}
 
@@ -95,8 +95,8 @@ def test_the_error_renderer_takes_any_message():
 
 
 def test_get_tensors_names_a_missing_tensor():
-    from lmi_serve.dialects.triton.tensor_model import MissingTensor, get_tensors, tensor_input
-    from lmi_serve.dialects.triton.tensors import WireTensor
+    from lmi_serve.tensor_model import MissingTensor, get_tensors, tensor_input
+    from lmi_serve.tensors import WireTensor
     from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
     from lmi_serve.errors import InvalidRequest, lookup
 
@@ -165,7 +165,7 @@ def test_integer_request_parameters_beyond_int64_are_a_400(client, path, body):
 def test_sampling_integers_beyond_what_the_engine_takes_are_a_400(sampling, message):
     from lmi_serve.dialects.triton.llm import _parameters, _sampling_values
     from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
-    from lmi_serve.dialects.triton.tensors import WireTensor
+    from lmi_serve.tensors import WireTensor
     from lmi_serve.errors import InvalidRequest, lookup
 
     tensor = WireTensor("sampling_parameters", "BYTES", (1,), np.array([json.dumps(sampling).encode()], dtype=object))
@@ -181,7 +181,7 @@ def test_sampling_integers_beyond_what_the_engine_takes_are_a_400(sampling, mess
 def test_sampling_parameters_strings_are_decoded_by_the_shared_rules(raw, message):
     from lmi_serve.dialects.triton.llm import _sampling_values
     from lmi_serve.dialects.triton.protocol import ERROR_TABLE as TRITON_ERROR_TABLE
-    from lmi_serve.dialects.triton.tensors import WireTensor
+    from lmi_serve.tensors import WireTensor
     from lmi_serve.errors import InvalidRequest, lookup
 
     tensor = WireTensor("sampling_parameters", "BYTES", (1,), np.array([raw], dtype=object))

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from lmi_serve.dialects.triton.tensors import (TensorError, WireTensor, as_wire_tensor, datatype_of, parse_shape,
+from lmi_serve.tensors import (TensorError, WireTensor, as_wire_tensor, datatype_of, parse_shape,
                                                serialize_bytes, tensor_from_binary, tensor_from_json,
                                                tensor_to_binary, tensor_to_json_data)
 

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from lmi_serve.__main__ import DEFAULT_STORE
-from lmi_serve.app import create_app
-from lmi_serve.config import build_server_config
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelService
+from lmi_serve.config.sources import build_server_config
+from lmi_serve.server.app import create_app
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService
 
 DEFAULTS = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
             "trace_file": "", "trace_mode": "triton"}

@@ -1,6 +1,6 @@
 """The test oracle for beam search: transformers' own `generate(num_beams=k)`, its beams replayed
 through the Row logic (the engine's implementation until beams ran inside the rolling batch; the
-engine's beam_rows.py must return exactly these beams)."""
+engine's beams/rows.py must return exactly these beams)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 import torch
 
 from lmi_serve.engine.batch import make_row
-from lmi_serve.engine.kv_encdec import decoder_prompt
-from lmi_serve.engine.kv_select import is_encoder_decoder
+from lmi_serve.engine.kv.encdec import decoder_prompt
+from lmi_serve.engine.kv.select import is_encoder_decoder
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult
 
 

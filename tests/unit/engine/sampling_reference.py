@@ -1,4 +1,4 @@
-"""The full-sort sampler that engine/sampling.py was before its candidate sets (commit d788aea),
+"""The full-sort sampler that engine/sampling/sampler.py was before its candidate sets (commit d788aea),
 kept as the reference the lean one must equal: it sorts every sampled row's whole vocabulary.
 `full_sort_sample` is its `__call__`; the parameter tensors are built here from the params.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv_encdec import EncoderDecoderKV
+from lmi_serve.engine.kv.encdec import EncoderDecoderKV
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import GenerationRequest
 

@@ -27,9 +27,9 @@ import torch
 import transformers as tf
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv_encdec import decoder_prompt
-from lmi_serve.engine.kv_select import KV_CACHES
-from lmi_serve.engine.kv_slots import SlotKV
+from lmi_serve.engine.kv.encdec import decoder_prompt
+from lmi_serve.engine.kv.select import KV_CACHES
+from lmi_serve.engine.kv.slots import SlotKV
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
@@ -114,7 +114,7 @@ FAMILIES: dict[str, Family] = {
         layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=v, laurel_rank=4, altup_num_inputs=2)),
         window="sliding_attention"),
-    # Encoder-decoders (kv_encdec.py): the encoder once per row, right-padded; decoder rows left-padded
+    # Encoder-decoders (kv/encdec.py): the encoder once per row, right-padded; decoder rows left-padded
     # with relative positions (T5, mT5, UMT5) or absolute position embeddings read per row (the rest).
     "t5": Family(lambda v, w: tf.T5ForConditionalGeneration(tf.T5Config(**_seq2seq_t5(v))), std=0.5),
     "mt5": Family(lambda v, w: tf.MT5ForConditionalGeneration(tf.MT5Config(**_seq2seq_t5(v))), std=0.5),
@@ -145,7 +145,7 @@ def reference(model, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> list[int]:
     """transformers' own greedy generation of exactly n tokens, for one unpadded prompt. An
     encoder-decoder's new tokens follow its decoder prompt, given here as the engine starts it
     (a forced first token is part of it); `forced_eos_token_id` would swap a length-capped
-    sequence's last token for EOS, which the engine does not do (see kv_encdec.py)."""
+    sequence's last token for EOS, which the engine does not do (see kv/encdec.py)."""
     extra = {}
     start = prompt
     if model.config.is_encoder_decoder:
@@ -186,10 +186,10 @@ def one_thread():
 
 SEQ2SEQ = frozenset({"t5", "mt5", "umt5", "bart", "mbart", "marian", "pegasus"})
 # Decoder-only families run on each decoder-only KV implementation (option.kv_cache); encoder-decoders
-# have their own (kv_encdec.py).
+# have their own (kv/encdec.py).
 class EveryLengthItsPart(SlotKV):
-    """The slot cache with rows of different lengths never merged into one part (kv_slots.py): every
-    family also runs with its rows attending per part (slot_attention.py), where the model allows it."""
+    """The slot cache with rows of different lengths never merged into one part (kv/slots.py): every
+    family also runs with its rows attending per part (kv/slot_attention.py), where the model allows it."""
 
     merge_slack = 0
 

@@ -1,4 +1,4 @@
-"""Beam search inside the rolling batch (engine/beam_rows.py): the same beams as transformers'
+"""Beam search inside the rolling batch (engine/beams/rows.py): the same beams as transformers'
 `generate(num_beams=k)` (beam_reference.py, the oracle), stepped one token per scheduler step beside
 the ordinary rows, counted against max_batch_size, cancellable within a step, failing alone."""
 
@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from lmi_serve.engine.beam_rows import BeamSearch, replay
+from lmi_serve.engine.beams.rows import BeamSearch, replay
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv_encdec import EncoderDecoderKV
-from lmi_serve.engine.kv_select import KV_CACHES
+from lmi_serve.engine.kv.encdec import EncoderDecoderKV
+from lmi_serve.engine.kv.select import KV_CACHES
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, StopParams

@@ -10,8 +10,8 @@ import torch
 
 from lmi_serve.engine.chunked import attention_crossover, chunk_tokens, supports_chunks
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv_encdec import EncoderDecoderKV
-from lmi_serve.engine.kv_select import KV_CACHES
+from lmi_serve.engine.kv.encdec import EncoderDecoderKV
+from lmi_serve.engine.kv.select import KV_CACHES
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 from waiting import within
 

@@ -1,4 +1,4 @@
-"""Encoder-decoder rows (kv_encdec.py) beyond greedy equality (which test_architectures.py holds):
+"""Encoder-decoder rows (kv/encdec.py) beyond greedy equality (which test_architectures.py holds):
 the per-row features a causal row has, each compared with transformers' `generate()` where it has
 one, on a tiny random T5 (relative positions) and BART (position embeddings, forced `<s>`).
 """
@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv_encdec import decoder_prompt
+from lmi_serve.engine.kv.encdec import decoder_prompt
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 from lmi_serve.errors import InvalidRequest

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.grammar import GrammarError
-from lmi_serve.engine.sampling import HeterogeneousSampler
+from lmi_serve.engine.sampling.grammar import GrammarError
+from lmi_serve.engine.sampling.sampler import HeterogeneousSampler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GuidedDecoding, SamplingParams, StopParams
 
 CPU = torch.device("cpu")
@@ -107,7 +107,7 @@ def test_allowed_mask_applies_to_greedy_and_sampled_rows():
 
 def test_a_token_the_grammar_rejects_ends_only_that_row(smollm2_tokenizer):
     from lmi_serve.engine.batch import make_row
-    from lmi_serve.engine.grammar import GrammarCompiler
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(smollm2_tokenizer, len(smollm2_tokenizer), [2])
     req = request(smollm2_tokenizer, GuidedDecoding(lark='start: "yes"'))

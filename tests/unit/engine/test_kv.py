@@ -1,4 +1,4 @@
-"""The KV seam (engine/kv.py): the scheduler reaches the model only through a KVFactory and the
+"""The KV seam (engine/kv/protocol.py): the scheduler reaches the model only through a KVFactory and the
 KVBatch verbs, and the implementations (DynamicCache, encoder-decoder) meet the contract that
 keep/extend never change a row's logits."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv import KVBatch, Prefilled
-from lmi_serve.engine.kv_dynamic import DynamicKV
-from lmi_serve.engine.kv_encdec import EncoderDecoderKV, decoder_prompt
-from lmi_serve.engine import kv_slots
-from lmi_serve.engine.kv_select import KV_CACHES, choose_kv, kv_factory_for
-from lmi_serve.engine.kv_slots import SlotKV, merges
+from lmi_serve.engine.kv.dynamic import DynamicKV
+from lmi_serve.engine.kv.encdec import EncoderDecoderKV, decoder_prompt
+from lmi_serve.engine.kv.protocol import KVBatch, Prefilled
+from lmi_serve.engine.kv.protocol import slots as kv_slots
+from lmi_serve.engine.kv.select import KV_CACHES, choose_kv, kv_factory_for
+from lmi_serve.engine.kv.slot_attention import use_parts
+from lmi_serve.engine.kv.slots import SlotKV, merges
 from lmi_serve.engine.scheduler import Scheduler
-from lmi_serve.engine.slot_attention import use_parts
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
@@ -210,7 +210,7 @@ def test_dynamic_kv_prompt_logits_are_each_rows_own(tiny_model, prompt_ids):
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
 def test_encoder_decoder_kv_keep_and_extend_match_a_fresh_forward(kind, smollm2_tokenizer, prompt_ids):
-    """The same contract for kv_encdec.py: after rows joined (decoder columns left-padded, prompt
+    """The same contract for kv/encdec.py: after rows joined (decoder columns left-padded, prompt
     columns right-padded), left and decoded, every row's logits equal one unpadded forward of its
     prompt through the encoder and its decoder prompt plus the tokens it was fed."""
     model = tiny_seq2seq(kind, len(smollm2_tokenizer))

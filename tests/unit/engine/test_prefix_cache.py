@@ -1,4 +1,4 @@
-"""Automatic prefix caching (engine/prefix_cache.py): blocks keyed by their whole prefix, reference
+"""Automatic prefix caching (engine/kv/prefix_cache.py): blocks keyed by their whole prefix, reference
 counts, LRU eviction within the memory budget, and in the engine: a prompt whose prefix is cached
 generates what it does without the cache, alone, in company, chunked, greedy and seeded."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv_encdec import EncoderDecoderKV
-from lmi_serve.engine.kv_select import KV_CACHES
-from lmi_serve.engine.prefix_cache import PrefixCache, supports_prefixes
+from lmi_serve.engine.kv.encdec import EncoderDecoderKV
+from lmi_serve.engine.kv.prefix_cache import PrefixCache, supports_prefixes
+from lmi_serve.engine.kv.select import KV_CACHES
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 from waiting import within
 

@@ -1,4 +1,4 @@
-"""engine/replicate.py: rank 0's KV-seam calls, replayed by a follower, give the follower the same
+"""engine/kv/replicate.py: rank 0's KV-seam calls, replayed by a follower, give the follower the same
 forwards (bit for bit, with the same weights) through a real scheduler run with joins, leaves and
 chunked prefills; a failure breaks the group loudly; an idle rank 0 sends heartbeats.
 
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.errors import GenerationFailed
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv_slots import SlotKV
-from lmi_serve.engine.replicate import DECODE, EXTEND, KEEP, NOOP, PREFILL, PREFILL_MORE, Op, Replicator, follow
+from lmi_serve.engine.kv.replicate import DECODE, EXTEND, KEEP, NOOP, PREFILL, PREFILL_MORE, Op, Replicator, follow
+from lmi_serve.engine.kv.slots import SlotKV
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
+from lmi_serve.errors import GenerationFailed
 
 from engine_prompts import PROMPTS  # noqa: E402
 from waiting import within  # noqa: E402

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lmi_serve.engine.sampling import HeterogeneousSampler, SampleOutput, _draw
+from lmi_serve.engine.sampling.sampler import HeterogeneousSampler, SampleOutput, _draw
 from lmi_serve.engine.types import SamplingParams
 from sampling_reference import full_sort_distribution, full_sort_sample, penalised_scores
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers as tf
 
-from lmi_serve.config import ModelConfig
+from lmi_serve.config.sources import ModelConfig
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.support import UnsupportedModel, check_supported, layer_types
-from lmi_serve.service import ModelService, ModelStatus
+from lmi_serve.serving.service import ModelService, ModelStatus
 
 CPU = torch.device("cpu")
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

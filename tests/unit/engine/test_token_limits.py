@@ -1,4 +1,4 @@
-"""Per-row token limits (engine/token_masks.py and their hooks in Row): allowed token ids, banned
+"""Per-row token limits (engine/sampling/token_masks.py and their hooks in Row): allowed token ids, banned
 token sequences, min_new_tokens, regex grammars; each row's limits leave its neighbours alone."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lmi_serve.engine.batch import Batch, make_row
-from lmi_serve.engine.grammar import GrammarCompiler
+from lmi_serve.engine.sampling.grammar import GrammarCompiler
+from lmi_serve.engine.sampling.token_masks import banned_now
 from lmi_serve.engine.static_batch import generate_static_batch
-from lmi_serve.engine.token_masks import banned_now
 from lmi_serve.engine.types import (FinishReason, GenerationRequest, GenerationResult, GuidedDecoding,
                                     SamplingParams, StopParams)
 

@@ -1,4 +1,4 @@
-"""Watermarked rows (engine/watermark.py): transformers' WatermarkDetector finds the mark in a long
+"""Watermarked rows (engine/sampling/watermark.py): transformers' WatermarkDetector finds the mark in a long
 watermarked output and not in an unmarked one; the mark is per row and reproducible."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from transformers import WatermarkDetector
 
 from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
-from lmi_serve.engine.watermark import Watermark, WatermarkSettings
 
 CPU = torch.device("cpu")
 LONG = 200

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from lmi_serve.engine.types import GenerationRequest, GenerationResult
 from lmi_serve.dialects.common.shapes import RenderContext
+from lmi_serve.engine.types import GenerationRequest, GenerationResult
 
 
 def best_first(results: Sequence[GenerationResult], n: int) -> list[GenerationResult]:

@@ -27,11 +27,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.common.validation import field_problems
 from lmi_serve.engine.policy import MAX_SEED, fit_to_context, sequence_seeds  # MAX_SEED: others import it here too
-from lmi_serve import guided
 from lmi_serve.engine.types import GenerationRequest, GuidedDecoding, SamplingParams, StopParams
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.validation import field_problems
 
 
 class LmiRequestError(InvalidRequest, ValueError):
@@ -184,7 +184,7 @@ class GenerationParameters(BaseModel):
     num_beams: int = Field(1, ge=1, le=8)
     truncate: int | None = Field(None, ge=1, le=MAX_COUNT)
     output_formatter: str | None = None
-    watermark: bool = False  # TGI's watermark (engine/watermark.py), per row
+    watermark: bool = False  # TGI's watermark (engine/sampling/watermark.py), per row
     grammar: GrammarParameter | None = None
     # The LoRA adapter to generate with (LMI's name and shape: a string, or a list of one per input,
     # and rolling batch has one input); unset: the base model.

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 from lmi_serve.dialects.common.schema import RollingRequest
+from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 
 Events = Sequence[TokenEvent]
 FinalRenderer = Callable[["RenderContext", Events, Sequence[Events]], str]

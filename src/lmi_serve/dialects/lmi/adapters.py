@@ -25,7 +25,7 @@ from lmi_serve.engine.adapters import (
 )
 from lmi_serve.errors import InvalidRequest
 from lmi_serve.model.lora import AdapterError
-from lmi_serve.service import ModelService
+from lmi_serve.serving.service import ModelService
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _REGISTER_ARGS = {"name", "src", "preload", "pin"}

@@ -10,10 +10,10 @@ import json
 
 from flask import Response
 
+from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )
-from lmi_serve.json_body import InvalidJson
 
 # kind -> (status, DJL's exception name)
 ERROR_TABLE: dict[type[ServingError | InvalidJson], tuple[int, str]] = {

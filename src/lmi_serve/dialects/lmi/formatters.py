@@ -34,15 +34,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmi_serve.streaming import JSONLINES_MIMETYPE, SSE_MIMETYPE, json_line, sse_event
-from lmi_serve.streaming import dumps as _dumps  # the one JSON writer, under the name the renderers use
 from lmi_serve.dialects.common.schema import LmiRequestError
-from lmi_serve.dialects.common.tgi_shapes import tgi_error_body as _tgi_error
-from lmi_serve.dialects.common.tgi_shapes import tgi_stream_frame
 from lmi_serve.dialects.common.shapes import (
     ChunkRenderer, Events, FinalRenderer, RenderContext, _details, _event_token, _failure, _finish, _generated,
     _is_failure, _prefill, _text, _top_tokens,
 )
+from lmi_serve.dialects.common.streaming import JSONLINES_MIMETYPE, SSE_MIMETYPE, json_line, sse_event
+from lmi_serve.dialects.common.streaming import dumps as _dumps  # the one JSON writer, under the name the renderers use
+from lmi_serve.dialects.common.tgi_shapes import tgi_error_body as _tgi_error
+from lmi_serve.dialects.common.tgi_shapes import tgi_stream_frame
 
 
 def render_json(ctx: RenderContext, events: Events, others: Sequence[Events] = ()) -> str:

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lmi_serve.handler_api import Input
-from lmi_serve.streaming import JSONLINES_MIMETYPE, dumps
-from lmi_serve.dialects.lmi.formatters import OutputFormatter
 from lmi_serve.dialects.common.schema import LmiRequestError, RollingRequest, parse_rolling_request
 from lmi_serve.dialects.common.shapes import Events, RenderContext, _details, _text
+from lmi_serve.dialects.common.streaming import JSONLINES_MIMETYPE, dumps
+from lmi_serve.dialects.lmi.formatters import OutputFormatter
+from lmi_serve.handler_api import Input
 
 
 @dataclass(frozen=True)

@@ -19,21 +19,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from lmi_serve import guided, streaming
-from lmi_serve.disconnect import ClientConnection, wait_for_results
+from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.common import streaming
+from lmi_serve.dialects.common.disconnect import ClientConnection, wait_for_results
+from lmi_serve.dialects.common.ranking import best_first, rank_with_seeds
+from lmi_serve.dialects.common.schema import parse_rolling_request, to_generation_requests
+from lmi_serve.dialects.lmi.formatters import OutputFormatter, RenderContext, choose_formatter
+from lmi_serve.dialects.lmi.hooks import apply_input_formatter, custom_formatter
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest
+from lmi_serve.dialects.openai.schema import parse as parse_openai
+from lmi_serve.dialects.openai.service import OpenAIService
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
 from lmi_serve.engine.types import GenerationRequest, GenerationResult
 from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded, ServingError, lookup
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import read_payload
-from lmi_serve.dialects.openai.schema import ChatCompletionRequest
-from lmi_serve.dialects.openai.schema import parse as parse_openai
-from lmi_serve.dialects.openai.service import OpenAIService
-from lmi_serve.dialects.common.ranking import best_first, rank_with_seeds
-from lmi_serve.dialects.common.schema import parse_rolling_request, to_generation_requests
-from lmi_serve.dialects.lmi.formatters import OutputFormatter, RenderContext, choose_formatter
-from lmi_serve.dialects.lmi.hooks import apply_input_formatter, custom_formatter
 
 # kind -> the status of plain LMI's `{"error", "code"}` answer; None: the kind propagates.
 LMI_HANDLER_ERRORS: dict[type[ServingError], int | None] = {

@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 from flask import Blueprint, Response, current_app, g, request
 
-from lmi_serve.engine.adapters import AdapterExists, SourceRefused
-from lmi_serve.handler_api import Input, Output
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.security import management_route
-from lmi_serve.service import ModelService, ModelStatus
+from lmi_serve.dialects.common.management import management_route
 from lmi_serve.dialects.lmi import adapters as adapter_api
 from lmi_serve.dialects.lmi.errors import error_response
+from lmi_serve.engine.adapters import AdapterExists, SourceRefused
+from lmi_serve.handler_api import Input, Output
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService, ModelStatus
 
 if TYPE_CHECKING:  # the engine imports torch; these routes need only the name
     from lmi_serve.engine.engine import EngineStats
-    from lmi_serve.engine.prefix_cache import PrefixStats
+    from lmi_serve.engine.kv.prefix_cache import PrefixStats
 
 blueprint = Blueprint("lmi", __name__)
 
@@ -34,7 +34,7 @@ _RESERVED_HEADERS = {"content-length", "transfer-encoding", "connection"}
 
 
 def _registry() -> ModelRegistry:
-    return current_app.extensions["lmi_serve.registry"]
+    return current_app.extensions["lmi_serve.serving.registry"]
 
 
 def _guess_content_type(body: bytes) -> str:
@@ -149,7 +149,7 @@ def _query() -> dict[str, str]:
 
 
 def _adapters_root(service: ModelService):
-    return adapter_api.source_root(service, current_app.extensions["lmi_serve.security"].adapters_root)
+    return adapter_api.source_root(service, current_app.extensions["lmi_serve.server.security"].adapters_root)
 
 
 @blueprint.post("/models/<model_name>/adapters")

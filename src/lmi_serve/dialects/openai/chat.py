@@ -18,14 +18,15 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from lmi_serve import guided, json_body
+from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.common import json_body
+from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 from lmi_serve.engine.types import GuidedDecoding
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.json_body import InvalidJson
-from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-# The layout the grammar enforces inside embedded JSON (see engine/grammar.py).
+# The layout the grammar enforces inside embedded JSON (see engine/sampling/grammar.py).
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Text that cannot be mistaken for a tool call: it does not start with `<`.
 _TEXT_RULE = "TEXT: /[^<](.|\\n)*/"

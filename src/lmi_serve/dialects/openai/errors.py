@@ -10,11 +10,11 @@ import json
 
 from flask import Response
 
+from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.errors import (
     ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
     Timeout, lookup,
 )
-from lmi_serve.json_body import InvalidJson
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable",

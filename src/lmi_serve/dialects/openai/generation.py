@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmi_serve import guided
+from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.openai.schema import SamplingFields
+from lmi_serve.dialects.openai.vllm import extend
 from lmi_serve.engine import policy
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, GuidedDecoding, SamplingParams, StopParams
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.dialects.openai.schema import SamplingFields
-from lmi_serve.dialects.openai.vllm import extend
 
 
 def sampling_params(fields: SamplingFields, seed: int | None, vocab_size: int) -> SamplingParams:

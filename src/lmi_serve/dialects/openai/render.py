@@ -14,9 +14,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 from lmi_serve.dialects.openai.chat import CALL_OPEN, parse_tool_calls
 from lmi_serve.dialects.openai.generation import ChoiceState
+from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 
 TokenText = Callable[[int], str]
 

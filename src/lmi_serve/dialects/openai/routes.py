@@ -21,16 +21,17 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from lmi_serve import json_body, streaming
-from lmi_serve.errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
-from lmi_serve.handler_api import Input
-from lmi_serve.json_body import InvalidJson
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelService
+from lmi_serve.dialects.common import json_body
+from lmi_serve.dialects.common import streaming
+from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService, Reply
+from lmi_serve.errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
+from lmi_serve.handler_api import Input
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 ERROR_PREFIXES = ("/v1",)
@@ -38,7 +39,7 @@ _GENERATION_TASK, _EMBEDDING_TASK = "text-generation", "text-embedding"
 
 
 def _registry() -> ModelRegistry:
-    return current_app.extensions["lmi_serve.registry"]
+    return current_app.extensions["lmi_serve.serving.registry"]
 
 
 @blueprint.errorhandler(ServingError)

@@ -17,9 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from lmi_serve.errors import InvalidRequest
-from lmi_serve.validation import FieldProblem, field_problems
+from lmi_serve.dialects.common.validation import FieldProblem, field_problems
 from lmi_serve.dialects.openai.vllm import VllmChatFields, VllmCompletionFields, refuse
+from lmi_serve.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from lmi_serve import streaming
-from lmi_serve.disconnect import wait_for_results
-from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.generation import Generation
-from lmi_serve.engine.types import GenerationRequest, TokenEvent
-from lmi_serve.errors import GenerationFailed, InvalidRequest, ServingError
+from lmi_serve.dialects.common import streaming
+from lmi_serve.dialects.common.disconnect import wait_for_results
 from lmi_serve.dialects.openai import chat, vllm
 from lmi_serve.dialects.openai.errors import kind_body
 from lmi_serve.dialects.openai.generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
 from lmi_serve.dialects.openai.render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.generation import Generation
+from lmi_serve.engine.types import GenerationRequest, TokenEvent
+from lmi_serve.errors import GenerationFailed, InvalidRequest, ServingError
 
 Chunk = dict
 

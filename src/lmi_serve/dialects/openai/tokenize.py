@@ -19,16 +19,16 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, json, request
 from pydantic import Field, model_validator
 
-from lmi_serve import json_body
-from lmi_serve.errors import ServingError
-from lmi_serve.json_body import InvalidJson
-from lmi_serve.dialects.tgi import protocol as tgi_protocol
-from lmi_serve.dialects.tgi import routes as tgi_routes
+from lmi_serve.dialects.common import json_body
+from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.dialects.openai import chat
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.routes import choose_service
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, ChatMessage, Tool, TokenId, _Lenient, parse
+from lmi_serve.dialects.tgi import protocol as tgi_protocol
+from lmi_serve.dialects.tgi import routes as tgi_routes
+from lmi_serve.errors import ServingError
 
 blueprint = Blueprint("tokenize", __name__)
 ERROR_PREFIXES = ("/tokenize", "/detokenize")  # app-level 404/405/413 there: OpenAI's envelope
@@ -103,7 +103,7 @@ def _body() -> Any:
 
 def _engine(name: str | None):
     strict = current_app.config.get("STRICT_MODEL_NAMES", False)
-    service = choose_service(current_app.extensions["lmi_serve.registry"].services, name, "text-generation",
+    service = choose_service(current_app.extensions["lmi_serve.serving.registry"].services, name, "text-generation",
                              strict=strict)
     return service.rolling_engine("/tokenize and /detokenize", param="model")
 

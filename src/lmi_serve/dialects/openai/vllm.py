@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lmi_serve import guided
-from lmi_serve.engine.grammar import GrammarError
+from lmi_serve.dialects.common import guided
+from lmi_serve.engine.sampling.grammar import GrammarError
 from lmi_serve.engine.types import DetokenizeParams, GenerationRequest, GuidedDecoding, TokenEvent
 from lmi_serve.errors import InvalidRequest
 

@@ -15,7 +15,7 @@ rolling-batch schema (a superset of TGI's; values are coerced, "5" is 5, before 
 TGI's stricter rules: temperature > 0 when given, top_k > 0 when given, no `decoder_input_details`
 with a stream, no `num_beams` or `output_formatter` (LMI-only). TGI's `grammar` (json, regex,
 json_schema) and `watermark` are honoured per row; a grammar the compiler refuses is a 422 naming
-`parameters.grammar` (`lmi_serve.guided`).
+`parameters.grammar` (`lmi_serve.dialects.common.guided`).
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, current_app, request
 
-from lmi_serve import guided, streaming
-from lmi_serve.disconnect import wait_for_results
-from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.generation import Generation
-from lmi_serve.errors import InvalidRequest
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelStatus
+from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.common import streaming
+from lmi_serve.dialects.common.disconnect import wait_for_results
 from lmi_serve.dialects.common.ranking import rank_with_seeds
 from lmi_serve.dialects.common.schema import RollingRequest, to_generation_requests
 from lmi_serve.dialects.common.shapes import RenderContext
 from lmi_serve.dialects.tgi.protocol import check_context, error_response, parse_request, tgi_response, tgi_stream_frame
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.generation import Generation
+from lmi_serve.errors import InvalidRequest
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelStatus
 
 blueprint = Blueprint("tgi", __name__)
 ERROR_PREFIXES = ("/generate", "/info", "/health")  # app-level 404/405/413 render in TGI shape here
@@ -43,7 +44,7 @@ ERROR_POST_PATHS = ("/",)  # and on exactly these paths when POSTed (`/` is othe
 
 
 def _registry() -> ModelRegistry:
-    return current_app.extensions["lmi_serve.registry"]
+    return current_app.extensions["lmi_serve.serving.registry"]
 
 
 def _engine() -> tuple[str, Engine]:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
-from lmi_serve.errors import ServingError
-from lmi_serve.streaming import sse_event
+from lmi_serve.dialects.common.streaming import sse_event
 from lmi_serve.dialects.triton.models import MODEL_VERSION, ModelContract
 from lmi_serve.dialects.triton.protocol import BadRequest, JsonObject, TritonError, check_parameter, parse_json, printable
-from lmi_serve.dialects.triton.tensor_model import TensorSpec
-from lmi_serve.dialects.triton.tensors import TensorError, WireTensor, tensor_to_json_data, values_to_array
+from lmi_serve.errors import ServingError
+from lmi_serve.tensor_model import TensorSpec
+from lmi_serve.tensors import TensorError, WireTensor, tensor_to_json_data, values_to_array
 
 
 @dataclass

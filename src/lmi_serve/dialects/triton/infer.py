@@ -18,7 +18,7 @@ from flask import Response
 
 from lmi_serve.dialects.triton.models import MODEL_VERSION, ModelContract
 from lmi_serve.dialects.triton.protocol import BadRequest, JsonObject, check_parameter, compress_for_client, parse_json
-from lmi_serve.dialects.triton.tensors import (ELEMENT_SIZES, TensorError, WireTensor, check_datatype, parse_shape, tensor_from_binary,
+from lmi_serve.tensors import (ELEMENT_SIZES, TensorError, WireTensor, check_datatype, parse_shape, tensor_from_binary,
                       tensor_from_json, tensor_to_binary, tensor_to_json_data)
 
 _INT32_MAX = 2**31 - 1

@@ -17,14 +17,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmi_serve import json_body
+from lmi_serve.dialects.common import json_body
+from lmi_serve.dialects.common.schema import GenerationParameters, to_generation_requests
+from lmi_serve.dialects.common.validation import field_problems
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.validation import field_problems
-from lmi_serve.dialects.common.schema import GenerationParameters, to_generation_requests
-from lmi_serve.dialects.triton.tensor_model import TensorSpec
-from lmi_serve.dialects.triton.tensors import WireTensor, as_wire_tensor
+from lmi_serve.tensor_model import TensorSpec
+from lmi_serve.tensors import WireTensor, as_wire_tensor
 
 LLM_INPUTS = (
     TensorSpec("text_input", "BYTES", (1,)),

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelService, ModelStatus
 from lmi_serve.dialects.triton.llm import LLM_INPUTS, LLM_OUTPUTS
 from lmi_serve.dialects.triton.protocol import BadRequest, Unavailable, UnknownTarget
-from lmi_serve.dialects.triton.tensor_model import TensorSpec
-from lmi_serve.dialects.triton.tensors import WireTensor
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService, ModelStatus
+from lmi_serve.tensor_model import TensorSpec
+from lmi_serve.tensors import WireTensor
 
 MODEL_VERSION = "1"
 CONFIG_TYPES = {"BYTES": "TYPE_STRING"}  # every other datatype is TYPE_<datatype>

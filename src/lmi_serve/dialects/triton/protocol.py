@@ -12,11 +12,12 @@ from typing import Any, ClassVar
 
 from flask import Response, current_app, request
 
-from lmi_serve import json_body, json_scan
+from lmi_serve.dialects.common import json_body
+from lmi_serve.dialects.common import json_scan
+from lmi_serve.dialects.common.json_scan import BodyScan
 from lmi_serve.errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )
-from lmi_serve.json_scan import BodyScan
 
 MAX_JSON_DEPTH = 100  # Triton's limit on JSON nesting
 # Request-level parameters Triton itself consumes; every other one goes to the model.

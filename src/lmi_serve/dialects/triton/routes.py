@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
-from lmi_serve import __version__, json_body, json_scan
-from lmi_serve.errors import ServingError, lookup
-from lmi_serve.registry import ModelRegistry
-from lmi_serve.service import ModelStatus
-from lmi_serve.streaming import SSE_HEADERS, SSE_MIMETYPE
+from lmi_serve import __version__
+from lmi_serve.dialects.common import json_body
+from lmi_serve.dialects.common import json_scan
+from lmi_serve.dialects.common.streaming import SSE_HEADERS, SSE_MIMETYPE
 from lmi_serve.dialects.triton.generate import dumps, error_event, parse_generate_request, response_object, sse_events
 from lmi_serve.dialects.triton.infer import infer_response, parse_infer_request
 from lmi_serve.dialects.triton.models import (MODEL_VERSION, find_model, model_config, model_metadata, ready_model, repository_index,
@@ -33,8 +32,11 @@ from lmi_serve.dialects.triton.protocol import (
 )
 from lmi_serve.dialects.triton.runners import ModelCall, run_model, stream_model
 from lmi_serve.dialects.triton.stats import StatsBook, Timer
-from lmi_serve.dialects.triton.tensors import WireTensor
 from lmi_serve.dialects.triton.trace import TraceSettings, parse_update
+from lmi_serve.errors import ServingError, lookup
+from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelStatus
+from lmi_serve.tensors import WireTensor
 
 blueprint = Blueprint("triton", __name__)
 ERROR_PREFIXES = ("/v2",)
@@ -62,7 +64,7 @@ def _state() -> TritonState:
 
 
 def _registry() -> ModelRegistry:
-    return current_app.extensions["lmi_serve.registry"]
+    return current_app.extensions["lmi_serve.serving.registry"]
 
 
 def model_route(suffix: str, methods: list[str]):

@@ -16,17 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from lmi_serve.disconnect import wait_for_results
+from lmi_serve.dialects.common.disconnect import wait_for_results
+from lmi_serve.dialects.triton.llm import LlmCall, llm_outputs, parse_llm_call
+from lmi_serve.dialects.triton.models import ModelContract
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
 from lmi_serve.engine.types import GenerationResult
 from lmi_serve.errors import GenerationFailed, InvalidRequest
 from lmi_serve.handler_api import Input, Output, PairList
-from lmi_serve.service import ModelService
-from lmi_serve.dialects.triton.llm import LlmCall, llm_outputs, parse_llm_call
-from lmi_serve.dialects.triton.models import ModelContract
-from lmi_serve.dialects.triton.tensor_model import read_output_tensors, tensor_input
-from lmi_serve.dialects.triton.tensors import WireTensor, as_wire_tensor
+from lmi_serve.serving.service import ModelService
+from lmi_serve.tensor_model import read_output_tensors, tensor_input
+from lmi_serve.tensors import WireTensor, as_wire_tensor
 
 
 HANDLER_FAILURE = 424  # DJL's status for an exception in handle(): the model failed, not the client

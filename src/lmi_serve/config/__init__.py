@@ -1,0 +1,1 @@
+"""Configuration: serving.properties and the environment in, validated immutable objects out."""

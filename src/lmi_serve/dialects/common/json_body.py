@@ -1,0 +1,97 @@
+"""Decode a request body as JSON, refusing what the rest of the server cannot handle safely.
+
+Every dialect decodes its bodies here, so one rule holds on every route:
+- nesting deeper than `MAX_DEPTH` is refused *before* decoding (the decoder and everything that
+  walks the result recurse; 1,000 levels raise RecursionError, 5,000 once hung a request), found by
+  one linear, bounded-memory pass (`json_scan`) that also hints at surrogate escapes;
+- a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not valid Unicode) is
+  refused, since no tokenizer, encoder or renderer can take it;
+- `NaN`, `Infinity` and `-Infinity` (not JSON) are refused.
+Failures raise `InvalidJson` (a ValueError) with a message for the client; callers let it go, and
+each dialect's error table renders it (Triton in its own words).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from lmi_serve.dialects.common.json_scan import BodyScan, scan
+
+MAX_DEPTH = 128  # far beyond any real request (JSON Schemas, tool parameters, tensors of rank 8)
+
+
+class InvalidJson(ValueError):
+    """The body is not JSON this server accepts. `message` (and `str()`) is a sentence for the
+    client; `reason` is the same without "The request body ..." for a dialect that words its own.
+
+    Each dialect's error table has a row for it, as for the core's kinds, whose fields it carries
+    (`message`, `param`, `code`). It is no ServingError on purpose: a custom handler whose
+    `get_as_json` fails has failed (DJL's 424), while a ServingError would pass through as a kind."""
+
+    param: str | None = None
+    code: str | None = None
+
+    def __init__(self, reason: str, lead: str = "The request body is not acceptable JSON"):
+        self.message = f"{lead}: {reason}"
+        super().__init__(self.message)
+        self.reason = reason
+
+
+def nesting_depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in `data`, brackets inside strings not counted."""
+    return scan(data).depth
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidJson(f"{name} is not a valid JSON value", "The request body is not valid JSON")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string (key or value) in `value` that is not valid Unicode, iteratively."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return None
+
+
+def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH,
+          object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+          scanned: BodyScan | None = None) -> Any:
+    """Decode `data` under the rules of the module docstring; raises InvalidJson.
+    `object_pairs_hook` builds each object from its (key, value) pairs, as in `json.loads`
+    (e.g. to notice a key given twice); the result must still be a dict. `scanned` is
+    `json_scan.scan(data)` when the caller has it already (the body is then not scanned again)."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if not raw or raw.isspace():  # (raw.strip() would copy the body)
+        raise InvalidJson("empty body", "The request body is empty; a JSON value is required")
+    facts = scanned if scanned is not None else scan(raw)
+    if facts.depth > max_depth:
+        raise InvalidJson(f"nested {facts.depth} levels deep; at most {max_depth} levels are allowed")
+    try:
+        text = data if isinstance(data, str) else raw.decode("utf-8")  # RFC 8259: UTF-8, never sniffed
+    except UnicodeDecodeError as exc:
+        raise InvalidJson(str(exc), "The request body is not valid UTF-8") from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
+    except InvalidJson:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise InvalidJson(str(exc), "The request body is not valid JSON") from None
+    if facts.surrogate_escape:  # the scan's hint first: paired surrogates (emoji) decode fine
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            shown = bad.encode("utf-8", "backslashreplace").decode("ascii")[:80]
+            raise InvalidJson(f"the string {shown!r} holds a lone UTF-16 surrogate, which is not valid Unicode")
+    return value

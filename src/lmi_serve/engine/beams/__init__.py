@@ -1,0 +1,1 @@
+"""Beam search: the beam rows inside a batch and the jobs that own them."""

@@ -1,0 +1,1 @@
+"""From logits to the next token: the sampler and what it reads (history, masks, grammars, watermark)."""

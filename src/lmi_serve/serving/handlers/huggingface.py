@@ -1,0 +1,236 @@
+"""Built-in text-generation handler: `load(config, context)`, then `handle(inputs) -> Output`.
+
+The server calls `load` with the validated ModelConfig (handler_protocol.py); a model.py that
+delegates to this handler through DJL's contract reaches it by a first `handle()` call with string
+properties instead, validated back into a ModelConfig. Two modes, chosen once at start-up
+(`context.rolling_batch`, which the server resolves):
+- rolling batch: each request goes to the shared Engine (continuous batching) with the LMI
+  rolling-batch schema and output formatters; this handler is then called on request threads.
+- dynamic batch: every request of a batch is parsed on its own, so a bad request fails alone (424)
+  while the others are generated together in one batched forward per step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+
+import torch
+
+from lmi_serve.config.sources import ModelConfig, tensor_parallel_conflict
+from lmi_serve.dialects.common.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
+from lmi_serve.dialects.lmi.rolling import RollingBatchService
+from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, supports_prefixes
+from lmi_serve.engine.kv.replicate import Replicator
+from lmi_serve.engine.kv.select import choose_kv
+from lmi_serve.engine.kv.slot_attention import use_parts
+from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
+from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
+from lmi_serve.engine.support import check_supported
+from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
+from lmi_serve.handler_api import Input, Output
+from lmi_serve.handler_utils import parse_batch, read_payload
+from lmi_serve.model.linear_kernels import use_linear_kernel
+from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
+from lmi_serve.model.quantize import QuantizeReport, quantize_model
+from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
+from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
+
+log = logging.getLogger(__name__)
+
+
+def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
+    """option.quantize: swap the Linear layers (model/quantize.py); q4 reads the GGUF the model came from."""
+    gguf = None
+    if config.quantize == "q4":
+        gguf = find_gguf(resolve_model_source(config.model_id or config.model_dir), config.gguf_file)
+    return quantize_model(model, config.quantize, device, gguf)
+
+
+def _adapters_folder(config: ModelConfig) -> Path | None:
+    return model_adapters_folder(config.model_dir, config.model_id)
+
+
+def _tensor_parallel(config: ModelConfig, context: HandlerContext) -> TPGroup | None:
+    """With tensor_parallel_degree > 1 (model/tp.py): start the other ranks and join their group as rank 0."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    degree = resolve_degree(config.tensor_parallel_degree, gpus)
+    if degree <= 1:
+        return None
+    conflict = tensor_parallel_conflict(config, degree)
+    if conflict or not context.rolling_batch:
+        raise ValueError(conflict or f"tensor_parallel_degree={degree} needs the rolling batch, and this model is "
+                         "served with dynamic batching")
+    group, _ = start_group(config.model_dump_json(), context.cache_dir, degree)
+    return group
+
+
+class TextGenerationService:
+    def __init__(self, config: ModelConfig, context: HandlerContext):
+        self.tp_group = _tensor_parallel(config, context)
+        try:
+            self._load(config, context)
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.stop()
+            raise
+
+    def _load(self, config: ModelConfig, context: HandlerContext) -> None:
+        loaded = load_generation_model(
+            config.model_id or config.model_dir, gguf_file=config.gguf_file, dtype=config.dtype,
+            device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
+            revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
+        self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        self.quantized = _quantize(self.model, config, self.device)
+        # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are. A
+        # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
+        kernel = "torch" if self.tp_group is not None else config.linear_kernel
+        self.linear_kernel = use_linear_kernel(self.model, kernel, self.device)
+        # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
+        # fails the load here (UnsupportedModel), before the warm-up runs it.
+        check_supported(self.model)
+        # After the swaps above: LoRA wraps the layers as they will run (model/lora.py).
+        self.adapters: Adapters | None = None
+        if config.enable_lora:
+            if not context.rolling_batch:
+                raise ValueError("option.enable_lora: LoRA adapters need the rolling batch, and this model is "
+                                 "served with dynamic batching")
+            self.adapters = start_adapters(self.model, self.device, max_loras=config.max_loras,
+                                           max_rank=config.max_lora_rank, dtype=config.lora_dtype,
+                                           folder=_adapters_folder(config))
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
+        window = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or window, window)
+        self.max_input_len = config.max_input_len or self.max_model_len - 1
+        self.streaming = config.enable_streaming
+        rows = config.max_rolling_batch_size if context.rolling_batch else config.batch_size
+        self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
+        if self.tp_group is not None:  # every model call also runs on the other ranks (engine/kv/replicate.py)
+            use_parts(self.model)  # before the warm-up, as the followers do
+            replicator = Replicator(self.kv_factory, on_error=self.tp_group.fail)
+            self.kv_factory = replicator.prefill
+            atexit.register(self.tp_group.stop, replicator.stop)  # the worker exits: so do the followers
+        prefix_cache = self._prefix_cache(config, context)
+        self._warm_up()
+        self.engine: Engine | None = None
+        self.rolling: RollingBatchService | None = None
+        if context.rolling_batch:
+            self.engine = Engine(self.model, self.tokenizer, self.device, kv_factory=self.kv_factory,
+                                 prefix_cache=prefix_cache,
+                                 max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
+                                 predict_timeout=config.predict_timeout,
+                                 max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
+                                 max_model_len=self.max_model_len, name=config.name,
+                                 watermark=self._watermark(config), adapters=self.adapters).start()
+            # A model.py without handle() may still bring formatter hooks (context.*_formatter).
+            self.rolling = RollingBatchService(
+                self.engine, max_input_len=self.max_input_len, tgi_compat=config.tgi_compat,
+                output_formatter=config.output_formatter,
+                custom_input=context.input_formatter,
+                custom_output=context.output_formatter,
+                model_name=config.name)
+        if self.tp_group is not None and self.engine is not None:
+            self.tp_group.on_failure(self.engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
+
+    def _watermark(self, config: ModelConfig) -> Watermark:
+        """The model's watermark for requests that ask for one (TGI's `watermark`), built once."""
+        vocab = getattr(self.model.config, "vocab_size", None) or len(self.tokenizer)
+        return Watermark(vocab, self.device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
+
+    def _prefix_cache(self, config: ModelConfig, context: HandlerContext) -> PrefixCache | None:
+        """The prefix cache option.enable_prefix_caching asks for; a start-up error where it cannot
+        work (no rolling batch, or a KV cache that cannot start a row from a cached prefix)."""
+        if not config.enable_prefix_caching:
+            return None
+        if not context.rolling_batch:
+            raise ValueError("option.enable_prefix_caching: prefix caching needs the rolling batch, and this model "
+                             "is served with dynamic batching")
+        if not supports_prefixes(self.kv_factory):
+            raise ValueError("option.enable_prefix_caching: this model's KV cache cannot start a row from a "
+                             "cached prefix (encoder-decoder models are not supported)")
+        log.info("Prefix caching on: blocks of %d prompt tokens, at most %d MiB", BLOCK_TOKENS,
+                 config.prefix_cache_mb)
+        return PrefixCache(config.prefix_cache_mb * 2**20)
+
+    def _warm_up(self) -> None:
+        """One tiny generation so the first user request does not pay for lazy kernel setup."""
+        request = GenerationRequest(tuple(self.tokenizer("Hello").input_ids), stop=StopParams(max_new_tokens=2))
+        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_factory):
+            pass
+
+    def _to_generation_requests(self, parsed: DynamicBatchRequest) -> list[GenerationRequest]:
+        params = parsed.parameters
+        requests = []
+        for prompt in parsed.prompts:
+            ids = tuple(self.tokenizer(prompt).input_ids)
+            if len(ids) > self.max_input_len:
+                raise LmiRequestError(f"Input has {len(ids)} tokens, over the limit of {self.max_input_len}")
+            room = self.max_model_len - len(ids)
+            stop = StopParams(max_new_tokens=min(params.max_new_tokens, room),
+                              stop_sequences=tuple(params.stop_sequences or ()), eos_token_ids=self.eos_ids,
+                              ignore_eos=params.ignore_eos_token)
+            requests.append(GenerationRequest(ids, params.sampling(), stop))
+        return requests
+
+    def _parse(self, item: Input) -> tuple[DynamicBatchRequest, list[GenerationRequest]]:
+        payload = read_payload(item)
+        if isinstance(payload, dict) and "messages" in payload:
+            raise LmiRequestError("Chat requests (`messages`) need the rolling batch; this model is served with "
+                                  "dynamic batching (option.rolling_batch=disable)")
+        parsed = parse_dynamic_batch_request(payload)
+        return parsed, self._to_generation_requests(parsed)
+
+    def _stream(self, requests: list[GenerationRequest]):
+        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_factory):
+            if event.text:
+                yield [event.text]
+
+    def inference(self, inputs: Input) -> Output:
+        if self.rolling is not None:
+            return self.rolling.inference(inputs)
+        output, parsed = parse_batch(inputs, self._parse)
+        if self.streaming and not inputs.is_batch() and parsed:
+            _, requests = parsed[0]
+            return Output().add_property("Content-Type", "application/jsonlines").add_stream_content(
+                self._stream(requests))
+        flat = [(index, r) for index, (_, reqs) in parsed.items() for r in reqs]
+        results = [GenerationResult(len(r.prompt_ids)) for _, r in flat]
+        if flat:
+            for row, event in generate_static_batch(self.model, self.tokenizer, self.device, [r for _, r in flat],
+                                                         self.kv_factory):
+                results[row].events.append(event)
+        for index, (request, _) in parsed.items():
+            texts = [res.text for (owner, _), res in zip(flat, results) if owner == index]
+            if request.parameters.return_full_text:
+                texts = [prompt + text for prompt, text in zip(request.prompts, texts)]
+            body = [{"generated_text": text} for text in texts]
+            output.add(body, batch_index=index if inputs.is_batch() else None)
+        return output
+
+
+SUPPORTS_ROLLING_BATCH = True  # thread-safe in rolling mode: the server calls it per request
+_service: TextGenerationService | None = None
+
+
+def load(config: ModelConfig, context: HandlerContext) -> None:
+    """The server's typed first call (handler_protocol.TypedLoad): load the model once."""
+    global _service
+    _service = TextGenerationService(config, context)
+
+
+def get_engine() -> Engine | None:
+    """The rolling-batch engine, for dialects (TGI, OpenAI, KServe) that talk to it directly."""
+    return _service.engine if _service else None
+
+
+def handle(inputs: Input) -> Output | None:
+    """Requests; before `load`, DJL's first call (no content, the options as string properties)."""
+    if _service is None:
+        load(*typed_from_properties(inputs.get_properties(), "text-generation"))
+        return None
+    if inputs.is_empty():
+        return None
+    return _service.inference(inputs)

@@ -1,0 +1,29 @@
+"""scripts/bench's skip rule against the real server: a system whose server refuses its options is
+reported as skipped with the reason from the server's log, and the run goes on with the others."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+from benchmark.common import DEFAULT_MODEL  # noqa: E402
+from benchmark.servers import ServerSettings, Servers  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_server_that_refuses_its_options_is_skipped_with_the_logged_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_CPP_HOME", str(tmp_path / "no-llama"))  # llama-server: not built here
+    settings = ServerSettings(extra_options={"kv_cache": "not-a-cache"})
+    servers = Servers(tmp_path, ["rolling", "llama-server"], settings, DEFAULT_MODEL)
+    try:
+        servers.wait()
+    finally:
+        servers.stop()
+    assert servers.servers == {}
+    assert "kv_cache" in servers.skipped["rolling"] and "invalid configuration" in servers.skipped["rolling"]
+    assert "benchmarks/build_llama_server" in servers.skipped["llama-server"]

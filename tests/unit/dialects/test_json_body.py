@@ -1,0 +1,76 @@
+"""json_body.loads: the one JSON decoder of every route refuses what would break the server later."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmi_serve.dialects.common.json_body import MAX_DEPTH, InvalidJson, loads, nesting_depth
+
+
+def test_plain_bodies_decode_as_json_does():
+    body = {"inputs": "[{ not nesting }]", "parameters": {"stop": ["]]", "}}"], "n": [1, [2, [3]]]}}
+    assert loads(json.dumps(body).encode()) == body
+    assert loads(json.dumps(body)) == body
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    assert nesting_depth(b'{"a": "[[[[{{{{", "b": "\\"]]]"}') == 1
+    assert nesting_depth(b'[[1], [[2]]]') == 3
+    assert nesting_depth(b'"just a string"') == 0
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 1_000, 5_000, 100_000])
+def test_deep_nesting_is_refused_before_decoding(depth):
+    with pytest.raises(InvalidJson, match=f"nested {depth} levels deep"):
+        loads(b'{"parameters": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}")
+
+
+def test_nesting_up_to_the_limit_is_accepted():
+    value = loads(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH)
+    for _ in range(MAX_DEPTH - 1):
+        value = value[0]
+    assert value == []
+
+
+@pytest.mark.parametrize("body", [b'{"inputs": "\\ud800"}', b'{"prompt": ["ok", "a\\udfffb"]}', b'{"\\udc00": 1}'])
+def test_lone_surrogates_are_refused(body):
+    with pytest.raises(InvalidJson, match="lone UTF-16 surrogate"):
+        loads(body)
+
+
+def test_paired_surrogates_are_one_character():
+    assert loads(b'{"e": "\\ud83d\\ude00"}') == {"e": "\U0001F600"}
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_non_json_number_literals_are_refused(literal):
+    with pytest.raises(InvalidJson, match=f"{literal} is not a valid JSON value"):
+        loads(f'{{"temperature": {literal}}}'.encode())
+
+
+@pytest.mark.parametrize("body, reason", [(b"", "empty"), (b"  \n", "empty"), (b"\xff\xfe{}", "not valid UTF-8"),
+                                          (b'{"a": 1', "not valid JSON"), (b"{'a': 1}", "not valid JSON")])
+def test_malformed_bodies_say_why(body, reason):
+    with pytest.raises(InvalidJson, match=reason):
+        loads(body)
+
+
+def test_invalid_json_is_a_value_error_for_callers_that_catch_those():
+    assert issubclass(InvalidJson, ValueError)
+
+
+def test_an_object_pairs_hook_sees_every_pair_and_the_rules_still_hold():
+    seen = []
+
+    def keep_pairs(pairs):
+        seen.append(list(pairs))
+        return dict(pairs)
+
+    assert loads(b'{"a": 1, "a": 2, "b": {"c": 3}}', object_pairs_hook=keep_pairs) == {"a": 2, "b": {"c": 3}}
+    assert seen == [[("c", 3)], [("a", 1), ("a", 2), ("b", {"c": 3})]]
+    with pytest.raises(InvalidJson, match="lone UTF-16 surrogate"):
+        loads(b'{"a": {"b": "\\ud800"}}', object_pairs_hook=dict)
+    with pytest.raises(InvalidJson, match="nested 3 levels deep"):
+        loads(b'{"a": {"b": {}}}', max_depth=2, object_pairs_hook=dict)

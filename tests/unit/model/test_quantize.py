@@ -1,0 +1,210 @@
+"""option.quantize (model/quantize.py): the swapped model computes what its rounded weights say.
+
+- fp16: logits equal fp32 matmuls with fp16-rounded weights; a tied lm_head gets its own fp16
+  copy while the input embedding keeps its fp32 weight.
+- q4: a tiny Llama whose Linear weights are the dequantized Q4_1 blocks of a GGUF written here (what
+  the server's safetensors cache holds for a GGUF model) computes the same logits once its Linear
+  layers run on those 4-bit blocks; weights that are not that GGUF's are refused.
+- Refusals name option.quantize; greedy output does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lmi_serve.config.sources import ConfigError, ModelConfig
+from lmi_serve.engine.static_batch import generate_static_batch
+from lmi_serve.engine.types import GenerationRequest, StopParams
+from lmi_serve.model.quantize import (Fp16Linear, Q4Linear, QuantizeError, quantize_model, unpack_q4_blocks)
+
+CPU = torch.device("cpu")
+VOCAB = 512
+HEADS, KV_HEADS = 4, 2
+
+
+def tiny_llama(tied: bool, seed: int = 0) -> LlamaForCausalLM:
+    """2 layers, every Linear a multiple of 32 wide; weights redrawn so greedy output depends on the prompt."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                         tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.2)
+    return model
+
+
+def logits(model, ids: list[list[int]]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor(ids)).logits
+
+
+IDS = [[5, 17, 99, 3, 250, 40, 7, 300], [9, 8, 7, 6, 5, 4, 3, 2]]
+
+
+def fp16_rounded_copy(model):
+    """The reference: a copy whose every Linear has its own fp16-rounded weight (a tied input
+    embedding keeps its fp32 one, as the fp16 swap does)."""
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.detach().half().float(), requires_grad=False)
+    return reference
+
+
+def test_fp16_equals_fp32_with_fp16_rounded_weights_and_keeps_the_tied_embedding_fp32():
+    model = tiny_llama(tied=True)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    reference = fp16_rounded_copy(model)
+    report = quantize_model(model, "fp16", CPU)
+    assert isinstance(model.lm_head, Fp16Linear) and len(report.swapped) == 2 * 7 + 1 and not report.kept
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    got, want = logits(model, IDS), logits(reference, IDS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert not torch.allclose(logits(tiny_llama(tied=True), IDS), want, atol=1e-4, rtol=1e-4), \
+        "premise: fp16 rounding must change the logits, else this test proves nothing"
+    assert report.weight_bytes_after * 2 == report.weight_bytes_before
+
+
+def _permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
+    """The rotary row order llama.cpp's converter writes attn_q / attn_k in (the inverse of the loader's)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_q4_gguf(model: LlamaForCausalLM, path, qtype=gguf.GGMLQuantizationType.Q4_1, skip=(),
+                  embedding: bool = False) -> None:
+    """`model`'s Linear weights (but `skip`) as a Llama GGUF of 4-bit blocks (q / k rows permuted as
+    llama.cpp does), then the model's weights replaced by those blocks dequantized, as the GGUF ->
+    safetensors cache holds them; with `embedding`, the input embedding too, in F32."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
+    if embedding:
+        writer.add_tensor("token_embd.weight", model.get_input_embeddings().weight.detach().numpy())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or name in skip:
+                continue
+            gguf_name = names.get_name(name)
+            heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(gguf_name.rsplit(".", 1)[-1])
+            weight = module.weight.detach().numpy()
+            stored = _permute_like_llama_cpp(weight, heads) if heads else weight
+            blocks = gguf.quants.quantize(stored, qtype)
+            writer.add_tensor(f"{gguf_name}.weight", blocks, raw_dtype=qtype)
+            loaded = gguf.quants.dequantize(blocks, qtype)
+            if heads:  # undo the permutation as transformers' loader does
+                half = loaded.shape[0] // heads // 2
+                loaded = loaded.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(loaded.shape)
+            module.weight.copy_(torch.from_numpy(np.ascontiguousarray(loaded)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0])
+def test_q4_computes_the_dequantized_gguf_blocks(tmp_path, qtype):
+    model = tiny_llama(tied=False)
+    write_q4_gguf(model, tmp_path / "tiny.gguf", qtype)
+    want = logits(model, IDS)  # fp32 on the dequantized blocks: the reference
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Q4Linear) and isinstance(model.lm_head, Q4Linear)
+    assert len(report.swapped) == 2 * 7 + 1 and not report.kept and report.max_abs_diff < 1e-6
+    got = logits(model, IDS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_unpacked_blocks_are_what_gguf_dequantizes():
+    weight = np.random.default_rng(0).normal(size=(48, 96)).astype(np.float32)
+    for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0):
+        blocks = gguf.quants.quantize(weight, qtype)
+        ours = unpack_q4_blocks(blocks, qtype.name).dequantize()
+        theirs = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+        assert torch.allclose(ours, theirs, atol=1e-6, rtol=0), qtype.name
+
+
+def test_q4_keeps_a_tied_lm_head_in_fp32(tmp_path):
+    model = tiny_llama(tied=True)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    write_q4_gguf(model, tmp_path / "tiny.gguf", skip={"lm_head"}, embedding=True)
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert report.kept == {"lm_head": "tied to the input embedding, GGUF F32"} and len(report.swapped) == 2 * 7
+    assert model.lm_head.weight is model.get_input_embeddings().weight and torch.equal(model.lm_head.weight, embedding)
+
+
+def test_q4_refuses_weights_that_are_not_the_ggufs(tmp_path):
+    write_q4_gguf(tiny_llama(tied=False), tmp_path / "tiny.gguf")
+    other = tiny_llama(tied=False, seed=1)  # same shapes, other weights
+    with pytest.raises(QuantizeError, match=r"^option\.quantize=q4: .* differ from the loaded weights"):
+        quantize_model(other, "q4", CPU, tmp_path / "tiny.gguf")
+    assert not any(isinstance(m, Q4Linear) for m in other.modules()), "a refused swap leaves the model as it was"
+
+
+def test_q4_needs_a_gguf_and_quantize_needs_the_cpu():
+    with pytest.raises(QuantizeError, match=r"^option\.quantize=q4 .* not loaded from a GGUF"):
+        quantize_model(tiny_llama(tied=False), "q4", CPU, None)
+    with pytest.raises(QuantizeError, match=r"^option\.quantize=fp16: .* CPU kernels .* cuda"):
+        quantize_model(tiny_llama(tied=False), "fp16", torch.device("cuda"))
+    model = tiny_llama(tied=False)
+    assert not quantize_model(model, "none", CPU).swapped
+    assert isinstance(model.lm_head, torch.nn.Linear)
+
+
+def test_config_validates_quantize():
+    def config(**values) -> ModelConfig:
+        from lmi_serve.config.sources import load_model_config
+
+        return load_model_config(None, {"OPTION_MODEL_ID": "x", **values})
+
+    assert config().quantize == "none" and config(OPTION_QUANTIZE="FP16").quantize == "fp16"
+    assert config(OPTION_QUANTIZE="q4").quantize == "q4"
+    with pytest.raises(ConfigError, match=r"^OPTION_QUANTIZE: 'int8' is not one of none, fp16, q4"):
+        config(OPTION_QUANTIZE="int8")
+    with pytest.raises(ConfigError, match=r"^OPTION_QUANTIZE: option\.quantize=fp16 .* option\.dtype=bf16"):
+        config(OPTION_QUANTIZE="fp16", OPTION_DTYPE="bf16")
+
+
+PROMPTS = [[5, 17, 99], [9, 8, 7, 6, 5, 4, 3, 2, 11, 12, 13], [300, 301], [42] * 6]
+
+
+def greedy(model, tokenizer, prompts) -> list[list[int]]:
+    requests = [GenerationRequest(tuple(p), stop=StopParams(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    for owner, event in generate_static_batch(model, tokenizer, CPU, requests):
+        out[owner].append(event.token_id)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fp16", "q4"])
+def test_quantized_greedy_is_batch_invariant_and_deterministic(tmp_path, mode, smollm2_tokenizer):
+    model = tiny_llama(tied=False)
+    write_q4_gguf(model, tmp_path / "tiny.gguf")
+    quantize_model(model, mode, CPU, tmp_path / "tiny.gguf")
+    batched = greedy(model, smollm2_tokenizer, PROMPTS)
+    alone = [greedy(model, smollm2_tokenizer, [p])[0] for p in PROMPTS]
+    assert batched == alone and greedy(model, smollm2_tokenizer, PROMPTS) == batched
+    assert len({tuple(row) for row in batched}) > 1, "premise: the output must depend on the prompt"
+
+
+def test_fp16_swap_is_generic_encoder_decoder_too():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                                                d_kv=8, decoder_start_token_id=0, pad_token_id=0)).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight, "premise: T5's lm_head is tied"
+    reference = fp16_rounded_copy(model)
+    report = quantize_model(model, "fp16", CPU)
+    assert report.swapped and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    inputs = {"input_ids": torch.tensor(IDS), "decoder_input_ids": torch.tensor([[0, 5, 6], [0, 7, 8]])}
+    with torch.inference_mode():
+        got, want = model(**inputs).logits, reference(**inputs).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()

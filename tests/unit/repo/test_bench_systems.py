@@ -1,0 +1,200 @@
+"""benchmarks/benchmark: the parts of the benchmark that decide what runs and what it reports (no server,
+no model): skip reasons, system options, prompt windows, the chat workload, SSE parsing, ratio lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+from benchmark import llama  # noqa: E402
+from benchmark.chat import ttft_ratio  # noqa: E402
+from benchmark.clients import openai_sender, sse_one, timed_loop  # noqa: E402
+from benchmark.report import llama_ratios, skipped_lines, target_checks, tpot_ratios  # noqa: E402
+from benchmark.servers import ServerSettings, failure_reason, ignored_options, our_options  # noqa: E402
+from benchmark.workload import SYSTEM_PROMPT, Workload, build_chat_workload, chat_messages  # noqa: E402
+
+UNKNOWN_WARNING = ("2026-11-24 01:00:00 WARNING lmi_serve: Model m: options enable_prefix_caching are not "
+                   "lmi-serve options; they are passed to the handler only")
+
+
+def test_a_system_that_needs_an_unknown_option_is_recognised_from_the_log():
+    options = our_options("rolling-prefix", ServerSettings())
+    assert options["enable_prefix_caching"] == "true" and options["kv_cache"] == "slots"
+    assert ignored_options("starting\n" + UNKNOWN_WARNING, options) == ["enable_prefix_caching"]
+    assert ignored_options("starting\nall good", options) == []
+    # rolling itself asks for nothing new, so the same warning (about another option) does not skip it
+    assert ignored_options(UNKNOWN_WARNING, our_options("rolling", ServerSettings())) == []
+
+
+def test_failure_reason_prefers_the_line_that_says_why():
+    text = "loading\nlmi-serve: invalid configuration: option.quantize: unknown value 'q4'\nexiting\n"
+    assert "option.quantize" in failure_reason(text)
+    assert failure_reason("one\nlast words\n") == "last words"
+    assert failure_reason("") == "no output"
+
+
+def test_rolling_options_carry_the_prefill_budget_and_the_quantization():
+    fp16 = our_options("rolling-fp16", ServerSettings(prefill_budget=256, max_rolling=16))
+    assert fp16["quantize"] == "fp16" and fp16["max_rolling_batch_prefill_tokens"] == 256
+    assert fp16["max_rolling_batch_size"] == 16
+    assert our_options("rolling-q4", ServerSettings())["quantize"] == "q4"
+    assert "max_rolling_batch_prefill_tokens" not in our_options("rolling-dynamic", ServerSettings())
+    assert our_options("dynamic", ServerSettings())["rolling_batch"] == "disable"
+
+
+def test_llama_server_without_a_build_is_unavailable_with_the_build_hint(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_CPP_HOME", str(tmp_path))
+    with pytest.raises(llama.Unavailable, match="benchmarks/build_llama_server"):
+        llama.binary("llama-server")
+    assert skipped_lines({"llama-server": "not built"}) == ["", "- llama-server: skipped: not built"]
+
+
+def test_windows_give_each_point_its_own_prompts():
+    work = Workload([f"p{i}" for i in range(10)], list(range(10)), [16 + i for i in range(10)])
+    first, second = work.window(0, 4), work.window(4, 4)
+    assert [first.request(k)[1] for k in range(4)] == ["p0", "p1", "p2", "p3"]
+    assert [second.request(k)[1:] for k in range(2)] == [("p4", 20), ("p5", 21)]
+    assert work.window(8, 4).prompts == ["p8", "p9", "p0", "p1"]  # wraps
+
+
+class WordTokenizer:
+    """Whitespace tokens; a chat template that joins role: content lines."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return type("Enc", (), {"input_ids": text.split()})
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+def test_chat_workload_shares_only_the_system_prompt():
+    messages = chat_messages(40)
+    assert len(set(messages)) == 40
+    assert all(SYSTEM_PROMPT not in m for m in messages)
+    work = build_chat_workload(WordTokenizer(), 12, (16, 128))
+    system_words = len(SYSTEM_PROMPT.split())
+    assert all(t > system_words for t in work.prompt_tokens)
+    assert all(16 <= n <= 128 for n in work.max_new_tokens) and len(set(work.max_new_tokens)) > 3
+
+
+class FakeResponse:
+    def __init__(self, status: int, lines: list[bytes], delay: float = 0.0):
+        self.status_code, self._lines, self._delay, self.text = status, lines, delay, "boom"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def iter_lines(self):
+        for line in self._lines:
+            time.sleep(self._delay)
+            yield line
+
+
+class FakeSession:
+    def __init__(self, response: FakeResponse):
+        self.response, self.sent = response, []
+
+    def post(self, url, json, stream, timeout):
+        self.sent.append(json)
+        return self.response
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode()
+
+
+def test_sse_stream_times_text_chunks_and_counts_usage_tokens():
+    lines = [sse({"choices": [{"delta": {"role": "assistant"}}]}),
+             *(sse({"choices": [{"delta": {"content": w}}]}) for w in ("a", "b", "c")),
+             sse({"choices": [], "usage": {"completion_tokens": 3}}), b"data: [DONE]"]
+    rec = sse_one(FakeSession(FakeResponse(200, lines, delay=0.001)), "u", {}, 3)
+    assert rec["ok"] and rec["tokens"] == 3 and len(rec["itl"]) == 2 and rec["ttft"] > 0
+    no_usage = sse_one(FakeSession(FakeResponse(200, lines[1:3])), "u", {}, 3)
+    assert no_usage["tokens"] == 2  # one per text chunk
+    failed = sse_one(FakeSession(FakeResponse(500, [])), "u", {}, 3)
+    assert not failed["ok"] and failed["error"].startswith("HTTP 500")
+
+
+class DroppingSession(FakeSession):
+    """Closes the first (kept-alive) connection unanswered, as llama-server did."""
+
+    def post(self, url, json, stream, timeout):
+        import http.client
+
+        import requests
+
+        if not self.sent:
+            self.sent.append(None)
+            raise requests.ConnectionError(http.client.RemoteDisconnected("closed without response"))
+        return super().post(url, json, stream, timeout)
+
+
+def test_a_connection_closed_unanswered_is_retried_once():
+    lines = [sse({"choices": [{"text": "a"}]}), sse({"choices": [], "usage": {"completion_tokens": 1}})]
+    rec = sse_one(DroppingSession(FakeResponse(200, lines)), "u", {"prompt": "p"}, 1)
+    assert rec["ok"] and rec["retried"] and rec["tokens"] == 1
+
+
+def test_openai_senders_force_the_length_and_put_the_system_prompt_first():
+    session = FakeSession(FakeResponse(200, []))
+    openai_sender("chat", "SYS", {"cache_prompt": True})(session, "u", "hello", 7)
+    openai_sender("completions")(session, "u", "text", 5)
+    chat, completion = session.sent
+    assert chat["messages"] == [{"role": "system", "content": "SYS"}, {"role": "user", "content": "hello"}]
+    assert chat["max_tokens"] == 7 and chat["ignore_eos"] and chat["cache_prompt"] and chat["stream"]
+    assert completion["prompt"] == "text" and completion["max_tokens"] == 5 and "cache_prompt" not in completion
+
+
+def test_timed_loop_starts_no_request_after_the_duration():
+    starts = []
+
+    def send(session, url, prompt, n):
+        starts.append(time.perf_counter())
+        time.sleep(0.01)
+        return {"ok": True, "prompt": prompt}
+
+    begin = time.perf_counter()
+    records, wall = timed_loop(send, "u", lambda: ("p", 4), concurrency=3, duration=0.1)
+    assert len(records) == len(starts) >= 3
+    assert max(starts) - begin < 0.1 <= wall
+
+
+def row(system, c, tok_s, tpot=None, ttft=None):
+    return {"system": system, "concurrency": c, "tok_s": tok_s, "tpot_p50": tpot, "ttft_p50": ttft}
+
+
+def test_ratio_lines_against_rolling_dynamic_rolling_and_llama_server():
+    rows = [row("rolling", 1, 20, tpot=0.040), row("rolling", 32, 100), row("rolling-dynamic", 32, 40),
+            row("rolling-dynamic", 1, 15, tpot=0.050), row("rolling-linear-torch", 32, 50),
+            row("rolling-fp16", 1, 30, tpot=0.018), row("rolling-fp16", 32, 130),
+            row("llama-server", 1, 80), row("llama-server", 32, 150), row("llama-server-f32", 32, 200)]
+    lines = "\n".join(target_checks(rows, 32, 16))
+    assert "rolling@32 vs rolling-dynamic@32 (the path before the fast engine) tok/s: 100.0 / 40.0 = **2.50x**" in lines
+    assert "kv_cache=slots vs dynamic, both on torch's nn.Linear, @32: 50.0 / 40.0 = 1.25x" in lines
+    assert "linear_kernel=onednn vs torch, both on slots, @32: 100.0 / 50.0 = 2.00x" in lines
+    assert "rolling-fp16@32 vs rolling-dynamic@32 tok/s: 130.0 / 40.0 = **3.25x** (target >= 3.0x) PASS" in lines
+    assert "rolling-q4@32 vs rolling-dynamic@32 tok/s: not measured" in lines
+    assert tpot_ratios(rows) == [
+        "- single-stream TPOT p50 rolling-dynamic / rolling: 50.0 / 40.0 ms = **1.25x**",
+        "- single-stream TPOT p50 rolling-fp16 / rolling: 18.0 / 40.0 ms = **0.45x**",
+        "- single-stream TPOT p50 rolling / rolling-dynamic: 40.0 / 50.0 ms = **0.80x**",
+        "- single-stream TPOT p50 rolling-fp16 / rolling-dynamic: 18.0 / 50.0 ms = **0.36x** (target <= 0.5x) PASS"]
+    llama_lines = llama_ratios(rows, [1, 32])
+    assert llama_lines[0] == ("- tok/s vs llama-server (Q4_1, 80.0 tok/s) at 1 client(s): rolling 0.25x, "
+                              "rolling-dynamic 0.19x, rolling-fp16 0.38x")
+    assert "rolling 0.50x" in llama_lines[2] and "F32" in llama_lines[2]
+
+
+def test_chat_ttft_ratio_line():
+    rows = [row("rolling", 16, 50, ttft=1.5), row("rolling-prefix", 16, 60, ttft=0.3)]
+    assert ttft_ratio(rows, 16).endswith("1.50 / 0.30 s = **5.00x** (target >= 3x) PASS")
+    assert ttft_ratio(rows[:1], 16).endswith("not measured")

@@ -1,0 +1,122 @@
+"""The Dockerfile cannot go stale unnoticed: what its RUN lines import from lmi_serve exists, what it
+copies is in the build context, and hadolint finds nothing (.hadolint.yaml names the one ignored rule).
+Building and running the image is scripts/test-container's job; this is the fast half, in every run."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from docker.utils.build import exclude_paths
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction: continuation lines joined, comment lines dropped."""
+    logical, pending = [], ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        keyword, _, arguments = pending.strip().partition(" ")
+        logical.append((keyword.upper(), arguments.strip()))
+        pending = ""
+    return logical
+
+
+def python_snippets(run: str) -> list[str]:
+    """The code of every `python... -c CODE` in a RUN line."""
+    words = shlex.split(run, posix=True)
+    return [words[i + 1] for i, word in enumerate(words[:-1])
+            if word == "-c" and i > 0 and re.search(r"python[\d.]*$", words[i - 1])]
+
+
+def lmi_serve_imports(code: str) -> list[tuple[str, str | None]]:
+    """(module, name) for `from lmi_serve... import name` and (module, None) for `import lmi_serve...`."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lmi_serve":
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "lmi_serve"]
+    return found
+
+
+def copy_sources(arguments: str) -> list[str]:
+    words = [word for word in shlex.split(arguments) if not word.startswith("--")]
+    return words[:-1]
+
+
+RUNS = [arguments for keyword, arguments in instructions(DOCKERFILE.read_text()) if keyword == "RUN"]
+IMPORTS = sorted({item for run in RUNS for code in python_snippets(run) for item in lmi_serve_imports(code)},
+                 key=str)
+MODULES_RUN = sorted({module for run in RUNS for module in re.findall(r"python[\d.]* -m ([\w.]+)", run)})
+COPIED = [source for keyword, arguments in instructions(DOCKERFILE.read_text()) if keyword == "COPY"
+          for source in copy_sources(arguments)]
+
+
+def test_the_parser_finds_what_the_dockerfile_uses():
+    # Guards the tests below against passing because the parsing found nothing to check.
+    assert ("lmi_serve.model.loader", "load_generation_model") in IMPORTS
+    assert "lmi_serve" in MODULES_RUN
+    assert {"pyproject.toml", "src", "serving.properties"} <= set(COPIED)
+
+
+@pytest.mark.parametrize(("module", "name"), IMPORTS, ids=[f"{m}:{n}" for m, n in IMPORTS])
+def test_every_name_a_run_line_imports_exists(module, name):
+    imported = importlib.import_module(module)
+    if name is not None:
+        assert hasattr(imported, name), f"the Dockerfile imports {name} from {module}, which has no such name"
+
+
+@pytest.mark.parametrize("module", MODULES_RUN)
+def test_every_module_a_run_line_runs_with_dash_m_exists(module):
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"python -m {module}: no such module"
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        assert importlib.util.find_spec(f"{module}.__main__") is not None, f"python -m {module}: no __main__"
+
+
+@pytest.mark.parametrize("source", COPIED)
+def test_every_copy_source_exists_and_is_in_the_build_context(source):
+    assert (ROOT / source).exists(), f"COPY {source}: no such file or folder"
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.lstrip().startswith("#")]
+    context = exclude_paths(str(ROOT), ignore)
+    assert source in context or any(path.startswith(f"{source}/") for path in context), \
+        f"COPY {source}: .dockerignore leaves it out of the build context"
+
+
+def test_the_build_context_leaves_out_the_venv_git_and_tests():
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.lstrip().startswith("#")]
+    context = exclude_paths(str(ROOT), ignore)
+    assert not [path for path in context if path.split("/")[0] in {".venv", ".git", "tests"}]
+    assert not [path for path in context if "__pycache__" in path.split("/")]
+
+
+def test_hadolint_finds_nothing():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    result = subprocess.run([str(hadolint), "--no-color", "--config", str(ROOT / ".hadolint.yaml"), str(DOCKERFILE)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_declares_bind_to_port_and_leaves_offline_mode_to_the_launcher():
+    steps = instructions(DOCKERFILE.read_text())
+    labels = " ".join(arguments for keyword, arguments in steps if keyword == "LABEL")
+    assert "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true" in labels
+    assert not [arguments for keyword, arguments in steps if keyword in ("ENV", "ARG") and "HF_HUB_OFFLINE" in arguments]
+    assert steps[-1] == ("CMD", '["serve"]')

@@ -1,0 +1,83 @@
+"""Log formats (`--log-format` / LMI_SERVE_LOG_FORMAT) and the access line's fields."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from lmi_serve.__main__ import parse_args
+from lmi_serve.engine.observer import RequestTally
+from lmi_serve.server import logs
+from lmi_serve.server.access_log import line_fields
+
+
+def record(message: str, **extra) -> logging.LogRecord:
+    rec = logging.LogRecord("lmi_serve.access", logging.INFO, __file__, 1, message, (), None)
+    rec.__dict__.update(extra)
+    return rec
+
+
+def test_json_lines_carry_the_extra_fields_on_one_line():
+    line = logs.formatter("json").format(record("a\nb", status=200, model=None))
+    assert "\n" not in line
+    parsed = json.loads(line)
+    assert parsed["message"] == "a\nb" and parsed["status"] == 200 and parsed["model"] is None
+    assert {"time", "level", "process", "logger"} <= set(parsed) and parsed["logger"] == "lmi_serve.access"
+
+
+def test_text_is_the_default(monkeypatch):
+    monkeypatch.delenv("LMI_SERVE_LOG_FORMAT", raising=False)
+    assert parse_args([]).log_format == "text"
+    assert parse_args(["--log-format", "json"]).log_format == "json"
+    monkeypatch.setenv("LMI_SERVE_LOG_FORMAT", "json")
+    assert parse_args([]).log_format == "json"
+
+
+def test_a_bad_format_stops_the_launcher(monkeypatch, capsys):
+    monkeypatch.setenv("LMI_SERVE_LOG_FORMAT", "xml")
+    with pytest.raises(SystemExit) as info:
+        parse_args([])
+    assert info.value.code == 2 and "LMI_SERVE_LOG_FORMAT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--log-format", "xml"])
+
+
+def test_gunicorn_logs_through_the_root_handler():
+    config = logs.gunicorn_logconfig("info", "json")
+    assert config["loggers"]["gunicorn.error"] == {"level": "INFO", "handlers": [], "propagate": True}
+    assert config["formatters"]["lmi"]["log_format"] == "json"
+
+
+def test_a_request_without_sequences_has_no_token_fields():
+    fields = line_fields({"status": 200}, RequestTally(), started=10.0, now=10.5)
+    assert fields == {"status": 200, "prompt_tokens": None, "generated_tokens": None, "ttft_s": None,
+                      "total_s": 0.5}
+
+
+def test_the_tally_sums_sequences_and_keeps_the_first_token():
+    tally = RequestTally()
+    tally.add(5, submitted=2.0)
+    tally.add(5, submitted=1.0)
+    tally.generated_tokens, tally.first_token = 7, 1.25
+    fields = line_fields({}, tally, started=0.5, now=3.0)
+    assert (fields["prompt_tokens"], fields["generated_tokens"], fields["ttft_s"]) == (10, 7, 0.25)
+
+
+def test_a_clock_made_while_a_tally_is_current_counts_into_it():
+    from lmi_serve.engine.observer import CURRENT_TALLY, EngineObserver, SequenceClock
+    from lmi_serve.engine.types import FinishReason, TokenEvent
+
+    tally = RequestTally()
+    token = CURRENT_TALLY.set(tally)
+    try:
+        clocks = [SequenceClock(EngineObserver(), 4, submitted=0.0), SequenceClock(EngineObserver(), 4, submitted=0.0)]
+    finally:
+        CURRENT_TALLY.reset(token)
+    outside = SequenceClock(EngineObserver(), 9, submitted=0.0)  # made when no request is counting
+    for clock in (*clocks, outside):
+        clock.event(TokenEvent(token_id=1, text="a", logprob=0.0, special=False))
+        clock.event(TokenEvent(token_id=2, text="b", logprob=0.0, special=False, finish_reason=FinishReason.LENGTH))
+    assert (tally.sequences, tally.prompt_tokens, tally.generated_tokens) == (2, 8, 4)
+    assert tally.first_token is not None and tally.ttft_seconds > 0
