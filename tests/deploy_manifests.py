@@ -1,5 +1,5 @@
 """What the deploy/ manifests are checked against: the server's own routes, defaults and configuration
-code (tests/unit/test_deploy_kubernetes.py, test_deploy_kserve.py)."""
+code (tests/unit/repo/test_deploy_kubernetes.py, test_deploy_kserve.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from lmi_serve.config.sources import sources as config
+from lmi_serve.config import sources as config
 from lmi_serve.server import drain
 from lmi_serve.server.app import create_app
 from lmi_serve.serving.registry import ModelRegistry

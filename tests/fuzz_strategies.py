@@ -1,4 +1,4 @@
-"""Hypothesis strategies for tests/integration/test_fuzz.py: HTTP requests built from each POST
+"""Hypothesis strategies for tests/integration/ops/test_fuzz.py: HTTP requests built from each POST
 route's real schema, then mutated.
 
 A `Route` holds one or more valid seed bodies (real field names, valid-ish values, tiny generation

@@ -1,7 +1,7 @@
 """Large JSON bodies against a running server, watched from outside: while one body is sent, a
 token stream on the same worker records its largest inter-token gap, a poller its slowest /ping,
 and a sampler the worker's peak RSS. Used by benchmarks/bench_body_scan.py and
-tests/integration/test_body_scan.py.
+tests/integration/ops/test_body_scan.py.
 
 Every body is valid JSON of `size` bytes exactly: a small real request of the route plus one
 padding field (`zz_pad`) shaped as one long string, nesting at a given depth, or many keys.

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))  # this checkout's lmi_serve, not an insta
 
 import torch  # noqa: E402
 
-from lmi_serve.engine.sampling.sampler import sampler as sampling
+from lmi_serve.engine.sampling import sampler as sampling
 from lmi_serve.engine.types import SamplingParams  # noqa: E402
 
 BEFORE_COMMIT = "d788aea"  # the last engine/sampling/sampler.py that sorted the whole vocabulary

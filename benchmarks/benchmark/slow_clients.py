@@ -11,7 +11,7 @@ connections stay open until `stop()`.
 
 `NormalLoad` sends ordinary requests in a loop on a few threads (a /ping and a short generation in the
 LMI and OpenAI dialects) and records each one's latency, or its error.
-Used by benchmarks/bench_slow_clients.py and tests/integration/test_slow_clients.py.
+Used by benchmarks/bench_slow_clients.py and tests/integration/ops/test_slow_clients.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ defaults, choices and bounds from `ModelConfig`'s fields, and each meaning from 
     .venv/bin/python -m lmi_serve.config.doc           # rewrites the table in docs/configuration.md
     .venv/bin/python -m lmi_serve.config.doc --check   # exit status 1 when the page is out of date
 
-tests/unit/test_docs.py fails when the committed page differs from what this renders.
+tests/unit/repo/test_docs.py fails when the committed page differs from what this renders.
 """
 
 from __future__ import annotations

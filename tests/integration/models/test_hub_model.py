@@ -1,7 +1,7 @@
 """A Hub id served by the real server, downloaded at start-up from a loopback Hub (tests/fake_hub.py)
 through HF_ENDPOINT: once for two workers, the pinned revision, a restart from the cache with the Hub
 gone, and a wrong token that fails the model without the token showing anywhere. The failure cases
-one by one are unit tests (tests/unit/test_hub_download.py)."""
+one by one are unit tests (tests/unit/model/test_hub_download.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """An s3:// model served by the real server: copied at start-up from moto's S3 on loopback through
 AWS_ENDPOINT_URL_S3, then served from the copy after a restart with S3 gone. The failure cases one by
-one are unit tests (tests/unit/test_s3_download.py)."""
+one are unit tests (tests/unit/model/test_s3_download.py)."""
 
 from __future__ import annotations
 

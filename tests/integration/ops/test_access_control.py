@@ -2,7 +2,7 @@
 client (no key, wrong key, right key), the body limit at a configured size, management routes off
 by default, and a scan of the server's log for the prompt, the key and the Authorization header.
 
-The gate itself is walked over every route of the app in tests/unit/test_security.py (the unit test of security.py).
+The gate itself is walked over every route of the app in tests/unit/server/test_security.py (the unit test of security.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ forwards (bit for bit, with the same weights) through a real scheduler run with 
 chunked prefills; a failure breaks the group loudly; an idle rank 0 sends heartbeats.
 
 The follower here is a thread with its own copy of the model, fed by a queue instead of a
-torch.distributed broadcast (tests/integration/test_tensor_parallel.py runs real gloo ranks)."""
+torch.distributed broadcast (tests/integration/models/test_tensor_parallel.py runs real gloo ranks)."""
 
 from __future__ import annotations
 

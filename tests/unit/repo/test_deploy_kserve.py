@@ -16,7 +16,7 @@ from deploy_manifests import (
 )
 
 from lmi_serve.__main__ import parse_args
-from lmi_serve.config.sources import sources as config
+from lmi_serve.config import sources as config
 
 KSERVE = DEPLOY / "kserve"
 K8S_VERSION = "1.30.0"

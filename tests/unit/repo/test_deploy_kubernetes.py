@@ -11,7 +11,7 @@ from deploy_manifests import (
     readiness_follows_the_drain, resolve, unread_names,
 )
 
-from lmi_serve.config.sources import sources as config
+from lmi_serve.config import sources as config
 
 K8S = DEPLOY / "kubernetes"
 # The oldest Kubernetes these manifests claim (autoscaling/v2 HPA behavior, startup probes) and the newest

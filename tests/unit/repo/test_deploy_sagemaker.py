@@ -22,7 +22,7 @@ from botocore.response import StreamingBody
 from botocore.stub import Stubber
 from sagemaker.core.utils.utils import SageMakerClient
 
-from lmi_serve.config.sources import sources as config
+from lmi_serve.config import sources as config
 from lmi_serve.dialects.lmi.formatters import FORMATTERS, RenderContext
 from lmi_serve.engine.types import FinishReason, TokenEvent
 

@@ -1,5 +1,5 @@
 """The worker's drain (drain.WorkerDrain) and its boot stand-in (boot.BootingApp), without a server:
-WSGI calls by hand. tests/integration/test_drain.py and test_startup.py run them in the real server."""
+WSGI calls by hand. tests/integration/ops/test_drain.py and test_startup.py run them in the real server."""
 
 from __future__ import annotations
 
