@@ -3,7 +3,7 @@
 The configuration is built and validated here, once, before any worker starts: a bad value
 exits with status 2 and a message naming the key, so the server never becomes healthy.
 Workers are gthread workers (a thread per connection, so a stream never pins a process) that
-answer HTTP-layer errors in JSON (http_worker.py); each worker process loads its own copy of
+answer HTTP-layer errors in JSON (server/http_worker.py, set up by server/gunicorn_app.py); each worker process loads its own copy of
 every model after the fork.
 """
 
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
-from lmi_serve.config.sources import KIND_NAMES, ConfigError, ServerConfig, build_server_config
+from lmi_serve.config.sources import KIND_NAMES, ConfigError, build_server_config
 from lmi_serve.server import logs
+from lmi_serve.server.gunicorn_app import run_gunicorn
 from lmi_serve.server import security
 
 log = logging.getLogger("lmi_serve")
@@ -65,67 +64,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.log_format not in logs.FORMATS:  # argparse checks choices on the command line only, not a default
         parser.error(f"LMI_SERVE_LOG_FORMAT must be one of {', '.join(logs.FORMATS)}, not {args.log_format!r}")
     return args
-
-
-def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
-    from gunicorn.app.base import BaseApplication
-
-    from lmi_serve.server.boot import BootingApp
-    from lmi_serve.server.drain import DrainingArbiter
-
-    # Multiprocess metrics (metrics.py): a fresh private folder per start, so no earlier server's
-    # counts leak in, set before prometheus_client is first imported (it picks its value store at
-    # import, and the workers fork from this process).
-    metrics_dir = tempfile.mkdtemp(prefix="lmi-serve-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    from lmi_serve.server import metrics
-
-    class Server(BaseApplication):
-        def load_config(self) -> None:
-            settings = {
-                "bind": f"{config.host}:{config.port}",
-                "workers": config.workers,
-                "worker_class": "lmi_serve.server.http_worker.JsonErrorWorker",  # gthread; HTTP-layer errors in JSON
-                "threads": config.threads,
-                "timeout": args.timeout,
-                # SIGTERM drains (drain.py): in-flight requests get this long before they are ended.
-                "graceful_timeout": math.ceil(config.graceful_timeout),  # gunicorn takes whole seconds
-                "keepalive": 5,
-                "loglevel": args.log_level,
-                "errorlog": "-",
-                "logconfig_dict": logs.gunicorn_logconfig(args.log_level, args.log_format),  # logs.py
-                "preload_app": False,  # models load after the fork, in each worker
-                "proc_name": "lmi-serve",
-                # The documented model selector header is `model_name`; gunicorn's default drops every
-                # header whose name has an underscore. "dangerous" keeps them, mapped as if spelled
-                # with hyphens (`model_name` and `Model-Name` are one header to the application).
-                "header_map": "dangerous",
-                # One fixed path per user ($HOME/.gunicorn/gunicorn.ctl): two servers on one machine
-                # would take each other's socket; nothing here uses gunicornc.
-                "control_socket_disable": True,
-                # A dead worker's live gauges (running, waiting) must leave the sums; its counts stay.
-                "child_exit": lambda server, worker: metrics.worker_exited(worker.pid),
-                "on_exit": lambda server: metrics.remove_multiprocess_dir(metrics_dir),
-            }
-            for key, value in settings.items():
-                self.cfg.set(key, value)
-
-        def load(self):
-            def create():
-                from lmi_serve.server.app import create_app  # seconds: torch, transformers, every dialect
-
-                return create_app(config)
-
-            # Answers at once (/ping: loading) while the app imports on a thread (boot.py).
-            # /metrics meanwhile only where it needs no key: the gate is the real app's (security.py)
-            open_metrics = config.security.public_metrics or not config.security.keys_required
-            return BootingApp([model.name for model in config.models], create,
-                              metrics.ServingMetrics().render if open_metrics else None)
-
-        def run(self) -> None:
-            DrainingArbiter(self).run()  # gunicorn's arbiter, draining on SIGTERM
-
-    Server().run()
 
 
 def main(argv: list[str] | None = None) -> int:

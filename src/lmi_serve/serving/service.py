@@ -69,58 +69,19 @@ class ModelService:
         try:
             config = self._local_config()
         except ModelLoadError as exc:  # the message names the model and what to fix; no traceback
-            log.error("Model %s failed to load: %s", self.name, exc)
-            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
-            return
+            return self._failed(exc, "failed to load")
         except Exception as exc:  # the cache dir unwritable, ...
-            log.exception("Model %s: its files could not be fetched", self.name)
-            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
-            return
+            return self._failed(exc, "could not fetch its files", traceback=True)
         self.started_at = time.time()
         started = time.monotonic()
         try:
-            decision = self.task_decision = decide_task(config)
-            log.info("Model %s: task %s (%s)", self.name, decision.task or "none", decision.reason)
-            self.task = decision.task
-            # A built-in handler refuses a model no task fits, or an encoder-decoder one (check_builtin);
-            # a model.py of its own serves it, and is told text-generation (DJL's default) when none fits.
-            loaded = resolve_handler(self.name, self.config.model_dir, self.config.entry_point,
-                                     decision.task or "text-generation", self.config.handler,
-                                     before_builtin=decision.check_builtin)
-            self.task = decision.task or "text-generation"
-            caps = HandlerCapabilities.read(loaded.module, loaded.function_name, builtin=loaded.builtin,
-                                            user_module=loaded.user_module)
-            if not self.config.task and caps.serves_tensors:
-                self.task = "tensor"  # a model.py declaring its tensors is no text model for /invocations
-            rolling = self._resolve_rolling_batch(caps)
-            if caps.load is not None:  # a built-in handler: the validated config, typed
-                caps.load(config, HandlerContext(
-                    task=self.task, cache_dir=self.cache_dir, rolling_batch=rolling, user_module=loaded.user_module,
-                    input_formatter=caps.input_formatter, output_formatter=caps.output_formatter))
-            else:
-                init = Input(properties={**config.handler_properties(), "task": self.task,
-                                         "cache_dir": self.cache_dir, "model_name": self.name,
-                                         "rolling_batch": "scheduler" if rolling else "disable"})
-                result = caps.handle(init)  # DJL contract: the first call carries the options and no content
-                if isinstance(result, Output) and result.failed:
-                    raise RuntimeError(result.body().decode("utf-8", "replace"))
-            if rolling:
-                dispatcher = DirectDispatcher(self.name, caps.handle)
-            else:
-                dispatcher = DynamicBatcher(self.name, caps.handle, batch_size=self.config.batch_size,
-                                            max_batch_delay_ms=self.config.max_batch_delay,
-                                            job_queue_size=self.config.job_queue_size,
-                                            predict_timeout=self.config.predict_timeout)
-                dispatcher.start()
+            caps, rolling = self._start_handler(config)
+            dispatcher = self._dispatcher(caps, rolling)
             engine = caps.get_engine() if caps.get_engine is not None else None
         except (ModelTaskError, ModelLoadError) as exc:  # the message says what to fix; no traceback
-            log.error("Model %s failed to load: %s", self.name, exc)
-            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
-            return
+            return self._failed(exc, "failed to load")
         except Exception as exc:
-            log.exception("Model %s failed to load", self.name)
-            self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
-            return
+            return self._failed(exc, "failed to load", traceback=True)
         elapsed = time.monotonic() - started
         if elapsed > self.config.model_loading_timeout:
             self.error = f"loading took {elapsed:.0f} s, over model_loading_timeout={self.config.model_loading_timeout:g} s"
@@ -136,6 +97,57 @@ class ModelService:
         self.loaded_at = time.time()
         self.status = ModelStatus.READY
         log.info("Model %s ready (%s, handler %s) in %.1f s", self.name, self.task, caps.module_name, elapsed)
+
+    def _failed(self, exc: Exception, what: str, *, traceback: bool = False) -> None:
+        """The FAILED status with the exception's type and message; the log gets a traceback only for
+        failures the message alone does not explain."""
+        if traceback:
+            log.exception("Model %s %s", self.name, what)
+        else:
+            log.error("Model %s %s: %s", self.name, what, exc)
+        self.error, self.status = f"{type(exc).__name__}: {exc}", ModelStatus.FAILED
+
+    def _start_handler(self, config: ModelConfig) -> tuple[HandlerCapabilities, bool]:
+        """Decide the task, import the handler and let it load the model: a built-in gets the typed
+        config, a model.py DJL's first call with the options. Returns what the handler declares, and
+        whether it serves a rolling batch."""
+        decision = self.task_decision = decide_task(config)
+        log.info("Model %s: task %s (%s)", self.name, decision.task or "none", decision.reason)
+        self.task = decision.task
+        # A built-in handler refuses a model no task fits, or an encoder-decoder one (check_builtin);
+        # a model.py of its own serves it, and is told text-generation (DJL's default) when none fits.
+        loaded = resolve_handler(self.name, self.config.model_dir, self.config.entry_point,
+                                 decision.task or "text-generation", self.config.handler,
+                                 before_builtin=decision.check_builtin)
+        self.task = decision.task or "text-generation"
+        caps = HandlerCapabilities.read(loaded.module, loaded.function_name, builtin=loaded.builtin,
+                                        user_module=loaded.user_module)
+        if not self.config.task and caps.serves_tensors:
+            self.task = "tensor"  # a model.py declaring its tensors is no text model for /invocations
+        rolling = self._resolve_rolling_batch(caps)
+        if caps.load is not None:  # a built-in handler: the validated config, typed
+            caps.load(config, HandlerContext(
+                task=self.task, cache_dir=self.cache_dir, rolling_batch=rolling, user_module=loaded.user_module,
+                input_formatter=caps.input_formatter, output_formatter=caps.output_formatter))
+        else:
+            init = Input(properties={**config.handler_properties(), "task": self.task,
+                                     "cache_dir": self.cache_dir, "model_name": self.name,
+                                     "rolling_batch": "scheduler" if rolling else "disable"})
+            result = caps.handle(init)  # DJL contract: the first call carries the options and no content
+            if isinstance(result, Output) and result.failed:
+                raise RuntimeError(result.body().decode("utf-8", "replace"))
+        return caps, rolling
+
+    def _dispatcher(self, caps: HandlerCapabilities, rolling: bool) -> DynamicBatcher | DirectDispatcher:
+        """A rolling batch takes each request on its own thread; anything else goes through the job queue."""
+        if rolling:
+            return DirectDispatcher(self.name, caps.handle)
+        dispatcher = DynamicBatcher(self.name, caps.handle, batch_size=self.config.batch_size,
+                                    max_batch_delay_ms=self.config.max_batch_delay,
+                                    job_queue_size=self.config.job_queue_size,
+                                    predict_timeout=self.config.predict_timeout)
+        dispatcher.start()
+        return dispatcher
 
     def _local_config(self) -> ModelConfig:
         """The configuration the handler loads: model_id is the local copy when it names a Hub repo or

@@ -103,7 +103,7 @@ def test_the_graph_sees_the_package():
     graph = import_graph()
     # A sample of edges that exist, one of each form the resolver handles.
     assert f"{PACKAGE}.errors" in graph[f"{PACKAGE}.dialects.lmi.errors"]  # from lmi_serve.errors import
-    assert f"{PACKAGE}.dialects.lmi.errors" in graph[f"{PACKAGE}.server.app"]  # from lmi_serve.dialects.lmi import errors
+    assert f"{PACKAGE}.dialects.lmi.errors" in graph[f"{PACKAGE}.server.error_routing"]  # from lmi_serve.dialects.lmi import errors
     assert f"{PACKAGE}.handler_api" in graph[PACKAGE]  # from lmi_serve.handler_api import, in an __init__
 
 
