@@ -18,8 +18,7 @@ import requests
 import torch
 from openai import OpenAI
 from server_process import ServerProcess, serving, wait_for
-from test_drain import Stream
-from test_lmi_rolling import PROMPTS, engine_stats, token_ids
+from server_probes import PROMPTS, Stream, engine_stats, token_ids
 from tp_model import smollm2_folder, widen_heads
 
 pytestmark = pytest.mark.integration

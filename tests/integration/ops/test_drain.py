@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
 
 import openai
@@ -17,6 +16,7 @@ from text_generation import Client
 from text_generation.errors import GenerationError, UnknownError
 from text_generation.types import FinishReason
 
+from server_probes import Stream
 from server_process import ServerProcess, wait_for
 
 pytestmark = pytest.mark.integration
@@ -39,30 +39,6 @@ def start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Serv
     server.wait_for_ping()
     wait_for(lambda: server.output().count(f"Model {MODEL} ready") == workers, timeout=300)
     return server
-
-
-class Stream(threading.Thread):
-    """Consumes one stream on its own thread; `started` is set at its first chunk."""
-
-    def __init__(self, chunks):
-        super().__init__(daemon=True)
-        self.source, self.chunks, self.error = chunks, [], None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        try:
-            for chunk in self.source():
-                self.chunks.append(chunk)
-                self.started.set()
-        except Exception as exc:  # the assertions read it
-            self.error = exc
-        finally:
-            self.started.set()
-
-    def result(self, timeout: float = 180):
-        self.join(timeout)
-        assert not self.is_alive(), "the stream never ended"
-        return self
 
 
 def openai_stream(server: ServerProcess, max_tokens: int) -> Stream:

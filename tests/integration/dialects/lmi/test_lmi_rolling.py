@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 import requests
 from server_process import wait_for
+from server_probes import PROMPTS, OpenStream, both_rows_busy, engine_stats, token_ids
 from text_generation.types import Response as TgiResponse
 from text_generation.types import StreamResponse
 
 pytestmark = pytest.mark.integration
-
-PROMPTS = [
-    "The capital of France is", "Write a haiku about the sea.", "List three colors:", "1, 2, 3,",
-    "Once upon a time", "The best way to learn Python is", "Water boils at", "My favourite food is",
-    "In 1492,", "The opposite of hot is", "Explain gravity in one sentence:", "Japanese words: 東京, 大阪, 京都,",
-]
-
 
 def generate(server, body, path="/invocations", **kwargs):
     return requests.post(server.url(path), json=body, timeout=180, **kwargs)
@@ -29,14 +22,6 @@ def generate(server, body, path="/invocations", **kwargs):
 
 def greedy(prompt, max_new_tokens):
     return {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
-
-
-def token_ids(body):
-    return [t["id"] for t in body["details"]["tokens"]]
-
-
-def engine_stats(server, model):
-    return requests.get(server.url(f"/models/{model}"), timeout=10).json()[0]["models"][0]["engine"]
 
 
 def jsonlines(response):
@@ -208,36 +193,6 @@ def test_parameters_given_as_strings_are_coerced(default_server):
     as_numbers = generate(default_server, {"inputs": "Once upon a time", "parameters": {
         "max_new_tokens": 4, "top_k": 5, "temperature": 0.5, "seed": 11}})
     assert as_strings.status_code == 200 and as_strings.json() == as_numbers.json()
-
-
-class OpenStream:
-    """A long stream on `faulty` whose first line was read; the rest stays unread until close().
-    The line iterator is kept: dropping it would let urllib3 release (close) the connection."""
-
-    def __init__(self, server, prompt, tokens=400):
-        self.response = requests.post(server.url("/predictions/faulty"), stream=True, timeout=180, json={
-            "inputs": prompt, "parameters": {"max_new_tokens": tokens, "ignore_eos_token": True}, "stream": True})
-        self.lines = self.response.iter_lines()
-        assert "token" in json.loads(next(self.lines))
-
-    def close(self):
-        self.response.close()
-
-
-@contextmanager
-def both_rows_busy(server):
-    """Two long streams fill `faulty`'s two rows; on exit they are closed and the rows freed,
-    whatever the test did, so one failure cannot starve the next test."""
-    streams = []
-    try:
-        streams = [OpenStream(server, p) for p in ("Once upon a time", "Tell me about the sea")]
-        # A joiner's first token is sent before it is merged into the batch: poll, don't assert.
-        wait_for(lambda: engine_stats(server, "faulty")["running"] == 2)
-        yield streams
-    finally:
-        for stream in streams:
-            stream.close()
-        wait_for(lambda: engine_stats(server, "faulty")["running"] == 0)
 
 
 def test_abandoned_streams_free_their_slots(store_server):

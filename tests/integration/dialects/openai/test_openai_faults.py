@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 from server_process import wait_for
-from test_lmi_rolling import both_rows_busy, engine_stats
+from server_probes import both_rows_busy, engine_stats
 
 pytestmark = pytest.mark.integration
 
