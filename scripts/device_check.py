@@ -1,0 +1,359 @@
+"""scripts/device_check's body (that bash entry picks the Python); see its header and docs/gpu.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / ".device_wheels"
+MANIFEST = WHEELS / "manifest.json"
+OVERLAY = Path(tempfile.gettempdir()) / "lmi-device-site"  # the wheels go here, ahead of the image's packages
+LIMIT_MIB = 64  # what one device call carries: the working tree plus .device_wheels
+TARGET_PYTHON = "3.12"  # the device image's python3 (Python 3.12.3, /opt/torch/.venv, as sessions saw it)
+PLATFORMS = ("manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
+             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+# What the GPU tests and the benchmark import beyond torch / transformers / accelerate (the image's) and why.
+DEVICE_PACKAGES = {
+    "pytest": "runs tests/gpu",
+    "gguf": "transformers' GGUF reader: SmolLM2's GGUF, where one is given (LMI_SERVE_SMOLLM2_GGUF)",
+    "psutil": "engine/kv/select.py imports it",
+    "pydantic": "lmi_serve.config (option parsing: placement and memory-budget tests of issue 30 item 1)",
+    "llguidance": "engine/sampling/grammar.py: grammar rows (issue 30 item 2: masks on the device)",
+    "peft": "model/lora.py: LoRA rows",
+}
+# The project's other dependencies, not carried: none of them is imported by tests/gpu or the benchmark.
+DROPPED = {
+    "flask, gunicorn, prometheus_client, python-json-logger, swagger-ui-py": "the HTTP server only",
+    "boto3": "S3 model sources only (accelerate imports it only where it is installed)",
+    "huggingface_hub, safetensors, tokenizers": "transformers' own dependencies: the image's",
+}
+IMAGE_ROOTS = ("torch", "transformers", "accelerate")
+GPU_TESTS_TIMEOUT_S = 270
+BENCH_TIMEOUT_S = 200
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# -- --prepare ---------------------------------------------------------------------------------------------
+
+
+def _requirements(dist_name: str, python: str) -> list[str]:
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    env = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+    names = []
+    for text in metadata.distribution(dist_name).requires or []:
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate(env):
+            names.append(norm(requirement.name))
+    return names
+
+
+def _closure(roots, python: str) -> set[str]:
+    from importlib import metadata
+
+    seen: set[str] = set()
+    todo = [norm(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        seen.add(name)
+        todo.extend(_requirements(name, python))
+    return seen
+
+
+def tree_bytes() -> int:
+    """What travels besides .device_wheels: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum((ROOT / p.decode()).stat().st_size for p in listed if p and (ROOT / p.decode()).is_file())
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def prepare(python: str) -> int:
+    from importlib import metadata
+
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    image = _closure(IMAGE_ROOTS, python)
+    # The packages named are carried even where torch & co. depend on them too (the image may still lack them).
+    # So are pydantic's own parts: here huggingface_hub 2.x pulls them into torch & co.'s closure, the image's 1.x not.
+    wanted = sorted((_closure(DEVICE_PACKAGES, python) - image) | {norm(name) for name in DEVICE_PACKAGES}
+                    | (_closure(["pydantic"], python) - {"typing-extensions"}))
+    pins = [f"{name}=={metadata.version(name)}" for name in wanted]
+    shutil.rmtree(WHEELS, ignore_errors=True)
+    WHEELS.mkdir()
+    say(f"[prepare] {len(pins)} wheels for CPython {python} manylinux x86_64: {' '.join(pins)}")
+    command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", str(WHEELS)]
+    for tag in PLATFORMS:
+        command += ["--platform", tag]
+    subprocess.run(command + pins, check=True)
+    import device_models
+
+    copied = device_models.copy_tokenizer_files(WHEELS / "smollm2")
+    files = {}
+    for wheel in sorted(WHEELS.glob("*.whl")):
+        files[norm(wheel.name.split("-")[0])] = wheel.name
+    manifest = {"python": python, "made": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "packages": {name: {"version": metadata.version(name), "wheel": files.get(name)} for name in wanted},
+                "smollm2_files": [p.name for p in copied], "dropped": DROPPED}
+    MANIFEST.write_text(json.dumps(manifest, indent=2))
+    wheels, tree = folder_bytes(WHEELS), tree_bytes()
+    for wheel in sorted(WHEELS.glob("*.whl"), key=lambda p: -p.stat().st_size):
+        say(f"  {wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}")
+    say(f"  {folder_bytes(WHEELS / 'smollm2') / 2**20:7.2f} MiB  smollm2/ (tokenizer and config: {', '.join(p.name for p in copied)})")
+    say(f"[prepare] .device_wheels: {wheels / 2**20:.1f} MiB; the working tree: {tree / 2**20:.1f} MiB; "
+        f"together {(wheels + tree) / 2**20:.1f} MiB of the {LIMIT_MIB} MiB a device call carries")
+    for names, why in DROPPED.items():
+        say(f"[prepare] not carried: {names} ({why})")
+    if wheels + tree > LIMIT_MIB * 2**20:
+        say("[prepare] TOO BIG for one device call")
+        return 1
+    return 0
+
+
+# -- the check -------------------------------------------------------------------------------------------
+
+
+def pinned_transformers() -> str | None:
+    match = re.search(r'"transformers==([^"]+)"', (ROOT / "pyproject.toml").read_text())
+    return match.group(1) if match else None
+
+
+def environment(python: str) -> tuple[list[str], bool]:
+    lines = [f"python {platform.python_version()} ({sys.executable}), {platform.machine()}"]
+    cuda = False
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        lines.append(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}; CUDA available: {cuda}")
+        if cuda:
+            props = torch.cuda.get_device_properties(0)
+            lines.append(f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, "
+                         f"{props.total_memory / 2**30:.1f} GiB, compute capability {props.major}.{props.minor}")
+    except Exception as exc:  # noqa: BLE001 - reported, the check goes on
+        lines.append(f"torch: not importable ({exc})")
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        done = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True)
+        lines.append(f"nvidia-smi: {done.stdout.strip() or done.stderr.strip()}")
+    else:
+        lines.append("nvidia-smi: not found")
+    for name in ("transformers", "accelerate"):
+        try:
+            module = __import__(name)
+            lines.append(f"{name} {module.__version__}")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"{name}: not importable ({exc})")
+    pin = pinned_transformers()
+    try:
+        import transformers
+
+        if pin and transformers.__version__ != pin:
+            lines.append(f"WARNING: transformers {transformers.__version__} differs from the pin {pin} "
+                         "(pyproject.toml): a failure may come from the version, not the GPU")
+    except Exception:  # noqa: BLE001
+        pass
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
+    model = re.search(r"Model name:\s*(.+)", cpu)
+    lines.append(f"CPU: {model.group(1).strip() if model else '?'}, {os.cpu_count()} cores")
+    if MANIFEST.is_file():
+        prepared = json.loads(MANIFEST.read_text())["python"]
+        here = ".".join(platform.python_version_tuple()[:2])
+        if prepared != here:
+            lines.append(f"WARNING: .device_wheels was prepared for Python {prepared} and this is {here}: compiled "
+                         f"wheels (pydantic-core, llguidance, psutil) will not install; run "
+                         f"`scripts/device_check --prepare --python {here}` where pip works")
+    return lines, cuda
+
+
+def install(env: dict) -> list[str]:
+    """The carried wheels that this python lacks (or has at another version) into OVERLAY."""
+    from importlib import metadata
+
+    if not MANIFEST.is_file():
+        return ["no .device_wheels/manifest.json: using this python's packages as they are"]
+    manifest = json.loads(MANIFEST.read_text())
+    needed = []
+    for name, entry in manifest["packages"].items():
+        try:
+            if metadata.version(name) == entry["version"]:
+                continue
+        except metadata.PackageNotFoundError:
+            pass
+        if entry.get("wheel"):
+            needed.append(WHEELS / entry["wheel"])
+    notes = [f"wheels: {len(manifest['packages']) - len(needed)} of {len(manifest['packages'])} already here"]
+    if not needed:
+        return notes
+    base = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
+            "--no-deps", "--no-compile", "--upgrade", "--target", str(OVERLAY)]
+    done = subprocess.run(base + [str(w) for w in needed], capture_output=True, text=True)
+    if done.returncode != 0:
+        failed = []
+        for wheel in needed:  # one by one: install what installs, name what does not
+            if subprocess.run(base + [str(wheel)], capture_output=True, text=True).returncode != 0:
+                failed.append(wheel.name)
+        notes.append(f"WARNING: these wheels did not install: {', '.join(failed)}")
+    notes.append(f"installed {len(needed)} wheels into {OVERLAY}: {', '.join(w.name.split('-')[0] for w in needed)}")
+    return notes
+
+
+def run_logged(command: list[str], log: Path, env: dict, timeout: int) -> tuple[int | None, float]:
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = started + timeout
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(command, timeout)
+            return proc.wait(timeout=max(1, deadline - time.monotonic())), time.monotonic() - started
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            out.write(f"\n[device_check] killed after {timeout} s\n")
+            return None, time.monotonic() - started
+
+
+def test_rows(junit: Path) -> list[list[str]]:
+    if not junit.is_file():
+        return [["test", "(no junit XML: pytest did not finish)", "error", "", "", "", "", ""]]
+    rows = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+        outcome, note = "passed", f"{float(case.get('time', 0)):.1f} s"
+        for kind in ("failure", "error", "skipped"):
+            found = case.find(kind)
+            if found is not None:
+                outcome = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[kind]
+                message = (found.get("message") or found.text or "").strip().splitlines()
+                note = (message[0] if message else "")[:160]
+                break
+        rows.append(["test", name, outcome, "", "", "", "", note.replace("|", "/")])
+    return rows
+
+
+def bench_rows(result: Path) -> tuple[list[list[str]], list[str]]:
+    if not result.is_file():
+        return [["bench", "(no result: see bench.log)", "error", "", "", "", "", ""]], []
+    data = json.loads(result.read_text())
+    header = data["header"]
+    rows = []
+    for row in data["rows"]:
+        def cell(key):
+            value = row.get(key)
+            return "" if value is None else str(value)
+        rows.append(["bench", f"{row['system']} @ {row['clients']} clients", "ok" if "tok_s" in row else "-",
+                     cell("tok_s") + (f" ({row['x_rolling']}x)" if row.get("x_rolling") not in (None, 1.0) else ""),
+                     cell("ttft_p50_ms"), cell("itl_p50_ms"), cell("peak_gpu_mib"), cell("note").replace("|", "/")])
+    ceiling = header.get("ceiling_tok_s_batch1")
+    rows.append(["bench", "weight-bandwidth ceiling, batch 1", "-",
+                 str(ceiling) if ceiling else "unknown", "", "", "",
+                 f"{header['weights_bytes'] / 1e9:.2f} GB of weights / "
+                 f"{header['bandwidth_tb_s'] or '?'} TB/s ({header['gpu']})"])
+    notes = [f"benchmark: {header['model']}, {header['prompt_tokens']} prompt + {header['new_tokens']} new tokens per "
+             f"request, {header['gpu']}, torch {header['torch']}, transformers {header['transformers']}"]
+    return rows, notes
+
+
+def check(args) -> int:
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="device_check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    env_lines, cuda = environment(args.python)
+    say("## Environment")
+    for line in env_lines:
+        say(f"- {line}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=os.pathsep.join([str(OVERLAY), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    for line in install(env):
+        env_lines.append(line)
+        say(f"- {line}")
+    smoke = subprocess.run([sys.executable, "-c", "import lmi_serve.engine.engine, lmi_serve.model.loader, pytest"],
+                           cwd=ROOT, env=env, capture_output=True, text=True)
+    if smoke.returncode != 0:
+        env_lines.append(f"WARNING: importing the engine failed: {smoke.stderr.strip().splitlines()[-1]}")
+        say(f"- {env_lines[-1]}")
+
+    say("\n## GPU tests (pytest -m gpu tests/gpu)")
+    junit = out / "junit.xml"
+    junit.unlink(missing_ok=True)
+    rc, took = run_logged([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-rA", "-q", "-p",
+                           "no:cacheprovider", f"--junitxml={junit}"], out / "pytest.log", env, args.tests_timeout)
+    env_lines.append(f"gpu tests: exit {rc if rc is not None else 'killed (timeout)'} in {took:.0f} s")
+
+    say("\n## Benchmark (benchmarks/bench_gpu.py)")
+    result = out / "bench.json"
+    result.unlink(missing_ok=True)
+    bench = [sys.executable, "benchmarks/bench_gpu.py", "--json", str(result), *args.bench_args.split()]
+    if not cuda:
+        bench.append("--cpu-tiny")
+    rc, took = run_logged(bench, out / "bench.log", env, args.bench_timeout)
+    env_lines.append(f"benchmark: exit {rc if rc is not None else 'killed (timeout)'} in {took:.0f} s")
+
+    rows = test_rows(junit)
+    more, notes = bench_rows(result)
+    rows += more
+    head = ["part", "item", "result", "tok/s (x rolling)", "TTFT p50 ms", "ITL p50 ms", "peak GPU MiB", "note"]
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table += ["| " + " | ".join(row) + " |" for row in rows]
+    title = "GPU check" if cuda else "DRY RUN (no CUDA): GPU tests skipped, benchmark = tiny CPU variant"
+    report = [f"# {title}, {time.strftime('%Y-%m-%d %H:%M')}, {time.monotonic() - started:.0f} s", ""]
+    report += [f"- {line}" for line in env_lines + notes] + [""] + table
+    (out / "device_check.md").write_text("\n".join(report) + "\n")
+    say("\n" + "\n".join(report))
+    say(f"\n(files: {out})")
+    failed = any(row[2] in ("FAILED", "ERROR", "error") for row in rows)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="GPU tests + GPU benchmark in one table (docs/gpu.md)")
+    p.add_argument("--prepare", action="store_true", help="download the wheels and SmolLM2's tokenizer here")
+    p.add_argument("--python", default=TARGET_PYTHON, help=f"--prepare: the device's Python (default {TARGET_PYTHON})")
+    p.add_argument("--bench-args", default="", help="extra arguments for benchmarks/bench_gpu.py")
+    p.add_argument("--tests-timeout", type=int, default=GPU_TESTS_TIMEOUT_S)
+    p.add_argument("--bench-timeout", type=int, default=BENCH_TIMEOUT_S)
+    args = p.parse_args(argv)
+    return prepare(args.python) if args.prepare else check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Where the engine's tensors live on a GPU machine today: the loader's placement puts a one-GPU model
+on cuda:0; the slot cache's buffers, the logits and the sampled ids stay on the model's device, and the
+cache's memory is the device's (it grows with rows and goes back when they leave)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_prompts import PROMPTS
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv.slots import SlotKV
+from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
+from lmi_serve.model.loader import choose_placement
+
+
+def test_the_loader_places_a_one_gpu_model_on_cuda_0(cuda):
+    placement = choose_placement("auto", None, 1)
+    if cuda.type == "cuda":
+        assert placement.device == torch.device("cuda:0")
+
+
+def test_slot_cache_logits_and_ids_stay_on_the_device(models, tokenizer, cuda):
+    _, model = models("random-smollm2")
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:3]]
+    synchronize = torch.cuda.synchronize if cuda.type == "cuda" else (lambda: None)
+    allocated = torch.cuda.memory_allocated if cuda.type == "cuda" else (lambda: 0)
+    synchronize()
+    before = allocated()
+    prefilled = SlotKV.prefill(model, prompts, pad_id=tokenizer.pad_token_id, device=cuda)
+    kv = prefilled.kv
+    assert prefilled.logits.device.type == cuda.type
+    held = kv.held_bytes()
+    assert held > 0
+    if cuda.type == "cuda":
+        assert allocated() - before >= held, "the KV buffers are not in the device's memory"
+    kv.feed(prefilled.logits.argmax(-1))
+    logits = kv.decode()
+    assert logits.device.type == cuda.type and logits.shape[0] == len(prompts)
+    kv.keep([])
+    assert kv.held_bytes() < held
+
+    engine = Engine(model, tokenizer, cuda, kv_factory=SlotKV.prefill, max_batch_size=2, name="gpu-place").start()
+    try:
+        events = list(engine.submit(GenerationRequest(tuple(prompts[0]), SamplingParams(),
+                                                      StopParams(max_new_tokens=4, ignore_eos=True))))
+    finally:
+        engine.stop()
+    assert [type(e.token_id) for e in events] == [int] * 4  # emitted ids are Python ints, read off the device
