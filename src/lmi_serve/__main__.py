@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lmi_serve.config.sources import KIND_NAMES, ConfigError, build_server_config
 from lmi_serve.server import logs
+from lmi_serve.server.gpus import count_gpus, plan_gpus
 from lmi_serve.server.gunicorn_app import run_gunicorn
 from lmi_serve.server import security
 
@@ -82,7 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    # Each worker's own GPUs (server/gpus.py): too many workers for them is a configuration error too.
+    workers_key = "--workers" if args.workers else next(
+        (name for name in ("SAGEMAKER_NUM_MODEL_WORKERS", "SERVING_MAX_WORKERS") if env.get(name, "").strip()),
+        "workers")
+    try:
+        gpu_plan = plan_gpus(config, count_gpus(env), env, workers_key)
+    except ConfigError as exc:
+        print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     log.info("Configuration:\n%s", config.describe())
+    log.info("%s", gpu_plan.describe())
     security.log_startup(config.security)
     for model in config.models:
         if model.unknown_options:
@@ -92,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("Model %s: %s ignored: not for %s models (the variable applies to every model of the "
                         "store; set it in a model's serving.properties to name one)", model.name,
                         ", ".join(model.ignored_options), KIND_NAMES.get(model.task or "", model.task))
-    run_gunicorn(config, args)
+    run_gunicorn(config, args, gpu_plan)
     return 0
 
 

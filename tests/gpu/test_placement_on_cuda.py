@@ -46,3 +46,29 @@ def test_slot_cache_logits_and_ids_stay_on_the_device(models, tokenizer, cuda):
     finally:
         engine.stop()
     assert [type(e.token_id) for e in events] == [int] * 4  # emitted ids are Python ints, read off the device
+
+
+def test_auto_takes_bf16_only_where_the_gpu_computes_it_natively(cuda):
+    """option.dtype=auto on this GPU (issue 30): a bf16 checkpoint stays bf16 at compute capability >= 8.0,
+    fp16 below; torch's own check without emulation agrees."""
+    from lmi_serve.model.loader import choose_dtype
+
+    if cuda.type != "cuda":
+        return
+    native = torch.cuda.get_device_capability(0) >= (8, 0)
+    chosen, why = choose_dtype("auto", torch.cuda.device_count(), "bf16")
+    assert chosen == (torch.bfloat16 if native else torch.float16), why
+    assert torch.cuda.is_bf16_supported(including_emulation=False) == native
+    assert choose_dtype("auto", torch.cuda.device_count(), None)[0] == torch.float16
+
+
+def test_the_launcher_counts_the_gpus_the_workers_see(cuda):
+    """server/gpus.py counts in a child Python, never initialising CUDA in the launcher."""
+    import os
+
+    from lmi_serve.server.gpus import count_gpus
+
+    if cuda.type != "cuda":
+        return
+    assert count_gpus(dict(os.environ)) == torch.cuda.device_count()
+    assert count_gpus({**os.environ, "CUDA_VISIBLE_DEVICES": ""}) == 0

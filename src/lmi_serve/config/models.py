@@ -141,8 +141,10 @@ class ModelConfig(BaseModel):
     dtype: Dtype = Field(
         "auto",
         description=(
-            "`fp32`, `fp16`, `bf16`, `auto` (fp32 on CPU, where bf16 is emulated and slower; bf16 or fp16 on "
-            "GPU)"
+            "`fp32`, `fp16`, `bf16`, `auto`: on a CPU fp32 (bf16 is emulated there and slower); on a GPU the "
+            "checkpoint's own dtype (config.json's `torch_dtype`: fp16, bf16 or fp32; fp16 when it declares none, "
+            "as DJL LMI), except bf16 on a GPU below compute capability 8.0 (T4, V100 only emulate it): fp16 "
+            "there. Start-up logs the choice and why"
         ),
     )
     device_map: str | None = Field(

@@ -48,23 +48,74 @@ class LoadedModel:
     load_seconds: float
 
 
+# config.json's `torch_dtype` (`dtype` in transformers >= 4.56) -> our name, where option.dtype=auto follows it
+_CHECKPOINT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+BF16_CAPABILITY = (8, 0)  # Ampere: the first compute capability with bf16 tensor cores (T4 and V100 only emulate it)
+
+
+def checkpoint_dtype(config: Any) -> str | None:
+    """The dtype a checkpoint declares in config.json (`dtype`, or the older `torch_dtype`) as `fp16`,
+    `bf16` or `fp32`; None when it declares none, or another (an fp8 or quantized checkpoint)."""
+    for name in ("dtype", "torch_dtype"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return _CHECKPOINT_DTYPES.get(str(value).removeprefix("torch."))
+    return None
+
+
+def gpu_bf16(gpus: int) -> tuple[bool, str]:
+    """Whether every visible GPU computes bf16 natively (compute capability >= 8.0), not by emulation as
+    `torch.cuda.is_bf16_supported()` counts by default; and the GPUs' description for the log."""
+    if getattr(torch.version, "hip", None):  # ROCm: no CUDA compute capability; torch knows
+        return bool(torch.cuda.is_bf16_supported()), "ROCm GPU"
+    capabilities = sorted({torch.cuda.get_device_capability(i) for i in range(gpus)})
+    lowest = capabilities[0]
+    shown = ", ".join(f"{major}.{minor}" for major, minor in capabilities)
+    return tuple(lowest) >= BF16_CAPABILITY, f"compute capability {shown}"
+
+
+def choose_dtype(dtype: str, gpus: int, declared: str | None) -> tuple[torch.dtype, str]:
+    """The weights' dtype and why, for `option.dtype` on `gpus` visible GPUs (0: the CPU) and a checkpoint
+    that declares `declared` (checkpoint_dtype).
+
+    CPU: `auto` is fp32 (bf16 is emulated there, and slower on CPUs without avx512_bf16).
+    GPU: `auto` follows the checkpoint (fp16, bf16 or fp32; fp16, DJL LMI's default, when it declares
+    none), except bf16 on a GPU below compute capability 8.0, which only emulates it: fp16 there."""
+    if dtype in _DTYPES:
+        if dtype == "bf16" and gpus:
+            native, gpu = gpu_bf16(gpus)
+            if not native:
+                return torch.bfloat16, f"option.dtype=bf16, though this GPU ({gpu}) only emulates bf16 (slower than fp16)"
+        return _DTYPES[dtype], f"option.dtype={dtype}"
+    if not gpus:
+        return torch.float32, "option.dtype=auto on a CPU (bf16 is emulated there and slower)"
+    if declared is None:
+        return torch.float16, "option.dtype=auto on a GPU; the checkpoint declares no fp16/bf16/fp32 dtype (fp16 as DJL LMI)"
+    if declared == "bf16":
+        native, gpu = gpu_bf16(gpus)
+        if not native:
+            return torch.float16, (f"option.dtype=auto: the checkpoint is bf16, but this GPU ({gpu}) only emulates "
+                                   "bf16 (native from 8.0): fp16")
+        return torch.bfloat16, f"option.dtype=auto: the checkpoint's bf16 ({gpu})"
+    return _DTYPES[declared], f"option.dtype=auto: the checkpoint's {declared}"
+
+
 def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree: int | str,
-                     rank: int = 0) -> Placement:
-    """CPU: float32 (bf16 is emulated and slower on CPUs without AMX). GPU: bf16 when supported.
+                     rank: int = 0, declared_dtype: str | None = None) -> Placement:
+    """The weights' dtype (choose_dtype; logged with its reason by rank 0) and device.
 
     tensor_parallel_degree > 1 (or `max`: every GPU) shards the model over that many ranks (model/tp.py):
     rank r computes on `cuda:r`, or on the CPU. `device_map` (accelerate's layer spreading, for
     models without a tensor-parallel plan) is the other way to use several GPUs, never both.
+    The GPUs are this worker's own: the server gives each worker its group (CUDA_VISIBLE_DEVICES,
+    server/gpus.py), so `cuda:0` is its first GPU.
     """
     from lmi_serve.model.tp import resolve_degree
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if dtype in _DTYPES:
-        torch_dtype = _DTYPES[dtype]
-    elif gpus:
-        torch_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    else:
-        torch_dtype = torch.float32
+    torch_dtype, why = choose_dtype(dtype, gpus, declared_dtype)
+    if rank == 0:
+        log.info("Weights in %s: %s", str(torch_dtype).removeprefix("torch."), why)
     tp = resolve_degree(tensor_parallel_degree, gpus)
     if tp > 1 and device_map:
         raise ModelLoadError(f"tensor_parallel_degree={tp} and device_map={device_map!r} both place the model; "
@@ -74,7 +125,7 @@ def choose_placement(dtype: str, device_map: str | None, tensor_parallel_degree:
             raise ModelLoadError(f"device_map {device_map!r} needs a GPU, and none is visible")
         return Placement(torch_dtype, None, torch.device("cpu"))
     if tp > gpus:
-        raise ModelLoadError(f"tensor_parallel_degree={tp} but only {gpus} GPU(s) are visible")
+        raise ModelLoadError(f"tensor_parallel_degree={tp} but only {gpus} GPU(s) are visible to this worker")
     if tp > 1:
         return Placement(torch_dtype, None, torch.device("cuda", rank))  # transformers places the shards
     if device_map:
@@ -183,11 +234,11 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
     if gguf is not None:
         source = str(convert_gguf(gguf, cache_dir))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    placement = choose_placement(dtype, device_map, tensor_parallel_degree, rank)
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = AutoConfig.from_pretrained(source, **kwargs)
+        placement = choose_placement(dtype, device_map, tensor_parallel_degree, rank, checkpoint_dtype(config))
         auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
         kwargs.update(_sharding(config, tensor_parallel_degree))
         model = auto.from_pretrained(source, config=config, dtype=placement.dtype, device_map=placement.device_map,
@@ -207,15 +258,17 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
 def load_encoder(model_id: str, *, dtype: str = "auto", device_map: str | None = None,
                  revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load an encoder (e.g. MiniLM) for embeddings: the base model without a head."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     started = time.monotonic()
     source = resolve_model_source(model_id)
-    placement = choose_placement(dtype, device_map, 1)
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModel.from_pretrained(source, dtype=placement.dtype, device_map=placement.device_map, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+        placement = choose_placement(dtype, device_map, 1, declared_dtype=checkpoint_dtype(config))
+        model = AutoModel.from_pretrained(source, config=config, dtype=placement.dtype,
+                                          device_map=placement.device_map, **kwargs)
     except (OSError, ValueError) as exc:
         raise _explain(source, exc) from exc
     if placement.device_map is None:

@@ -10,8 +10,26 @@ lmi-serve runs that group inside each model replica, torchrun-style, one process
 - the followers load their shards and replay rank 0's model calls (engine/kv/replicate.py).
 
 Backends: gloo on CPU (each rank gets the worker's torch threads // N, at least 1), NCCL on GPUs (rank r
-on `cuda:r`; that branch has not run on a GPU yet). Every collective has `GROUP_TIMEOUT`, and rank 0
-watches its followers' processes: a rank that dies fails the model (`TPGroup.fail`), never hangs it.
+on `cuda:r`, the worker's GPU r: server/gpus.py gives each worker its own; that branch has not run on a
+GPU yet). Every collective has `GROUP_TIMEOUT`, and rank 0 watches its followers' processes: a rank that
+dies fails the model (`TPGroup.fail`), never hangs it.
+
+Failing fast differs by backend. With gloo a collective whose peer died raises at once (the socket
+closes), so the step's own error fails the group too. With NCCL it does not: the collective's kernel
+waits on the GPU for a peer that never comes, and the thread that next reads a result (the scheduler's)
+waits with it, until the watchdog's `GROUP_TIMEOUT`, when torch by default tears the whole worker down.
+So on NCCL (`nccl_environment`, `TPGroup.abort`):
+- rank 0's watch thread, which reads process states and waits on no collective, fails the group when a
+  follower exits (the model turns Failed at once), then ends the other followers and aborts rank 0's
+  communicators (`abort_group`), so the kernels waiting on the dead peer return and the scheduler's
+  thread gets an error instead of waiting;
+- rank 0 runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (on a collective's error or timeout the watchdog
+  aborts the communicators and keeps the process): a rank that hangs without dying fails the model at
+  the timeout, with /ping answering Failed, rather than killing the worker;
+- the followers run with 3 (the watchdog ends the process without `ncclCommAbort`, which can hang on a
+  dead peer), and each leaves at once when rank 0, its parent, is gone (`watch_parent`);
+- TORCH_NCCL_BLOCKING_WAIT stays 0: it would make every all-reduce (two per layer) wait on the host.
+Variables the user set are kept.
 """
 
 from __future__ import annotations
@@ -82,6 +100,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_SET_HERE: set[str] = set()  # the nccl_environment variables this process set (not the user): not inherited
+
+
+def nccl_environment(rank: int) -> dict[str, str]:
+    """The NCCL error handling each rank starts with (the module's docstring says why), unless set."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2" if rank == 0 else "3", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+
+
+def abort_group() -> None:
+    """End this rank's NCCL communicators now: collectives waiting on a dead peer return (with an
+    error on the next one) instead of waiting for the watchdog."""
+    from torch.distributed import distributed_c10d
+
+    abort = getattr(distributed_c10d, "_abort_process_group", None)  # torch >= 2.6; experimental, NCCL only
+    if abort is not None:
+        abort()
+    else:
+        distributed_c10d.destroy_process_group()
+
+
+def watch_parent(parent: int, *, leave: Callable[[int], Any] = os._exit, getppid: Callable[[], int] = os.getppid,
+                 every: float = WATCH_SECONDS, stop: threading.Event | None = None) -> threading.Thread:
+    """A follower: start a daemon thread that ends this process (`leave(1)`) once rank 0, its parent
+    `parent`, is gone, whatever this rank's collectives are waiting on."""
+    stop = stop or threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every):
+            if getppid() != parent:
+                log.error("Rank 0 (pid %d) is gone: this rank leaves the tensor-parallel group", parent)
+                leave(1)
+                return
+
+    thread = threading.Thread(target=watch, name="tp-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def join_group(rank: int, world: int, port: int, threads: int) -> Any:
     """Join the replica's process group (gloo on CPU, NCCL with GPUs); on a CPU this rank's torch
     uses `threads` threads. Returns the device this rank computes on."""
@@ -93,6 +149,10 @@ def join_group(rank: int, world: int, port: int, threads: int) -> Any:
         device = torch.device("cuda", rank)  # NCCL: written to the docs, not yet run on a GPU here
         torch.cuda.set_device(device)
         backend = "nccl"
+        for key, value in nccl_environment(rank).items():  # read when the communicators are made
+            if key not in os.environ:
+                os.environ[key] = value
+                _SET_HERE.add(key)
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(threads)
@@ -113,6 +173,9 @@ class TPGroup:
     port: int
     followers: list[subprocess.Popen] = field(default_factory=list)
     failure: str | None = None
+    # NCCL: ends rank 0's communicators when the group fails (abort_group); None on gloo, whose
+    # collectives raise by themselves when a peer dies
+    abort: Callable[[], None] | None = None
     _listeners: list[Callable[[str], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -133,8 +196,23 @@ class TPGroup:
             self.failure = reason
             listeners, self._listeners = self._listeners, []
         log.error("Tensor parallel group failed: %s", reason)
+        if self.abort is not None:  # on a thread: an abort may itself wait on the dead peer
+            threading.Thread(target=self._abort, name="tp-abort", daemon=True).start()
         for listener in listeners:
             listener(reason)
+
+    def _abort(self) -> None:
+        """NCCL: end the followers still running (nothing is left for them to do, and their GPUs are
+        freed), then rank 0's communicators, so whatever waits on a collective gets an error now."""
+        for process in self.followers:
+            if process.poll() is None:
+                process.kill()
+        try:
+            self.abort()
+        except Exception:
+            log.exception("Tensor parallel: aborting the NCCL communicators failed")
+        else:
+            log.info("Tensor parallel: NCCL communicators aborted")
 
     def watch(self) -> None:
         """Start a daemon thread that fails the group when a follower process exits."""
@@ -170,11 +248,14 @@ def start_followers(config_json: str, cache_dir: str, world: int, threads: int) 
     """Start ranks 1..world-1 of a new group (each reads `config_json`, a ModelConfig, on stdin) and
     return it; rank 0 (the caller) joins next with `join_group(0, world, group.port, threads)`."""
     group = TPGroup(world=world, port=free_port())
+    # A rank 0 that joined a group before (another model of the worker) set its own NCCL handling: each
+    # follower sets its own (nccl_environment); the user's settings pass on.
+    env = {key: value for key, value in os.environ.items() if key not in _SET_HERE}
     for rank in range(1, world):
         process = subprocess.Popen(
             [sys.executable, "-m", "lmi_serve.server.tp_follower", "--rank", str(rank), "--world", str(world),
              "--port", str(group.port), "--threads", str(threads), "--cache-dir", cache_dir],
-            stdin=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, text=True, env=env)
         process.stdin.write(config_json)
         process.stdin.close()
         group.followers.append(process)
@@ -196,5 +277,7 @@ def start_group(config_json: str, cache_dir: str, world: int) -> tuple[TPGroup, 
     except BaseException:
         group.stop()
         raise
+    if device.type == "cuda":
+        group.abort = abort_group
     group.watch()
     return group, device

@@ -15,13 +15,18 @@ import tempfile
 from typing import Any
 
 from lmi_serve.config.sources import ServerConfig
-from lmi_serve.server import logs
+from lmi_serve.server import gpus, logs
+from lmi_serve.server.gpus import GpuPlan
 
 
-def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_dir: str) -> dict[str, Any]:
+def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_dir: str,
+                      gpu_plan: GpuPlan | None = None) -> dict[str, Any]:
     """gunicorn's settings for this server: the bind, workers and threads from the config, the
-    timeouts, logging through logs.py, and the hooks that keep multiprocess metrics right."""
+    timeouts, logging through logs.py, the hooks that keep multiprocess metrics right, and those
+    that give each worker a slot and its own GPUs (gpus.py)."""
     from lmi_serve.server import metrics
+
+    plan = gpu_plan or GpuPlan(config.workers)
 
     return {
         "bind": f"{config.host}:{config.port}",
@@ -47,10 +52,13 @@ def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_di
         # A dead worker's live gauges (running, waiting) must leave the sums; its counts stay.
         "child_exit": lambda server, worker: metrics.worker_exited(worker.pid),
         "on_exit": lambda server: metrics.remove_multiprocess_dir(metrics_dir),
+        # A worker's slot (a replacement takes the dead one's) and, after the fork, that slot's GPUs.
+        "pre_fork": lambda server, worker: gpus.assign_slot(server, worker, plan),
+        "post_fork": lambda server, worker: gpus.enter_slot(worker, plan),
     }
 
 
-def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
+def run_gunicorn(config: ServerConfig, args: argparse.Namespace, gpu_plan: GpuPlan | None = None) -> None:
     from gunicorn.app.base import BaseApplication
 
     from lmi_serve.server.boot import BootingApp
@@ -65,7 +73,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace) -> None:
 
     class Server(BaseApplication):
         def load_config(self) -> None:
-            for key, value in gunicorn_settings(config, args, metrics_dir).items():
+            for key, value in gunicorn_settings(config, args, metrics_dir, gpu_plan).items():
                 self.cfg.set(key, value)
 
         def load(self):

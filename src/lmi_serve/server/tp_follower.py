@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from lmi_serve.engine.kv.slot_attention import use_parts
     from lmi_serve.model.loader import load_generation_model
     from lmi_serve.model.source import ModelLoadError
-    from lmi_serve.model.tp import join_group
+    from lmi_serve.model.tp import join_group, watch_parent
 
+    watch_parent(os.getppid())  # rank 0 gone: leave at once, whatever a collective waits on (NCCL does not raise)
     device = join_group(args.rank, args.world, args.port, args.threads)
     try:
         loaded = load_generation_model(
