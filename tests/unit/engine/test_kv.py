@@ -11,7 +11,7 @@ from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.dynamic import DynamicKV
 from lmi_serve.engine.kv.encdec import EncoderDecoderKV, decoder_prompt
 from lmi_serve.engine.kv.protocol import KVBatch, Prefilled
-from lmi_serve.engine.kv.protocol import slots as kv_slots
+from lmi_serve.engine.kv import slots as kv_slots
 from lmi_serve.engine.kv.select import KV_CACHES, choose_kv, kv_factory_for
 from lmi_serve.engine.kv.slot_attention import use_parts
 from lmi_serve.engine.kv.slots import SlotKV, merges

@@ -14,7 +14,7 @@ import pytest
 from markdown.extensions.toc import slugify
 
 from lmi_serve.config.models import ModelConfig
-from lmi_serve.config.sources import doc as config_doc
+from lmi_serve.config import doc as config_doc
 from lmi_serve.config.sources import load_model_config
 
 ROOT = Path(__file__).resolve().parents[3]
