@@ -23,10 +23,9 @@ from lmi_serve.dialects.common.schema import DynamicBatchRequest, LmiRequestErro
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
 from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, supports_prefixes
+from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
 from lmi_serve.engine.kv.replicate import Replicator
 from lmi_serve.engine.kv.select import choose_kv
-from lmi_serve.engine.kv.slot_attention import use_parts
 from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.support import check_supported
@@ -107,18 +106,18 @@ class TextGenerationService:
         self.max_input_len = config.max_input_len or self.max_model_len - 1
         self.streaming = config.enable_streaming
         rows = config.max_rolling_batch_size if context.rolling_batch else config.batch_size
-        self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
+        self.kv_layout = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
+        self.kv_layout.prepare(self.model)  # before the warm-up, as the followers do
         if self.tp_group is not None:  # every model call also runs on the other ranks (engine/kv/replicate.py)
-            use_parts(self.model)  # before the warm-up, as the followers do
-            replicator = Replicator(self.kv_factory, on_error=self.tp_group.fail)
-            self.kv_factory = replicator.prefill
+            replicator = Replicator(self.kv_layout, on_error=self.tp_group.fail)
+            self.kv_layout = replicator
             atexit.register(self.tp_group.stop, replicator.stop)  # the worker exits: so do the followers
         prefix_cache = self._prefix_cache(config, context)
         self._warm_up()
         self.engine: Engine | None = None
         self.rolling: RollingBatchService | None = None
         if context.rolling_batch:
-            self.engine = Engine(self.model, self.tokenizer, self.device, kv_factory=self.kv_factory,
+            self.engine = Engine(self.model, self.tokenizer, self.device, kv_layout=self.kv_layout,
                                  prefix_cache=prefix_cache,
                                  max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                                  predict_timeout=config.predict_timeout,
@@ -148,7 +147,7 @@ class TextGenerationService:
         if not context.rolling_batch:
             raise ValueError("option.enable_prefix_caching: prefix caching needs the rolling batch, and this model "
                              "is served with dynamic batching")
-        if not supports_prefixes(self.kv_factory):
+        if not self.kv_layout.supports_prefixes:
             raise ValueError("option.enable_prefix_caching: this model's KV cache cannot start a row from a "
                              "cached prefix (encoder-decoder models are not supported)")
         log.info("Prefix caching on: blocks of %d prompt tokens, at most %d MiB", BLOCK_TOKENS,
@@ -158,7 +157,7 @@ class TextGenerationService:
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
         request = GenerationRequest(tuple(self.tokenizer("Hello").input_ids), stop=StopParams(max_new_tokens=2))
-        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_factory):
+        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_layout):
             pass
 
     def _to_generation_requests(self, parsed: DynamicBatchRequest) -> list[GenerationRequest]:
@@ -184,7 +183,7 @@ class TextGenerationService:
         return parsed, self._to_generation_requests(parsed)
 
     def _stream(self, requests: list[GenerationRequest]):
-        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_factory):
+        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_layout):
             if event.text:
                 yield [event.text]
 
@@ -200,7 +199,7 @@ class TextGenerationService:
         results = [GenerationResult(len(r.prompt_ids)) for _, r in flat]
         if flat:
             for row, event in generate_static_batch(self.model, self.tokenizer, self.device, [r for _, r in flat],
-                                                         self.kv_factory):
+                                                         self.kv_layout):
                 results[row].events.append(event)
         for index, (request, _) in parsed.items():
             texts = [res.text for (owner, _), res in zip(flat, results) if owner == index]
