@@ -1,6 +1,7 @@
 """KV layouts declare what they support (engine/kv/protocol.py `KVLayout`): chunked prefill, prefix
 reuse, a memory bound and the attention they need; the tensor-parallel Replicator declares what the
-layout it wraps does; chunked prefill and prefix reuse ask the declaration."""
+layout it wraps does; chunked prefill and prefix reuse ask the declaration; and the engine's default
+layout is the server's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from lmi_serve.config.models import DEFAULT_KV_CACHE, ModelConfig
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv.dynamic import DYNAMIC, DynamicLayout
 from lmi_serve.engine.kv.encdec import ENCODER_DECODER
@@ -20,6 +22,8 @@ from lmi_serve.engine.kv.slot_attention import attends_by_parts
 from lmi_serve.engine.kv.slots import SLOTS, slot_bytes
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
+
+from tiny_seq2seq import tiny_seq2seq  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -87,6 +91,15 @@ def test_the_replicator_declares_what_the_layout_it_wraps_does_except_prefixes(t
     replicator = Replicator(recorded, send=lambda op: None, heartbeat=None)
     replicator.prepare(tiny_model)
     assert recorded.calls == ["prepare"] and not replicator.supports_chunks
+
+
+def test_the_engine_default_is_the_servers(tiny_model, smollm2_tokenizer):
+    assert ModelConfig.model_fields["kv_cache"].default == DEFAULT_KV_CACHE == "slots"
+    assert layout_for(tiny_model) is KV_LAYOUTS[DEFAULT_KV_CACHE]
+    assert Engine(tiny_model, smollm2_tokenizer, CPU).scheduler.kv_layout is KV_LAYOUTS[DEFAULT_KV_CACHE]
+    seq2seq = tiny_seq2seq("t5", len(smollm2_tokenizer))
+    assert layout_for(seq2seq) is ENCODER_DECODER and layout_for(seq2seq, "dynamic") is ENCODER_DECODER
+    assert Engine(seq2seq, smollm2_tokenizer, CPU).scheduler.kv_layout is ENCODER_DECODER
 
 
 @pytest.mark.parametrize("chunks", [True, False])

@@ -8,7 +8,7 @@ sampling state (`SamplingHistory`) live elsewhere and never look inside.
 A `KVLayout` is one way of keeping rows' K/V. It builds new KV batches (`prefill`) and declares what
 else it offers, so its users ask it instead of probing the batches it makes:
 - kv/dynamic.py `DYNAMIC`: transformers' `DynamicCache`, left-padded, concatenated every step;
-- kv/slots.py `SLOTS` (the server's default, `option.kv_cache`): the same layout in preallocated
+- kv/slots.py `SLOTS` (the default, `config.DEFAULT_KV_CACHE`): the same layout in preallocated
   buffers written in place, kept in parts of rows of similar length (kv/slot_attention.py);
 - kv/encdec.py `ENCODER_DECODER`: encoder-decoder rows (T5, BART), whatever `option.kv_cache` says;
 - kv/replicate.py `Replicator`: any of those, every operation replayed on the tensor-parallel ranks.

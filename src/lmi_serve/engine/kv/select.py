@@ -1,6 +1,6 @@
-"""Which KV layout (kv/protocol.py) a model's rows get: by name (`option.kv_cache`), or the model's
-default when the caller names none. Encoder-decoder models get their own rows whatever the name says:
-the choice of family is made here and nowhere else."""
+"""Which KV layout (kv/protocol.py) a model's rows get: by name (`option.kv_cache`), or the default
+(`config.models.DEFAULT_KV_CACHE`, the server's too) when the caller names none. Encoder-decoder
+models get their own rows whatever the name says: the choice of family is made here and nowhere else."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import psutil
 
+from lmi_serve.config.models import DEFAULT_KV_CACHE
 from lmi_serve.engine.kv.dynamic import DYNAMIC
 from lmi_serve.engine.kv.encdec import ENCODER_DECODER
 from lmi_serve.engine.kv.protocol import KVLayout
@@ -24,13 +25,11 @@ def is_encoder_decoder(model: Any) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
-def layout_for(model: Any, name: str | None = None) -> KVLayout:
+def layout_for(model: Any, name: str = DEFAULT_KV_CACHE) -> KVLayout:
     """Encoder-decoder models (T5, BART) get kv/encdec.py's rows whatever `name` says; decoder-only
-    ones the layout named (by default the left-padded DynamicCache of kv/dynamic.py)."""
+    ones the layout named (by default the server's default)."""
     if is_encoder_decoder(model):
         return ENCODER_DECODER
-    if name is None:
-        return DYNAMIC
     try:
         return KV_LAYOUTS[name]
     except KeyError:
