@@ -26,6 +26,7 @@ from lmi_serve.engine.kv.select import is_encoder_decoder
 from lmi_serve.engine.memory import IdleTrim
 from lmi_serve.engine.observer import EngineObserver
 from lmi_serve.engine.phases import PhaseTimes
+from lmi_serve.engine.policy import max_model_len as capped_model_len
 from lmi_serve.engine.sampling.grammar import GrammarCompiler
 from lmi_serve.engine.sampling.watermark import Watermark
 from lmi_serve.engine.scheduler import Scheduler
@@ -66,8 +67,7 @@ class Engine:
         self.name = name
         self.encoder_decoder = is_encoder_decoder(model)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        context = getattr(model.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(max_model_len or context, context)
+        self.max_model_len = capped_model_len(model, max_model_len)
         self.predict_timeout = predict_timeout
         vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from lmi_serve.engine.build import follower_layout
     from lmi_serve.engine.kv.replicate import follow
-    from lmi_serve.engine.kv.select import layout_for
     from lmi_serve.model.loader import load_generation_model
     from lmi_serve.model.source import ModelLoadError
     from lmi_serve.model.tp import join_group
@@ -59,9 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = loaded.model
     try:
-        layout = layout_for(model, config.kv_cache)
-        layout.prepare(model)  # as rank 0's handler does before its first forward
-        follow(model, layout, device)
+        follow(model, follower_layout(model, config), device)
     except Exception as exc:  # rank 0 is gone or out of step: this rank can do nothing more
         log.error("Rank %d leaves the tensor-parallel group: %s", args.rank, exc)
         return 1

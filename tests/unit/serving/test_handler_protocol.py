@@ -207,9 +207,10 @@ class Recorder:
 @pytest.fixture
 def no_model(monkeypatch):
     """The built-in text handler without a model: load_generation_model, Engine and RollingBatchService are
-    recorded, warm-up generation does nothing. Patched where the handler file imports them from, so
-    a handler module loaded afterwards (by the service) gets the fakes."""
+    recorded, warm-up generation does nothing. Patched where the handler file (or engine/build.py, which
+    it calls) imports them from, so a handler module loaded afterwards (by the service) gets the fakes."""
     import lmi_serve.dialects.lmi.rolling
+    import lmi_serve.engine.build
     import lmi_serve.engine.engine
     import lmi_serve.engine.kv.slots
     import lmi_serve.engine.static_batch
@@ -239,8 +240,10 @@ def no_model(monkeypatch):
     monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
     monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
+    monkeypatch.setattr(lmi_serve.engine.build, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)
     monkeypatch.setattr(lmi_serve.engine.sampling.watermark, "Watermark", Watermark)
+    monkeypatch.setattr(lmi_serve.engine.build, "Watermark", Watermark)
     monkeypatch.setattr(lmi_serve.engine.static_batch, "generate_static_batch", lambda *args: iter(()))
     monkeypatch.setattr(lmi_serve.engine.static_batch, "eos_token_ids", lambda model, tokenizer: frozenset({2}))
     monkeypatch.setattr(lmi_serve.engine.kv.slots, "slot_bytes", lambda model, rows, columns: 0)  # no weights
