@@ -22,6 +22,9 @@ RollingBatch = Literal["auto", "scheduler", "disable"]
 # slots: preallocated buffers written in place (engine/kv/slots.py); dynamic: transformers' DynamicCache,
 # concatenated every step (kv/dynamic.py), the baseline and a fallback. Encoder-decoders have their own.
 KvCache = Literal["slots", "dynamic"]
+# The layout a decoder-only model gets when nothing names one: the server's option and the engine's
+# default (engine/kv/select.py) both read this, so tests run what the server runs.
+DEFAULT_KV_CACHE: KvCache = "slots"
 # Opt-in lighter weights (model/quantize.py): none = the weights as loaded; fp16 = fp16-stored weights,
 # fp32 compute; q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only). CPU only.
 Quantize = Literal["none", "fp16", "q4"]
@@ -210,7 +213,7 @@ class ModelConfig(BaseModel):
         ),
     )
     kv_cache: KvCache = Field(
-        "slots",
+        DEFAULT_KV_CACHE,
         description=(
             "`slots`: each layer's K/V in preallocated buffers a step writes one column into, kept in parts of "
             "rows of similar length, each attending over its own columns only (a long prompt joining short ones "

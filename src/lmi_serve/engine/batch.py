@@ -1,7 +1,7 @@
 """A batch of sequences being generated together: per-row Python state, the KV batch, the sampling history.
 
 Three parts, row i of each being `rows[i]`: the `Row`s (request, detokenizer, stop state), the
-`KVBatch` that runs the model (kv/protocol.py; by default the left-padded `DynamicCache` of kv/dynamic.py)
+`KVBatch` that runs the model (kv/protocol.py; by default in the engine's default layout, kv/select.py)
 and the `SamplingHistory` (history.py: sampler, seen tokens, counts). Three verbs change the set of
 rows, and each passes to every part: `Batch.prefill` (new rows), `filter` (rows leave) and
 `concatenate` (two batches become one). The KV contract keeps a row's logits independent of its
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from lmi_serve.engine.detokenizer import IncrementalDetokenizer
-from lmi_serve.engine.kv.protocol import KVBatch, KVFactory, Prefilled
-from lmi_serve.engine.kv.select import kv_factory_for
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled
+from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.sampling.grammar import Constraint
 from lmi_serve.engine.sampling.history import SamplingHistory
 from lmi_serve.engine.sampling.sampler import SampleOutput
@@ -128,20 +128,20 @@ class Batch:
         return [row.adapter_slot for row in self.rows]
 
     @classmethod
-    def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_factory: KVFactory | None = None
+    def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_layout: KVLayout | None = None
                 ) -> "Batch":
-        """One forward over the prompts of `rows` (by `kv_factory`, by default the model's own:
+        """One forward over the prompts of `rows` (by `kv_layout`, by default the model's default:
         kv/select.py); leaves logits ready to sample."""
-        kv_factory = kv_factory or kv_factory_for(model)
+        kv_layout = kv_layout or layout_for(model)
         requests = [r.request for r in rows]
         want_prompt = any(r.prompt_logprobs for r in requests)
-        out = kv_factory(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
-                         prompt_logits=want_prompt)
+        out = kv_layout.prefill(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
+                                prompt_logits=want_prompt)
         return cls.prefilled(rows, out, device)
 
     @classmethod
     def prefilled(cls, rows: list[Row], out: Prefilled, device) -> "Batch":
-        """The batch of `rows` whose prompts `out` holds (a factory's, or a chunked prefill's)."""
+        """The batch of `rows` whose prompts `out` holds (a layout's prefill, or a chunked prefill's)."""
         for i, row in enumerate(rows):
             if row.request.prompt_logprobs:
                 _prompt_logprobs(out.prompt_logits[i], row)

@@ -12,9 +12,9 @@ took 1.2 s where the first took 0.6 s (AVX-512 Xeon). The budget therefore count
 weighted by the context they attend over (`chunk_tokens`, `attention_crossover`): late chunks are
 shorter, and every step's prefill costs about the same.
 
-A KV implementation supports this with `prefill_more(tokens)` on a one-row KVBatch (kv/dynamic.py,
-and kv/slots.py through it); encoder-decoder rows and requests that want prompt logprobs are
-prefilled whole, as before.
+A KV layout that declares `supports_chunks` (kv/protocol.py) has `prefill_more(tokens)` on a
+one-row KVBatch (kv/dynamic.py, kv/slots.py); encoder-decoder rows and requests that want prompt
+logprobs are prefilled whole, as before.
 """
 
 from __future__ import annotations
@@ -24,13 +24,8 @@ from typing import Any
 
 from lmi_serve.engine.batch import Batch, Row
 from lmi_serve.engine.kv.prefix_cache import PrefixCache, resume_from_cache
-from lmi_serve.engine.kv.protocol import KVBatch, KVFactory, Prefilled
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled
 from lmi_serve.engine.types import GenerationRequest
-
-
-def supports_chunks(factory: KVFactory) -> bool:
-    """Whether the KV implementation behind `factory` can continue a prefill (`prefill_more`)."""
-    return hasattr(getattr(factory, "__self__", None), "prefill_more")
 
 
 def chunkable(request: GenerationRequest) -> bool:
@@ -68,12 +63,13 @@ def chunk_tokens(budget: int, done: int, crossover: float) -> int:
 class ChunkedPrefill:
     """One row's prompt, prefilled `advance(budget)` tokens at a time."""
 
-    def __init__(self, row: Row, model: Any, factory: KVFactory, pad_id: int, device: Any,
+    def __init__(self, row: Row, model: Any, layout: KVLayout, pad_id: int, device: Any,
                  prefixes: PrefixCache | None = None):
-        """With `prefixes`, the first `advance` starts from the longest prefix of the prompt that the
-        prefix cache holds (kv/prefix_cache.py), so only the rest is prefilled."""
+        """`layout` declares `supports_chunks` (and `supports_prefixes`, with `prefixes`); the scheduler
+        checks. With `prefixes`, the first `advance` starts from the longest prefix of the prompt that
+        the prefix cache holds (kv/prefix_cache.py), so only the rest is prefilled."""
         self.row = row
-        self._model, self._factory, self._pad_id, self._device = model, factory, pad_id, device
+        self._model, self._layout, self._pad_id, self._device = model, layout, pad_id, device
         self._prefixes = prefixes
         self._crossover = attention_crossover(model)
         self._kv: KVBatch | None = None
@@ -99,7 +95,7 @@ class ChunkedPrefill:
     def _resume(self) -> None:
         """Before the first chunk: start from the prefix cache's longest match, if any."""
         if self._kv is None and self._prefixes is not None:
-            self._kv, self.done = resume_from_cache(self._prefixes, self._factory, self._model,
+            self._kv, self.done = resume_from_cache(self._prefixes, self._layout, self._model,
                                                     self.row.request.prompt_ids, self._device)
 
     def finish(self) -> Batch:
@@ -110,7 +106,7 @@ class ChunkedPrefill:
     def _prefill(self, tokens: int) -> Batch | None:
         chunk = self.row.request.prompt_ids[self.done:self.done + tokens]
         if self._kv is None:
-            out = self._factory(self._model, [chunk], pad_id=self._pad_id, device=self._device)
+            out = self._layout.prefill(self._model, [chunk], pad_id=self._pad_id, device=self._device)
             self._kv, logits = out.kv, out.logits
         else:
             logits = self._kv.prefill_more(chunk)

@@ -21,11 +21,12 @@ from lmi_serve.engine.beams.rows import BeamSearch, replay
 from lmi_serve.engine.generation import POLL_SECONDS, Generation
 from lmi_serve.engine.handle import RequestHandle, Sink
 from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
-from lmi_serve.engine.kv.protocol import KVFactory
+from lmi_serve.engine.kv.protocol import KVLayout
 from lmi_serve.engine.kv.select import is_encoder_decoder
 from lmi_serve.engine.memory import IdleTrim
 from lmi_serve.engine.observer import EngineObserver
 from lmi_serve.engine.phases import PhaseTimes
+from lmi_serve.engine.policy import max_model_len as capped_model_len
 from lmi_serve.engine.sampling.grammar import GrammarCompiler
 from lmi_serve.engine.sampling.watermark import Watermark
 from lmi_serve.engine.scheduler import Scheduler
@@ -56,7 +57,7 @@ class EngineStats:
 class Engine:
     def __init__(self, model, tokenizer, device, *, max_batch_size: int = 32, max_queue: int = 1000,
                  predict_timeout: float | None = None, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 512, name: str = "model", kv_factory: KVFactory | None = None,
+                 max_prefill_tokens: int = 512, name: str = "model", kv_layout: KVLayout | None = None,
                  prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None,
                  adapters: Adapters | None = None):
         """`adapters`: the model's LoRA adapters (adapters.py; the model wrapped by model/lora.py), which
@@ -66,14 +67,13 @@ class Engine:
         self.name = name
         self.encoder_decoder = is_encoder_decoder(model)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        context = getattr(model.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(max_model_len or context, context)
+        self.max_model_len = capped_model_len(model, max_model_len)
         self.predict_timeout = predict_timeout
         vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
         self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
         self.watermark = watermark  # None: requests asking for a watermark are refused
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
-                                   max_prefill_tokens=max_prefill_tokens, kv_factory=kv_factory,
+                                   max_prefill_tokens=max_prefill_tokens, kv_layout=kv_layout,
                                    prefix_cache=prefix_cache, adapters=adapters)
         self.adapters = adapters
         self.observer: EngineObserver | None = None  # observe() sets it (metrics)
@@ -165,7 +165,7 @@ class Engine:
             if self.adapters is None or request.adapter not in self.adapters:
                 self._lease(request.adapter)  # NotFound, naming it
             raise InvalidRequest("Beam search with a LoRA adapter is not supported; use greedy or sampled decoding")
-        job = BeamSearch(request, num_beams, self.model, self.scheduler.kv_factory,
+        job = BeamSearch(request, num_beams, self.model, self.scheduler.kv_layout,
                          pad_id=self.tokenizer.pad_token_id, device=self.device)
         self.scheduler.add_beams(job)
         return job

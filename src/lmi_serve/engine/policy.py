@@ -14,11 +14,25 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from lmi_serve.errors import ContextOverflow, InvalidRequest
 
 MAX_SEED = 2**63 - 1  # seeds are int64 on every wire; torch's generators take them as they are
+
+
+DEFAULT_CONTEXT = 2048  # a model whose config names no window (max_position_embeddings)
+
+
+def context_window(model: Any) -> int:
+    """The most tokens (prompt and generated) a row of `model` can hold."""
+    return getattr(model.config, "max_position_embeddings", None) or DEFAULT_CONTEXT
+
+
+def max_model_len(model: Any, requested: int | None) -> int:
+    """`requested` (option.max_model_len), capped at the model's context window; the window if None."""
+    window = context_window(model)
+    return min(requested or window, window)
 
 
 def sequence_seeds(seed: int | None, count: int, *, sampled: bool) -> list[int | None]:

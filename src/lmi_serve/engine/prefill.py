@@ -25,7 +25,7 @@ from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
 from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
-from lmi_serve.engine.kv.protocol import KVFactory
+from lmi_serve.engine.kv.protocol import KVLayout
 from lmi_serve.engine.phases import EVICT, PREFILL, PhaseClock
 from lmi_serve.engine.types import GenerationRequest
 
@@ -42,7 +42,7 @@ class PrefillSteps:
     model: object
     tokenizer: object
     device: object
-    kv_factory: KVFactory
+    kv_layout: KVLayout
     prefixes: PrefixCache | None
     chunking: ChunkedPrefill | None  # set by admission, dropped here once its last chunk is in
     max_padding: float
@@ -102,7 +102,7 @@ class PrefillSteps:
         failure = None if group else f"Prefill failed for request {rows[0].owner.id}"  # a group's rows retry alone
         with guarded_forward(rows, self.stats, failure) as forward:
             with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows], self.device):
-                batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_factory)
+                batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_layout)
             self._first_tokens(batch)
         if not forward.failed:
             return self._admitted(batch)
@@ -129,7 +129,7 @@ class PrefillSteps:
         row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint,
                        watermark=handle.watermark, adapter_slot=handle.adapter_slot)
         prefixes = self.prefixes if self._uses_prefixes(handle.request) else None
-        return ChunkedPrefill(row, self.model, self.kv_factory, self.tokenizer.pad_token_id, self.device, prefixes)
+        return ChunkedPrefill(row, self.model, self.kv_layout, self.tokenizer.pad_token_id, self.device, prefixes)
 
     def _advance_chunk(self, budget: int) -> None:
         """The next chunk of the chunked prompt; its row joins the batch after the last one."""

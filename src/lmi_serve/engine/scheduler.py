@@ -41,13 +41,12 @@ from lmi_serve.engine.adapters import Adapters, lora_rows
 from lmi_serve.engine.batch import Batch, Row
 from lmi_serve.engine.beams.jobs import BeamJobs, settle
 from lmi_serve.engine.beams.rows import BeamSearch
-from lmi_serve.engine.chunked import ChunkedPrefill, chunkable, supports_chunks
+from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
 from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats, supports_prefixes
-from lmi_serve.engine.kv.protocol import KVFactory, held_bytes
-from lmi_serve.engine.kv.select import is_encoder_decoder, kv_factory_for
-from lmi_serve.engine.kv.slot_attention import use_parts
+from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
+from lmi_serve.engine.kv.protocol import KVLayout, held_bytes
+from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.observer import EngineObserver, StepReport
 from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
 from lmi_serve.engine.prefill import PrefillSteps
@@ -72,19 +71,20 @@ class Scheduler(PrefillSteps):
 
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
-                 kv_factory: KVFactory | None = None, prefix_cache: PrefixCache | None = None,
+                 kv_layout: KVLayout | None = None, prefix_cache: PrefixCache | None = None,
                  adapters: Adapters | None = None):
-        """`kv_factory` prefills new rows into a KV batch (kv/protocol.py): the KV cache layout is its choice;
-        None picks the model's own (kv/select.py). `prefix_cache` (kv/prefix_cache.py) lets prompts
-        reuse the K/V of a prefix prefilled before; the factory must `supports_prefixes`. `adapters`
-        (adapters.py) gives an admitted request of a LoRA adapter its slot; rows of adapters do not
-        use the prefix cache (its K/V are the base model's)."""
+        """`kv_layout` prefills new rows into KV batches (kv/protocol.py) and says whether a prompt can
+        be chunked; None picks the model's default (kv/select.py). `prefix_cache` (kv/prefix_cache.py)
+        lets prompts reuse the K/V of a prefix prefilled before; the layout must declare
+        `supports_prefixes`. `adapters` (adapters.py) gives an admitted request of a LoRA adapter its
+        slot; rows of adapters do not use the prefix cache (its K/V are the base model's)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        self.kv_factory = kv_factory or kv_factory_for(model)
-        if model is not None and not is_encoder_decoder(model):
-            use_parts(model)  # one attention function for every KV cache (kv/slot_attention.py)
-        self.chunks = supports_chunks(self.kv_factory)
-        if prefix_cache is not None and not supports_prefixes(self.kv_factory):
+        self.kv_layout = kv_layout or layout_for(model)
+        # Idempotent: engine/build.py prepared it before the warm-up; an engine built directly (tests,
+        # benchmarks) runs its model as the server would only if it is prepared here too.
+        self.kv_layout.prepare(model)
+        self.chunks = self.kv_layout.supports_chunks
+        if prefix_cache is not None and not self.kv_layout.supports_prefixes:
             raise ValueError("this model's KV cache cannot start a row from a cached prefix")
         self.prefixes = prefix_cache
         self.adapters = adapters

@@ -42,9 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from lmi_serve.engine.kv.select import is_encoder_decoder, kv_factory_for
+    from lmi_serve.engine.build import follower_layout
     from lmi_serve.engine.kv.replicate import follow
-    from lmi_serve.engine.kv.slot_attention import use_parts
     from lmi_serve.model.loader import load_generation_model
     from lmi_serve.model.source import ModelLoadError
     from lmi_serve.model.tp import join_group, watch_parent
@@ -60,10 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("Rank %d: %s", args.rank, exc)
         return 2
     model = loaded.model
-    if not is_encoder_decoder(model):
-        use_parts(model)  # as rank 0's handler does before its first forward
     try:
-        follow(model, kv_factory_for(model, config.kv_cache), device)
+        follow(model, follower_layout(model, config), device)
     except Exception as exc:  # rank 0 is gone or out of step: this rank can do nothing more
         log.error("Rank %d leaves the tensor-parallel group: %s", args.rank, exc)
         return 1

@@ -50,7 +50,7 @@ def one_rank(widened, tokenizer):
     it to), a twelfth of the forwards the prompts would take one by one on this shared machine."""
     from transformers import AutoModelForCausalLM
 
-    from lmi_serve.engine.kv.dynamic import DynamicKV
+    from lmi_serve.engine.kv.dynamic import DYNAMIC
     from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
     from lmi_serve.engine.types import GenerationRequest, StopParams
 
@@ -63,7 +63,7 @@ def one_rank(widened, tokenizer):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # beside the servers' ranks, more threads only wait for each other
     try:
-        for row, event in generate_static_batch(model, tokenizer, torch.device("cpu"), requests_, DynamicKV.prefill):
+        for row, event in generate_static_batch(model, tokenizer, torch.device("cpu"), requests_, DYNAMIC):
             outputs[row].append(event.token_id)
     finally:
         torch.set_num_threads(threads)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv.encdec import EncoderDecoderKV
+from lmi_serve.engine.kv.encdec import ENCODER_DECODER
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import GenerationRequest
 
@@ -35,7 +35,7 @@ def test_padding_limit_is_respected():
 def test_admission_stops_at_the_prefill_budget_but_always_admits_one():
     """With a KV implementation that cannot chunk a prompt (encoder-decoder rows), a prompt over the
     budget goes whole as the step's only prefill; test_chunked_prefill.py covers the chunking ones."""
-    s = scheduler(max_prefill_tokens=100, kv_factory=EncoderDecoderKV.prefill)
+    s = scheduler(max_prefill_tokens=100, kv_layout=ENCODER_DECODER)
     for n in (60, 30, 20, 5):
         s.waiting.append(handle(n))
     assert [len(h.request.prompt_ids) for h in s._admit()] == [60, 30]

@@ -28,8 +28,8 @@ import transformers as tf
 
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv.encdec import decoder_prompt
-from lmi_serve.engine.kv.select import KV_CACHES
-from lmi_serve.engine.kv.slots import SlotKV
+from lmi_serve.engine.kv.select import KV_LAYOUTS
+from lmi_serve.engine.kv.slots import SlotKV, SlotLayout
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
@@ -169,7 +169,7 @@ class Served:
     prompts: list[tuple[int, ...]]
     expected: list[list[int]]  # reference() of each prompt
     engine: Engine
-    kv_factory: Any = None  # the KV implementation under test (None: the model's default)
+    kv_layout: Any = None  # the KV layout under test (None: the model's default)
     weights: dict | None = None  # the model's state dict as built (before a Linear kernel swap)
     onednn: bool = False  # its Linear layers run on oneDNN
 
@@ -194,7 +194,7 @@ class EveryLengthItsPart(SlotKV):
     merge_slack = 0
 
 
-KV_UNDER_TEST = {**KV_CACHES, "slots-parts": EveryLengthItsPart.prefill}
+KV_UNDER_TEST = {**KV_LAYOUTS, "slots-parts": SlotLayout(EveryLengthItsPart)}
 # Every family also runs with its fp32 Linear layers on oneDNN (option.linear_kernel, model/linear_kernels.py)
 # on its default KV cache: the references are then generate()'s on the swapped model.
 ONEDNN = "onednn"
@@ -217,9 +217,9 @@ def served(request, smollm2_tokenizer):
     first = len(smollm2_tokenizer.all_special_ids) + 1  # plain tokens: the detokenizer shows them all
     prompts = [tuple(torch.randint(first, vocab, (n,), generator=generator).tolist()) for n in PROMPT_LENGTHS]
     expected = [reference(model, p) for p in prompts]
-    factory = KV_UNDER_TEST[kv] if kv in KV_UNDER_TEST else None
-    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=name, kv_factory=factory).start()
-    yield Served(name, family, model, prompts, expected, engine, factory, weights, kv == ONEDNN)
+    layout = KV_UNDER_TEST[kv] if kv in KV_UNDER_TEST else None
+    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=name, kv_layout=layout).start()
+    yield Served(name, family, model, prompts, expected, engine, layout, weights, kv == ONEDNN)
     engine.stop()
 
 
@@ -286,7 +286,7 @@ def test_rows_join_and_leave_at_different_times(served, smollm2_tokenizer):
     """The scheduler stepped by hand: generations join a running batch and rows end at different
     steps, so the cache is extended (left-padding the shorter side) and trimmed while others run."""
     engine = Engine(served.model, smollm2_tokenizer, CPU, max_batch_size=8, name=f"{served.name}-steps",
-                    kv_factory=served.kv_factory)
+                    kv_layout=served.kv_layout)
     scheduler = engine.scheduler
     p = served.prompts
 

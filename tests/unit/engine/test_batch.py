@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lmi_serve.engine.batch import Batch, make_row
+from lmi_serve.engine.kv.dynamic import DYNAMIC
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams, TokenEvent
 
@@ -38,7 +39,8 @@ def ids_of(events) -> list[int]:
 
 
 class Runner:
-    """Drives Batches the way the scheduler does, collecting events per owner."""
+    """Drives Batches the way the scheduler does, collecting events per owner. Its batches are in the
+    dynamic layout (kv/dynamic.py), whose cache tensors `check` reads."""
 
     def __init__(self, model, tok):
         self.model, self.tok = model, tok
@@ -46,7 +48,7 @@ class Runner:
 
     def prefill(self, requests: dict) -> Batch:
         rows = [make_row(request, self.tok, owner=owner) for owner, request in requests.items()]
-        batch = Batch.prefill(self.model, rows, self.tok.pad_token_id, CPU)
+        batch = Batch.prefill(self.model, rows, self.tok.pad_token_id, CPU, DYNAMIC)
         self._emit(batch)
         return batch
 

@@ -13,8 +13,9 @@ import torch
 from lmi_serve.engine.beams.rows import BeamSearch, replay
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv.encdec import EncoderDecoderKV
-from lmi_serve.engine.kv.select import KV_CACHES
+from lmi_serve.engine.kv.encdec import ENCODER_DECODER
+from lmi_serve.engine.kv.protocol import KVLayout
+from lmi_serve.engine.kv.select import KV_LAYOUTS
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, StopParams
@@ -51,8 +52,8 @@ def greedy(tokenizer, prompt: str, n: int) -> GenerationRequest:
                              StopParams(max_new_tokens=n, ignore_eos=True))
 
 
-def search_alone(model, tokenizer, request: GenerationRequest, k: int, factory) -> list[GenerationResult]:
-    job = BeamSearch(request, k, model, factory, pad_id=tokenizer.pad_token_id, device=CPU)
+def search_alone(model, tokenizer, request: GenerationRequest, k: int, layout) -> list[GenerationResult]:
+    job = BeamSearch(request, k, model, layout, pad_id=tokenizer.pad_token_id, device=CPU)
     while not job.step():
         pass
     return replay(request, tokenizer, job.hypotheses())
@@ -74,7 +75,7 @@ def assert_same_beams(got: list[GenerationResult], expected: list[GenerationResu
 # -- the same beams as transformers' generate ------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+@pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
 @pytest.mark.parametrize("k", [2, 4])
 def test_beams_equal_transformers_generate(k, penalty, kind, tiny_model, smollm2_tokenizer):
@@ -85,12 +86,12 @@ def test_beams_equal_transformers_generate(k, penalty, kind, tiny_model, smollm2
         request = beam_request(tok, prompt, repetition_penalty=penalty)
         expected = reference_beam_search(tiny_model, tok, CPU, request, k)
         assert len(expected) == k and all(r.finish_reason is FinishReason.LENGTH for r in expected)  # premise
-        assert_same_beams(search_alone(tiny_model, tok, request, k, KV_CACHES[kind]), expected)
+        assert_same_beams(search_alone(tiny_model, tok, request, k, KV_LAYOUTS[kind]), expected)
 
         request = beam_request(tok, prompt, eos=(expected[0].events[5].token_id,), repetition_penalty=penalty)
         expected = reference_beam_search(tiny_model, tok, CPU, request, k)
         assert any(r.finish_reason is FinishReason.EOS_TOKEN for r in expected)  # premise: EOS reached
-        assert_same_beams(search_alone(tiny_model, tok, request, k, KV_CACHES[kind]), expected)
+        assert_same_beams(search_alone(tiny_model, tok, request, k, KV_LAYOUTS[kind]), expected)
 
 
 @pytest.mark.parametrize("length_penalty, early_stopping", [(2.0, True), (0.5, "never"), (-1.0, False)])
@@ -105,7 +106,7 @@ def test_beams_follow_the_models_length_penalty_and_early_stopping(length_penalt
     eos = tuple({r.events[1].token_id for r in reference_beam_search(tiny_model, tok, CPU, request, 3)})
     request = beam_request(tok, PROMPTS[1], max_new_tokens=10, eos=eos)
     expected = reference_beam_search(tiny_model, tok, CPU, request, 3)
-    assert_same_beams(search_alone(tiny_model, tok, request, 3, KV_CACHES["slots"]), expected)
+    assert_same_beams(search_alone(tiny_model, tok, request, 3, KV_LAYOUTS["slots"]), expected)
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
@@ -115,7 +116,7 @@ def test_encoder_decoder_beams_equal_transformers_generate(kind, smollm2_tokeniz
     for prompt in PROMPTS[:2]:
         request = beam_request(tok, prompt, max_new_tokens=6, repetition_penalty=1.2)
         expected = reference_beam_search(model, tok, CPU, request, 3)
-        assert_same_beams(search_alone(model, tok, request, 3, EncoderDecoderKV.prefill), expected)
+        assert_same_beams(search_alone(model, tok, request, 3, ENCODER_DECODER), expected)
 
 
 # -- beams inside the rolling batch -----------------------------------------------------------------
@@ -132,8 +133,8 @@ def add_request(scheduler: Scheduler, request: GenerationRequest) -> tuple[Reque
     return handle, sink
 
 
-def add_beams(scheduler: Scheduler, request: GenerationRequest, k: int, factory=None) -> BeamSearch:
-    job = BeamSearch(request, k, scheduler.model, factory or scheduler.kv_factory,
+def add_beams(scheduler: Scheduler, request: GenerationRequest, k: int, layout=None) -> BeamSearch:
+    job = BeamSearch(request, k, scheduler.model, layout or scheduler.kv_layout,
                      pad_id=scheduler.tokenizer.pad_token_id, device=CPU)
     scheduler.add_beams(job)
     return job
@@ -147,12 +148,12 @@ def finish(scheduler: Scheduler, handle: RequestHandle, steps: int = 100) -> Gen
     return within(handle.result)
 
 
-@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+@pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
 def test_beams_and_rows_advance_in_the_same_steps(kind, tiny_model, smollm2_tokenizer):
     """Each step gives the ordinary row one token and the beam search one token per beam: the row
     never waits for the whole search. Both come out as they would alone."""
     tok = smollm2_tokenizer
-    scheduler = Scheduler(tiny_model, tok, CPU, max_batch_size=8, max_queue=10, kv_factory=KV_CACHES[kind])
+    scheduler = Scheduler(tiny_model, tok, CPU, max_batch_size=8, max_queue=10, kv_layout=KV_LAYOUTS[kind])
     row_request = greedy(tok, PROMPTS[2], 12)
     handle, sink = add_request(scheduler, row_request)
     search = beam_request(tok, PROMPTS[0], max_new_tokens=6)
@@ -205,14 +206,14 @@ def test_a_waiting_beam_search_cancelled_never_starts(tiny_model, smollm2_tokeni
     assert not scheduler.beams and job.future.cancelled()
 
 
-class FailingDecode:
-    """A KV factory whose batches fail at their first decode (the prefill works)."""
+class FailingDecode(KVLayout):
+    """A KV layout whose batches fail at their first decode (the prefill works)."""
 
-    def __init__(self, factory):
-        self.factory = factory
+    def __init__(self, layout):
+        self.layout = layout
 
-    def __call__(self, *args, **kwargs):
-        out = self.factory(*args, **kwargs)
+    def prefill(self, *args, **kwargs):
+        out = self.layout.prefill(*args, **kwargs)
 
         def decode():
             raise RuntimeError("poisoned beam step")
@@ -226,7 +227,7 @@ def test_a_failing_beam_search_fails_alone(tiny_model, smollm2_tokenizer):
     scheduler = Scheduler(tiny_model, tok, CPU, max_batch_size=8, max_queue=10)
     row_request = greedy(tok, PROMPTS[1], 8)
     handle, _ = add_request(scheduler, row_request)
-    failing = add_beams(scheduler, beam_request(tok, PROMPTS[0]), 2, FailingDecode(scheduler.kv_factory))
+    failing = add_beams(scheduler, beam_request(tok, PROMPTS[0]), 2, FailingDecode(scheduler.kv_layout))
     search = beam_request(tok, PROMPTS[2], max_new_tokens=5)
     healthy = add_beams(scheduler, search, 2)
     assert ids(finish(scheduler, handle)) == alone(tiny_model, tok, row_request)

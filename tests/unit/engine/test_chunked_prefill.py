@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from lmi_serve.engine.chunked import attention_crossover, chunk_tokens, supports_chunks
+from lmi_serve.engine.chunked import attention_crossover, chunk_tokens
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.encdec import EncoderDecoderKV
-from lmi_serve.engine.kv.select import KV_CACHES
+from lmi_serve.engine.kv.encdec import ENCODER_DECODER
+from lmi_serve.engine.kv.select import KV_LAYOUTS
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 from waiting import within
 
@@ -36,11 +36,11 @@ def ids(result) -> list[int]:
     return [e.token_id for e in result.events]
 
 
-@pytest.mark.parametrize("kv", sorted(KV_CACHES))
+@pytest.mark.parametrize("kv", sorted(KV_LAYOUTS))
 def test_chunked_prompts_generate_what_whole_prefills_do(kv, tiny_model, smollm2_tokenizer, long_prompts):
     def run(budget: int) -> list[list[int]]:
         engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, max_prefill_tokens=budget,
-                        kv_factory=KV_CACHES[kv]).start()
+                        kv_layout=KV_LAYOUTS[kv]).start()
         try:
             return [ids(r) for r in within(lambda: engine.generate([greedy(p) for p in long_prompts]).results())]
         finally:
@@ -122,5 +122,5 @@ def test_prompt_logprobs_and_encoder_decoders_are_prefilled_whole(tiny_model, sm
     [result] = generation.results()
     assert result.finish_reason is FinishReason.LENGTH
     assert len(result.events[0].prompt_tokens) == len(long_prompts[0])
-    assert supports_chunks(KV_CACHES["dynamic"]) and supports_chunks(KV_CACHES["slots"])
-    assert not supports_chunks(EncoderDecoderKV.prefill)
+    assert KV_LAYOUTS["dynamic"].supports_chunks and KV_LAYOUTS["slots"].supports_chunks
+    assert not ENCODER_DECODER.supports_chunks

@@ -1,6 +1,6 @@
-"""The KV seam (engine/kv/protocol.py): the scheduler reaches the model only through a KVFactory and the
-KVBatch verbs, and the implementations (DynamicCache, encoder-decoder) meet the contract that
-keep/extend never change a row's logits."""
+"""The KV seam (engine/kv/protocol.py): the scheduler reaches the model only through a KVLayout and the
+KVBatch verbs, the implementations (DynamicCache, slots, encoder-decoder) meet the contract that
+keep/extend never change a row's logits, and each layout declares what it supports."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv.dynamic import DynamicKV
+from lmi_serve.engine.kv.dynamic import DYNAMIC, DynamicKV
 from lmi_serve.engine.kv.encdec import EncoderDecoderKV, decoder_prompt
-from lmi_serve.engine.kv.protocol import KVBatch, Prefilled
 from lmi_serve.engine.kv import slots as kv_slots
-from lmi_serve.engine.kv.select import KV_CACHES, choose_kv, kv_factory_for
-from lmi_serve.engine.kv.slot_attention import use_parts
-from lmi_serve.engine.kv.slots import SlotKV, merges
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled
+from lmi_serve.engine.kv.select import KV_LAYOUTS, choose_kv, layout_for
+from lmi_serve.engine.kv.slots import SLOTS, SlotKV, merges
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 
@@ -38,7 +37,7 @@ class CountingKV:
 
     @classmethod
     def prefill(cls, model, prompts, *, pad_id, device, prompt_logits=False) -> Prefilled:
-        assert model is None, "the scheduler hands the factory its model and never runs it itself"
+        assert model is None, "the scheduler hands the layout its model and never runs it itself"
         cls.log.append(f"prefill {len(prompts)}")
         kv = cls([p[-1] for p in prompts])
         return Prefilled(kv, kv._logits())
@@ -71,12 +70,28 @@ class CountingKV:
         self._pending = torch.cat([self._pending, other._pending])
 
 
+class CountingLayout(KVLayout):
+    """CountingKV's layout: it declares nothing optional, so prompts go whole."""
+
+    name = "counting"
+
+    def prefill(self, model, prompts, **kwargs) -> Prefilled:
+        return CountingKV.prefill(model, prompts, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def prepared(tiny_model):
+    """The model attends as a server's does: its layout prepared it (engine/build.py), so a slot cache
+    can keep parts."""
+    SLOTS.prepare(tiny_model)
+
+
 def test_the_scheduler_runs_any_kv_batch_through_the_interface(smollm2_tokenizer, prompt_ids, monkeypatch):
     assert isinstance(CountingKV([]), KVBatch)
     monkeypatch.setattr(CountingKV, "vocab", len(smollm2_tokenizer))
     monkeypatch.setattr(CountingKV, "log", [])
     scheduler = Scheduler(None, smollm2_tokenizer, CPU, max_batch_size=2, max_queue=10,
-                          kv_factory=CountingKV.prefill)
+                          kv_layout=CountingLayout())
     lengths = [5, 2, 4, 3]
     requests = [GenerationRequest(p, SamplingParams(), StopParams(max_new_tokens=n, ignore_eos=True))
                 for p, n in zip(prompt_ids, lengths)]
@@ -103,11 +118,11 @@ def fresh_logits(model, sequences) -> torch.Tensor:
     return DynamicKV.prefill(model, sequences, pad_id=0, device=CPU).logits
 
 
-@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+@pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
 def test_kv_keep_and_extend_match_a_fresh_prefill(kind, tiny_model, smollm2_tokenizer, prompt_ids):
     """After rows joined, left and decoded, every row's logits equal those of a fresh prefill of
     its prompt plus the tokens it was fed (a DynamicCache forward: `fresh_logits`)."""
-    factory = KV_CACHES[kind]
+    factory = KV_LAYOUTS[kind].prefill
     pad = smollm2_tokenizer.pad_token_id
     sequences = [list(p) for p in prompt_ids]
     first = factory(tiny_model, [sequences[i] for i in (4, 0, 2)], pad_id=pad, device=CPU)
@@ -137,29 +152,29 @@ def test_kv_keep_and_extend_match_a_fresh_prefill(kind, tiny_model, smollm2_toke
         assert torch.allclose(row, fresh_logits(tiny_model, [sequences[i]])[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+@pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
 def test_kv_held_bytes_cover_the_rows_k_v_and_follow_the_batch(kind, tiny_model, prompt_ids):
     """held_bytes() (the kv_cache_bytes metric) is at least what the rows' K/V take, grows when
     rows join, and falls to nothing when none is left."""
     config = tiny_model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # K and V, fp32
-    first = KV_CACHES[kind](tiny_model, [list(prompt_ids[0])], pad_id=0, device=CPU)
+    first = KV_LAYOUTS[kind].prefill(tiny_model, [list(prompt_ids[0])], pad_id=0, device=CPU)
     kv = first.kv
     alone = kv.held_bytes()
     assert alone >= per_token * len(prompt_ids[0])
-    joined = KV_CACHES[kind](tiny_model, [list(prompt_ids[1]), list(prompt_ids[2])], pad_id=0, device=CPU)
+    joined = KV_LAYOUTS[kind].prefill(tiny_model, [list(prompt_ids[1]), list(prompt_ids[2])], pad_id=0, device=CPU)
     kv.extend(joined.kv)
     assert kv.held_bytes() >= per_token * sum(len(p) for p in prompt_ids[:3]) and kv.held_bytes() > alone
     kv.keep([])
     assert kv.held_bytes() < alone
 
 
-@pytest.mark.parametrize("kind", sorted(KV_CACHES))
+@pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
 def test_kv_keep_with_repeated_indices_copies_rows(kind, tiny_model, prompt_ids):
     """Beam search replicates a row (`keep([0] * k)`) and reorders beams with repeats: each copy
     then decodes as its own sequence. Ten copies pass the slot cache's first row capacity (8)."""
-    factory = KV_CACHES[kind]
+    factory = KV_LAYOUTS[kind].prefill
     sequences = [list(prompt_ids[1]), list(prompt_ids[3])]
     kv = factory(tiny_model, sequences, pad_id=0, device=CPU).kv
     order = [1] * 6 + [0] * 4
@@ -262,7 +277,7 @@ def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids, m
     identical, through joins (both directions of padding), leaves and growth past the first column
     capacity."""
     monkeypatch.setattr(SlotKV, "merge_slack", 10**9)  # every joiner merges: one part
-    use_parts(tiny_model)  # as the scheduler does: both caches attend through one function (not only after SlotKV ran)
+    # Both caches attend through one function: the `prepared` fixture's, as a server's layout prepares it.
     runs = []
     for factory in (DynamicKV.prefill, SlotKV.prefill):
         out = factory(tiny_model, [prompt_ids[i] for i in (0, 4)], pad_id=0, device=CPU)
@@ -381,12 +396,12 @@ def test_merges_by_padding_added(rows, lengths, plan):
 
 def test_choose_kv_by_name_and_refuse_slots_that_cannot_fit(tiny_model, caplog):
     caplog.set_level("INFO")
-    assert choose_kv(tiny_model, "dynamic", rows=4, columns=64) == DynamicKV.prefill
-    assert choose_kv(tiny_model, "slots", rows=4, columns=64) == SlotKV.prefill
+    assert choose_kv(tiny_model, "dynamic", rows=4, columns=64) is DYNAMIC
+    assert choose_kv(tiny_model, "slots", rows=4, columns=64) is SLOTS
     assert "KV cache: slots, grown as used up to" in caplog.text and "WARNING" not in caplog.text
-    assert choose_kv(tiny_model, "slots", rows=10**7, columns=1000) == SlotKV.prefill  # a bound past memory
+    assert choose_kv(tiny_model, "slots", rows=10**7, columns=1000) is SLOTS  # a bound past memory
     assert "more than the" in caplog.text and "lower option.max_model_len" in caplog.text
     with pytest.raises(ValueError, match="one row of 1000000000000 tokens needs .* GiB .* lower option.max_model_len"):
         choose_kv(tiny_model, "slots", rows=1, columns=10**12)
     with pytest.raises(ValueError, match="unknown kv_cache 'paged'"):
-        kv_factory_for(tiny_model, "paged")
+        layout_for(tiny_model, "paged")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.encdec import EncoderDecoderKV
-from lmi_serve.engine.kv.prefix_cache import PrefixCache, supports_prefixes
-from lmi_serve.engine.kv.select import KV_CACHES
+from lmi_serve.engine.kv.encdec import ENCODER_DECODER
+from lmi_serve.engine.kv.prefix_cache import PrefixCache
+from lmi_serve.engine.kv.select import KV_LAYOUTS
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 from waiting import within
 
@@ -92,9 +92,9 @@ def test_a_zero_budget_stores_nothing():
 
 
 def test_the_kv_caches_of_decoder_only_models_support_prefixes_and_encoder_decoders_do_not():
-    assert all(supports_prefixes(factory) for factory in KV_CACHES.values())
-    assert not supports_prefixes(EncoderDecoderKV.prefill)
-    engine_kwargs = dict(kv_factory=EncoderDecoderKV.prefill, prefix_cache=PrefixCache(2**20))
+    assert all(layout.supports_prefixes for layout in KV_LAYOUTS.values())
+    assert not ENCODER_DECODER.supports_prefixes
+    engine_kwargs = dict(kv_layout=ENCODER_DECODER, prefix_cache=PrefixCache(2**20))
     with pytest.raises(ValueError, match="cached prefix"):
         from lmi_serve.engine.scheduler import Scheduler
         Scheduler(None, None, CPU, max_batch_size=2, max_queue=2, **engine_kwargs)
@@ -127,11 +127,11 @@ def run(engine: Engine, requests) -> list[list[int]]:
 
 
 def engine_for(model, tokenizer, kv: str, *, cache: bool, budget: int = 512) -> Engine:
-    return Engine(model, tokenizer, CPU, max_batch_size=8, max_prefill_tokens=budget, kv_factory=KV_CACHES[kv],
+    return Engine(model, tokenizer, CPU, max_batch_size=8, max_prefill_tokens=budget, kv_layout=KV_LAYOUTS[kv],
                   prefix_cache=PrefixCache(64 * 2**20) if cache else None).start()
 
 
-@pytest.mark.parametrize("kv", sorted(KV_CACHES))
+@pytest.mark.parametrize("kv", sorted(KV_LAYOUTS))
 def test_cache_hits_generate_what_misses_do_alone_and_together(kv, tiny_model, smollm2_tokenizer, shared_prompts):
     baseline = engine_for(tiny_model, smollm2_tokenizer, kv, cache=False)
     cached = engine_for(tiny_model, smollm2_tokenizer, kv, cache=True)
@@ -149,7 +149,7 @@ def test_cache_hits_generate_what_misses_do_alone_and_together(kv, tiny_model, s
         cached.stop()
 
 
-@pytest.mark.parametrize("kv", sorted(KV_CACHES))
+@pytest.mark.parametrize("kv", sorted(KV_LAYOUTS))
 def test_a_hit_whose_rest_is_over_the_budget_is_chunked_and_still_exact(kv, tiny_model, smollm2_tokenizer,
                                                                         shared_prompts):
     budget = 8
@@ -199,11 +199,12 @@ def test_a_hit_costs_the_prefill_budget_only_its_uncached_tokens(tiny_model, smo
     assert all(r.error is None for r in later.results())
 
 
-@pytest.mark.parametrize("kv", sorted(KV_CACHES))
+@pytest.mark.parametrize("kv", sorted(KV_LAYOUTS))
 def test_row_kv_and_resume_meet_the_kv_contract(kv, tiny_model, smollm2_tokenizer, shared_prompts):
     """A row's K/V read out of a left-padded batch are those of its prompt prefilled alone, and a row
     resumed from them continues as the whole prompt's prefill does."""
-    factory, pad = KV_CACHES[kv], smollm2_tokenizer.pad_token_id
+    layout, pad = KV_LAYOUTS[kv], smollm2_tokenizer.pad_token_id
+    factory = layout.prefill
     short, long = shared_prompts[0][:20], shared_prompts[1]
     together = factory(tiny_model, [short, long], pad_id=pad, device=CPU).kv
     alone = factory(tiny_model, [short], pad_id=pad, device=CPU).kv
@@ -211,7 +212,7 @@ def test_row_kv_and_resume_meet_the_kv_contract(kv, tiny_model, smollm2_tokenize
         assert mine[0].shape == (2, 16, 16) and torch.allclose(mine[0], theirs[0], atol=1e-5)
         assert torch.allclose(mine[1], theirs[1], atol=1e-5)
     prefix = [(k[None], v[None]) for k, v in together.row_kv(1, 0, 16)]
-    resumed = factory.__self__.resume(tiny_model, prefix, device=CPU)
+    resumed = layout.resume(tiny_model, prefix, device=CPU)
     assert len(resumed) == 1 and int(resumed.next_pos[0]) == 16
     logits = resumed.prefill_more(long[16:])
     whole = factory(tiny_model, [long], pad_id=pad, device=CPU).logits

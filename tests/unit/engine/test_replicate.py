@@ -18,7 +18,7 @@ import torch
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.replicate import DECODE, EXTEND, KEEP, NOOP, PREFILL, PREFILL_MORE, Op, Replicator, follow
-from lmi_serve.engine.kv.slots import SlotKV
+from lmi_serve.engine.kv.slots import SLOTS, SlotKV, SlotLayout
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 from lmi_serve.errors import GenerationFailed
@@ -29,8 +29,8 @@ from waiting import within  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def recording_kv(log: list[torch.Tensor]) -> type[SlotKV]:
-    """SlotKV that appends every logits tensor its forwards return to `log`."""
+def recording_kv(log: list[torch.Tensor]) -> SlotLayout:
+    """The slots layout of a SlotKV that appends every logits tensor its forwards return to `log`."""
 
     class Recorded(SlotKV):
         @classmethod
@@ -49,17 +49,17 @@ def recording_kv(log: list[torch.Tensor]) -> type[SlotKV]:
             log.append(logits.clone())
             return logits
 
-    return Recorded
+    return SlotLayout(Recorded)
 
 
 class Follower(threading.Thread):
     """`follow` on a thread, its ops from a queue; `held` is what it returned at STOP."""
 
-    def __init__(self, model, factory):
+    def __init__(self, model, layout):
         super().__init__(daemon=True)
         self.ops: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self.seen: list[str] = []
-        self.model, self.factory, self.held, self.error = model, factory, None, None
+        self.model, self.layout, self.held, self.error = model, layout, None, None
 
     def receive(self) -> Op:
         op = self.ops.get(timeout=60)
@@ -68,19 +68,22 @@ class Follower(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.held = follow(self.model, self.factory, CPU, self.receive)
+            self.held = follow(self.model, self.layout, CPU, self.receive)
         except Exception as exc:  # the test reads it
             self.error = exc
 
 
 def test_a_follower_replays_every_forward_of_a_scheduler_run(tiny_model, smollm2_tokenizer):
     rank0_logits, follower_logits = [], []
-    follower = Follower(copy.deepcopy(tiny_model), recording_kv(follower_logits).prefill)
+    follower_model = copy.deepcopy(tiny_model)
+    follower_layout = recording_kv(follower_logits)
+    follower_layout.prepare(follower_model)  # as engine/build.py's follower_layout does
+    follower = Follower(follower_model, follower_layout)
     follower.start()
-    replicator = Replicator(recording_kv(rank0_logits).prefill, send=follower.ops.put, heartbeat=None)
+    replicator = Replicator(recording_kv(rank0_logits), send=follower.ops.put, heartbeat=None)
     # 3 rows for 6 requests (rows leave and join), a prefill budget of 12 tokens (long prompts in chunks)
     scheduler = Scheduler(tiny_model, smollm2_tokenizer, CPU, max_batch_size=3, max_queue=10,
-                          max_prefill_tokens=12, kv_factory=replicator.prefill)
+                          max_prefill_tokens=12, kv_layout=replicator)
     requests = [GenerationRequest(tuple(smollm2_tokenizer.encode(p)), SamplingParams(),
                                   StopParams(max_new_tokens=3 + 2 * i, ignore_eos=True))
                 for i, p in enumerate(PROMPTS[:6])]
@@ -110,7 +113,7 @@ def test_a_failed_op_breaks_the_group_and_later_ops_refuse(tiny_model):
         if op.kind == DECODE:
             raise RuntimeError("Connection reset by peer")
 
-    replicator = Replicator(SlotKV.prefill, send=send, on_error=failures.append, heartbeat=None)
+    replicator = Replicator(SLOTS, send=send, on_error=failures.append, heartbeat=None)
     out = replicator.prefill(tiny_model, [[5, 6, 7]], pad_id=0, device=CPU)
     out.kv.feed(torch.tensor([8]))
     with pytest.raises(RuntimeError, match="Connection reset"):
@@ -130,7 +133,7 @@ def test_an_idle_rank_0_sends_heartbeats_until_stopped():
         if sent.count(NOOP) >= 2:
             two.set()
 
-    replicator = Replicator(SlotKV.prefill, send=send, heartbeat=0.05)
+    replicator = Replicator(SLOTS, send=send, heartbeat=0.05)
     assert two.wait(30), "no heartbeat came"
     replicator.stop()
     assert sent[-1] == "stop" and set(sent) == {NOOP, "stop"}
@@ -150,9 +153,9 @@ def test_a_group_broken_mid_step_fails_the_engine_and_every_request(tiny_model, 
                 raise RuntimeError("Connection reset by peer")
 
     holder = {}
-    replicator = Replicator(SlotKV.prefill, send=send, on_error=lambda reason: holder["engine"].fail(reason),
+    replicator = Replicator(SLOTS, send=send, on_error=lambda reason: holder["engine"].fail(reason),
                             heartbeat=None)
-    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=1, kv_factory=replicator.prefill)
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=1, kv_layout=replicator)
     holder["engine"] = engine.start()
     try:
         request = GenerationRequest(tuple(smollm2_tokenizer.encode(PROMPTS[1])),

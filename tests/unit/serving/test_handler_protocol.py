@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from lmi_serve.config.sources import ConfigError, ModelConfig, ServerConfig
-from lmi_serve.engine.kv.dynamic import DynamicKV
+from lmi_serve.engine.kv.dynamic import DYNAMIC
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
-from lmi_serve.engine.kv.slots import SlotKV
+from lmi_serve.engine.kv.slots import SLOTS
 from lmi_serve.engine.sampling.watermark import WatermarkSettings
 from lmi_serve.handler_api import Input, input_formatter, output_formatter
 from lmi_serve.serving.handler_loader import HandlerLoadError, resolve_handler
@@ -207,11 +207,12 @@ class Recorder:
 @pytest.fixture
 def no_model(monkeypatch):
     """The built-in text handler without a model: load_generation_model, Engine and RollingBatchService are
-    recorded, warm-up generation does nothing. Patched where the handler file imports them from, so
-    a handler module loaded afterwards (by the service) gets the fakes."""
+    recorded, warm-up generation does nothing. Patched where the handler file (or engine/build.py, which
+    it calls) imports them from, so a handler module loaded afterwards (by the service) gets the fakes."""
     import lmi_serve.dialects.lmi.rolling
+    import lmi_serve.engine.build
     import lmi_serve.engine.engine
-    import lmi_serve.engine.kv.select
+    import lmi_serve.engine.kv.slots
     import lmi_serve.engine.static_batch
     import lmi_serve.engine.sampling.watermark
     import lmi_serve.model.linear_kernels
@@ -239,11 +240,13 @@ def no_model(monkeypatch):
     monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
     monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
+    monkeypatch.setattr(lmi_serve.engine.build, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)
     monkeypatch.setattr(lmi_serve.engine.sampling.watermark, "Watermark", Watermark)
+    monkeypatch.setattr(lmi_serve.engine.build, "Watermark", Watermark)
     monkeypatch.setattr(lmi_serve.engine.static_batch, "generate_static_batch", lambda *args: iter(()))
     monkeypatch.setattr(lmi_serve.engine.static_batch, "eos_token_ids", lambda model, tokenizer: frozenset({2}))
-    monkeypatch.setattr(lmi_serve.engine.kv.select, "slot_bytes", lambda model, rows, columns: 0)  # no weights
+    monkeypatch.setattr(lmi_serve.engine.kv.slots, "slot_bytes", lambda model, rows, columns: 0)  # no weights
     monkeypatch.setattr(Recorder, "made", [])
     return SimpleNamespace(calls=calls, engines=Recorder.made, Engine=Engine, RollingBatchService=RollingBatchService)
 
@@ -281,7 +284,7 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert watermark.args == (100, "cpu", WatermarkSettings(gamma=0.25, delta=1.5))
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
                              "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
-                             "kv_factory": DynamicKV.prefill, "adapters": None}  # no LoRA
+                             "kv_layout": DYNAMIC, "adapters": None}  # no LoRA
     assert type(engine.kwargs["max_batch_size"]) is int and type(engine.kwargs["predict_timeout"]) is float
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
@@ -296,7 +299,7 @@ def test_defaults_come_from_the_model_config_and_dynamic_batching_makes_no_engin
     assert no_model.calls["load_generation_model"][1]["tensor_parallel_degree"] == 1
     assert handler.get_engine() is None and not no_model.engines
     assert handler._service.streaming is True and handler._service.max_input_len == 1023
-    assert handler._service.kv_factory == SlotKV.prefill  # the default, for dynamic batching too
+    assert handler._service.kv_layout is SLOTS  # the default, for dynamic batching too
 
 
 def test_prefix_caching_without_a_rolling_batch_is_a_start_up_error(no_model):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from lmi_serve.engine.batch import make_row
-from lmi_serve.engine.kv.protocol import KVBatch, KVFactory
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout
 from lmi_serve.engine.types import FinishReason, GenerationRequest, GenerationResult
 
 NEG = -1.0e9  # transformers' "impossible" score; finite, so sums with it stay ordered
@@ -165,12 +165,12 @@ class BeamSearch:
     first step prefills the prompt); the result, once done, arrives on `future` as the finished
     Hypotheses, best first. `rows` is how many batch rows it counts against max_batch_size."""
 
-    def __init__(self, request: GenerationRequest, num_beams: int, model: Any, kv_factory: KVFactory, *,
+    def __init__(self, request: GenerationRequest, num_beams: int, model: Any, kv_layout: KVLayout, *,
                  pad_id: int, device: torch.device):
         if num_beams < 1:
             raise ValueError(f"num_beams must be at least 1, not {num_beams}")
         self.request, self.rows = request, num_beams
-        self._model, self._factory, self._pad_id, self._device = model, kv_factory, pad_id, device
+        self._model, self._layout, self._pad_id, self._device = model, kv_layout, pad_id, device
         self._kv: KVBatch | None = None
         self._state: BeamState | None = None
         self.future: Future = Future()
@@ -205,7 +205,7 @@ class BeamSearch:
         return False
 
     def _prefill(self) -> torch.Tensor:
-        out = self._factory(self._model, [self.request.prompt_ids], pad_id=self._pad_id, device=self._device)
+        out = self._layout.prefill(self._model, [self.request.prompt_ids], pad_id=self._pad_id, device=self._device)
         self._kv = out.kv
         seen = out.seen[0] if out.seen is not None else self.request.prompt_ids
         self._state = BeamState(

@@ -1,4 +1,5 @@
-"""The left-padded transformers `DynamicCache`: the engine's default KV implementation (see kv/protocol.py).
+"""The left-padded transformers `DynamicCache` (`option.kv_cache=dynamic`; see kv/protocol.py): the
+baseline layout, and the bookkeeping kv/slots.py keeps in its own buffers.
 
 Every row's cache is as long as the longest one; shorter rows are padded on the left, and the
 attention mask plus per-row position ids keep padding invisible to the model, so a row's logits do
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from lmi_serve.engine.kv.protocol import Prefilled, layer_bytes
+from lmi_serve.engine.kv.protocol import KVLayout, Prefilled, layer_bytes
+from lmi_serve.engine.kv.slot_attention import use_parts
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +138,32 @@ class DynamicKV:
         self.mask = join_left_padded(self.cache, self.mask, other.cache, other.mask)
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.pending = torch.cat([self.pending, other.pending])
+
+
+class DynamicLayout(KVLayout):
+    """DynamicKV's layout: chunked prefill and prefix reuse, and kv/slot_attention.py's attention
+    (which, over one tensor, is SDPA's: every decoder-only layout attends through the same function)."""
+
+    name = "dynamic"
+    supports_chunks = True
+    supports_prefixes = True
+
+    def __init__(self, kv_class: type[DynamicKV] = DynamicKV):
+        self.kv_class = kv_class  # DynamicKV or a subclass (SlotKV; tests' recording ones)
+
+    def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
+                prompt_logits: bool = False) -> Prefilled:
+        return self.kv_class.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
+
+    def resume(self, model: Any, prefix: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,
+               device: torch.device) -> DynamicKV:
+        return self.kv_class.resume(model, prefix, device=device)
+
+    def prepare(self, model: Any) -> None:
+        use_parts(model)  # the one place the attention function is installed
+
+
+DYNAMIC = DynamicLayout()
 
 
 def leading_padding(mask: torch.Tensor) -> int:

@@ -28,7 +28,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from lmi_serve.engine.kv.dynamic import join_left_padded, keep_rows
-from lmi_serve.engine.kv.protocol import Prefilled, layer_bytes
+from lmi_serve.engine.kv.protocol import KVLayout, Prefilled, layer_bytes
 
 # How each encoder-decoder family's decoder learns positions: "relative" (T5's bias depends on
 # column distance only) or "embedding" (an absolute embedding lookup, fed per-row positions by
@@ -118,7 +118,7 @@ class EncoderDecoderKV:
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
                 prompt_logits: bool = False) -> Prefilled:
-        """The `KVFactory`: the encoder over `prompts`, then the decoder over its prompt (the same
+        """The encoder over `prompts`, then the decoder over its prompt (the same
         for every row, so no padding and default positions)."""
         if prompt_logits:
             raise ValueError("an encoder-decoder model's prompt is the encoder's input, which has no logprobs")
@@ -195,3 +195,17 @@ class EncoderDecoderKV:
         self.enc_mask = torch.cat([right(self.enc_mask, 1), right(other.enc_mask, 1)])
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.pending = torch.cat([self.pending, other.pending])
+
+
+class EncoderDecoderLayout(KVLayout):
+    """EncoderDecoderKV's layout. A prompt is the encoder's input, run in one forward, so no chunked
+    prefill and no prefix reuse; the model attends as loaded (its decoder rows stay one tensor)."""
+
+    name = "encoder-decoder"
+
+    def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
+                prompt_logits: bool = False) -> Prefilled:
+        return EncoderDecoderKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
+
+
+ENCODER_DECODER = EncoderDecoderLayout()

@@ -6,8 +6,8 @@ before it, so it matches only where the whole prefix up to it matches. After a p
 stores the prompt's full blocks (each layer's K/V for those positions, copied out of the batch);
 a later prompt takes the longest chain of stored blocks that still leaves at least one of its own
 tokens to prefill (the forward over that token gives the logits of the first generated one), starts
-a row from their K/V (the KV implementation's `resume`) and prefills only the rest (`prefill_more`,
-as a chunked prefill does).
+a row from their K/V (the KV layout's `resume`, where it `supports_prefixes`) and prefills only the
+rest (`prefill_more`, as a chunked prefill does).
 
 Exact: a block's K/V are what a prefill computes for the same tokens at the same positions, and the
 rest attends to them as it would in one forward; only the float rounding of differently shaped
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmi_serve.engine.kv.protocol import KVBatch, KVFactory
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout
 
 LayerKV = tuple[torch.Tensor, torch.Tensor] | None  # one layer's K and V, or None (a layer that keeps none)
 BLOCK_TOKENS = 16
@@ -191,23 +191,17 @@ class PrefixCache:
         self.stats.bytes -= block.nbytes
 
 
-def supports_prefixes(factory: KVFactory) -> bool:
-    """Whether the KV implementation behind `factory` can start a row from cached K/V (`resume`),
-    continue its prefill (`prefill_more`) and give a row's K/V (`row_kv`)."""
-    kv_class = getattr(factory, "__self__", None)
-    return all(hasattr(kv_class, name) for name in ("resume", "prefill_more", "row_kv"))
-
-
-def resume_from_cache(prefixes: PrefixCache, factory: KVFactory, model, prompt: Sequence[int], device
+def resume_from_cache(prefixes: PrefixCache, layout: KVLayout, model, prompt: Sequence[int], device
                       ) -> tuple[KVBatch | None, int]:
     """A one-row KV batch holding the longest cached prefix of `prompt` and its length in tokens,
-    or (None, 0) on a miss. The row gets a copy: the cache keeps nothing pinned for it."""
+    or (None, 0) on a miss. The row gets a copy: the cache keeps nothing pinned for it. `layout` must
+    declare `supports_prefixes` (the scheduler checks it once, at start)."""
     chain = prefixes.acquire(prompt)
     prefixes.count(len(prompt), len(chain) * prefixes.block_tokens)
     try:
         if not chain:
             return None, 0
-        kv = factory.__self__.resume(model, prefixes.prefix_kv(chain), device=device)
+        kv = layout.resume(model, prefixes.prefix_kv(chain), device=device)
         return kv, len(chain) * prefixes.block_tokens
     finally:
         prefixes.release(chain)

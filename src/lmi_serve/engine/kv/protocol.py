@@ -5,27 +5,36 @@ layout wants: masks, positions, block tables) plus each row's pending token, the
 `decode()` feeds. Row i of a KVBatch is row i of the `Batch` that holds it. Python state (`Row`) and
 sampling state (`SamplingHistory`) live elsewhere and never look inside.
 
-A KV implementation is one module with a factory (`KVFactory`): `kv/dynamic.py` is today's
-left-padded transformers `DynamicCache`, `kv/encdec.py` the encoder-decoder rows (T5, BART), and
-`kv/select.py` picks one for a model. The scheduler receives the factory, so a slot-based or paged
-cache is a new file, not a change to the scheduler or the batch.
+A `KVLayout` is one way of keeping rows' K/V. It builds new KV batches (`prefill`) and declares what
+else it offers, so its users ask it instead of probing the batches it makes:
+- kv/dynamic.py `DYNAMIC`: transformers' `DynamicCache`, left-padded, concatenated every step;
+- kv/slots.py `SLOTS` (the default, `config.DEFAULT_KV_CACHE`): the same layout in preallocated
+  buffers written in place, kept in parts of rows of similar length (kv/slot_attention.py);
+- kv/encdec.py `ENCODER_DECODER`: encoder-decoder rows (T5, BART), whatever `option.kv_cache` says;
+- kv/replicate.py `Replicator`: any of those, every operation replayed on the tensor-parallel ranks.
+kv/select.py picks one for a model. The scheduler and the batch receive the layout, so a paged cache
+is a new layout, not a change to either.
 
-Contract, for every implementation:
-1. `factory(model, prompts, ...)` runs one forward over the prompts and returns the new KVBatch
-   with the logits of each row's last prompt position (and, when asked, every prompt position);
+Contract, for every layout and the KV batches it makes:
+1. `layout.prefill(model, prompts, ...)` runs one forward over the prompts and returns the new
+   KVBatch with the logits of each row's last prompt position (and, when asked, every prompt position);
 2. `feed(tokens)` sets each row's pending token; `decode()` runs one forward feeding them and
    returns the logits of that position, one row each;
 3. `keep(indices)` and `extend(other)` change the set of rows without changing any row's logits:
    a row's logits depend only on its own tokens, never on its neighbours or on the batch's history
    of joins and leaves (tests/unit/engine/test_kv.py holds every implementation to this). An index
    may repeat in `keep`: that row is copied, and each copy goes on as its own row (beam search).
-4. Optionally, `prefill_more(tokens)` on a one-row batch continues its prefill with the next chunk of
-   its prompt and returns that chunk's last logits (chunked.py uses it; without it a prompt goes whole).
-5. Optionally, for prefix caching (kv/prefix_cache.py): `row_kv(row, start, end)` gives a row's K/V of
-   token positions [start, end) per layer, and the class method `resume(model, prefix, device=)` makes
-   a one-row batch holding such K/V, which `prefill_more` continues as if it had prefilled them.
+4. Where `layout.supports_chunks`: `prefill_more(tokens)` on a one-row batch continues its prefill
+   with the next chunk of its prompt and returns that chunk's last logits (chunked.py; without it a
+   prompt goes whole).
+5. Where `layout.supports_prefixes` (prefix caching, kv/prefix_cache.py): `row_kv(row, start, end)`
+   gives a row's K/V of token positions [start, end) per layer, and `layout.resume(model, prefix,
+   device=)` makes a one-row batch holding such K/V, which `prefill_more` continues as if it had
+   prefilled them.
 6. Optionally, `held_bytes()`: the bytes of K/V storage the batch holds now (padding and room to
    grow included), read from tensor sizes only (no device sync); the `kv_cache_bytes` metric.
+7. `layout.prepare(model)` readies the model for the layout (the attention function it needs) and
+   runs before the model's first forward through it; it is idempotent.
 """
 
 from __future__ import annotations
@@ -82,8 +91,33 @@ class Prefilled:
     seen: list[Sequence[int]] | None = None
 
 
-class KVFactory(Protocol):
-    def __call__(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                 prompt_logits: bool = False) -> Prefilled:
+class KVLayout:
+    """One way of keeping rows' K/V (the contract above): what it supports, declared, and the
+    prefill that starts its batches. The defaults declare nothing optional."""
+
+    name = "kv"
+    supports_chunks = False  # its batches have `prefill_more` (contract item 4)
+    supports_prefixes = False  # `resume` here and `row_kv` on its batches (contract item 5)
+
+    def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
+                prompt_logits: bool = False) -> Prefilled:
         """One forward over `prompts` (token ids, at least one each) into a new KVBatch whose rows are
         the prompts in order; the pending tokens are unset until the first `feed`."""
+        raise NotImplementedError
+
+    def resume(self, model: Any, prefix: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,
+               device: torch.device) -> KVBatch:
+        """A one-row batch holding `prefix` (per layer K and V, [1, kv heads, tokens, head dim], or None
+        for a layer that keeps none); only where `supports_prefixes`."""
+        raise NotImplementedError(f"the {self.name} KV layout cannot start a row from a cached prefix")
+
+    def prepare(self, model: Any) -> None:
+        """Ready `model` for this layout, before its first forward through it (idempotent)."""
+
+    def memory_bytes(self, model: Any, rows: int, columns: int) -> int | None:
+        """The most this layout's K/V of `rows` rows of `columns` tokens can take, where it has a
+        bound to check at start-up; None where it grows as rows do and checks nothing."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"

@@ -2,16 +2,16 @@
 
 With the model sharded over N ranks (model/tp.py), every forward is a collective: each rank must run
 the same forward, with the same inputs, against its own shard and its own shard of the KV cache. The
-narrowest place where the engine calls the model is the KV seam (kv/protocol.py): a `KVFactory` prefill and
+narrowest place where the engine calls the model is the KV seam (kv/protocol.py): a `KVLayout` prefill and
 the `KVBatch` operations `feed` / `decode` / `keep` / `extend` / `prefill_more`. Everything else
 (scheduling, sampling, stop checks, detokenizing) only reads the logits, which are whole on every
 rank after the sharded lm_head's gather.
 
-So `Replicator` wraps rank 0's factory: before each operation it broadcasts a small description
+So `Replicator` wraps rank 0's layout: before each operation it broadcasts a small description
 (`Op`: which batch, which operation, its token ids or row indices) with `broadcast_object_list`,
 then runs it locally. `follow` is the other ranks' loop: receive an op, apply it to the same batch
-of their own. The scheduler, the batch and the sampler neither know nor care: they get a KV factory,
-as with any other layout. Followers do not replay the scheduler itself: that would make every rank
+of their own. The scheduler, the batch and the sampler neither know nor care: they get a KV layout
+that declares what the wrapped one does, as with any other. Followers do not replay the scheduler itself: that would make every rank
 see the same requests, deadlines and cancellations at the same step, which is far more to keep in
 step than the handful of KV operations.
 
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lmi_serve.engine.kv.protocol import KVBatch, KVFactory, Prefilled, held_bytes
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled, held_bytes
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +73,15 @@ def broadcast(op: Op | None) -> Op:
     return box[0]
 
 
-class Replicator:
-    """Rank 0's side: a KVFactory (`prefill`) whose batches run on every rank of the group."""
+class Replicator(KVLayout):
+    """Rank 0's side: the KV layout `inner`, whose batches run on every rank of the group. It declares
+    what `inner` does, except prefix reuse: `resume` and `row_kv` are not replicated (a row resumed on
+    rank 0 alone would leave the ranks out of step), and config/sources.py refuses prefix caching with
+    tensor parallelism."""
 
-    def __init__(self, inner: KVFactory, *, send: Callable[[Op], Any] = broadcast,
+    supports_prefixes = False
+
+    def __init__(self, inner: KVLayout, *, send: Callable[[Op], Any] = broadcast,
                  on_error: Callable[[str], None] | None = None, heartbeat: float | None = HEARTBEAT_SECONDS):
         self.inner = inner
         self._send = send
@@ -86,9 +91,6 @@ class Replicator:
         self._dropped: deque[int] = deque()  # appended from finalizers, on whatever thread collects
         self._last_sent = time.monotonic()
         self.broken: str | None = None
-        kv_class = getattr(inner, "__self__", None)
-        if hasattr(kv_class, "prefill_more"):
-            self.prefill_more = True  # chunked.supports_chunks reads the factory's owner
         if heartbeat:
             threading.Thread(target=self._beat, args=(heartbeat,), name="tp-heartbeat", daemon=True).start()
 
@@ -99,9 +101,23 @@ class Replicator:
             self._next_id += 1
             op = Op(PREFILL, batch, tuple(tuple(int(t) for t in p) for p in prompts), pad_id=pad_id,
                     prompt_logits=prompt_logits)
-            out = self._run(op, lambda: self.inner(model, prompts, pad_id=pad_id, device=device,
-                                                  prompt_logits=prompt_logits))
+            out = self._run(op, lambda: self.inner.prefill(model, prompts, pad_id=pad_id, device=device,
+                                                          prompt_logits=prompt_logits))
         return replace(out, kv=ReplicatedBatch(self, batch, out.kv))
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def supports_chunks(self) -> bool:  # PREFILL_MORE is replicated
+        return self.inner.supports_chunks
+
+    def prepare(self, model: Any) -> None:
+        self.inner.prepare(model)  # local: each follower prepares its own shard (follow's caller)
+
+    def memory_bytes(self, model: Any, rows: int, columns: int) -> int | None:
+        return self.inner.memory_bytes(model, rows, columns)
 
     def run(self, op: Op, local: Callable[[], Any]) -> Any:
         """Send `op` to the followers, then run `local` (the same op on rank 0's batch)."""
@@ -182,7 +198,7 @@ class ReplicatedBatch:
         self.replicator.run(Op(EXTEND, self.batch, other=other.batch), lambda: self.local.extend(other.local))
 
     def prefill_more(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Only called when the local layout has it (the factory says so: Replicator.prefill_more)."""
+        """Only called where the wrapped layout `supports_chunks` (Replicator declares what it does)."""
         ids = tuple(int(t) for t in tokens)
         return self.replicator.run(Op(PREFILL_MORE, self.batch, ids), lambda: self.local.prefill_more(tokens))
 
@@ -190,10 +206,11 @@ class ReplicatedBatch:
         return held_bytes(self.local)
 
 
-def follow(model: Any, factory: KVFactory, device: torch.device, receive: Callable[[], Op] = lambda: broadcast(None)
+def follow(model: Any, layout: KVLayout, device: torch.device, receive: Callable[[], Op] = lambda: broadcast(None)
            ) -> dict[int, KVBatch]:
     """A follower rank's loop: apply rank 0's ops to batches of its own until STOP, then return the
-    batches still held (those rank 0 still held). An exception (a collective's timeout, rank 0 gone)
+    batches still held (those rank 0 still held). `layout` is rank 0's, unwrapped, already prepared
+    for `model` (engine/build.py `follower_layout`). An exception (a collective's timeout, rank 0 gone)
     leaves the loop: the process ends and rank 0 notices."""
     batches: dict[int, KVBatch] = {}
     while True:
@@ -205,8 +222,8 @@ def follow(model: Any, factory: KVFactory, device: torch.device, receive: Callab
         if op.kind == NOOP:
             continue
         if op.kind == PREFILL:
-            batches[op.batch] = factory(model, [list(p) for p in op.ids], pad_id=op.pad_id, device=device,
-                                        prompt_logits=op.prompt_logits).kv
+            batches[op.batch] = layout.prefill(model, [list(p) for p in op.ids], pad_id=op.pad_id, device=device,
+                                               prompt_logits=op.prompt_logits).kv
         elif op.kind == FEED:
             batches[op.batch].feed(torch.tensor(op.ids, dtype=torch.long, device=device))
         elif op.kind == DECODE:

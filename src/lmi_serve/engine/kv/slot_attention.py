@@ -8,8 +8,8 @@ tensor, and `parts_attention` runs transformers' SDPA attention once per part, o
 queries, K, V and the last `len_p` columns of the batch's mask. For a plain tensor it is exactly
 transformers' `sdpa_attention_forward`, except in a decode step without a mask (`decode_attention`).
 
-`use_parts(model)` (the scheduler calls it for every decoder-only model, so every KV cache attends
-the same way) switches a model whose attention is SDPA, dispatched through transformers'
+`use_parts(model)` (called by the decoder-only layouts' `prepare`, kv/dynamic.py, so every KV cache
+attends the same way) switches a model whose attention is SDPA, dispatched through transformers'
 attention interface, to this function (registered as `ATTENTION`, with SDPA's mask builder); a model
 with another attention (eager, or one that tests for "sdpa" by name, such as Falcon) keeps it, and a
 slot cache for it stays in one part.
@@ -81,6 +81,13 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 def _attention_configs(model: Any) -> list[Any]:
     config = model.config
     return [config, *(c for c in (getattr(config, "text_config", None),) if c is not None and c is not config)]
+
+
+def attends_by_parts(model: Any) -> bool:
+    """Whether `model` attends with `parts_attention` now (`use_parts` made it so)."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return False
+    return {getattr(c, "_attn_implementation", None) for c in _attention_configs(model)} == {ATTENTION}
 
 
 def use_parts(model: Any) -> bool:

@@ -40,9 +40,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lmi_serve.engine.kv.dynamic import DynamicKV, leading_padding
+from lmi_serve.engine.kv.dynamic import DynamicKV, DynamicLayout, leading_padding
 from lmi_serve.engine.kv.protocol import Prefilled
-from lmi_serve.engine.kv.slot_attention import Parts, use_parts
+from lmi_serve.engine.kv.slot_attention import Parts, attends_by_parts
 
 ROW_STEP = 8  # row capacity grows in multiples of this
 MIN_COLUMNS = 256  # column capacity: at least this, doubling as sequences grow
@@ -248,8 +248,7 @@ class SlotKV(DynamicKV):
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
                 prompt_logits: bool = False) -> Prefilled:
-        """The `KVFactory`: DynamicKV's prefill, its cache then moved into slot buffers."""
-        use_parts(model)
+        """DynamicKV's prefill, its cache then moved into slot buffers."""
         out = DynamicKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
         dynamic = out.kv
         kv = cls(model, _adopt(dynamic.cache), dynamic.mask, dynamic.next_pos, dynamic.pending)
@@ -285,10 +284,11 @@ class SlotKV(DynamicKV):
 
     def _consolidate(self) -> None:
         """Merge neighbouring parts where that adds little padding (`merges`); a model that attends
-        without kv/slot_attention.py keeps one part."""
+        without kv/slot_attention.py (not SDPA, or not prepared: SlotLayout.prepare) keeps one part."""
         rows, lengths = self.part_shapes()
         if len(rows) > 1:
-            self._merge_parts(merges(rows, lengths, self.merge_slack) if use_parts(self.model) else [0] * (len(rows) - 1))
+            by_parts = attends_by_parts(self.model)
+            self._merge_parts(merges(rows, lengths, self.merge_slack) if by_parts else [0] * (len(rows) - 1))
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`, then drop leading columns that became padding in every row of
@@ -345,6 +345,22 @@ class SlotKV(DynamicKV):
             first = slot.length - int(self.next_pos[row])
             out.append((slot.keys[local, :, first + start:first + end], slot.values[local, :, first + start:first + end]))
         return out
+
+
+class SlotLayout(DynamicLayout):
+    """SlotKV's layout: DynamicLayout's declarations and attention, and a bound on memory to check
+    at start-up (`slot_bytes`)."""
+
+    name = "slots"
+
+    def __init__(self, kv_class: type[SlotKV] = SlotKV):
+        super().__init__(kv_class)
+
+    def memory_bytes(self, model: Any, rows: int, columns: int) -> int:
+        return slot_bytes(model, rows, columns)
+
+
+SLOTS = SlotLayout()
 
 
 def slot_bytes(model: Any, rows: int, columns: int) -> int:

@@ -12,24 +12,14 @@ properties instead, validated back into a ModelConfig. Two modes, chosen once at
 
 from __future__ import annotations
 
-import atexit
-import logging
-from pathlib import Path
-
 import torch
 
 from lmi_serve.config.sources import ModelConfig, tensor_parallel_conflict
 from lmi_serve.dialects.common.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
-from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
+from lmi_serve.engine.build import build_engine, prepare_serving
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache, supports_prefixes
-from lmi_serve.engine.kv.replicate import Replicator
-from lmi_serve.engine.kv.select import choose_kv
-from lmi_serve.engine.kv.slot_attention import use_parts
-from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
-from lmi_serve.engine.support import check_supported
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
@@ -39,8 +29,6 @@ from lmi_serve.model.quantize import QuantizeReport, quantize_model
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
 
-log = logging.getLogger(__name__)
-
 
 def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
     """option.quantize: swap the Linear layers (model/quantize.py); q4 reads the GGUF the model came from."""
@@ -48,10 +36,6 @@ def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
     if config.quantize == "q4":
         gguf = find_gguf(resolve_model_source(config.model_id or config.model_dir), config.gguf_file)
     return quantize_model(model, config.quantize, device, gguf)
-
-
-def _adapters_folder(config: ModelConfig) -> Path | None:
-    return model_adapters_folder(config.model_dir, config.model_id)
 
 
 def _tensor_parallel(config: ModelConfig, context: HandlerContext) -> TPGroup | None:
@@ -89,42 +73,20 @@ class TextGenerationService:
         # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
         kernel = "torch" if self.tp_group is not None else config.linear_kernel
         self.linear_kernel = use_linear_kernel(self.model, kernel, self.device)
-        # Both modes batch rows in the engine's left-padded cache: a model it cannot serve exactly
-        # fails the load here (UnsupportedModel), before the warm-up runs it.
-        check_supported(self.model)
-        # After the swaps above: LoRA wraps the layers as they will run (model/lora.py).
-        self.adapters: Adapters | None = None
-        if config.enable_lora:
-            if not context.rolling_batch:
-                raise ValueError("option.enable_lora: LoRA adapters need the rolling batch, and this model is "
-                                 "served with dynamic batching")
-            self.adapters = start_adapters(self.model, self.device, max_loras=config.max_loras,
-                                           max_rank=config.max_lora_rank, dtype=config.lora_dtype,
-                                           folder=_adapters_folder(config))
+        # After the swaps above (LoRA wraps the layers as they will run) and before the warm-up: the
+        # support check, LoRA, the context limit, the KV layout, tensor parallelism (engine/build.py).
+        serving = prepare_serving(self.model, self.device, config, rolling=context.rolling_batch,
+                                  tp_group=self.tp_group)
+        self.kv_layout, self.max_model_len = serving.kv_layout, serving.max_model_len
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        window = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(config.max_model_len or window, window)
         self.max_input_len = config.max_input_len or self.max_model_len - 1
         self.streaming = config.enable_streaming
-        rows = config.max_rolling_batch_size if context.rolling_batch else config.batch_size
-        self.kv_factory = choose_kv(self.model, config.kv_cache, rows=rows, columns=self.max_model_len)
-        if self.tp_group is not None:  # every model call also runs on the other ranks (engine/kv/replicate.py)
-            use_parts(self.model)  # before the warm-up, as the followers do
-            replicator = Replicator(self.kv_factory, on_error=self.tp_group.fail)
-            self.kv_factory = replicator.prefill
-            atexit.register(self.tp_group.stop, replicator.stop)  # the worker exits: so do the followers
-        prefix_cache = self._prefix_cache(config, context)
         self._warm_up()
         self.engine: Engine | None = None
         self.rolling: RollingBatchService | None = None
         if context.rolling_batch:
-            self.engine = Engine(self.model, self.tokenizer, self.device, kv_factory=self.kv_factory,
-                                 prefix_cache=prefix_cache,
-                                 max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
-                                 predict_timeout=config.predict_timeout,
-                                 max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
-                                 max_model_len=self.max_model_len, name=config.name,
-                                 watermark=self._watermark(config), adapters=self.adapters).start()
+            self.engine = build_engine(self.model, self.tokenizer, self.device, config, serving,
+                                       tp_group=self.tp_group).start()
             # A model.py without handle() may still bring formatter hooks (context.*_formatter).
             self.rolling = RollingBatchService(
                 self.engine, max_input_len=self.max_input_len, tgi_compat=config.tgi_compat,
@@ -132,33 +94,11 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name)
-        if self.tp_group is not None and self.engine is not None:
-            self.tp_group.on_failure(self.engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
-
-    def _watermark(self, config: ModelConfig) -> Watermark:
-        """The model's watermark for requests that ask for one (TGI's `watermark`), built once."""
-        vocab = getattr(self.model.config, "vocab_size", None) or len(self.tokenizer)
-        return Watermark(vocab, self.device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
-
-    def _prefix_cache(self, config: ModelConfig, context: HandlerContext) -> PrefixCache | None:
-        """The prefix cache option.enable_prefix_caching asks for; a start-up error where it cannot
-        work (no rolling batch, or a KV cache that cannot start a row from a cached prefix)."""
-        if not config.enable_prefix_caching:
-            return None
-        if not context.rolling_batch:
-            raise ValueError("option.enable_prefix_caching: prefix caching needs the rolling batch, and this model "
-                             "is served with dynamic batching")
-        if not supports_prefixes(self.kv_factory):
-            raise ValueError("option.enable_prefix_caching: this model's KV cache cannot start a row from a "
-                             "cached prefix (encoder-decoder models are not supported)")
-        log.info("Prefix caching on: blocks of %d prompt tokens, at most %d MiB", BLOCK_TOKENS,
-                 config.prefix_cache_mb)
-        return PrefixCache(config.prefix_cache_mb * 2**20)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
         request = GenerationRequest(tuple(self.tokenizer("Hello").input_ids), stop=StopParams(max_new_tokens=2))
-        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_factory):
+        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_layout):
             pass
 
     def _to_generation_requests(self, parsed: DynamicBatchRequest) -> list[GenerationRequest]:
@@ -184,7 +124,7 @@ class TextGenerationService:
         return parsed, self._to_generation_requests(parsed)
 
     def _stream(self, requests: list[GenerationRequest]):
-        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_factory):
+        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_layout):
             if event.text:
                 yield [event.text]
 
@@ -200,7 +140,7 @@ class TextGenerationService:
         results = [GenerationResult(len(r.prompt_ids)) for _, r in flat]
         if flat:
             for row, event in generate_static_batch(self.model, self.tokenizer, self.device, [r for _, r in flat],
-                                                         self.kv_factory):
+                                                         self.kv_layout):
                 results[row].events.append(event)
         for index, (request, _) in parsed.items():
             texts = [res.text for (owner, _), res in zip(flat, results) if owner == index]

@@ -1,0 +1,114 @@
+"""Building the engine: a loaded model and its validated `ModelConfig` become what serves it.
+
+The one place that wires the engine's parts together from the configuration: the support check,
+LoRA adapters, the context limit, the KV layout (chosen, memory-checked, prepared, replicated over
+the tensor-parallel ranks), the prefix cache, the watermark and the `Engine`. The built-in handler
+(serving/handlers/huggingface.py) calls `prepare_serving`, warms the model up, then `build_engine`;
+a tensor-parallel follower (server/tp_follower.py) calls `follower_layout`. The engine's own modules
+take their parts as arguments and choose none of them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lmi_serve.config.sources import ModelConfig
+from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
+from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
+from lmi_serve.engine.kv.protocol import KVLayout
+from lmi_serve.engine.kv.replicate import Replicator
+from lmi_serve.engine.kv.select import choose_kv, layout_for
+from lmi_serve.engine.policy import max_model_len
+from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
+from lmi_serve.engine.support import check_supported
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a model is served with, decided once at start-up, in either batching mode."""
+
+    kv_layout: KVLayout  # prepared for the model; with tensor parallelism, a Replicator
+    max_model_len: int  # the context limit: option.max_model_len, capped at the model's window
+    adapters: Adapters | None = None  # option.enable_lora (the model's layers wrapped)
+    prefix_cache: PrefixCache | None = None  # option.enable_prefix_caching
+
+
+def prepare_serving(model: Any, device: Any, config: ModelConfig, *, rolling: bool, tp_group: Any = None) -> Serving:
+    """Check `model`, wrap it for LoRA and choose its KV layout, before anything runs it (the warm-up).
+    `rolling`: served by the rolling batch (else dynamic batching: `config.batch_size` rows, and no
+    LoRA or prefix cache). `tp_group` (model/tp.py `TPGroup`): rank 0 of a tensor-parallel group, whose
+    layout replays every KV operation on the other ranks. Raises UnsupportedModel or ValueError,
+    naming the option at fault."""
+    # Before LoRA wraps the layers and before the warm-up: a model the engine would answer wrongly
+    # never runs. (Engine checks again: it is also built without this function.)
+    check_supported(model)
+    adapters = _adapters(model, device, config, rolling)  # after the linear-layer swaps the caller made
+    length = max_model_len(model, config.max_model_len)
+    rows = config.max_rolling_batch_size if rolling else config.batch_size
+    layout = choose_kv(model, config.kv_cache, rows=rows, columns=length)
+    layout.prepare(model)  # before the warm-up's forward; followers prepare theirs the same way
+    if tp_group is not None:
+        layout = _replicated(layout, tp_group)
+    return Serving(layout, length, adapters, _prefix_cache(config, layout, rolling))
+
+
+def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, serving: Serving, *,
+                 tp_group: Any = None) -> Engine:
+    """The rolling-batch Engine (not started) for `model` as `serving` says, with the config's limits
+    and the model's watermark. With `tp_group`, a rank that dies fails the engine."""
+    vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
+    watermark = Watermark(vocab, device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
+    engine = Engine(model, tokenizer, device, kv_layout=serving.kv_layout, prefix_cache=serving.prefix_cache,
+                    max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
+                    predict_timeout=config.predict_timeout, max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
+                    max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
+                    adapters=serving.adapters)
+    if tp_group is not None:
+        tp_group.on_failure(engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
+    return engine
+
+
+def follower_layout(model: Any, config: ModelConfig) -> KVLayout:
+    """A tensor-parallel follower's layout: rank 0's, unwrapped (the follower replays its ops), and
+    prepared as rank 0's is, so every rank's shard runs the same forward."""
+    layout = layout_for(model, config.kv_cache)
+    layout.prepare(model)
+    return layout
+
+
+def _adapters(model: Any, device: Any, config: ModelConfig, rolling: bool) -> Adapters | None:
+    if not config.enable_lora:
+        return None
+    if not rolling:
+        raise ValueError("option.enable_lora: LoRA adapters need the rolling batch, and this model is "
+                         "served with dynamic batching")
+    return start_adapters(model, device, max_loras=config.max_loras, max_rank=config.max_lora_rank,
+                          dtype=config.lora_dtype, folder=model_adapters_folder(config.model_dir, config.model_id))
+
+
+def _replicated(layout: KVLayout, tp_group: Any) -> Replicator:
+    """`layout` on every rank (engine/kv/replicate.py); a failed op fails the group."""
+    replicator = Replicator(layout, on_error=tp_group.fail)
+    atexit.register(tp_group.stop, replicator.stop)  # the worker exits: so do the followers
+    return replicator
+
+
+def _prefix_cache(config: ModelConfig, layout: KVLayout, rolling: bool) -> PrefixCache | None:
+    """The prefix cache option.enable_prefix_caching asks for; a start-up error where it cannot work
+    (no rolling batch, or a layout that does not declare `supports_prefixes`)."""
+    if not config.enable_prefix_caching:
+        return None
+    if not rolling:
+        raise ValueError("option.enable_prefix_caching: prefix caching needs the rolling batch, and this model "
+                         "is served with dynamic batching")
+    if not layout.supports_prefixes:
+        raise ValueError("option.enable_prefix_caching: this model's KV cache cannot start a row from a "
+                         "cached prefix (encoder-decoder models are not supported)")
+    log.info("Prefix caching on: blocks of %d prompt tokens, at most %d MiB", BLOCK_TOKENS, config.prefix_cache_mb)
+    return PrefixCache(config.prefix_cache_mb * 2**20)

@@ -1,0 +1,114 @@
+"""engine/build.py: a loaded model and its ModelConfig become the KV layout and the Engine that serve it,
+as the built-in handler wired them (tests/unit/serving/test_handler_protocol.py checks the handler's
+Engine arguments end to end), and a tensor-parallel follower gets the same layout, prepared."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from lmi_serve.config.models import ModelConfig
+from lmi_serve.engine import build
+from lmi_serve.engine.build import Serving, build_engine, follower_layout, prepare_serving
+from lmi_serve.engine.kv.dynamic import DYNAMIC
+from lmi_serve.engine.kv.encdec import ENCODER_DECODER
+from lmi_serve.engine.kv.prefix_cache import PrefixCache
+from lmi_serve.engine.kv.replicate import Replicator
+from lmi_serve.engine.kv.slot_attention import attends_by_parts
+from lmi_serve.engine.kv.slots import SLOTS
+from lmi_serve.engine.support import UnsupportedModel
+
+from tiny_seq2seq import tiny_seq2seq  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def config(**options) -> ModelConfig:
+    return ModelConfig(name="m", model_id="x", **options)
+
+
+def unprepared(model):
+    model = copy.deepcopy(model)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+class FakeGroup:
+    """model/tp.py's TPGroup as build.py uses it."""
+
+    def __init__(self):
+        self.failures, self.watchers, self.stops = [], [], []
+
+    def fail(self, reason: str) -> None:
+        self.failures.append(reason)
+
+    def on_failure(self, callback) -> None:
+        self.watchers.append(callback)
+
+    def stop(self, *callbacks) -> None:
+        self.stops.append(callbacks)
+
+
+def test_prepare_serving_chooses_prepares_and_caps(tiny_model):
+    model = unprepared(tiny_model)
+    serving = prepare_serving(model, CPU, config(kv_cache="dynamic", max_model_len=4096, enable_prefix_caching=True,
+                                                 prefix_cache_mb=3), rolling=True)
+    assert serving.kv_layout is DYNAMIC and attends_by_parts(model)  # prepared before any forward (the warm-up)
+    assert serving.max_model_len == 512  # capped at the model's window
+    assert serving.adapters is None
+    assert isinstance(serving.prefix_cache, PrefixCache) and serving.prefix_cache.budget_bytes == 3 * 2**20
+    default = prepare_serving(model, CPU, config(), rolling=False)
+    assert default == Serving(SLOTS, 512, None, None)
+
+
+def test_prepare_serving_refuses_what_cannot_work(tiny_model, smollm2_tokenizer):
+    with pytest.raises(ValueError, match="^option.enable_prefix_caching: .*needs the rolling batch"):
+        prepare_serving(tiny_model, CPU, config(enable_prefix_caching=True), rolling=False)
+    with pytest.raises(ValueError, match="^option.enable_lora: LoRA adapters need the rolling batch"):
+        prepare_serving(tiny_model, CPU, config(enable_lora=True), rolling=False)
+    seq2seq = tiny_seq2seq("t5", len(smollm2_tokenizer))
+    with pytest.raises(ValueError, match="^option.enable_prefix_caching: this model's KV cache cannot start a row"):
+        prepare_serving(seq2seq, CPU, config(enable_prefix_caching=True), rolling=True)
+    assert prepare_serving(seq2seq, CPU, config(kv_cache="dynamic"), rolling=True).kv_layout is ENCODER_DECODER
+    unsupported = unprepared(tiny_model)
+    unsupported.config.layer_types = ["unknown_attention"] * unsupported.config.num_hidden_layers
+    with pytest.raises(UnsupportedModel):
+        prepare_serving(unsupported, CPU, config(), rolling=True)
+
+
+def test_with_tensor_parallelism_the_layout_is_replicated(tiny_model, monkeypatch):
+    group, registered = FakeGroup(), []
+    monkeypatch.setattr(build, "Replicator", functools.partial(Replicator, send=lambda op: None, heartbeat=None))
+    monkeypatch.setattr(build.atexit, "register", lambda *args: registered.append(args))
+    serving = prepare_serving(tiny_model, CPU, config(), rolling=True, tp_group=group)
+    replicator = serving.kv_layout
+    assert isinstance(replicator, Replicator) and replicator.inner is SLOTS
+    assert registered == [(group.stop, replicator.stop)]  # the worker exits: so do the followers
+    replicator._on_error("gone")
+    assert group.failures == ["gone"]
+
+
+def test_build_engine_is_the_handlers_engine(tiny_model, smollm2_tokenizer):
+    options = config(kv_cache="dynamic", max_rolling_batch_size=5, job_queue_size=9, predict_timeout=3.5,
+                     max_rolling_batch_prefill_tokens=64, max_model_len=300, enable_prefix_caching=True,
+                     watermark_gamma=0.25, watermark_delta=1.5)
+    serving = prepare_serving(tiny_model, CPU, options, rolling=True)
+    group = FakeGroup()
+    engine = build_engine(tiny_model, smollm2_tokenizer, CPU, options, serving, tp_group=group)
+    scheduler = engine.scheduler
+    assert scheduler.kv_layout is DYNAMIC and scheduler.prefixes is serving.prefix_cache
+    assert (scheduler.max_batch_size, scheduler.max_queue, scheduler.max_prefill_tokens) == (5, 9, 64)
+    assert (engine.max_model_len, engine.predict_timeout, engine.name) == (300, 3.5, "m")
+    assert engine.watermark is not None and engine.adapters is None
+    assert group.watchers == [engine.fail]  # a dead rank fails the engine
+    assert not engine.alive  # the caller starts it
+
+
+def test_a_follower_gets_rank_0s_layout_unwrapped_and_prepared(tiny_model, smollm2_tokenizer):
+    model = unprepared(tiny_model)
+    assert follower_layout(model, config(kv_cache="dynamic")) is DYNAMIC and attends_by_parts(model)
+    assert follower_layout(model, config()) is SLOTS
+    assert follower_layout(tiny_seq2seq("bart", len(smollm2_tokenizer)), config()) is ENCODER_DECODER
