@@ -17,9 +17,9 @@ from pathlib import Path
 
 from lmi_serve.config.sources import KIND_NAMES, ConfigError, build_server_config
 from lmi_serve.server import logs
+from lmi_serve.server import security
 from lmi_serve.server.gpus import count_gpus, plan_gpus
 from lmi_serve.server.gunicorn_app import run_gunicorn
-from lmi_serve.server import security
 
 log = logging.getLogger("lmi_serve")
 

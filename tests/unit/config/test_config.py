@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from lmi_serve.config import sources as config
 from lmi_serve.config.sources import (
     ConfigError, ModelConfig, ServerConfig, build_server_config, load_model_config, read_properties,
 )
-from lmi_serve.config import sources as config
 
 
 def model_folder(root: Path, name: str, properties: str | None = None, *,

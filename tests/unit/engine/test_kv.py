@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.kv import slots as kv_slots
 from lmi_serve.engine.kv.dynamic import DYNAMIC, DynamicKV
 from lmi_serve.engine.kv.encdec import EncoderDecoderKV, decoder_prompt
-from lmi_serve.engine.kv import slots as kv_slots
 from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled
 from lmi_serve.engine.kv.select import KV_LAYOUTS, choose_kv, layout_for
 from lmi_serve.engine.kv.slots import SLOTS, SlotKV, merges

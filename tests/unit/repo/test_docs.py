@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from markdown.extensions.toc import slugify
 
-from lmi_serve.config.models import ModelConfig
 from lmi_serve.config import doc as config_doc
+from lmi_serve.config.models import ModelConfig
 from lmi_serve.config.sources import load_model_config
 
 ROOT = Path(__file__).resolve().parents[3]
