@@ -31,17 +31,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class ServerProcess:
-    """`python -m lmi_serve` on a free port; ready when /ping answers 200."""
+def process_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a server starts with: the caller's, less the server's configuration variables, plus `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(_CONFIG_PREFIXES)}
+    return {**clean, "PYTHONUNBUFFERED": "1", **(env or {})}
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+
+class ServerProcess:
+    """`python -m lmi_serve` on a free port; ready when /ping answers 200. `python` and `cwd` are the
+    project's interpreter and checkout unless a test serves from elsewhere (an installed wheel)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, python: str = sys.executable,
+                 cwd: Path = ROOT):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        clean = {k: v for k, v in os.environ.items() if not k.startswith(_CONFIG_PREFIXES)}
-        self.env = {**clean, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = process_env(env)
         self.args = ["--port", str(self.port), *args]
         self.log = tempfile.NamedTemporaryFile(prefix="lmi-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmi_serve", *self.args], cwd=ROOT, env=self.env,
+        self.proc = subprocess.Popen([python, "-m", "lmi_serve", *self.args], cwd=cwd, env=self.env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def url(self, path: str) -> str:
@@ -83,10 +90,11 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def serving(*args: str, env: dict[str, str] | None = None, timeout: float = 420) -> Iterator[ServerProcess]:
+def serving(*args: str, env: dict[str, str] | None = None, timeout: float = 420, python: str = sys.executable,
+            cwd: Path = ROOT) -> Iterator[ServerProcess]:
     """A ServerProcess once /ping has answered 200, stopped on leaving the block (a fixture's
     `with serving(...) as server: yield server`)."""
-    server = ServerProcess(*args, env=env)
+    server = ServerProcess(*args, env=env, python=python, cwd=cwd)
     try:
         server.wait_for_ping(timeout=timeout)
         yield server

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import requests
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError
 from text_generation import Client
 from text_generation.errors import ValidationError
 
@@ -165,21 +165,21 @@ def test_a_stop_sequence_ends_the_text(server, expected):
     assert response.generated_text == text[:text.index(stop)]  # as for every model here: without the stop
 
 
-def test_prompt_logprobs_are_refused_by_name(server):
+def test_prompt_logprobs_are_refused_by_name(server, openai_client):
     client = Client(server.base, headers={"model_name": T5}, timeout=120)
     with pytest.raises(ValidationError, match="encoder-decoder"):
         client.generate(PROMPTS[0], max_new_tokens=2, decoder_input_details=True)
-    openai = OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0)
+    openai = openai_client(server, strict=False)
     with pytest.raises(BadRequestError, match="encoder-decoder"):
         openai.completions.create(model=T5, prompt=PROMPTS[0], max_tokens=2, echo=True, logprobs=1)
 
 
-def test_openai_completions_streamed_and_not(server, expected):
-    client = OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+def test_openai_completions_streamed_and_not(server, expected, openai_client):
+    client = openai_client(server)
     # The client's chunk type has a non-nullable finish_reason, which OpenAI's own streams send as
     # null until the last chunk: streams are read without strict validation (as in
     # test_openai_completions.py).
-    lenient = OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0)
+    lenient = openai_client(server, strict=False)
     for prompt, (text, _) in zip(PROMPTS, expected[T5]):
         whole = client.completions.create(model=T5, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
         assert whole.choices[0].text == text
@@ -188,8 +188,8 @@ def test_openai_completions_streamed_and_not(server, expected):
         assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == text
 
 
-def test_openai_chat_without_a_chat_template_is_refused(server):
-    client = OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+def test_openai_chat_without_a_chat_template_is_refused(server, openai_client):
+    client = openai_client(server)
     with pytest.raises(BadRequestError) as refused:
         client.chat.completions.create(model=T5, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert refused.value.status_code == 400

@@ -109,11 +109,11 @@ def text(server, prompt: str, adapter: str | None = None) -> str:
     return response.json()["generated_text"]
 
 
-def test_the_adapters_folder_is_registered_at_start(server, folders):
+def test_the_adapters_folder_is_registered_at_start(server, folders, openai_client):
     listed = requests.get(server.url(f"/models/{MODEL}/adapters"), timeout=30).json()["adapters"]
     assert [(a["name"], a["src"]) for a in listed] == [("alpha", str(folders["alpha"])),
                                                        ("beta", str(folders["beta"]))]
-    cards = {c.id: c for c in openai.OpenAI(base_url=server.url("/v1"), api_key="x").models.list().data}
+    cards = {c.id: c for c in openai_client(server, strict=False).models.list().data}
     assert cards["alpha"].parent == MODEL and cards["beta"].parent == MODEL and MODEL in cards
 
 
@@ -134,7 +134,7 @@ def test_a_concurrent_mix_of_adapters_equals_the_requests_one_by_one(server, exp
     assert one_by_one == [expected(a, i) for i, (_, a) in enumerate(mix)]
 
 
-def test_each_dialect_chooses_the_adapter_and_refuses_an_unknown_one(server, expected):
+def test_each_dialect_chooses_the_adapter_and_refuses_an_unknown_one(server, expected, openai_client):
     prompt, want = PROMPTS[0], expected("beta", 0)
     # LMI: top-level `adapters` too, and the SageMaker header
     top = requests.post(server.url("/invocations"), timeout=180, json={
@@ -146,7 +146,7 @@ def test_each_dialect_chooses_the_adapter_and_refuses_an_unknown_one(server, exp
     missing = invoke(server, prompt, "nope")
     assert missing.status_code == 404 and "Adapter nope is not registered" in missing.json()["message"]
     # OpenAI: `model` names the adapter
-    client = openai.OpenAI(base_url=server.url("/v1"), api_key="x")
+    client = openai_client(server, strict=False)
     completion = client.completions.create(model="beta", prompt=prompt, max_tokens=TOKENS, temperature=0)
     assert completion.choices[0].text == want and completion.model == "beta"
     with pytest.raises(openai.NotFoundError, match="nope"):

@@ -52,8 +52,7 @@ def triton(server, prompt: str, stream: bool) -> str:
     return "".join(json.loads(e.data)["text_output"] for e in sseclient.SSEClient(response).events())
 
 
-def openai_chat(server, model: str, question: str, stream: bool) -> str:
-    client = OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0)
+def openai_chat(client: OpenAI, model: str, question: str, stream: bool) -> str:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     if not stream:
         return client.chat.completions.create(model=model, messages=messages, max_tokens=NEW_TOKENS,
@@ -95,9 +94,11 @@ def test_every_dialect_answers_what_the_uncached_server_does(store_server, promp
     assert 0 < after["bytes"] and after["blocks"] > 0
 
 
-def test_chats_sharing_a_system_prompt_answer_what_the_uncached_server_does(store_server, default_server):
+def test_chats_sharing_a_system_prompt_answer_what_the_uncached_server_does(store_server, default_server,
+                                                                           openai_client):
+    cached, uncached = openai_client(store_server, strict=False), openai_client(default_server, strict=False)
     for question in QUESTIONS:
-        expected = openai_chat(default_server, "smollm2-135m-instruct", question, stream=False)
-        assert openai_chat(store_server, MODEL, question, stream=False) == expected
-        assert openai_chat(store_server, MODEL, question, stream=True) == expected
+        expected = openai_chat(uncached, "smollm2-135m-instruct", question, stream=False)
+        assert openai_chat(cached, MODEL, question, stream=False) == expected
+        assert openai_chat(cached, MODEL, question, stream=True) == expected
     assert prefix_stats(store_server)["hits"] >= 2 * len(QUESTIONS) - 1

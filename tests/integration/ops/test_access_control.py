@@ -53,11 +53,11 @@ def prompt(label: str) -> str:
     return f"{MARKER} {label}: the capital of France is"
 
 
-def test_openai_client(server):
-    right = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0)
+def test_openai_client(server, openai_client):
+    right = openai_client(server, api_key=KEY, strict=False)
     completion = right.completions.create(model=MODEL, prompt=prompt("openai"), max_tokens=3, temperature=0)
     assert completion.usage.completion_tokens == 3
-    wrong = openai.OpenAI(base_url=server.url("/v1"), api_key=WRONG, max_retries=0)
+    wrong = openai_client(server, api_key=WRONG, strict=False)
     with pytest.raises(openai.AuthenticationError) as caught:
         wrong.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt("x")}], max_tokens=2)
     assert caught.value.code == "invalid_api_key"

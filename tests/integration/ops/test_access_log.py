@@ -31,8 +31,8 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0)
+def client(server, openai_client) -> OpenAI:
+    return openai_client(server, api_key=KEY, strict=False)
 
 
 def records(server) -> list[dict]:

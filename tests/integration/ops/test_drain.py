@@ -11,7 +11,6 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from openai import OpenAI
 from text_generation import Client
 from text_generation.errors import GenerationError, UnknownError
 from text_generation.types import FinishReason
@@ -41,8 +40,9 @@ def start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Serv
     return server
 
 
-def openai_stream(server: ServerProcess, max_tokens: int) -> Stream:
-    client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0, timeout=300)
+def openai_stream(openai_client, server: ServerProcess, max_tokens: int) -> Stream:
+    """A chat stream in its own thread; `openai_client` is the fixture (tests/integration/conftest.py)."""
+    client = openai_client(server, strict=False, timeout=300)
     return Stream(lambda: client.chat.completions.create(
         model=MODEL, messages=COUNT, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
@@ -67,11 +67,11 @@ def answers(server: ServerProcess, path: str, status: int) -> bool:
         return False
 
 
-def test_sigterm_drains_streams_in_flight_and_refuses_new_work(tmp_path):
+def test_sigterm_drains_streams_in_flight_and_refuses_new_work(tmp_path, openai_client):
     # A timeout far beyond the streams: the server exits when they end, not at the timeout.
     server = start(tmp_path, "--workers", "2", env={"SERVING_GRACEFUL_TIMEOUT": "600"})
     try:
-        chat, tgi = openai_stream(server, 200), tgi_stream(server, 200)
+        chat, tgi = openai_stream(openai_client, server, 200), tgi_stream(server, 200)
         in_flight(chat, tgi)
         os.kill(server.proc.pid, signal.SIGTERM)  # the gunicorn master, as `docker stop` does
 
@@ -87,7 +87,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_work(tmp_path):
         assert requests.get(server.url("/metrics"), timeout=10).status_code == 200
 
         with pytest.raises(openai.InternalServerError) as refused:
-            OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0).chat.completions.create(
+            openai_client(server, strict=False).chat.completions.create(
                 model=MODEL, messages=COUNT, max_tokens=2)
         assert refused.value.status_code == 503
         assert refused.value.body["type"] == "service_unavailable" and "shutting down" in refused.value.body["message"]
@@ -110,10 +110,10 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_work(tmp_path):
         server.stop()
 
 
-def test_graceful_timeout_ends_streams_with_their_error_event(tmp_path):
+def test_graceful_timeout_ends_streams_with_their_error_event(tmp_path, openai_client):
     server = start(tmp_path, env={"SERVING_GRACEFUL_TIMEOUT": "1"})
     try:
-        chat, tgi = openai_stream(server, 4000), tgi_stream(server, 4000)
+        chat, tgi = openai_stream(openai_client, server, 4000), tgi_stream(server, 4000)
         in_flight(chat, tgi)
         os.kill(server.proc.pid, signal.SIGTERM)
         chat.result(), tgi.result()
@@ -125,10 +125,10 @@ def test_graceful_timeout_ends_streams_with_their_error_event(tmp_path):
         server.stop()
 
 
-def test_a_second_sigterm_stops_at_once(tmp_path):
+def test_a_second_sigterm_stops_at_once(tmp_path, openai_client):
     server = start(tmp_path, env={"SERVING_GRACEFUL_TIMEOUT": "600"})  # only the second SIGTERM can end it
     try:
-        chat = openai_stream(server, 4000)
+        chat = openai_stream(openai_client, server, 4000)
         in_flight(chat)
         os.kill(server.proc.pid, signal.SIGTERM)
         wait_for(lambda: answers(server, "/ping", 503), timeout=30)

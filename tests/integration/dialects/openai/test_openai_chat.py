@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 import requests
-from openai import AsyncOpenAI, OpenAI
+from openai import OpenAI
 from pydantic import BaseModel
 
 pytestmark = pytest.mark.integration
@@ -32,8 +32,8 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description":
 
 
 @pytest.fixture(scope="module")
-def client(default_server) -> OpenAI:
-    return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+def client(default_server, openai_client) -> OpenAI:
+    return openai_client(default_server)
 
 
 def chat(client, messages=CAPITAL, **kwargs):
@@ -241,13 +241,12 @@ def test_auto_tool_choice_may_answer_in_text(client):
     assert choice.message.tool_calls is None and choice.message.content and choice.finish_reason == "stop"
 
 
-def test_concurrent_greedy_chats_equal_sequential_ones(default_server, client):
+def test_concurrent_greedy_chats_equal_sequential_ones(default_server, client, openai_client):
     questions = ["What is the capital of France?", "Name a color.", "What is 2 + 2?", "Say hi.",
                  "Name a fruit.", "What is the largest ocean?", "Who wrote Hamlet?", "Name a planet."]
     sequential = [chat(client, messages=[{"role": "user", "content": q}], max_tokens=12).choices[0].message.content
                   for q in questions]
-    aclient = AsyncOpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0,
-                          _strict_response_validation=True)
+    aclient = openai_client(default_server, asynchronous=True)
 
     async def all_at_once():
         calls = [aclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],

@@ -18,8 +18,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def client(default_server) -> OpenAI:
-    return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+def client(default_server, openai_client) -> OpenAI:
+    return openai_client(default_server)
 
 
 def complete(client, prompt=PROMPT, **kwargs):
@@ -96,11 +96,11 @@ def test_sampled_tokens_are_in_their_own_top_logprobs(client):
     assert any(len(top) == 2 for top in logprobs.top_logprobs)
 
 
-def test_stream_chunks_are_text_completions_and_agree(default_server, client):
+def test_stream_chunks_are_text_completions_and_agree(default_server, client, openai_client):
     whole = complete(client, max_tokens=8)
     # The client reuses its non-stream type for chunks, whose finish_reason is not nullable; OpenAI
     # sends null until the last chunk, so strict validation cannot read any stream: not strict here.
-    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)
+    lenient = openai_client(default_server, strict=False)
     chunks = list(complete(lenient, max_tokens=8, stream=True))
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
@@ -110,8 +110,8 @@ def test_stream_chunks_are_text_completions_and_agree(default_server, client):
     assert all(c.usage is None for c in with_usage[:-1])
 
 
-def test_stream_continuous_usage_needs_include_usage_and_rises(default_server):
-    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)  # streams: see above
+def test_stream_continuous_usage_needs_include_usage_and_rises(default_server, openai_client):
+    lenient = openai_client(default_server, strict=False)  # streams: see above
     chunks = list(complete(lenient, max_tokens=6, stream=True,
                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
@@ -170,10 +170,10 @@ def test_embeddings_float_are_normalised_and_meaningful(client):
     assert response.usage.prompt_tokens == response.usage.total_tokens > 10
 
 
-def test_embeddings_base64_is_little_endian_float32(default_server, client):
+def test_embeddings_base64_is_little_endian_float32(default_server, client, openai_client):
     # The client asks for base64 by default and decodes it; its strict mode would reject the base64
     # string before decoding (it validates against the float schema), so this client is not strict.
-    lenient = OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)
+    lenient = openai_client(default_server, strict=False)
     decoded = lenient.embeddings.create(model=EMBEDDER, input="hello world").data[0].embedding
     floats = client.embeddings.create(model=EMBEDDER, input="hello world", encoding_format="float").data[0].embedding
     assert len(decoded) == 384

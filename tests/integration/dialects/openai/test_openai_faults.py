@@ -17,8 +17,8 @@ LONG_PROMPT = " ".join(f"word{i}" for i in range(120))  # ~240 tokens: over the 
 
 
 @pytest.fixture(scope="module")
-def client(store_server) -> OpenAI:
-    return OpenAI(base_url=store_server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+def client(store_server, openai_client) -> OpenAI:
+    return openai_client(store_server)
 
 
 def test_error_behavior_truncate_keeps_the_prompt_tail(client):

@@ -18,14 +18,14 @@ SHORT_ANSWER = [{"role": "user", "content": "What is 2+2? Reply with the number 
 
 
 @pytest.fixture(scope="module")
-def client(default_server) -> OpenAI:
-    return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0, _strict_response_validation=True)
+def client(default_server, openai_client) -> OpenAI:
+    return openai_client(default_server)
 
 
 @pytest.fixture(scope="module")
-def lenient(default_server) -> OpenAI:
+def lenient(default_server, openai_client) -> OpenAI:
     """For streams: the client's chunk types reject OpenAI's null finish_reason in strict mode."""
-    return OpenAI(base_url=default_server.url("/v1"), api_key="x", max_retries=0)
+    return openai_client(default_server, strict=False)
 
 
 def complete(client, prompt=PROMPT, **kwargs):
