@@ -1,6 +1,7 @@
 """The K/V memory budget (engine/kv/budget.py, option.gpu_memory_utilization): its arithmetic from a
 faked `torch.cuda`, admission waiting for room under a small budget (the real Scheduler on the tiny
-model, the capacity given directly), and the refusal of a request that could never fit."""
+model, the capacity given directly), the refusal of a request that could never fit, and a CUDA
+out-of-memory in a step failing only that step's rows."""
 
 from __future__ import annotations
 
@@ -167,6 +168,44 @@ def test_a_request_that_could_never_fit_is_refused_naming_the_option(tiny_model,
         engine.submit(greedy(prompt_ids[0], 6))
     assert f"prompt {len(prompt_ids[0])} + max_new_tokens 6" in str(refused.value)
     assert len(engine.scheduler.waiting) == 1
+
+
+# -- out of memory ---------------------------------------------------------------------------------
+
+
+class OutOfMemoryAtDecode:
+    """The tiny model, whose `fail_at`-th decode forward raises a CUDA out-of-memory."""
+
+    def __init__(self, model, fail_at: int):
+        self.model, self.fail_at, self.decodes = model, fail_at, 0
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def __call__(self, **kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            self.decodes += 1
+            if self.decodes == self.fail_at:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.model(**kwargs)
+
+
+def test_out_of_memory_in_a_decode_fails_its_rows_empties_the_cache_and_serving_goes_on(
+        monkeypatch, caplog, tiny_model, smollm2_tokenizer, prompt_ids):
+    tok = smollm2_tokenizer
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    scheduler = Scheduler(OutOfMemoryAtDecode(tiny_model, fail_at=2), tok, CPU, max_batch_size=2, max_queue=100)
+    requests = [greedy(prompt_ids[i], 6) for i in (0, 1, 2)]
+    handles = [RequestHandle(r, deadline=None) for r in requests]
+    for h in handles:
+        scheduler.add(h)  # the third waits for a row
+    with caplog.at_level(logging.WARNING, logger="lmi_serve.engine.scheduler"):
+        run_until_idle(scheduler, capacity=10**9)
+    for handle in handles[:2]:
+        last = list(handle)[-1]
+        assert last.finish_reason is FinishReason.ERROR and "out of memory" in last.error
+    assert [e.token_id for e in handles[2]] == alone(tiny_model, tok, requests[2])
+    assert emptied and scheduler.stats.failed_steps == 1
+    assert "CUDA out of memory in a step" in caplog.text
 
 
 # -- wiring ----------------------------------------------------------------------------------------
