@@ -224,6 +224,17 @@ class ModelConfig(BaseModel):
             "own cache"
         ),
     )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1,
+        description=(
+            "on a GPU, the share of the device's memory the model may use (vLLM's default, 0 < x ≤ 1): after "
+            "loading and warming up, this share of the total, less the memory in use and an activation reserve "
+            "for one prefill of `max_rolling_batch_prefill_tokens`, is the K/V budget, logged in tokens; a request"
+            " joins the rolling batch only when the tokens it may reach (prompt + max_new_tokens, capped at the "
+            "context) fit beside those the running rows may reach, else it waits; one that could not fit even "
+            "alone is refused. Unused on a CPU (the `slots` bound is checked against host memory)"
+        ),
+    )
     # Prompts that share a prefix reuse its K/V (engine/kv/prefix_cache.py), held within prefix_cache_mb.
     enable_prefix_caching: bool = Field(
         False,

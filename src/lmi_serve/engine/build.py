@@ -18,6 +18,7 @@ from typing import Any
 from lmi_serve.config.sources import ModelConfig
 from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
 from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv.budget import device_budget
 from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
 from lmi_serve.engine.kv.protocol import KVLayout
 from lmi_serve.engine.kv.replicate import Replicator
@@ -51,7 +52,7 @@ def prepare_serving(model: Any, device: Any, config: ModelConfig, *, rolling: bo
     adapters = _adapters(model, device, config, rolling)  # after the linear-layer swaps the caller made
     length = max_model_len(model, config.max_model_len)
     rows = config.max_rolling_batch_size if rolling else config.batch_size
-    layout = choose_kv(model, config.kv_cache, rows=rows, columns=length)
+    layout = choose_kv(model, config.kv_cache, rows=rows, columns=length, device=device)
     layout.prepare(model)  # before the warm-up's forward; followers prepare theirs the same way
     if tp_group is not None:
         layout = _replicated(layout, tp_group)
@@ -61,14 +62,23 @@ def prepare_serving(model: Any, device: Any, config: ModelConfig, *, rolling: bo
 def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, serving: Serving, *,
                  tp_group: Any = None) -> Engine:
     """The rolling-batch Engine (not started) for `model` as `serving` says, with the config's limits
-    and the model's watermark. With `tp_group`, a rank that dies fails the engine."""
+    and the model's watermark. With `tp_group`, a rank that dies fails the engine. On a GPU, after the
+    warm-up: the K/V budget of option.gpu_memory_utilization (kv/budget.py), logged once."""
+    budget = device_budget(model, device, serving.kv_layout, utilization=config.gpu_memory_utilization,
+                           prefill_tokens=config.max_rolling_batch_prefill_tokens, rows=config.max_rolling_batch_size)
+    if budget is not None:
+        log.info(budget.describe(serving.max_model_len, config.max_rolling_batch_size))
+        if budget.tokens < serving.max_model_len:
+            log.warning("The K/V budget (%d tokens) is under option.max_model_len (%d): requests that may reach "
+                        "more are refused; raise option.gpu_memory_utilization or lower option.max_model_len",
+                        budget.tokens, serving.max_model_len)
     vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
     watermark = Watermark(vocab, device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
     engine = Engine(model, tokenizer, device, kv_layout=serving.kv_layout, prefix_cache=serving.prefix_cache,
                     max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                     predict_timeout=config.predict_timeout, max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
                     max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
-                    adapters=serving.adapters)
+                    adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None)
     if tp_group is not None:
         tp_group.on_failure(engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
     return engine

@@ -5,6 +5,10 @@ concerns fail, the step counts as failed, and the scheduler goes on with the oth
         ...  # the forward, then the sampling and events that follow it
     if forward.failed:
         ...  # what the caller must drop (the batch, the chunked prompt)
+
+A CUDA out-of-memory is such an exception too: the step's rows fail, the exception lets go of the
+step's tensors (its traceback holds their frames) and torch's cache is emptied, so the next step
+starts with the memory the failed one held.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
+
+import torch
 
 from lmi_serve.engine.batch import Row
 from lmi_serve.engine.types import TokenEvent
@@ -50,6 +56,17 @@ def guarded_forward(rows: Sequence[Row], stats: FailureCount, failure: str | Non
         if failure is not None:
             log.exception(failure)
             fail_rows(rows, exc)
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            release_memory(exc)
+
+
+def release_memory(exc: BaseException) -> None:
+    """After an out-of-memory: drop `exc`'s traceback (its frames hold the failed step's tensors) and
+    give torch's cached blocks back, so the engine goes on serving."""
+    exc.__traceback__ = None
+    torch.cuda.empty_cache()
+    log.warning("CUDA out of memory in a step: its rows failed, the cache was emptied; lower "
+                "option.gpu_memory_utilization if this recurs")
 
 
 def fail_rows(rows: Iterable[Row], exc: BaseException) -> None:

@@ -9,7 +9,11 @@ Order of operations in `Scheduler.step`:
    bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
    prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
    as the step's only prefill. A request of a LoRA adapter also needs its adapter's slot
-   (adapters.py): when every slot is held by running rows of other adapters, it waits at the head;
+   (adapters.py): when every slot is held by running rows of other adapters, it waits at the head.
+   With a K/V budget (`kv_tokens`, kv/budget.py: on a GPU, from option.gpu_memory_utilization) a
+   request also needs room for the tokens it may reach (prompt + max_new_tokens, capped at the
+   context) beside those the running rows reserve; else it waits at the head until rows leave (a
+   request that could not fit even alone is refused by `add`);
 3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
    the joiners: one whose prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone,
    from those blocks (its budget cost is only the rest); the others in groups of similar length
@@ -44,6 +48,7 @@ from lmi_serve.engine.beams.rows import BeamSearch
 from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
 from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
+from lmi_serve.engine.kv.budget import request_tokens
 from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
 from lmi_serve.engine.kv.protocol import KVLayout, held_bytes
 from lmi_serve.engine.kv.select import layout_for
@@ -51,7 +56,7 @@ from lmi_serve.engine.observer import EngineObserver, StepReport
 from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
 from lmi_serve.engine.prefill import PrefillSteps
 from lmi_serve.engine.types import TokenEvent
-from lmi_serve.errors import GenerationFailed, Overloaded, ServingError, Timeout
+from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded, ServingError, Timeout
 from lmi_serve.model.lora import AdapterError
 
 if TYPE_CHECKING:
@@ -72,12 +77,15 @@ class Scheduler(PrefillSteps):
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
                  kv_layout: KVLayout | None = None, prefix_cache: PrefixCache | None = None,
-                 adapters: Adapters | None = None):
+                 adapters: Adapters | None = None, kv_tokens: int | None = None,
+                 max_model_len: int | None = None):
         """`kv_layout` prefills new rows into KV batches (kv/protocol.py) and says whether a prompt can
         be chunked; None picks the model's default (kv/select.py). `prefix_cache` (kv/prefix_cache.py)
         lets prompts reuse the K/V of a prefix prefilled before; the layout must declare
         `supports_prefixes`. `adapters` (adapters.py) gives an admitted request of a LoRA adapter its
-        slot; rows of adapters do not use the prefix cache (its K/V are the base model's)."""
+        slot; rows of adapters do not use the prefix cache (its K/V are the base model's). `kv_tokens`:
+        the K/V tokens running rows may reserve together (kv/budget.py; None: no bound), each row
+        what its request may reach, capped at `max_model_len`."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_layout = kv_layout or layout_for(model)
         # Idempotent: engine/build.py prepared it before the warm-up; an engine built directly (tests,
@@ -93,6 +101,8 @@ class Scheduler(PrefillSteps):
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.max_padding = max_padding
+        self.kv_tokens = kv_tokens
+        self.max_model_len = max_model_len
         self.waiting: collections.deque[RequestHandle] = collections.deque()
         self.beams = BeamJobs()
         self.batch: Batch | None = None
@@ -103,6 +113,10 @@ class Scheduler(PrefillSteps):
 
     # -- called from request threads -------------------------------------------------------
     def add(self, handle: RequestHandle) -> None:
+        """Queue `handle`; Overloaded when the queue is full, InvalidRequest when its tokens could not
+        fit the K/V budget even alone."""
+        if self.kv_tokens is not None:
+            self._check_fits_alone(handle.request)
         with self.work:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded("Model is overloaded: the waiting queue is full")
@@ -111,7 +125,10 @@ class Scheduler(PrefillSteps):
 
     def add_beams(self, job: BeamSearch) -> None:
         """Queue a beam search; its beams run as `job.rows` rows of the batch, and its result or
-        exception arrives on `job.future`."""
+        exception arrives on `job.future`. Its beams count against the K/V budget once running, but
+        do not wait for it (only the check that they could fit alone applies)."""
+        if self.kv_tokens is not None:
+            self._check_fits_alone(job.request, rows=job.rows)
         with self.work:
             if len(self.waiting) + len(self.beams.waiting) >= self.max_queue:
                 raise Overloaded("Model is overloaded: the waiting queue is full")
@@ -124,6 +141,29 @@ class Scheduler(PrefillSteps):
         of the running beam searches."""
         batch = self.batch  # read once: the scheduler thread may drop it meanwhile
         return (len(batch) if batch else 0) + (self.chunking is not None) + self.beams.rows
+
+    def request_tokens(self, request) -> int:
+        """The K/V tokens `request` may reach (kv/budget.py), what admission reserves for its row."""
+        return request_tokens(len(request.prompt_ids), request.stop.max_new_tokens, self.max_model_len)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """The K/V tokens the running rows (the batch's, the chunked prompt's, the beams') may reach."""
+        batch, chunking = self.batch, self.chunking  # read once
+        rows = [row for row in (batch.rows if batch else ()) if not row.finished]
+        if chunking is not None:
+            rows.append(chunking.row)
+        return (sum(self.request_tokens(row.request) for row in rows)
+                + sum(job.rows * self.request_tokens(job.request) for job in self.beams.running))
+
+    def _check_fits_alone(self, request, rows: int = 1) -> None:
+        need = rows * self.request_tokens(request)
+        if need > self.kv_tokens:
+            beams = f" x {rows} beams" if rows > 1 else ""
+            raise InvalidRequest(
+                f"This request may reach {need} tokens of K/V (prompt {len(request.prompt_ids)} + max_new_tokens "
+                f"{request.stop.max_new_tokens}{beams}), more than the {self.kv_tokens} the memory budget holds "
+                f"(option.gpu_memory_utilization): lower max_new_tokens or the prompt")
 
     @property
     def idle(self) -> bool:
@@ -224,9 +264,14 @@ class Scheduler(PrefillSteps):
         free = self.max_batch_size - self.running - self.beams.held(self.max_batch_size)
         joiners: list[RequestHandle] = []
         alone = budget == self.max_prefill_tokens  # no chunk is being continued this step
+        room = None if self.kv_tokens is None else self.kv_tokens - self.reserved_tokens
         with self.work:
             while self.waiting and len(joiners) < free:
                 request = self.waiting[0].request
+                if room is not None:  # the K/V budget: the head waits until rows leave (first come, first served)
+                    if self.request_tokens(request) > room:
+                        break
+                    room -= self.request_tokens(request)
                 length = self._prefill_cost(request)
                 can_chunk = self.chunks and chunkable(request)
                 if length <= budget or (alone and not joiners and not can_chunk):

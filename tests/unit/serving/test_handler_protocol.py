@@ -284,7 +284,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert watermark.args == (100, "cpu", WatermarkSettings(gamma=0.25, delta=1.5))
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
                              "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
-                             "kv_layout": DYNAMIC, "adapters": None}  # no LoRA
+                             "kv_layout": DYNAMIC, "adapters": None,  # no LoRA
+                             "kv_tokens": None}  # a CPU: no GPU memory budget
     assert type(engine.kwargs["max_batch_size"]) is int and type(engine.kwargs["predict_timeout"]) is float
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import psutil
+import torch
 
 from lmi_serve.config.models import DEFAULT_KV_CACHE
 from lmi_serve.engine.kv.dynamic import DYNAMIC
@@ -36,17 +37,21 @@ def layout_for(model: Any, name: str = DEFAULT_KV_CACHE) -> KVLayout:
         raise ValueError(f"unknown kv_cache {name!r}; known: {', '.join(sorted(KV_LAYOUTS))}") from None
 
 
-def choose_kv(model: Any, name: str, *, rows: int, columns: int) -> KVLayout:
+def choose_kv(model: Any, name: str, *, rows: int, columns: int, device: Any = None) -> KVLayout:
     """`layout_for`, logged once. A layout with a memory bound (slots: buffers grow as used, up to
     `rows` rows of `columns` tokens) is checked against the memory available now: when not even one
     such row fits, start-up fails, saying what to lower; when the whole bound does not fit, a warning
     says so (most servers never fill every row to the context limit, and refusing the default
-    configuration on a small machine would help no one)."""
+    configuration on a small machine would help no one). On a CUDA `device` the host's memory is not
+    where K/V lives: nothing is checked here, build.py sizes the K/V budget from the device's memory
+    (kv/budget.py, option.gpu_memory_utilization) once the model is warmed up."""
     layout = layout_for(model, name)
     need = layout.memory_bytes(model, rows, columns)
     if layout is ENCODER_DECODER:
         log.info("KV cache: encoder-decoder rows (kv/encdec.py); option.kv_cache=%s applies to decoder-only models",
                  name)
+    elif need is not None and device is not None and torch.device(device).type == "cuda":
+        log.info("KV cache: %s, bounded by the GPU memory budget (option.gpu_memory_utilization)", name)
     elif need is not None:
         one, available = layout.memory_bytes(model, 1, columns), psutil.virtual_memory().available
         advice = f"lower option.max_model_len or option.max_rolling_batch_size, or set option.kv_cache={DYNAMIC.name}"
