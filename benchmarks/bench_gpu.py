@@ -115,10 +115,10 @@ def closed_loop(clients: int, requests: list[list[int]], one) -> tuple[Clock, fl
 
 def run_rolling(model, tokenizer, device, clients: int, requests, new_tokens: int):
     from lmi_serve.engine.engine import Engine
-    from lmi_serve.engine.kv.slots import SlotKV
+    from lmi_serve.engine.kv.slots import SLOTS
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
-    engine = Engine(model, tokenizer, device, kv_factory=SlotKV.prefill, max_batch_size=clients,
+    engine = Engine(model, tokenizer, device, kv_layout=SLOTS, max_batch_size=clients,
                     max_queue=len(requests) + 1, max_prefill_tokens=max(512, len(requests[0]) * 4),
                     max_model_len=len(requests[0]) + new_tokens + 8, name="bench-gpu").start()
 

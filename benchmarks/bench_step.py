@@ -3,7 +3,7 @@
 emit, on the default model in-process (SmolLM2-135M-Instruct, fp32 from the packaged Q4_1 GGUF).
 
 For each batch size B and context length KV: B rows whose KV cache holds KV tokens, built by each KV
-implementation of `lmi_serve.engine.kv.select.KV_CACHES` (every entry, or --kv), then one decode step
+implementation of `lmi_serve.engine.kv.select.KV_LAYOUTS` (every entry, or --kv), then one decode step
 (`Batch.decode`, the scheduler's decode phase) timed per implementation, interleaved (A, B, A, B ...)
 over --repeats rounds after warm-up; min and median per implementation, tok/s = B / step and the
 time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each B, the engine's
@@ -56,8 +56,8 @@ import torch  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402
 
 from lmi_serve.engine.batch import Batch, make_row  # noqa: E402
-from lmi_serve.engine.kv.protocol import KVFactory  # noqa: E402
-from lmi_serve.engine.kv.select import KV_CACHES  # noqa: E402
+from lmi_serve.engine.kv.protocol import KVLayout  # noqa: E402
+from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
 from lmi_serve.engine.sampling.history import SamplingHistory  # noqa: E402
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams  # noqa: E402
 
@@ -74,7 +74,7 @@ ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kv", help=f"comma-separated KV implementations (default: all of {', '.join(KV_CACHES)}); "
+    p.add_argument("--kv", help=f"comma-separated KV implementations (default: all of {', '.join(KV_LAYOUTS)}); "
                                 f"{BASELINE} is always added as the baseline")
     p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes B (default 1,8,32)")
     p.add_argument("--context", default="200,1000", help="comma-separated KV lengths (default 200,1000)")
@@ -91,10 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gate-tokens", type=int, default=GATE_TOKENS, help=f"greedy tokens per prompt in the gates "
                                                                          f"(default {GATE_TOKENS})")
     args = p.parse_args(argv)
-    names = args.kv.split(",") if args.kv else list(KV_CACHES)
-    unknown = [n for n in names if n not in KV_CACHES]
+    names = args.kv.split(",") if args.kv else list(KV_LAYOUTS)
+    unknown = [n for n in names if n not in KV_LAYOUTS]
     if unknown:
-        p.error(f"unknown --kv {', '.join(unknown)}; known: {', '.join(KV_CACHES)}")
+        p.error(f"unknown --kv {', '.join(unknown)}; known: {', '.join(KV_LAYOUTS)}")
     args.kv = [BASELINE] + [n for n in dict.fromkeys(names) if n != BASELINE]
     args.variants = [q for q in dict.fromkeys(args.variants.split(","))] if args.variants else []
     if [q for q in args.variants if q not in VARIANTS]:
@@ -126,10 +126,10 @@ def context_tokens(text_ids: list[int], length: int) -> tuple[int, ...]:
     return tuple((text_ids * (length // len(text_ids) + 1))[:length])
 
 
-def prefill_one(model, tokenizer, device, factory: KVFactory, prompt: tuple[int, ...]) -> Batch:
-    """One greedy row over `prompt`, prefilled by `factory`, its first token sampled."""
+def prefill_one(model, tokenizer, device, layout: KVLayout, prompt: tuple[int, ...]) -> Batch:
+    """One greedy row over `prompt`, prefilled by `layout`, its first token sampled."""
     request = GenerationRequest(prompt, SamplingParams(), ENDLESS)
-    one = Batch.prefill(model, [make_row(request, tokenizer)], tokenizer.pad_token_id, device, factory)
+    one = Batch.prefill(model, [make_row(request, tokenizer)], tokenizer.pad_token_id, device, layout)
     one.sample()
     return one
 
@@ -250,14 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     say(f"cpu: {cpu_summary()}")
     say(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
         f"model {type(model).__name__} {model.dtype} attn={model.config._attn_implementation}")
-    factories = {name: KV_CACHES[name] for name in args.kv}
+    layouts = {name: KV_LAYOUTS[name] for name in args.kv}
     variants = load_variants(args.variants)
     for _, line in variants.values():
         say(line)
-    # system name -> (model, KV factory): each KV implementation on fp32, then each quantized variant
-    timed = {name: (model, f) for name, f in factories.items()}
-    timed |= {AA: (model, KV_CACHES[BASELINE])} if args.aa else {}
-    timed |= {name: (variant, KV_CACHES[QUANTIZED_KV]) for name, (variant, _) in variants.items()}
+    # system name -> (model, KV layout): each KV implementation on fp32, then each quantized variant
+    timed = {name: (model, f) for name, f in layouts.items()}
+    timed |= {AA: (model, KV_LAYOUTS[BASELINE])} if args.aa else {}
+    timed |= {name: (variant, KV_LAYOUTS[QUANTIZED_KV]) for name, (variant, _) in variants.items()}
     baseline = QUANTIZED_KV if variants else BASELINE
     say(f"systems: {', '.join(timed)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after "
         f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.2f}")
@@ -290,11 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     for line in sample_rows:
         say(line)
     if not args.skip_gates:
-        run_gates(args, model, tokenizer, device, factories, {name: v for name, (v, _) in variants.items()})
+        run_gates(args, model, tokenizer, device, layouts, {name: v for name, (v, _) in variants.items()})
     say(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 
-def run_gates(args: argparse.Namespace, model, tokenizer, device, factories: dict[str, KVFactory],
+def run_gates(args: argparse.Namespace, model, tokenizer, device, layouts: dict[str, KVLayout],
               variants: dict[str, object]) -> None:
     """Print gate (a) and (b) for the KV implementations, then for the quantized variants."""
     from benchmark.step_quality import PERPLEXITY_TEXT, greedy_gate, perplexity_gate, quantize_gates
@@ -303,14 +303,14 @@ def run_gates(args: argparse.Namespace, model, tokenizer, device, factories: dic
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:GATE_PROMPTS]]
     n = args.gate_tokens
     say(f"\ngate (a): greedy agreement with {BASELINE} alone ({len(prompts)} prompts x {n} tokens)")
-    for line in greedy_gate(model, tokenizer, device, factories, prompts, n):
+    for line in greedy_gate(model, tokenizer, device, layouts, prompts, n):
         say(line)
     say(f"\ngate (b): perplexity of {PERPLEXITY_TEXT.relative_to(ROOT)}")
-    for line in perplexity_gate(model, tokenizer, device, factories):
+    for line in perplexity_gate(model, tokenizer, device, layouts):
         say(line)
     if variants:
         say(f"\ngates of the variants against the plain fp32 model ({QUANTIZED_KV} KV; {len(prompts)} prompts x {n} tokens)")
-        for line in quantize_gates(model, variants, tokenizer, device, KV_CACHES[QUANTIZED_KV], prompts, n,
+        for line in quantize_gates(model, variants, tokenizer, device, KV_LAYOUTS[QUANTIZED_KV], prompts, n,
                                    args.ppl_tokens):
             say(line)
 

@@ -16,19 +16,19 @@ from pathlib import Path
 import torch
 
 from lmi_serve.engine.batch import Batch, make_row
-from lmi_serve.engine.kv.protocol import KVFactory
+from lmi_serve.engine.kv.protocol import KVLayout
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
 PERPLEXITY_TEXT = Path(__file__).with_name("perplexity.txt")
 
 
-def greedy_tokens(model, tokenizer, device, factory: KVFactory, prompts: Sequence[Sequence[int]], n: int
+def greedy_tokens(model, tokenizer, device, layout: KVLayout, prompts: Sequence[Sequence[int]], n: int
                   ) -> list[list[int]]:
     """`n` greedy tokens (EOS ignored) for each of `prompts`, prefilled together in one batch and
     decoded by the engine's own Batch, as the scheduler does."""
     rows = [make_row(GenerationRequest(tuple(p), SamplingParams(), StopParams(max_new_tokens=n, ignore_eos=True)),
                      tokenizer) for p in prompts]
-    batch = Batch.prefill(model, rows, tokenizer.pad_token_id, device, factory)
+    batch = Batch.prefill(model, rows, tokenizer.pad_token_id, device, layout)
     batch.emit(batch.sample())
     while not all(row.finished for row in batch.rows):  # every row has the same length: no evictions
         batch.decode()
@@ -60,15 +60,15 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
     return Agreement(matching, positions, identical, len(reference))
 
 
-def greedy_gate(model, tokenizer, device, factories: dict[str, KVFactory], prompts: Sequence[Sequence[int]],
+def greedy_gate(model, tokenizer, device, layouts: dict[str, KVLayout], prompts: Sequence[Sequence[int]],
                 n: int) -> list[str]:
     """Lines of gate (a): per implementation, alone and batched, against `dynamic` alone."""
-    reference = [greedy_tokens(model, tokenizer, device, factories["dynamic"], [p], n)[0] for p in prompts]
+    reference = [greedy_tokens(model, tokenizer, device, layouts["dynamic"], [p], n)[0] for p in prompts]
     lines = []
-    for name, factory in factories.items():
+    for name, layout in layouts.items():
         alone = reference if name == "dynamic" else [
-            greedy_tokens(model, tokenizer, device, factory, [p], n)[0] for p in prompts]
-        batched = greedy_tokens(model, tokenizer, device, factory, prompts, n)
+            greedy_tokens(model, tokenizer, device, layout, [p], n)[0] for p in prompts]
+        batched = greedy_tokens(model, tokenizer, device, layout, prompts, n)
         lines.append(f"  {name:<10} alone:   {agreement(reference, alone)}")
         lines.append(f"  {name:<10} batched: {agreement(reference, batched)}")
     return lines
@@ -81,14 +81,14 @@ def perplexity(logits: torch.Tensor, ids: Sequence[int]) -> float:
     return math.exp(float(nll))
 
 
-def perplexity_gate(model, tokenizer, device, factories: dict[str, KVFactory]) -> list[str]:
+def perplexity_gate(model, tokenizer, device, layouts: dict[str, KVLayout]) -> list[str]:
     """Lines of gate (b): the reference forward, then each implementation's prefill."""
     ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
     with torch.inference_mode():
         reference = perplexity(model(input_ids=torch.tensor([ids], device=device)).logits[0], ids)
     lines = [f"  {'reference':<10} {reference:9.4f}   ({len(ids)} tokens, plain transformers forward)"]
-    for name, factory in factories.items():
-        out = factory(model, [ids], pad_id=tokenizer.pad_token_id, device=device, prompt_logits=True)
+    for name, layout in layouts.items():
+        out = layout.prefill(model, [ids], pad_id=tokenizer.pad_token_id, device=device, prompt_logits=True)
         value = perplexity(out.prompt_logits[0], ids)
         lines.append(f"  {name:<10} {value:9.4f}   ({value / reference - 1:+.2e} relative)")
     return lines
@@ -97,7 +97,7 @@ def perplexity_gate(model, tokenizer, device, factories: dict[str, KVFactory]) -
 PERPLEXITY_BUDGET = 0.05  # a lighter-weights variant passes gate (b) within +5 % of fp32's perplexity
 
 
-def quantize_gates(reference, variants: dict[str, object], tokenizer, device, factory: KVFactory,
+def quantize_gates(reference, variants: dict[str, object], tokenizer, device, layout: KVLayout,
                    prompts: Sequence[Sequence[int]], n: int, ppl_tokens: int | None) -> list[str]:
     """Lines of both gates for option.quantize variants against the fp32 `reference` model:
     (a) greedy continuations alone, identical to fp32's (n/N), and each variant batched against
@@ -110,13 +110,13 @@ def quantize_gates(reference, variants: dict[str, object], tokenizer, device, fa
             return perplexity(model(input_ids=torch.tensor([ids], device=device)).logits[0], ids)
 
     base_ppl = ppl(reference)
-    base = [greedy_tokens(reference, tokenizer, device, factory, [p], n)[0] for p in prompts]
+    base = [greedy_tokens(reference, tokenizer, device, layout, [p], n)[0] for p in prompts]
     lines = [f"  {'fp32':<6} perplexity {base_ppl:9.4f} ({len(ids)} tokens)"]
     for name, model in variants.items():
         value = ppl(model)
         verdict = "PASS" if value <= base_ppl * (1 + PERPLEXITY_BUDGET) else "FAIL"
-        alone = [greedy_tokens(model, tokenizer, device, factory, [p], n)[0] for p in prompts]
-        batched = greedy_tokens(model, tokenizer, device, factory, prompts, n)
+        alone = [greedy_tokens(model, tokenizer, device, layout, [p], n)[0] for p in prompts]
+        batched = greedy_tokens(model, tokenizer, device, layout, prompts, n)
         same = agreement(base, alone)
         lines.append(f"  {name:<6} perplexity {value:9.4f} ({value / base_ppl - 1:+.2%}) {verdict} (gate: within "
                      f"+{PERPLEXITY_BUDGET:.0%} of fp32)")

@@ -9,7 +9,7 @@ import pytest
 from device_models import compare_greedy, greedy_reference
 from engine_prompts import PROMPTS
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.select import KV_CACHES
+from lmi_serve.engine.kv.select import KV_LAYOUTS
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
 NEW_TOKENS = [12, 3, 9, 16, 6, 1, 10, 4, 14, 7]  # rows finish (leave) at different steps
@@ -38,7 +38,7 @@ def test_greedy_on_cuda_equals_cpu_fp32_through_the_rolling_engine(name, kv, mod
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     pad = tokenizer.pad_token_id
     references = [greedy_reference(on_cpu, p, n, pad) for p, n in zip(prompts, NEW_TOKENS)]
-    engine = Engine(on_cuda, tokenizer, cuda, kv_factory=KV_CACHES[kv], max_batch_size=4, max_queue=100,
+    engine = Engine(on_cuda, tokenizer, cuda, kv_layout=KV_LAYOUTS[kv], max_batch_size=4, max_queue=100,
                     name=f"gpu-{name}-{kv}").start()
     try:
         got = run_staggered(engine, [greedy(p, n) for p, n in zip(prompts, NEW_TOKENS)])

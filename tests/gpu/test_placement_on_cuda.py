@@ -8,7 +8,7 @@ import torch
 
 from engine_prompts import PROMPTS
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.slots import SlotKV
+from lmi_serve.engine.kv.slots import SLOTS
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 from lmi_serve.model.loader import choose_placement
 
@@ -26,7 +26,7 @@ def test_slot_cache_logits_and_ids_stay_on_the_device(models, tokenizer, cuda):
     allocated = torch.cuda.memory_allocated if cuda.type == "cuda" else (lambda: 0)
     synchronize()
     before = allocated()
-    prefilled = SlotKV.prefill(model, prompts, pad_id=tokenizer.pad_token_id, device=cuda)
+    prefilled = SLOTS.prefill(model, prompts, pad_id=tokenizer.pad_token_id, device=cuda)
     kv = prefilled.kv
     assert prefilled.logits.device.type == cuda.type
     held = kv.held_bytes()
@@ -39,7 +39,7 @@ def test_slot_cache_logits_and_ids_stay_on_the_device(models, tokenizer, cuda):
     kv.keep([])
     assert kv.held_bytes() < held
 
-    engine = Engine(model, tokenizer, cuda, kv_factory=SlotKV.prefill, max_batch_size=2, name="gpu-place").start()
+    engine = Engine(model, tokenizer, cuda, kv_layout=SLOTS, max_batch_size=2, name="gpu-place").start()
     try:
         events = list(engine.submit(GenerationRequest(tuple(prompts[0]), SamplingParams(),
                                                       StopParams(max_new_tokens=4, ignore_eos=True))))

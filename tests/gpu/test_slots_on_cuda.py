@@ -10,7 +10,7 @@ import pytest
 from device_models import compare_greedy, greedy_reference
 from engine_prompts import PROMPTS
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.kv.slots import SlotKV
+from lmi_serve.engine.kv.slots import SLOTS
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
 # 16 requests through 4 rows: lengths 1..40 tokens, so rows are evicted and replaced at many steps.
@@ -26,7 +26,7 @@ def test_slot_rows_join_leave_and_are_evicted_on_cuda_and_equal_each_row_alone(n
     long = tokenizer.encode(" ".join(PROMPTS) * 3, add_special_tokens=False)[:320]  # wider than MERGE_SLACK
     prompts = [short[i % len(short)] if i != 6 else long for i in range(len(NEW_TOKENS))]
     references = [greedy_reference(on_cuda, p, n, pad) for p, n in zip(prompts, NEW_TOKENS)]
-    engine = Engine(on_cuda, tokenizer, cuda, kv_factory=SlotKV.prefill, max_batch_size=4, max_queue=100,
+    engine = Engine(on_cuda, tokenizer, cuda, kv_layout=SLOTS, max_batch_size=4, max_queue=100,
                     max_prefill_tokens=128, name=f"gpu-slots-{name}").start()
     try:
         handles, got = [], []
