@@ -48,7 +48,7 @@ from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
 from lmi_serve.engine.kv.protocol import KVLayout, held_bytes
 from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.observer import EngineObserver, StepReport
-from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
+from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, for_device
 from lmi_serve.engine.prefill import PrefillSteps
 from lmi_serve.engine.types import TokenEvent
 from lmi_serve.errors import GenerationFailed, Overloaded, ServingError, Timeout
@@ -98,7 +98,7 @@ class Scheduler(PrefillSteps):
         self.batch: Batch | None = None
         self.work = threading.Condition()
         self.stats = SchedulerStats()
-        self.phases = PhaseClock()
+        self.phases = for_device(device)  # synchronizes at phase boundaries on CUDA (phases.py)
         self.observer: EngineObserver | None = None  # told each step's batch size and queue (observer.py)
 
     # -- called from request threads -------------------------------------------------------
