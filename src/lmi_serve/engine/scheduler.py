@@ -276,7 +276,7 @@ class Scheduler(PrefillSteps):
         batch = self.batch
         with guarded_forward(batch.rows, self.stats,
                              f"Decode step failed; failing its {len(batch)} running requests") as forward:
-            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots, self.device):
+            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots):
                 batch.decode()
             events = self._emit(batch, self._sample(batch))
         if forward.failed:

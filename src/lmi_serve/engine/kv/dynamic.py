@@ -184,8 +184,15 @@ def keep_rows(cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor, firs
               ) -> torch.Tensor:
     """Keep `cache`'s rows at `index` (in place), drop the leading columns that became padding in
     every row (`first` of them, when the caller knows: otherwise the mask is read), and return the
-    mask of what is left."""
-    cache.batch_select_indices(index)
+    mask of what is left. Each layer gets the index on its own device (under device_map=auto the
+    layers live on several GPUs, and the mask on the first)."""
+    on_device: dict[torch.device, torch.Tensor] = {index.device: index}
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        device = keys.device if isinstance(keys, torch.Tensor) else index.device
+        if device not in on_device:
+            on_device[device] = index.to(device)
+        layer.batch_select_indices(on_device[device])
     mask = mask[index]
     first = leading_padding(mask) if first is None else first
     if first:

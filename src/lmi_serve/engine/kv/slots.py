@@ -314,8 +314,13 @@ class SlotKV(DynamicKV):
             first = part_lengths[part] - columns + padding
             stay = next((i for i, row in enumerate(local) if row != i), len(local))
             local_index = torch.tensor(local, dtype=torch.long, device=self.mask.device)
+            on_device: dict[torch.device, torch.Tensor] = {}  # layers may live on other GPUs (device_map=auto)
             for layer in self._layers():
-                layer.parts[position].select(local_index, first, stay)
+                part = layer.parts[position]
+                device = part.key_store.device
+                if device not in on_device:
+                    on_device[device] = local_index.to(device)
+                part.select(on_device[device], first, stay)
             start += len(local)
         self.mask, self.lengths = mask, lengths
         self.next_pos, self.pending = self.next_pos[index], self.pending[index]
