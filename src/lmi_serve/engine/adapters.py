@@ -260,15 +260,16 @@ class Adapters:
 
 
 @contextmanager
-def lora_rows(model: Any, slots: Sequence[int | None], device: torch.device | None = None) -> Iterator[None]:
+def lora_rows(model: Any, slots: Sequence[int | None]) -> Iterator[None]:
     """Within the block, the model's forwards run row i with adapter slot `slots[i]` (None: the base
-    model); nothing when the model has no LoRA layers or no row has an adapter."""
+    model); nothing when the model has no LoRA layers or no row has an adapter. Each layer indexes
+    its rows on its own input's device (model/lora.py: `LoraRouter.index`)."""
     router = router_of(model)
     if router is None or all(slot is None for slot in slots):
         with nullcontext():
             yield
         return
-    with router.rows(slots, device):
+    with router.rows(slots):
         yield
 
 

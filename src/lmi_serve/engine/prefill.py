@@ -101,7 +101,7 @@ class PrefillSteps:
         group = len(rows) > 1
         failure = None if group else f"Prefill failed for request {rows[0].owner.id}"  # a group's rows retry alone
         with guarded_forward(rows, self.stats, failure) as forward:
-            with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows], self.device):
+            with self.phases.measure(PREFILL), lora_rows(self.model, [r.adapter_slot for r in rows]):
                 batch = Batch.prefill(self.model, rows, self.tokenizer.pad_token_id, self.device, self.kv_layout)
             self._first_tokens(batch)
         if not forward.failed:
@@ -116,7 +116,7 @@ class PrefillSteps:
         """Prefill a prompt whose start the prefix cache holds: only the rest runs, in one forward."""
         prefill = self._start_prefill(handle)
         with guarded_forward([prefill.row], self.stats, f"Prefill failed for request {handle.id}") as forward:
-            with self.phases.measure(PREFILL), lora_rows(self.model, [prefill.row.adapter_slot], self.device):
+            with self.phases.measure(PREFILL), lora_rows(self.model, [prefill.row.adapter_slot]):
                 batch = prefill.finish()
             self._first_tokens(batch)
         if not forward.failed:
@@ -137,7 +137,7 @@ class PrefillSteps:
         batch = None
         with guarded_forward([chunking.row], self.stats,
                              f"Chunked prefill failed for request {chunking.row.owner.id}") as forward:
-            with self.phases.measure(PREFILL), lora_rows(self.model, [chunking.row.adapter_slot], self.device):
+            with self.phases.measure(PREFILL), lora_rows(self.model, [chunking.row.adapter_slot]):
                 batch = chunking.advance(budget)
             if batch is not None:
                 self.chunking = None

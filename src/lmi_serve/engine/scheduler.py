@@ -53,7 +53,7 @@ from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
 from lmi_serve.engine.kv.protocol import KVLayout, held_bytes
 from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.observer import EngineObserver, StepReport
-from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, PhaseClock
+from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, for_device
 from lmi_serve.engine.prefill import PrefillSteps
 from lmi_serve.engine.types import TokenEvent
 from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded, ServingError, Timeout
@@ -108,7 +108,7 @@ class Scheduler(PrefillSteps):
         self.batch: Batch | None = None
         self.work = threading.Condition()
         self.stats = SchedulerStats()
-        self.phases = PhaseClock()
+        self.phases = for_device(device)  # synchronizes at phase boundaries on CUDA (phases.py)
         self.observer: EngineObserver | None = None  # told each step's batch size and queue (observer.py)
 
     # -- called from request threads -------------------------------------------------------
@@ -321,7 +321,7 @@ class Scheduler(PrefillSteps):
         batch = self.batch
         with guarded_forward(batch.rows, self.stats,
                              f"Decode step failed; failing its {len(batch)} running requests") as forward:
-            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots, self.device):
+            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots):
                 batch.decode()
             events = self._emit(batch, self._sample(batch))
         if forward.failed:

@@ -188,23 +188,32 @@ class LoraRouter:
 
     def __init__(self) -> None:
         # (slot, row indices or None for every row), one entry per slot in the forward; empty: base only
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.groups: list[tuple[int, list[int] | None]] = []
         self.batch = 0  # rows in the forward: a layer's input must be [batch, ...] to be split by row
+        # The groups' index tensors by (slot, device), made once per forward on each device that asks:
+        # under device_map=auto the layers live on several GPUs, and an index must be on its input's.
+        self._indexes: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @contextmanager
-    def rows(self, slots: Sequence[int | None], device: torch.device | None = None) -> Iterator[None]:
+    def rows(self, slots: Sequence[int | None]) -> Iterator[None]:
         """Within the block, row i of every forward uses adapter slot `slots[i]` (None: the base model)."""
         groups: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             if slot is not None:
                 groups.setdefault(slot, []).append(i)
-        self.groups = [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
-                       for slot, rows in groups.items()]
+        self.groups = [(slot, None if len(rows) == len(slots) else rows) for slot, rows in groups.items()]
         self.batch = len(slots)
         try:
             yield
         finally:
-            self.groups, self.batch = [], 0
+            self.groups, self.batch, self._indexes = [], 0, {}
+
+    def index(self, slot: int, rows: list[int], device: torch.device) -> torch.Tensor:
+        """`rows` (slot `slot`'s group) as an index tensor on `device`, the device of the input it indexes."""
+        key = (slot, device)
+        if key not in self._indexes:
+            self._indexes[key] = torch.tensor(rows, dtype=torch.long, device=device)
+        return self._indexes[key]
 
 
 class LoraLinear(nn.Module):
@@ -226,6 +235,8 @@ class LoraLinear(nn.Module):
             if rows is not None and x.shape[0] != self.router.batch:  # e.g. a model that flattens rows first
                 raise RuntimeError(f"LoRA: a layer's input of shape {tuple(x.shape)} is not split by the batch's "
                                    f"{self.router.batch} rows, so rows of different adapters cannot share it")
+            if rows is not None:
+                rows = self.router.index(slot, rows, x.device)
             part = x if rows is None else x.index_select(0, rows)
             delta = weights.up(weights.down(part.to(weights.a.dtype)))
             delta = (delta * weights.scale).to(out.dtype)

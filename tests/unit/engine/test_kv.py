@@ -405,3 +405,35 @@ def test_choose_kv_by_name_and_refuse_slots_that_cannot_fit(tiny_model, caplog):
         choose_kv(tiny_model, "slots", rows=1, columns=10**12)
     with pytest.raises(ValueError, match="unknown kv_cache 'paged'"):
         layout_for(tiny_model, "paged")
+
+
+@pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
+def test_kv_keep_indexes_each_layer_on_its_own_device(kind, tiny_model, prompt_ids, monkeypatch):
+    """Under device_map=auto a model's layers live on several GPUs while the batch's mask lives on the
+    first: `keep` must index each layer's K/V with an index on that layer's device (an index on
+    cuda:0 fails on cuda:1). Here the mask stays on the CPU and the layers' K/V move to `meta`
+    (standing in for another GPU), and every tensor index is checked against the tensor it indexes.
+    Only the index placement is checked; a machine with two GPUs is what runs it on real memory."""
+    layout = KV_LAYOUTS[kind]
+    kv = layout.prefill(tiny_model, [list(prompt_ids[i]) for i in (0, 2)], pad_id=0, device=CPU).kv
+    kv.extend(layout.prefill(tiny_model, [list(prompt_ids[i]) for i in (1, 4)], pad_id=0, device=CPU).kv)
+    for layer in kv.cache.layers:
+        if kind == "slots":
+            for part in layer.parts:
+                part.key_store, part.value_store = part.key_store.to("meta"), part.value_store.to("meta")
+                part._refresh()
+        else:
+            layer.keys, layer.values = layer.keys.to("meta"), layer.values.to("meta")
+    mismatched = []
+    getitem = torch.Tensor.__getitem__
+
+    def checked(self, index):
+        for item in index if isinstance(index, tuple) else (index,):
+            if isinstance(item, torch.Tensor) and item.dim() and item.device != self.device:
+                mismatched.append((self.device, item.device))
+        return getitem(self, index)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", checked)
+    kv.keep([0, 2, 3])
+    assert mismatched == []
+    assert kv.mask.device == CPU and len(kv) == 3

@@ -20,7 +20,7 @@ from lmi_serve.engine.adapters import AdapterExists, Adapters, lora_rows, start_
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 from lmi_serve.errors import InvalidRequest, NotFound
-from lmi_serve.model.lora import AdapterError, LoraLinear, LoraModel
+from lmi_serve.model.lora import AdapterError, LoraLinear, LoraModel, LoraWeights
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
 from lora_adapters import build_adapter  # noqa: E402
@@ -202,3 +202,30 @@ def test_lora_layers_wrap_only_linear_layers_but_the_head(tiny_model):
     lora = LoraModel.wrap(model)
     assert "lm_head" not in lora.layers and "model.layers.0.self_attn.q_proj" in lora.layers
     assert "model.layers.1.mlp.down_proj" in lora.layers
+
+
+def test_each_layer_indexes_its_rows_on_its_own_input_device():
+    """Under device_map=auto the layers live on several GPUs: a row index made once on the engine's
+    device failed `index_add` on every layer elsewhere (issue 30). Each LoraLinear now asks the router
+    for the index on its input's device. Here the engine's device is the CPU and the layers are on
+    `meta` (no data, same device rule: index_add refuses an index from another device), standing in
+    for cuda:0 and cuda:1; a GPU machine with two GPUs is what confirms it on real memory."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False)).to("meta")
+    model.get_output_embeddings = lambda: None
+    lora = LoraModel.wrap(model)
+    weights = {name: LoraWeights(torch.empty(2, layer.in_features, device="meta"),
+                                 torch.empty(layer.out_features, 2, device="meta"), 1.0)
+               for name, layer in lora.layers.items()}
+    lora.install(0, weights)
+    made = []
+    real_index = lora.router.index
+
+    def index(slot, rows, device):
+        made.append(device)
+        return real_index(slot, rows, device)
+
+    lora.router.index = index
+    with lora_rows(model, [0, None, 0]):
+        out = model(torch.empty(3, 8, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 4)
+    assert made == [torch.device("meta")] * 2  # each layer asked for its rows on its input's device

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmi_serve.engine.engine import Engine
-from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PHASES, PREFILL, SAMPLE, PhaseClock
+from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, PHASES, PREFILL, SAMPLE, PhaseClock, for_device
 from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
 from engine_prompts import PROMPTS as ALL_PROMPTS  # noqa: E402
@@ -88,3 +88,20 @@ def test_every_phase_of_the_steps_is_timed_and_counted(engine, prompt_ids):
     assert times.counts[DECODE] == max(LENGTHS) - 1
     assert stats.steps == max(LENGTHS) - 1  # idle wake-ups after the last row (the loop's) are no steps
     assert times.counts[SAMPLE] == times.counts[EMIT] == times.counts[DELIVER] == stats.prefills + max(LENGTHS) - 1
+
+
+def test_a_cuda_clock_synchronizes_at_each_phase_boundary_and_a_cpu_clock_never(monkeypatch):
+    """On a GPU the host only queues kernels: a phase's time is its GPU time only if the device is
+    synchronized when the phase starts and ends (phases.py). Faked here: no CUDA on this machine."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    cpu = for_device(torch.device("cpu"))
+    with cpu.measure(DECODE), cpu.measure(SAMPLE):
+        pass
+    assert synced == []
+    cuda = for_device(torch.device("cuda", 1))
+    with cuda.measure(DECODE):
+        with cuda.measure(SAMPLE):
+            pass
+    assert synced == [torch.device("cuda", 1)] * 4  # entering and leaving each phase
+    assert cuda.snapshot().counts[DECODE] == 1 and cuda.snapshot().counts[SAMPLE] == 1

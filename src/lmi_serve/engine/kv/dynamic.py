@@ -34,12 +34,15 @@ class DynamicKV:
     """Row i of `cache`, `mask`, `next_pos` and `pending` is the batch's row i."""
 
     def __init__(self, model: Any, cache: DynamicCache, mask: torch.Tensor, next_pos: torch.Tensor,
-                 pending: torch.Tensor):
+                 pending: torch.Tensor, lengths: Sequence[int] | None = None):
         self.model = model
         self.cache = cache
         self.mask = mask  # [rows, cached length]: 1 for real tokens, 0 for left padding
         self.next_pos = next_pos  # [rows]: position id of the pending token (= real tokens cached)
         self.pending = pending  # [rows]: the token the next decode feeds
+        # `next_pos` as the host knows it, so that evicting rows reads nothing from the device (a
+        # read is a host sync on a GPU): row i's mask is `mask.shape[1] - lengths[i]` zeros, then ones.
+        self.lengths = list(lengths) if lengths is not None else next_pos.tolist()
 
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
@@ -59,7 +62,7 @@ class DynamicKV:
                         use_cache=True, logits_to_keep=0 if prompt_logits else 1)
         width = input_ids.shape[1]
         per_row = [out.logits[i, width - len(p):] for i, p in enumerate(prompts)] if prompt_logits else None
-        kv = cls(model, cache, mask, mask.sum(dim=-1), input_ids[:, -1])
+        kv = cls(model, cache, mask, mask.sum(dim=-1), input_ids[:, -1], [len(p) for p in prompts])
         return Prefilled(kv, out.logits[:, -1, :], per_row)
 
     def __len__(self) -> int:
@@ -74,6 +77,7 @@ class DynamicKV:
             out = self.model(input_ids=self.pending[:, None], attention_mask=self.mask,
                              position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
         self.next_pos = self.next_pos + 1
+        self.lengths = [n + 1 for n in self.lengths]
         return out.logits[:, -1, :]
 
     def held_bytes(self) -> int:
@@ -93,6 +97,7 @@ class DynamicKV:
             out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.next_pos = self.next_pos + len(tokens)
+        self.lengths = [n + len(tokens) for n in self.lengths]
         self.pending = ids[:, -1]
         return out.logits[:, -1, :]
 
@@ -116,21 +121,23 @@ class DynamicKV:
         if not length:
             raise ValueError("a resumed prefix holds no tokens")
         mask = torch.ones((1, length), dtype=torch.long, device=device)
-        return cls(model, cache, mask, torch.tensor([length], device=device), torch.zeros(1, dtype=torch.long,
-                                                                                      device=device))
+        return cls(model, cache, mask, torch.tensor([length], device=device),
+                   torch.zeros(1, dtype=torch.long, device=device), [length])
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per layer, views of row `row`'s K and V for its token positions [start, end) ([kv heads,
         end - start, head dim]; None for a layer that keeps none). A row's tokens are the last
         `next_pos` columns of the cache (padding is on the left)."""
-        first = self.mask.shape[1] - int(self.next_pos[row])
+        first = self.mask.shape[1] - self.lengths[row]
         return [(layer.keys[row, :, first + start:first + end], layer.values[row, :, first + start:first + end])
                 if layer.is_initialized and layer.keys.numel() else None for layer in self.cache.layers]
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the rows at `indices`, then drop leading columns that became padding in every row."""
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)
-        self.mask = keep_rows(self.cache, self.mask, index)
+        self.lengths = [self.lengths[i] for i in indices]
+        self.mask = keep_rows(self.cache, self.mask, index,
+                              self.mask.shape[1] - max(self.lengths) if self.lengths else 0)
         self.next_pos, self.pending = self.next_pos[index], self.pending[index]
 
     def extend(self, other: "DynamicKV") -> None:
@@ -138,6 +145,7 @@ class DynamicKV:
         self.mask = join_left_padded(self.cache, self.mask, other.cache, other.mask)
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.pending = torch.cat([self.pending, other.pending])
+        self.lengths = self.lengths + other.lengths
 
 
 class DynamicLayout(KVLayout):
@@ -172,12 +180,21 @@ def leading_padding(mask: torch.Tensor) -> int:
     return int(used[0]) if used.numel() else 0
 
 
-def keep_rows(cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def keep_rows(cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor, first: int | None = None
+              ) -> torch.Tensor:
     """Keep `cache`'s rows at `index` (in place), drop the leading columns that became padding in
-    every row, and return the mask of what is left."""
-    cache.batch_select_indices(index)
+    every row (`first` of them, when the caller knows: otherwise the mask is read), and return the
+    mask of what is left. Each layer gets the index on its own device (under device_map=auto the
+    layers live on several GPUs, and the mask on the first)."""
+    on_device: dict[torch.device, torch.Tensor] = {index.device: index}
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        device = keys.device if isinstance(keys, torch.Tensor) else index.device
+        if device not in on_device:
+            on_device[device] = index.to(device)
+        layer.batch_select_indices(on_device[device])
     mask = mask[index]
-    first = leading_padding(mask)
+    first = leading_padding(mask) if first is None else first
     if first:
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]

@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lmi_serve.engine.kv.dynamic import DynamicKV, DynamicLayout, leading_padding
+from lmi_serve.engine.kv.dynamic import DynamicKV, DynamicLayout
 from lmi_serve.engine.kv.protocol import Prefilled
 from lmi_serve.engine.kv.slot_attention import Parts, attends_by_parts
 
@@ -112,14 +112,13 @@ class SlotPart:
         return self.keys, self.values
 
     @torch.inference_mode()
-    def select(self, index: torch.Tensor, first: int) -> None:
+    def select(self, index: torch.Tensor, first: int, stay: int = 0) -> None:
         """Keep the rows at `index`, in that order, and the columns from `first` on. An index may
-        repeat (beam search replicates a row): the kept rows are gathered into copies first. Leading
-        rows that keep their place and columns are not copied (a row leaving moves only those after it)."""
-        stay = 0
-        if first == 0:
-            moved = (index != torch.arange(len(index), device=index.device)).nonzero()
-            stay = int(moved[0]) if moved.numel() else len(index)
+        repeat (beam search replicates a row): the kept rows are gathered into copies first. The
+        leading `stay` rows keep their place (`index[:stay]` is `0, 1, ...`): with `first` 0 they are
+        not copied (a row leaving moves only those after it). The caller knows `stay` from the index's
+        Python list: reading it from the device would be a host sync per layer on a GPU."""
+        stay = stay if first == 0 else 0
         rest = index[stay:]
         keys, values = self.key_store[rest, :, first:self.length], self.value_store[rest, :, first:self.length]
         self.reserve(len(index), self.length)
@@ -251,7 +250,7 @@ class SlotKV(DynamicKV):
         """DynamicKV's prefill, its cache then moved into slot buffers."""
         out = DynamicKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
         dynamic = out.kv
-        kv = cls(model, _adopt(dynamic.cache), dynamic.mask, dynamic.next_pos, dynamic.pending)
+        kv = cls(model, _adopt(dynamic.cache), dynamic.mask, dynamic.next_pos, dynamic.pending, dynamic.lengths)
         return Prefilled(kv, out.logits, out.prompt_logits, out.seen)
 
     @staticmethod
@@ -300,22 +299,30 @@ class SlotKV(DynamicKV):
             self._merge_parts([0] * (len(self.part_shapes()[0]) - 1))
             runs = [(0, list(indices))] if indices else []
         index = torch.tensor(list(indices), dtype=torch.long, device=self.mask.device)
+        lengths = [self.lengths[i] for i in indices]  # the host's copy: nothing is read from the device
         mask = self.mask[index] if len(index) else self.mask[:0, :0]  # no rows: no columns either
-        mask = mask[:, leading_padding(mask):]
+        mask = mask[:, mask.shape[1] - max(lengths, default=0):]
         width, start = mask.shape[1], 0
-        _, lengths = self.part_shapes()
+        _, part_lengths = self.part_shapes()
         kept = {part for part, _ in runs}
         for layer in self._layers():
             layer.parts = [p for i, p in enumerate(layer.parts) if i in kept]
         for position, (part, local) in enumerate(runs):
-            columns = min(lengths[part], width)
-            rows_mask = mask[start:start + len(local), width - columns:]
-            first = lengths[part] - columns + leading_padding(rows_mask)
+            columns = min(part_lengths[part], width)
+            # The leading columns of this part's window that are padding in each of its kept rows.
+            padding = columns - max(lengths[start:start + len(local)])
+            first = part_lengths[part] - columns + padding
+            stay = next((i for i, row in enumerate(local) if row != i), len(local))
             local_index = torch.tensor(local, dtype=torch.long, device=self.mask.device)
+            on_device: dict[torch.device, torch.Tensor] = {}  # layers may live on other GPUs (device_map=auto)
             for layer in self._layers():
-                layer.parts[position].select(local_index, first)
+                part = layer.parts[position]
+                device = part.key_store.device
+                if device not in on_device:
+                    on_device[device] = local_index.to(device)
+                part.select(on_device[device], first, stay)
             start += len(local)
-        self.mask = mask
+        self.mask, self.lengths = mask, lengths
         self.next_pos, self.pending = self.next_pos[index], self.pending[index]
         self._consolidate()
 
@@ -331,6 +338,7 @@ class SlotKV(DynamicKV):
         self.mask = torch.cat([pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
         self.pending = torch.cat([self.pending, other.pending])
+        self.lengths = self.lengths + other.lengths
         self._consolidate()
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -342,7 +350,7 @@ class SlotKV(DynamicKV):
                 out.append(None)
                 continue
             slot = layer.parts[part]
-            first = slot.length - int(self.next_pos[row])
+            first = slot.length - self.lengths[row]
             out.append((slot.keys[local, :, first + start:first + end], slot.values[local, :, first + start:first + end]))
         return out
 

@@ -87,14 +87,19 @@ class GrammarCompiler:
 
 def allowed_tokens(constraints: Sequence[Constraint | None], vocab_size: int,
                    device: torch.device) -> torch.Tensor | None:
-    """A [rows, vocab] bool mask (all True for unconstrained rows), or None when no row is constrained."""
+    """A [rows, vocab] bool mask on `device` (all True for unconstrained rows), or None when no row is
+    constrained. llguidance fills a bitmask in host memory (32 tokens a word); only that bitmask is
+    copied to the device (pinned and asynchronous on a GPU: the host does not wait for it), where it
+    is unpacked to the vocabulary's width."""
     if all(c is None for c in constraints):
         return None
+    device = torch.device(device)
     words = (vocab_size + 31) // 32
-    bitmask = torch.full((len(constraints), words), -1, dtype=torch.int32)
+    bitmask = torch.full((len(constraints), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
     for row, constraint in enumerate(constraints):
         if constraint is not None:
             constraint.fill_mask(bitmask, row)
-    bits = torch.arange(32, dtype=torch.int32)
+    bitmask = bitmask.to(device, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(len(constraints), words * 32)
-    return allowed[:, :vocab_size].to(device)
+    return allowed[:, :vocab_size]

@@ -52,7 +52,7 @@ MIN_CANDIDATES = 64
 @dataclass
 class SampleOutput:
     """One chosen token per row. The tensors stay on the device (the batch feeds `chosen` to the next
-    forward); the Python lists are read once each, when the rows' events are built."""
+    forward); the host reads them once, all together (`_host`), when the rows' events are built."""
 
     chosen: torch.Tensor  # [rows] long: the chosen token ids
     chosen_logprobs: torch.Tensor  # [rows] float: their logprobs
@@ -61,20 +61,31 @@ class SampleOutput:
     top_ids: torch.Tensor | None = None  # [rows, max(top_n)] their token ids
 
     @cached_property
+    def _host(self) -> list[list[float]]:
+        """Per row: [id, logprob, top ids..., top logprobs...], read from the device in one `.tolist()`
+        (a read is a host sync on a GPU). float64 holds every token id and every float32 logprob
+        exactly, so the values are those that reading each tensor on its own would give."""
+        parts = [self.chosen[:, None], self.chosen_logprobs[:, None]]
+        if self.top_ids is not None:
+            parts += [self.top_ids, self.top_values]
+        return torch.cat([part.to(torch.float64) for part in parts], dim=1).tolist()
+
+    @cached_property
     def token_ids(self) -> list[int]:
-        return self.chosen.tolist()
+        return [int(row[0]) for row in self._host]
 
     @cached_property
     def logprobs(self) -> list[float]:
-        return self.chosen_logprobs.tolist()
+        return [row[1] for row in self._host]
 
     @cached_property
     def top(self) -> list[list[tuple[int, float]]]:
         """Per row: the n best (id, logprob), n from `top_n`."""
         if self.top_ids is None:
             return [[] for _ in self.top_n]
-        values, ids = self.top_values.tolist(), self.top_ids.tolist()
-        return [list(zip(ids[r][:n], values[r][:n])) for r, n in enumerate(self.top_n)]
+        width = self.top_ids.shape[1]
+        return [[(int(t), v) for t, v in zip(row[2:2 + n], row[2 + width:2 + width + n])]
+                for row, n in zip(self._host, self.top_n)]
 
 
 def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:

@@ -65,6 +65,7 @@ def token_mask(rows, vocab_size: int, device: torch.device) -> torch.Tensor | No
             allowed = torch.ones((len(rows), vocab_size), dtype=torch.bool, device=device)
         softened = allowed[i].clone()
         softened[banned] = False
-        if softened.any():
-            allowed[i] = softened
+        # Where the bans would leave nothing, keep the hard mask: chosen on the device, not read back
+        # (`if softened.any()` would be a host sync per row on a GPU).
+        allowed[i] = torch.where(softened.any(), softened, allowed[i])
     return allowed
