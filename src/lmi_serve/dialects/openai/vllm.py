@@ -57,7 +57,6 @@ REFUSED_CHAT: dict[str, tuple[str, tuple]] = {
     "continue_final_message": ("the final message cannot be continued; the reply is a new assistant message",
                                (None, False)),
     "chat_template": ("the model's own chat template is always used", (None, "")),
-    "chat_template_kwargs": ("the chat template takes no extra arguments here", (None, {})),
     "documents": ("documents are not passed to the chat template", (None, [])),
     "mm_processor_kwargs": ("this model takes text only", (None, {})),
     "media_io_kwargs": ("this model takes text only", (None, {})),
@@ -67,6 +66,25 @@ REFUSED_COMPLETION: dict[str, tuple[str, tuple]] = {
     **REFUSED,
     "prompt_embeds": ("prompts are text or token ids; embeddings cannot be sent", (None, [])),
 }
+
+
+# apply_chat_template's own arguments: a client's template variables may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "return_tensors", "return_dict", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict | None:
+    """vLLM's `chat_template_kwargs` (chat and /tokenize): extra variables for the chat template,
+    such as Qwen3's `enable_thinking`. Variables the template does not read are harmless, as in
+    transformers; names of apply_chat_template's own arguments are refused (a ValueError naming
+    them), since the request's own fields set those."""
+    reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                         "apply_chat_template takes them from the request's own fields")
+    return kwargs
 
 
 def refuse(model: type[BaseModel], body: dict) -> None:
@@ -176,6 +194,14 @@ class VllmChatFields(VllmFields):
     echo: bool = False  # the reply starts with the last message's content when that is an assistant message
     add_special_tokens: bool = False  # the chat template writes the special tokens
     include_reasoning: bool = True  # this model writes no reasoning, so there is never any to leave out
+    # Extra variables for the chat template (e.g. Qwen3's `enable_thinking`), as on /tokenize.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_rule(cls, value):
+        return check_template_kwargs(value)
+
 
     @property
     def wants_prompt_logprobs(self) -> int | None:

@@ -8,6 +8,7 @@ import re
 
 import openai
 import pytest
+import requests
 from openai import OpenAI
 
 pytestmark = pytest.mark.integration
@@ -174,6 +175,22 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
     assert response.usage.prompt_tokens == len(prompt) and response.choices[0].text == same.choices[0].text
 
 
+def test_chat_template_kwargs_reach_the_template_as_on_tokenize(default_server, client):
+    kwargs = {"enable_thinking": False, "custom_variable": "x"}  # SmolLM2's template reads neither: harmless
+    response = chat(client, extra_body={"chat_template_kwargs": kwargs})
+    assert response.choices[0].message.content == chat(client).choices[0].message.content
+    counted = requests.post(default_server.url("/tokenize"), timeout=60,
+                            json={"model": MODEL, "messages": SHORT_ANSWER, "chat_template_kwargs": kwargs}).json()
+    assert response.usage.prompt_tokens == counted["count"]
+
+
+@pytest.mark.parametrize("value", [{"add_generation_prompt": False}, {"tokenize": True}, ["enable_thinking"]])
+def test_chat_template_kwargs_that_clash_or_are_no_object_are_refused(client, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, max_tokens=2, extra_body={"chat_template_kwargs": value})
+    assert caught.value.param == "chat_template_kwargs"
+
+
 def test_special_tokens_show_only_when_not_skipped(client, tokenizer):
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     body = {"allowed_token_ids": [start]}
@@ -209,7 +226,7 @@ REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("early_stopping"
            ("vllm_xargs", {"x": 1}), ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " *"),
            ("max_repetition_pattern_size", 4)]
 REFUSED_CHAT = [("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
-                ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "t", "text": "x"}]),
+                ("documents", [{"title": "t", "text": "x"}]),
                 ("mm_processor_kwargs", {"a": 1}), ("best_of", 2)]
 
 
