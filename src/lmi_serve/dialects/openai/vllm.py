@@ -50,6 +50,8 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "max_repetition_pattern_size": ("repetition detection is not supported", (None, 0)),
     "min_repetition_pattern_size": ("repetition detection is not supported", (None, 0)),
     "repetition_min_count": ("repetition detection is not supported", (None, 0)),
+    "logprob_token_ids": ("logprobs of chosen token ids are not returned; use logprobs (the sampled token and "
+                          "the top alternatives)", (None, [])),
 }
 REFUSED_CHAT: dict[str, tuple[str, tuple]] = {
     **REFUSED,
@@ -66,7 +68,6 @@ REFUSED_COMPLETION: dict[str, tuple[str, tuple]] = {
     **REFUSED,
     "prompt_embeds": ("prompts are text or token ids; embeddings cannot be sent", (None, [])),
 }
-
 
 # apply_chat_template's own arguments: a client's template variables may not replace them.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -151,6 +152,8 @@ class VllmFields(BaseModel):
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # Where truncate_prompt_tokens cuts: `left` (vLLM's default) keeps the last N tokens, `right` the first N.
+    truncation_side: Literal["left", "right"] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
     bad_words: list[str] = []
     skip_special_tokens: bool = True
@@ -202,7 +205,6 @@ class VllmChatFields(VllmFields):
     def _template_kwargs_rule(cls, value):
         return check_template_kwargs(value)
 
-
     @property
     def wants_prompt_logprobs(self) -> int | None:
         """vLLM: chat `echo` without `prompt_logprobs` asks for the prompt's logprobs (top_logprobs each)."""
@@ -241,12 +243,18 @@ class VllmCompletionFields(VllmFields):
 # ---- request side ---------------------------------------------------------------------------------
 
 def truncate_prompt(ids: Sequence[int], fields: BaseModel, max_model_len: int) -> list[int]:
-    """`truncate_prompt_tokens`: keep the last N prompt tokens (-1: the model's context length)."""
+    """`truncate_prompt_tokens`: keep the last N prompt tokens (-1: the model's context length), or
+    the first N with `truncation_side: right`."""
     keep = getattr(fields, "truncate_prompt_tokens", None)
     if keep is None:
         return list(ids)
     keep = max_model_len if keep == -1 else keep
-    return list(ids)[-keep:]
+    return truncated(ids, keep, getattr(fields, "truncation_side", None))
+
+
+def truncated(ids: Sequence[int], keep: int, side: str | None) -> list[int]:
+    """At most `keep` of `ids`: the last ones (side `left` or None, vLLM's default), or the first."""
+    return list(ids)[:keep] if side == "right" else list(ids)[-keep:]
 
 
 def _guided_fields(fields: VllmFields) -> list[tuple[str, GuidedDecoding]]:

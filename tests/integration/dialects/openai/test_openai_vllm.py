@@ -175,6 +175,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
     assert response.usage.prompt_tokens == len(prompt) and response.choices[0].text == same.choices[0].text
 
 
+def test_truncation_side_right_keeps_the_first_tokens(client, tokenizer):
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    filler = tokenizer.encode(" Once upon a time there was a princess.", add_special_tokens=False)
+    body = {"truncate_prompt_tokens": len(prompt), "truncation_side": "right"}
+    response = complete(client, prompt + filler, echo=True, max_tokens=2, extra_body=body)
+    assert response.usage.prompt_tokens == len(prompt)
+    assert response.choices[0].text.startswith(tokenizer.decode(prompt))
+    assert response.choices[0].text == complete(client, prompt, echo=True, max_tokens=2).choices[0].text
+
+
 def test_chat_template_kwargs_reach_the_template_as_on_tokenize(default_server, client):
     kwargs = {"enable_thinking": False, "custom_variable": "x"}  # SmolLM2's template reads neither: harmless
     response = chat(client, extra_body={"chat_template_kwargs": kwargs})
@@ -224,7 +234,7 @@ REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("early_stopping"
            ("logits_processors", ["my.module.Processor"]), ("return_tokens_as_token_ids", True),
            ("return_token_ids", True), ("kv_transfer_params", {"do_remote_decode": True}),
            ("vllm_xargs", {"x": 1}), ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " *"),
-           ("max_repetition_pattern_size", 4)]
+           ("max_repetition_pattern_size", 4), ("logprob_token_ids", [5, 7])]
 REFUSED_CHAT = [("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
                 ("documents", [{"title": "t", "text": "x"}]),
                 ("mm_processor_kwargs", {"a": 1}), ("best_of", 2)]
