@@ -16,6 +16,7 @@ capability                  Protocol              used by
 ``count_tokens(texts)``     `EmbeddingModel`      OpenAI ``/v1/embeddings`` (usage, limits)
 ``embedding_limits()``      `EmbeddingModel`      OpenAI ``/v1/embeddings`` (dimensions, limits)
 ``vocabulary_size()``       `TokenIdInputs`       OpenAI ``/v1/embeddings`` token-id inputs
+``truncated_token_ids()``   `TokenIdInputs`       OpenAI ``/v1/embeddings`` ``truncate_prompt_tokens``
 ``@input_formatter``        (decorated function)  the built-in text handler's rolling batch
 ``@output_formatter``       (decorated function)  the built-in text handler's rolling batch
 ==========================  ====================  ==================================================
@@ -139,6 +140,12 @@ class TokenIdInputs(Protocol):
         """Token ids the model reads (0 <= id < size). Its presence lets ``/v1/embeddings`` take
         token-id inputs, checked against it."""
 
+    def truncated_token_ids(self, texts: list[str], keep: int, side: str) -> list[list[int]]:
+        """Optional: each text's token ids cut to at most `keep` tokens as the tokenizer truncates
+        (special tokens kept; of the rest the last ones for side ``left``, the first for ``right``).
+        ``/v1/embeddings`` embeds them as token-id inputs to honour vLLM's
+        ``truncate_prompt_tokens`` on texts; without it a text longer than that is refused."""
+
 
 # --- reading them once ---------------------------------------------------------------------------
 
@@ -157,6 +164,7 @@ class HandlerCapabilities:
     count_tokens: Callable[[list[str]], list[int]] | None = None
     embedding_limits: Callable[[], tuple[int, int]] | None = None
     vocabulary_size: Callable[[], int] | None = None
+    truncated_token_ids: Callable[[list[str], int, str], list[list[int]]] | None = None
     input_formatter: Callable[..., Any] | None = None
     output_formatter: Callable[..., Any] | None = None
 
@@ -189,6 +197,7 @@ class HandlerCapabilities:
             count_tokens=_function(module, "count_tokens", where),
             embedding_limits=_function(module, "embedding_limits", where),
             vocabulary_size=_function(module, "vocabulary_size", where),
+            truncated_token_ids=_function(module, "truncated_token_ids", where),
             input_formatter=find_annotated(user_module, "is_input_formatter") if user_module else None,
             output_formatter=find_annotated(user_module, "is_output_formatter") if user_module else None)
 

@@ -49,3 +49,20 @@ def test_inputs_other_than_texts_and_token_id_lists_are_refused(handler, inputs)
     item = Input.from_http(json.dumps({"inputs": inputs}).encode(), {"Content-Type": "application/json"}, [], "r")
     with pytest.raises(ValueError, match="'inputs' must be"):
         handler._parse(item)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("keep", [3, 5, 40])
+def test_truncated_ids_are_the_tokenizers_own_truncation(handler, side, keep):
+    from transformers import AutoTokenizer
+
+    service = handler._service
+    text = "the quick brown fox jumps over the lazy dog near the river bank"
+    reference = AutoTokenizer.from_pretrained(service.tokenizer.name_or_path, truncation_side=side)
+    expected = reference(text, truncation=True, max_length=keep).input_ids
+    assert handler.truncated_token_ids([text], keep, side) == [expected]
+
+
+def test_truncation_leaving_no_room_for_text_is_refused(handler):
+    with pytest.raises(ValueError, match="no room"):
+        handler.truncated_token_ids(["hello"], 2, "left")

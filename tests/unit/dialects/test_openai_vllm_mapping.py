@@ -142,8 +142,25 @@ def test_a_vllm_constraint_does_not_silently_replace_response_format_or_tools():
 
 def test_truncate_prompt_keeps_the_last_tokens():
     assert vllm.truncate_prompt([1, 2, 3, 4], chat_request(truncate_prompt_tokens=2), 100) == [3, 4]
+    left = parse(CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": 2, "truncation_side": "left"})
+    assert vllm.truncate_prompt([1, 2, 3, 4], left, 100) == [3, 4]
     assert vllm.truncate_prompt([1, 2, 3, 4], chat_request(truncate_prompt_tokens=-1), 3) == [2, 3, 4]
     assert vllm.truncate_prompt([1, 2, 3, 4], chat_request(), 3) == [1, 2, 3, 4]
+
+
+def test_truncation_side_right_keeps_the_first_tokens():
+    right = parse(CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": 2, "truncation_side": "right"})
+    assert vllm.truncate_prompt([1, 2, 3, 4], right, 100) == [1, 2]
+    assert vllm.truncate_prompt([1, 2, 3, 4], chat_request(truncate_prompt_tokens=-1, truncation_side="right"), 3) \
+        == [1, 2, 3]
+    assert refused(CompletionRequest, {"prompt": "x", "truncation_side": "middle"}).param == "truncation_side"
+    assert parse(CompletionRequest, {"prompt": "x", "truncation_side": "right"}).model_extra == {}  # not logged
+
+
+def test_logprob_token_ids_are_refused_naming_the_field():
+    for model, body in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": USER})):
+        assert refused(model, {**body, "logprob_token_ids": [5, 7]}).param == "logprob_token_ids"
+        assert parse(model, {**body, "logprob_token_ids": []}).model_extra == {}
 
 
 def test_prompt_logprobs_render_in_vllms_shape():

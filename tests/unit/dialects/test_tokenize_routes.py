@@ -66,7 +66,7 @@ def test_an_unknown_tgi_model_name_is_tgi_404(client):
     ("/tokenize", {"model": "a", "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
                    "continue_final_message": True}, None),
     ("/tokenize", {"model": "a", "messages": [{"role": "user", "content": "x"}],
-                   "chat_template_kwargs": {"tokenize": True}}, None),
+                   "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ("/detokenize", {"model": "a", "tokens": ["x"]}, "tokens.0"),
     ("/detokenize", {"model": "a", "tokens": [-1]}, "tokens.0"),
     ("/detokenize", {"model": "a"}, "tokens"),

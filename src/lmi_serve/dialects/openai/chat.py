@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from lmi_serve.dialects.common import guided
 from lmi_serve.dialects.common import json_body
 from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.dialects.openai import vllm
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 from lmi_serve.engine.types import GuidedDecoding
 from lmi_serve.errors import InvalidRequest
@@ -90,7 +91,10 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
 def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_prompt: bool = True,
                   continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
     """The conversation as prompt text through the model's chat template. The keywords are vLLM's
-    (its /tokenize takes them); a chat completion always opens the assistant's turn."""
+    (its /tokenize takes them); a chat completion always opens the assistant's turn.
+    `template_kwargs` defaults to the request's `chat_template_kwargs`."""
+    if template_kwargs is None:
+        template_kwargs = getattr(request, "chat_template_kwargs", None)
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest("This model has no chat template; use /v1/completions", param="messages")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,7 @@ from flask import Blueprint, Response, current_app, request
 from lmi_serve.dialects.common import json_body
 from lmi_serve.dialects.common import streaming
 from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.dialects.openai import vllm
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
@@ -147,6 +149,7 @@ def embeddings() -> Response:
         raise InvalidRequest(f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
                              "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
     counts = _token_counts(inputs, handler)
+    inputs, counts = _truncated(parsed, inputs, counts, handler, max_tokens)
     for i, count in enumerate(counts):
         if count > max_tokens:
             raise ContextOverflow(f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
@@ -158,7 +161,8 @@ def embeddings() -> Response:
         message = output.body().decode("utf-8", "replace")
         raise GenerationFailed(message) if output.code >= 500 else InvalidRequest(message)
     vectors = json.loads(output.body())
-    data = [{"object": "embedding", "index": i, "embedding": _encode(vector, parsed.encoding_format)}
+    data = [{"object": "embedding", "index": i,
+             "embedding": _encode(vector, parsed.encoding_format, parsed.embed_dtype, parsed.endianness)}
             for i, vector in enumerate(vectors)]
     total = sum(counts)
     return Response(json.dumps({"object": "list", "data": data, "model": service.name,
@@ -199,10 +203,58 @@ def _token_counts(inputs: list[str | list[int]], handler) -> list[int]:
     return [next(text_counts) if isinstance(x, str) else len(x) for x in inputs]
 
 
-def _encode(vector: list[float], encoding: str):
-    if encoding == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-    return vector
+def _truncated(parsed: EmbeddingRequest, inputs: list[str | list[int]], counts: list[int], handler,
+               max_tokens: int) -> tuple[list[str | list[int]], list[int]]:
+    """vLLM's `truncate_prompt_tokens` (-1: the model's limit) and `truncation_side`: an input
+    longer than that keeps its last tokens (`left`, vLLM's default) or its first (`right`). Token ids
+    are cut as sent; a text is cut by the handler's tokenizer, special tokens kept, as vLLM's
+    tokenizer truncates (`truncated_token_ids`); a handler without that refuses a text to cut."""
+    keep = parsed.truncate_prompt_tokens
+    if keep is None:
+        return inputs, counts
+    keep = max_tokens if keep == -1 else keep
+    if keep > max_tokens:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) exceeds this model's limit of {max_tokens} tokens",
+                             param="truncate_prompt_tokens")
+    side = parsed.truncation_side or "left"
+    long_texts = [i for i, (x, n) in enumerate(zip(inputs, counts)) if isinstance(x, str) and n > keep]
+    cut_texts = {}
+    if long_texts:
+        if handler.truncated_token_ids is None or handler.vocabulary_size is None:
+            first = long_texts[0]
+            raise InvalidRequest(f"truncate_prompt_tokens: input {first} has {counts[first]} tokens and this model's "
+                                 "handler cannot cut texts at a token (it has no truncated_token_ids()); send fewer "
+                                 "tokens, or token ids", param="truncate_prompt_tokens")
+        try:
+            cut_texts = dict(zip(long_texts, handler.truncated_token_ids([inputs[i] for i in long_texts], keep, side)))
+        except ValueError as exc:
+            raise InvalidRequest(f"truncate_prompt_tokens: {exc}", param="truncate_prompt_tokens") from None
+    out = [cut_texts[i] if i in cut_texts else vllm.truncated(x, keep, side) if isinstance(x, list) else x
+           for i, x in enumerate(inputs)]
+    return out, [len(x) if isinstance(x, list) else n for x, n in zip(out, counts)]
+
+
+_BYTE_ORDERS = {"native": sys.byteorder, "little": "little", "big": "big"}
+
+
+def _encode(vector: list[float], encoding: str, dtype: str = "float32", endianness: str = "native"):
+    """A vector as sent: a float list, or for `base64` its bytes as vLLM lays them out, in
+    `embed_dtype` (the value rounded to that type, as torch casts) and `endianness`. OpenAI's
+    client reads the default, float32 little-endian (native on the machines this runs on)."""
+    if encoding != "base64":
+        return vector
+    if dtype == "float32":
+        order = "<" if _BYTE_ORDERS[endianness] == "little" else ">"
+        return base64.b64encode(struct.pack(f"{order}{len(vector)}f", *vector)).decode("ascii")
+    import torch  # only for the narrower types, whose rounding torch defines
+
+    kinds = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+    cast = torch.tensor(vector, dtype=torch.float32).to(kinds[dtype])
+    raw = cast.view(torch.uint8).numpy().reshape(len(vector), cast.element_size())
+    if _BYTE_ORDERS[endianness] != sys.byteorder:
+        raw = raw[:, ::-1]
+    return base64.b64encode(raw.tobytes()).decode("ascii")
 
 
 @blueprint.get("/models")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
@@ -286,13 +286,44 @@ class CompletionRequest(VllmCompletionFields, SamplingFields):
         return list(self.prompt)
 
 
+_UNNORMALISED = ("the vectors are always L2-normalised, as the model was trained to be compared; "
+                 "unnormalised vectors are not available", (None, True))
+
+
 class EmbeddingRequest(_Lenient):
+    """OpenAI's embeddings body with vLLM's pooling fields: `truncate_prompt_tokens` and
+    `truncation_side` (applied in routes.embeddings), `embed_dtype` and `endianness` (the layout of
+    `base64` vectors; a float list is unchanged by them, as in vLLM), `use_activation` and its older
+    spelling `normalize` (only the normalised vectors the model gives are served: false is refused);
+    `add_special_tokens: false` and a `priority` are refused too."""
+
+    vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
+        "use_activation": _UNNORMALISED, "normalize": _UNNORMALISED,
+        "add_special_tokens": ("texts are always embedded with the tokenizer's special tokens, as the model was "
+                               "trained; send token ids to choose every token", (None, True)),
+        "priority": ("requests are served first come, first served; there is no priority scheduling", (None, 0))}
+
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     instruction: str | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    embed_dtype: Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+    use_activation: bool | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool | None = None
+    priority: int | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_rule(cls, value):
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's limit) or at least 1")
+        return value
 
     @field_validator("input")
     @classmethod

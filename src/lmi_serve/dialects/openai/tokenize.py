@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, json, request
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmi_serve.dialects.common import json_body
 from lmi_serve.dialects.common.json_body import InvalidJson
-from lmi_serve.dialects.openai import chat
+from lmi_serve.dialects.openai import chat, vllm
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.routes import choose_service
@@ -32,13 +32,6 @@ from lmi_serve.errors import ServingError
 
 blueprint = Blueprint("tokenize", __name__)
 ERROR_PREFIXES = ("/tokenize", "/detokenize")  # app-level 404/405/413 there: OpenAI's envelope
-
-# apply_chat_template's own arguments: a client's template variables may not replace them.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                             "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
-                             "padding", "truncation", "max_length", "tokenizer_kwargs",
-                             "return_assistant_tokens_mask"}
-
 
 class TokenizeCompletionRequest(_Lenient):
     """vLLM's /tokenize for a prompt text."""
@@ -66,10 +59,12 @@ class TokenizeChatRequest(_Lenient):
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second opens a new assistant turn")
-        reserved = sorted(set(self.chat_template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}: they are fields of the request")
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_rule(cls, value):
+        return vllm.check_template_kwargs(value)  # as on chat completions
 
 
 class TokenizeResponse(_Lenient):

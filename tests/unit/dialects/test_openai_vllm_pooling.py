@@ -1,0 +1,120 @@
+"""vLLM's pooling fields on /v1/embeddings without a server: `embed_dtype` / `endianness` lay out
+base64 vectors as vLLM does, `truncate_prompt_tokens` / `truncation_side` cut inputs as vLLM's
+tokenizer does, and `use_activation: false` is refused naming the field."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from lmi_serve.dialects.openai.routes import _encode, _truncated
+from lmi_serve.dialects.openai.schema import EmbeddingRequest, parse
+from lmi_serve.errors import InvalidRequest
+
+VECTOR = [0.1, -0.25, 0.3333333, 1e-3, -0.999]
+
+
+def request(**fields) -> EmbeddingRequest:
+    return parse(EmbeddingRequest, {"input": "x", **fields})
+
+
+def decoded(text: str, dtype, big: bool) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype=np.dtype(dtype).newbyteorder(">" if big else "<"))
+
+
+@pytest.mark.parametrize("endianness", ["native", "little", "big"])
+def test_base64_float32_and_float16_in_either_byte_order(endianness):
+    big = endianness == "big" or endianness == "native" and sys.byteorder == "big"
+    f32 = decoded(_encode(VECTOR, "base64", "float32", endianness), np.float32, big)
+    assert f32.tolist() == np.array(VECTOR, dtype=np.float32).tolist()
+    f16 = decoded(_encode(VECTOR, "base64", "float16", endianness), np.float16, big)
+    assert f16.tolist() == np.array(VECTOR, dtype=np.float16).tolist()
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bfloat16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn),
+                                               ("fp8_e5m2", torch.float8_e5m2)])
+def test_narrow_types_are_torchs_rounding_of_the_float32_vector(dtype, torch_dtype):
+    expected = torch.tensor(VECTOR, dtype=torch.float32).to(torch_dtype)
+    for endianness in ("little", "big"):
+        raw = base64.b64decode(_encode(VECTOR, "base64", dtype, endianness))
+        assert len(raw) == len(VECTOR) * expected.element_size()
+        if endianness == "big" and expected.element_size() == 2:
+            raw = b"".join(raw[i:i + 2][::-1] for i in range(0, len(raw), 2))
+        got = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype)
+        assert torch.equal(got.float(), expected.float())
+
+
+def test_a_float_list_is_unchanged_by_the_base64_layout_fields():
+    assert _encode(VECTOR, "float", "float16", "big") == VECTOR
+
+
+def test_the_default_base64_is_what_the_openai_client_reads():
+    assert _encode(VECTOR, "base64") == base64.b64encode(np.array(VECTOR, dtype="<f4").tobytes()).decode()
+
+
+class Handler:
+    """A handler whose tokenizer writes [0] + one token per word + [9]."""
+
+    vocabulary_size = staticmethod(lambda: 100)
+
+    @staticmethod
+    def truncated_token_ids(texts, keep, side):
+        rows = []
+        for text in texts:
+            words = [int(w) for w in text.split()]
+            words = words[:keep - 2] if side == "right" else words[len(words) - (keep - 2):]
+            rows.append([0, *words, 9])
+        return rows
+
+
+def test_token_ids_keep_the_last_tokens_or_the_first_with_truncation_side_right():
+    inputs, counts = [[1, 2, 3, 4, 5], [6, 7]], [5, 2]
+    assert _truncated(request(truncate_prompt_tokens=3), inputs, counts, Handler, 512) == ([[3, 4, 5], [6, 7]], [3, 2])
+    assert _truncated(request(truncate_prompt_tokens=3, truncation_side="right"), inputs, counts, Handler, 512) \
+        == ([[1, 2, 3], [6, 7]], [3, 2])
+    assert _truncated(request(truncate_prompt_tokens=-1), inputs, counts, Handler, 4) \
+        == ([[2, 3, 4, 5], [6, 7]], [4, 2])
+    assert _truncated(request(), inputs, counts, Handler, 4) == (inputs, counts)
+
+
+def test_long_texts_are_cut_by_the_handler_keeping_its_special_tokens():
+    inputs, counts = ["1 2 3 4 5", "6"], [7, 3]
+    cut, new_counts = _truncated(request(truncate_prompt_tokens=4), inputs, counts, Handler, 512)
+    assert cut == [[0, 4, 5, 9], "6"] and new_counts == [4, 3]
+    cut, _ = _truncated(request(truncate_prompt_tokens=4, truncation_side="right"), inputs, counts, Handler, 512)
+    assert cut == [[0, 1, 2, 9], "6"]
+
+
+NO_CUTTER = SimpleNamespace(truncated_token_ids=None, vocabulary_size=None)
+
+
+@pytest.mark.parametrize("handler,keep,limit", [(NO_CUTTER, 4, 512), (Handler, 600, 512)])
+def test_a_truncation_that_cannot_apply_is_a_400_naming_the_field(handler, keep, limit):
+    with pytest.raises(InvalidRequest) as caught:
+        _truncated(request(truncate_prompt_tokens=keep), ["1 2 3 4 5"], [7], handler, limit)
+    assert caught.value.param == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("body,param", [({"use_activation": False}, "use_activation"),
+                                        ({"normalize": False}, "normalize"),
+                                        ({"add_special_tokens": False}, "add_special_tokens"),
+                                        ({"priority": 3}, "priority"),
+                                        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                                        ({"truncation_side": "middle"}, "truncation_side"),
+                                        ({"embed_dtype": "int8"}, "embed_dtype"),
+                                        ({"endianness": "middle"}, "endianness")])
+def test_values_that_cannot_be_honoured_are_a_400_naming_the_field(body, param):
+    with pytest.raises(InvalidRequest) as caught:
+        request(**body)
+    assert caught.value.param == param and param in str(caught.value)
+
+
+def test_the_neutral_values_are_accepted():
+    for body in ({"use_activation": True}, {"use_activation": None}, {"normalize": True},
+                 {"add_special_tokens": True}, {"priority": 0}):
+        assert request(**body).model_extra == {}
