@@ -147,7 +147,8 @@ def main() -> int:
     after = ceiling(service, texts, [best], args.seconds / 3)[best]
     top = max(rates[best], after)
     print(f"ceiling again after the servers: {after:.1f} sentences/s at batch {best}; ratios use {top:.1f}")
-    print("| system | clients | sentences/s | x ceiling | batch_size / delay ms | mean batch | largest since start | failed |")
+    print("| system | clients | sentences/s | x ceiling | batch_size / delay ms | mean batch | largest since start "
+          "| failed |")
     print("|---|---|---|---|---|---|---|---|")
     for name, row in results:
         print(f"| {name} | {row['clients']} | {row['rate']:.1f} | {row['rate'] / top:.2f} | "
