@@ -323,8 +323,16 @@ class ModelConfig(BaseModel):
         "auto",
         description="the LoRA matrices' dtype: `auto` (the model's), `fp32`, `fp16`, `bf16`",
     )
-    batch_size: int = Field(1, ge=1, description="dynamic batch size")
-    max_batch_delay: int = Field(100, ge=0, description="ms to wait for a batch to fill after its first request")
+    batch_size: int = Field(
+        1, ge=1,
+        description="dynamic batch size: requests in one `handle()` call (unset: 32 for the built-in embedding "
+                    "handler, whose forwards are also cut at 16,384 padded tokens)",
+    )
+    max_batch_delay: int = Field(
+        100, ge=0,
+        description="ms to wait for a batch to fill after its first request (unset: 0 for the built-in "
+                    "embedding handler: the requests queued while its last forward ran)",
+    )
     enable_streaming: bool = Field(
         False,
         description="`true`/`huggingface`: jsonlines `{\"outputs\": [...]}` (needs `batch_size=1`)",

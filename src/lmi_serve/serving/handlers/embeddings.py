@@ -1,8 +1,10 @@
 """Built-in text-embedding handler: `{"inputs": str | [str | [token id]]}` -> a JSON list of vectors.
 
 Mean pooling over the attention mask, then L2 normalisation: the same vectors as the
-sentence-transformers pipeline of all-MiniLM-L6-v2, without needing that package. All inputs of a
-dynamic batch go through one padded forward.
+sentence-transformers pipeline of all-MiniLM-L6-v2, without needing that package. The inputs of a
+dynamic batch (the requests that queued while the last forward ran, serving/service.py ENCODER_BATCHING)
+share forwards: sorted by length, and cut where a forward would read more than MAX_BATCH_TOKENS padded
+tokens (TEI's max_batch_tokens), so a long input does not pad a forward of short ones past the budget.
 
 An input given as token ids is the model's whole input, used as given: nothing is decoded, and no
 special tokens are added (the ids of `[CLS] hello world [SEP]` give the vector of "hello world").
@@ -23,6 +25,7 @@ from lmi_serve.model.loader import load_encoder
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
 
 EmbeddingInput = str | list[int]  # a text, or the token ids the model reads
+MAX_BATCH_TOKENS = 16384  # padded tokens (rows x longest row) in one forward: TEI's default max_batch_tokens
 
 
 def _is_token_ids(value) -> bool:
@@ -110,7 +113,16 @@ class EmbeddingService:
         return input_ids.to(self.device), mask.to(self.device)
 
     def embed(self, inputs: list[EmbeddingInput]) -> list[list[float]]:
-        input_ids, mask = self.right_padded(self.input_ids(inputs))
+        """One vector per input, in order; forwards of rows of similar length within the token budget."""
+        rows = self.input_ids(inputs)
+        vectors: list[list[float] | None] = [None] * len(rows)
+        for chunk in token_budget_chunks([len(r) for r in rows], MAX_BATCH_TOKENS):
+            for i, vector in zip(chunk, self.forward([rows[i] for i in chunk])):
+                vectors[i] = vector
+        return vectors
+
+    def forward(self, rows: list[list[int]]) -> list[list[float]]:
+        input_ids, mask = self.right_padded(rows)
         with torch.inference_mode():
             hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
         weights = mask.unsqueeze(-1).to(hidden.dtype)
@@ -132,6 +144,18 @@ class EmbeddingService:
             if isinstance(x, list):
                 self.checked_token_ids(x)
         return inputs
+
+
+def token_budget_chunks(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indexes of `lengths` sorted by length, cut so that rows x longest row stays within `budget`
+    (a row longer than the budget goes alone)."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= budget:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
 
 
 _service: EmbeddingService | None = None
