@@ -88,10 +88,12 @@ def test_two_gloo_ranks_serve_the_model(tp_server):
 
 
 def test_greedy_output_is_one_ranks_alone_and_concurrently(tp_server, one_rank):
-    alone = [token_ids(generate(tp_server, i)) for i in range(len(PROMPTS))]
+    # Alone: one prompt of each length class (max_new_tokens cycles over 4), which is what a batch of
+    # one can differ in; together: all twelve in one batch.
+    alone = [token_ids(generate(tp_server, i)) for i in range(4)]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = [token_ids(body) for body in pool.map(lambda i: generate(tp_server, i), range(len(PROMPTS)))]
-    assert alone == one_rank
+    assert alone == one_rank[:4]
     assert together == one_rank
 
 
