@@ -19,7 +19,7 @@ length and cut at MAX_BATCH_TOKENS padded tokens, as the embedding handler does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -38,9 +38,9 @@ _PARAMETERS = {"top_k", "function_to_apply", "return_all_scores"}
 Row = tuple[str, str | None]  # (text, text_pair or None)
 
 
-@dataclass(frozen=True)
-class Request:
-    """One request of a batch: its rows, and how its answer is shaped (the pipeline's rules)."""
+class Request(NamedTuple):
+    """One request of a batch: its rows, and how its answer is shaped (the pipeline's rules). A
+    NamedTuple, not a dataclass: handler files load outside sys.modules, which dataclasses need."""
 
     rows: list[Row]
     single: bool  # X was one text or pair, not a list
