@@ -138,3 +138,23 @@ def test_models_are_listed_and_invocations_take_the_pipeline_shape(client, model
     assert [a["score"] for a in answer] == pytest.approx([sigmoid(w[0]) for w in want], abs=TOLERANCE)
     refused = client.post("/invocations?model_name=senti", json={"inputs": "hi", "parameters": {"max_new_tokens": 3}})
     assert refused.status_code == 424 and "text-generation parameters do not apply" in refused.get_data(as_text=True)
+
+
+def test_triton_infer_scores_texts_and_pairs(client, models):
+    body = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [2], "data": [QUERY, QUERY]},
+                       {"name": "text_pair", "datatype": "BYTES", "shape": [2], "data": DOCUMENTS[:2]}]}
+    response = client.post("/v2/models/rr/infer", json=body)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    outputs = {o["name"]: o for o in response.get_json()["outputs"]}
+    want = reference_logits(models["rr"], [QUERY] * 2, DOCUMENTS[:2])
+    assert outputs["logits"]["shape"] == [2, 1] and outputs["logits"]["datatype"] == "FP32"
+    assert outputs["logits"]["data"] == pytest.approx([w[0] for w in want], abs=TOLERANCE)
+    assert outputs["scores"]["data"] == pytest.approx([sigmoid(w[0]) for w in want], abs=TOLERANCE)
+    meta = client.get("/v2/models/senti").get_json()
+    assert [(o["name"], o["shape"]) for o in meta["outputs"]] == [("logits", [-1, 2]), ("scores", [-1, 2])]
+    texts = {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["I loved it"]}]}
+    senti = {o["name"]: o for o in client.post("/v2/models/senti/infer", json=texts).get_json()["outputs"]}
+    assert senti["scores"]["shape"] == [1, 2] and sum(senti["scores"]["data"]) == pytest.approx(1.0, abs=1e-6)
+    body["inputs"][1]["shape"], body["inputs"][1]["data"] = [1], DOCUMENTS[:1]
+    mismatch = client.post("/v2/models/rr/infer", json=body)
+    assert mismatch.status_code == 400 and "one pair per text" in mismatch.get_json()["error"]

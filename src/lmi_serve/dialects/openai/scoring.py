@@ -9,7 +9,7 @@
   "num_classes"}], "usage"}`.
 
 The model is chosen as on /v1 (`routes.choose_service`, task text-classification); errors are OpenAI's
-envelope. The request goes to the handler's job queue (dialects/common/classifier_call.py), so
+envelope. The request goes to the handler's job queue (serving/classifier_call.py), so
 concurrent requests share forwards; scores are the handler's logits under vLLM's activation
 (serving/classification.py: /score and /rerank need a one-label cross-encoder).
 """
@@ -23,7 +23,7 @@ import uuid
 from flask import Blueprint, Response, current_app, g, request
 
 from lmi_serve.dialects.common import json_body
-from lmi_serve.dialects.common.classifier_call import Row, logits_request, read_logits
+from lmi_serve.serving.classifier_call import Row, logits_request, read_logits
 from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.routes import choose_service
