@@ -220,6 +220,9 @@ class ModelService:
         """The engine, for routes that drive it directly (`routes` names them in the refusal);
         NotReady before the model is ready, InvalidRequest when it is served with dynamic batching."""
         self.require_ready()
+        if self.engine is None and not self.generates_text:  # an embedding model or a classifier
+            raise InvalidRequest(f"The model `{self.name}` serves {self.task}, not text generation: {routes} "
+                                 "generate text", param=param)
         if self.engine is None:
             raise InvalidRequest(f"The model `{self.name}` is served with dynamic batching; {routes} need the "
                                  "rolling batch (option.rolling_batch=auto or scheduler)", param=param)

@@ -158,3 +158,11 @@ def test_triton_infer_scores_texts_and_pairs(client, models):
     body["inputs"][1]["shape"], body["inputs"][1]["data"] = [1], DOCUMENTS[:1]
     mismatch = client.post("/v2/models/rr/infer", json=body)
     assert mismatch.status_code == 400 and "one pair per text" in mismatch.get_json()["error"]
+
+
+def test_generation_routes_of_a_classifier_are_400_in_their_dialect(client):
+    tgi = client.post("/generate?model_name=rr", json={"inputs": "hi"})
+    assert tgi.status_code == 422 and set(tgi.get_json()) == {"error", "error_type"}  # TGI validation status
+    assert "serves text-classification, not text generation" in tgi.get_json()["error"]
+    chat = client.post("/v1/chat/completions", json={"model": "senti", "messages": [{"role": "user", "content": "x"}]})
+    assert chat.status_code == 400 and "serves text-classification" in chat.get_json()["error"]["message"]
