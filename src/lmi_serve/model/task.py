@@ -15,7 +15,8 @@ In order:
    (DJL's ARCHITECTURES_2_TASK); then encoders
    without an LM head (transformers' masked-LM and base-model mappings, ``*Model``,
    ``*ForMaskedLM``) -> text-embedding. A generation task beats classification, classification beats
-   embedding, and text2text beats text-generation: an encoder anywhere must not be dropped. Without ``architectures`` the
+   embedding, and text2text beats text-generation: an encoder anywhere must not be dropped. Without
+   ``architectures`` the
    ``model_type`` decides the same way, then a remote-code ``auto_map``.
 5. Nothing fits: no task. The model fails at load, unless a model.py of its own serves it.
 

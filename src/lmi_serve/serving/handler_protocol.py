@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from lmi_serve.serving.classification import ClassifierHead
     from lmi_serve.tensor_model import TensorSpec
 
-__all__ = ["ClassifierModel", "EmbeddingModel", "Handler", "HandlerCapabilities", "HandlerContext", "HandlerDeclarationError",
+__all__ = ["ClassifierModel", "EmbeddingModel",
+           "Handler", "HandlerCapabilities", "HandlerContext", "HandlerDeclarationError",
            "RollingBatch", "TensorModel", "TokenIdInputs", "TypedLoad", "typed_from_properties"]
 
 

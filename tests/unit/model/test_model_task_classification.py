@@ -30,7 +30,8 @@ def test_sequence_classifiers_are_text_classification(tmp_path, config):
 
 def test_names_transformers_does_not_know_and_remote_code_follow_the_suffix_and_auto_map():
     assert classify_config({"architectures": ["MyRerankerForSequenceClassification"]}).task == "text-classification"
-    remote = {"architectures": ["Custom"], "auto_map": {"AutoModelForSequenceClassification": "m.C", "AutoModel": "m.B"}}
+    remote = {"architectures": ["Custom"],
+              "auto_map": {"AutoModelForSequenceClassification": "m.C", "AutoModel": "m.B"}}
     assert classify_config(remote).task == "text-classification"
     both = classify_config({"architectures": ["BertModel", "BertForSequenceClassification"]})
     assert both.task == "text-classification"  # the head is not dropped for embeddings

@@ -41,13 +41,16 @@ def ask(service, *bodies):
 
 
 def test_heads_follow_transformers_and_vllm():
-    assert head_from_config({"num_labels": 1}) == classifier.ClassifierHead(("LABEL_0",), "sigmoid", "sigmoid", "sigmoid")
+    one = head_from_config({"num_labels": 1})
+    assert one == classifier.ClassifierHead(("LABEL_0",), "sigmoid", "sigmoid", "sigmoid")
     two = head_from_config({"id2label": {"0": "NEG", "1": "POS"}})
     assert (two.labels, two.pipeline_activation, two.classify_activation, two.score_activation) == (
         ("NEG", "POS"), "softmax", "softmax", "softmax")
-    ms_marco = head_from_config({"num_labels": 1, "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"})
+    ms_marco = head_from_config({"num_labels": 1,
+                                 "sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"})
     assert ms_marco.score_activation == "none" and ms_marco.classify_activation == "sigmoid"
-    st = head_from_config({"num_labels": 1, "sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}})
+    st = head_from_config({"num_labels": 1,
+                           "sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}})
     assert st.score_activation == "sigmoid"
     multi = head_from_config({"num_labels": 3, "problem_type": "multi_label_classification"})
     assert multi.classify_activation == multi.pipeline_activation == "sigmoid"

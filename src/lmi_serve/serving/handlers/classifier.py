@@ -19,6 +19,7 @@ length and cut at MAX_BATCH_TOKENS padded tokens, as the embedding handler does.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -128,6 +129,9 @@ class ClassifierService:
         self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device)
         self.max_length = min(self.tokenizer.model_max_length, 512)
         self.head = head_from_config(self.model.config.to_dict())
+        # count_tokens runs on request threads beside the batch's forward: a fast tokenizer called with
+        # truncation settings from two threads at once can fail ("Already borrowed")
+        self.tokenizer_lock = threading.Lock()
         self.logits([("warm up", None)])
 
     def encode(self, rows: list[Row]) -> list[dict[str, list[int]]]:
@@ -139,7 +143,8 @@ class ClassifierService:
                               (pairs, ([rows[i][0] for i in pairs], [rows[i][1] for i in pairs]))):
             if not indexes:
                 continue
-            encoded = self.tokenizer(*args, truncation=True, max_length=self.max_length)
+            with self.tokenizer_lock:
+                encoded = self.tokenizer(*args, truncation=True, max_length=self.max_length)
             types = encoded.get("token_type_ids")
             for j, i in enumerate(indexes):
                 out[i] = {"input_ids": encoded["input_ids"][j],
