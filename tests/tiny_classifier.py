@@ -45,6 +45,22 @@ def sentiment(folder: Path) -> Path:
     return write_classifier(folder, num_labels=2, id2label=SENTIMENT_LABELS, seed=2)
 
 
+def bge_shaped_reranker(folder: Path) -> Path:
+    """An XLMRobertaForSequenceClassification with one label (bge-reranker-base's shape). Its tokenizer is
+    MiniLM's, made to return no token types, as XLM-R's tokenizer does (the model has one token type)."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    from lmi_serve.model.source import resolve_model_source
+
+    source = Path(resolve_model_source(MINILM))
+    torch.manual_seed(3)
+    config = XLMRobertaConfig(vocab_size=30522, pad_token_id=0, max_position_embeddings=514, num_labels=1, **TINY)
+    XLMRobertaForSequenceClassification(config).eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(source), model_input_names=["input_ids", "attention_mask"]).save_pretrained(folder)
+    return folder
+
+
 def reference_logits(folder: Path, texts: list[str], pairs: list[str] | None = None) -> list[list[float]]:
     """transformers' own forward, one input at a time (no padding): what the server must match."""
     import torch

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from tiny_classifier import SENTIMENT_LABELS, reference_logits, reranker, sentiment
+from tiny_classifier import SENTIMENT_LABELS, bge_shaped_reranker, reference_logits, reranker, sentiment
 
 from lmi_serve.config.sources import ModelConfig
 from lmi_serve.handler_api import Input
@@ -126,3 +126,14 @@ def test_options_a_classifier_does_not_take_are_refused(tmp_path):
     with pytest.raises(ValueError, match="option.quantize"):
         classifier.load(ModelConfig(name="c", model_id=str(tmp_path), quantize="fp16"),
                         HandlerContext(task="text-classification", cache_dir=str(tmp_path), rolling_batch=False))
+
+
+def test_an_xlm_roberta_reranker_without_token_types_matches_transformers(tmp_path):
+    """bge-reranker-base's shape: XLMRobertaForSequenceClassification, a tokenizer with no token types."""
+    folder = bge_shaped_reranker(tmp_path / "bge")
+    service = classifier.ClassifierService(ModelConfig(name="b", model_id=str(folder)))
+    query, documents = "what is a panda?", ["The giant panda is a bear.", "hi", "Pandas eat bamboo " * 30]
+    assert "token_type_ids" not in service.encode([(query, documents[0])])[0]
+    logits = service.logits([(query, d) for d in documents])
+    want = reference_logits(folder, [query] * 3, documents)
+    assert [row[0] for row in logits] == pytest.approx([w[0] for w in want], abs=TOLERANCE)
