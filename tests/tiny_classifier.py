@@ -57,7 +57,8 @@ def bge_shaped_reranker(folder: Path) -> Path:
     torch.manual_seed(3)
     config = XLMRobertaConfig(vocab_size=30522, pad_token_id=0, max_position_embeddings=514, num_labels=1, **TINY)
     XLMRobertaForSequenceClassification(config).eval().save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(source), model_input_names=["input_ids", "attention_mask"]).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), model_input_names=["input_ids", "attention_mask"])
+    tokenizer.save_pretrained(folder)
     return folder
 
 
