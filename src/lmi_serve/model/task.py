@@ -9,15 +9,13 @@ In order:
 4. ``config.json``, architecture by architecture: transformers' seq2seq-LM mapping ->
    text2text-generation; its causal-LM mapping -> text-generation; then LMI's suffix rule
    (``*ForCausalLM``, ``*LMHeadModel`` -> text-generation; ``*ForConditionalGeneration`` ->
-   text2text-generation when the config is encoder-decoder, else text-generation); then encoders
-   with a classification head (transformers' sequence-classification mapping,
-   ``*ForSequenceClassification``: cross-encoder rerankers, classifiers) -> text-classification
-   (DJL's ARCHITECTURES_2_TASK); then encoders
-   without an LM head (transformers' masked-LM and base-model mappings, ``*Model``,
+   text2text-generation when the config is encoder-decoder, else text-generation); then models with a
+   classification head (transformers' sequence-classification mapping, ``*ForSequenceClassification``:
+   cross-encoder rerankers, classifiers) -> text-classification (DJL's ARCHITECTURES_2_TASK); then
+   encoders without an LM head (transformers' masked-LM and base-model mappings, ``*Model``,
    ``*ForMaskedLM``) -> text-embedding. A generation task beats classification, classification beats
    embedding, and text2text beats text-generation: an encoder anywhere must not be dropped. Without
-   ``architectures`` the
-   ``model_type`` decides the same way, then a remote-code ``auto_map``.
+   ``architectures`` the ``model_type`` decides the same way, then a remote-code ``auto_map``.
 5. Nothing fits: no task. The model fails at load, unless a model.py of its own serves it.
 
 ``text2text-generation`` (T5, BART) is served by the same built-in handler and routes as
@@ -193,10 +191,10 @@ def classify_config(config: dict[str, Any]) -> TaskDecision:
         if key in auto_map:
             return TaskDecision(task, architectures, f"config.json's auto_map names {key} (remote code)", model_type)
     what = f"architectures {list(architectures)} are" if architectures else f"model_type {model_type!r} is"
-    return TaskDecision(None, architectures, f"{what} in none of transformers' causal-LM, seq2seq-LM, masked-LM "
-                        "sequence-classification "
-                        "or base-model mappings, and match none of LMI's suffixes (*ForCausalLM, *LMHeadModel, "
-                        "*ForConditionalGeneration, *ForSequenceClassification, *Model, *ForMaskedLM)", model_type)
+    return TaskDecision(None, architectures, f"{what} in none of transformers' causal-LM, seq2seq-LM, masked-LM, "
+                        "sequence-classification or base-model mappings, and match none of LMI's suffixes "
+                        "(*ForCausalLM, *LMHeadModel, *ForConditionalGeneration, *ForSequenceClassification, *Model, "
+                        "*ForMaskedLM)", model_type)
 
 
 # --- reading the model's files -----------------------------------------------------------------
