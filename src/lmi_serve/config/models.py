@@ -35,7 +35,7 @@ LinearKernel = Literal["auto", "onednn", "torch"]
 LoraDtype = Literal["auto", "fp32", "fp16", "bf16"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
-Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
+Task = Literal["text-generation", "text2text-generation", "text-embedding", "text-classification", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
@@ -52,9 +52,11 @@ NOT_TAKEN: dict[str, dict[str, str]] = {
         "enable_lora": "LoRA adapters are served on decoder-only models",
     },
     "text-embedding": {"quantize": "text generation only", "enable_prefix_caching": "text generation only"},
+    "text-classification": {"quantize": "text generation only", "enable_prefix_caching": "text generation only"},
     "tensor": {},
 }
-KIND_NAMES = {"text2text-generation": "encoder-decoder", "text-embedding": "embedding"}  # in messages
+KIND_NAMES = {"text2text-generation": "encoder-decoder", "text-embedding": "embedding",
+              "text-classification": "classification"}  # in messages
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 _NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 _SECRET_KEY = re.compile(r"token|secret|password|api_key|credential", re.IGNORECASE)
@@ -188,7 +190,8 @@ class ModelConfig(BaseModel):
         None,
         description=(
             "`text-generation`, `text2text-generation` (an encoder-decoder model; served by the same routes), "
-            "`text-embedding` or `tensor` (a model.py serving tensors, see Triton); inferred from the model's own"
+            "`text-embedding`, `text-classification` (a `*ForSequenceClassification` model: rerankers, "
+            "classifiers) or `tensor` (a model.py serving tensors, see Triton); inferred from the model's own"
             " files, see [Bring your own model](models.md#bring-your-own-model)"
         ),
         json_schema_extra={"doc_default": "inferred"},

@@ -256,9 +256,14 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
 
 
 def load_encoder(model_id: str, *, dtype: str = "auto", device_map: str | None = None,
-                 revision: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
-    """Load an encoder (e.g. MiniLM) for embeddings: the base model without a head."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+                 revision: str | None = None, trust_remote_code: bool = False,
+                 head: str = "AutoModel") -> LoadedModel:
+    """Load an encoder (e.g. MiniLM): the base model without a head for embeddings, or with the head
+    transformers' auto class `head` names (AutoModelForSequenceClassification: rerankers, classifiers)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    auto_class = getattr(transformers, head)
 
     started = time.monotonic()
     source = resolve_model_source(model_id)
@@ -267,8 +272,8 @@ def load_encoder(model_id: str, *, dtype: str = "auto", device_map: str | None =
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = AutoConfig.from_pretrained(source, **kwargs)
         placement = choose_placement(dtype, device_map, 1, declared_dtype=checkpoint_dtype(config))
-        model = AutoModel.from_pretrained(source, config=config, dtype=placement.dtype,
-                                          device_map=placement.device_map, **kwargs)
+        model = auto_class.from_pretrained(source, config=config, dtype=placement.dtype,
+                                           device_map=placement.device_map, **kwargs)
     except (OSError, ValueError) as exc:
         raise _explain(source, exc) from exc
     if placement.device_map is None:

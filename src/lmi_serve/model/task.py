@@ -9,11 +9,13 @@ In order:
 4. ``config.json``, architecture by architecture: transformers' seq2seq-LM mapping ->
    text2text-generation; its causal-LM mapping -> text-generation; then LMI's suffix rule
    (``*ForCausalLM``, ``*LMHeadModel`` -> text-generation; ``*ForConditionalGeneration`` ->
-   text2text-generation when the config is encoder-decoder, else text-generation); then encoders
-   without an LM head (transformers' masked-LM and base-model mappings, ``*Model``,
-   ``*ForMaskedLM``) -> text-embedding. A generation task beats embedding, and text2text beats
-   text-generation: an encoder anywhere must not be dropped. Without ``architectures`` the
-   ``model_type`` decides the same way, then a remote-code ``auto_map``.
+   text2text-generation when the config is encoder-decoder, else text-generation); then models with a
+   classification head (transformers' sequence-classification mapping, ``*ForSequenceClassification``:
+   cross-encoder rerankers, classifiers) -> text-classification (DJL's ARCHITECTURES_2_TASK); then
+   encoders without an LM head (transformers' masked-LM and base-model mappings, ``*Model``,
+   ``*ForMaskedLM``) -> text-embedding. A generation task beats classification, classification beats
+   embedding, and text2text beats text-generation: an encoder anywhere must not be dropped. Without
+   ``architectures`` the ``model_type`` decides the same way, then a remote-code ``auto_map``.
 5. Nothing fits: no task. The model fails at load, unless a model.py of its own serves it.
 
 ``text2text-generation`` (T5, BART) is served by the same built-in handler and routes as
@@ -41,10 +43,12 @@ TEXT_GENERATION = "text-generation"
 TEXT2TEXT_GENERATION = "text2text-generation"
 GENERATION_TASKS = frozenset({TEXT_GENERATION, TEXT2TEXT_GENERATION})  # both served by the text-generation routes
 TEXT_EMBEDDING = "text-embedding"
-_PRIORITY = (TEXT2TEXT_GENERATION, TEXT_GENERATION, TEXT_EMBEDDING)  # when architectures disagree
+TEXT_CLASSIFICATION = "text-classification"  # *ForSequenceClassification: rerankers and classifiers
+ENCODER_TASKS = frozenset({TEXT_EMBEDDING, TEXT_CLASSIFICATION})  # served by dynamic batches of forwards
+_PRIORITY = (TEXT2TEXT_GENERATION, TEXT_GENERATION, TEXT_CLASSIFICATION, TEXT_EMBEDDING)  # when architectures disagree
 _SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json")
 _AUTO_MAP_TASKS = (("AutoModelForSeq2SeqLM", TEXT2TEXT_GENERATION), ("AutoModelForCausalLM", TEXT_GENERATION),
-                   ("AutoModel", TEXT_EMBEDDING))
+                   ("AutoModelForSequenceClassification", TEXT_CLASSIFICATION), ("AutoModel", TEXT_EMBEDDING))
 _HOW_TO_SET = "set option.task in serving.properties, or OPTION_TASK / HF_TASK in the environment"
 
 
@@ -73,6 +77,7 @@ class TaskDecision:
         if self.task is None:
             return (f"no task fits this model: {self.explained()}. If it generates text, set "
                     f"option.task=text-generation; if it is an encoder, option.task=text-embedding "
+                    f"(or text-classification with a classification head) "
                     f"({_HOW_TO_SET}); or serve it with a model.py of your own")
         return None
 
@@ -89,6 +94,7 @@ class TaskDecision:
 class _Mappings:
     seq2seq_names: frozenset[str]
     causal_names: frozenset[str]
+    classifier_names: frozenset[str]
     masked_names: frozenset[str]
     base_names: frozenset[str]
     seq2seq_types: frozenset[str]
@@ -110,6 +116,7 @@ def _mappings() -> _Mappings:
     return _Mappings(
         seq2seq_names=_class_names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
         causal_names=_class_names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        classifier_names=_class_names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
         masked_names=_class_names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
         base_names=_class_names(auto.MODEL_MAPPING_NAMES) | _class_names(auto.MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES),
         seq2seq_types=frozenset(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
@@ -132,6 +139,10 @@ def _architecture_task(arch: str, encoder_decoder: bool, maps: _Mappings) -> tup
         if encoder_decoder:
             return TEXT2TEXT_GENERATION, "end with ForConditionalGeneration and config.json is encoder-decoder"
         return TEXT_GENERATION, "end with ForConditionalGeneration and config.json is not encoder-decoder"
+    if arch in maps.classifier_names:
+        return TEXT_CLASSIFICATION, "are in transformers' sequence-classification mapping (rerankers, classifiers)"
+    if arch.endswith("ForSequenceClassification"):
+        return TEXT_CLASSIFICATION, "end with ForSequenceClassification (LMI's suffix rule: text-classification)"
     if arch in maps.masked_names:
         return TEXT_EMBEDDING, "are in transformers' masked-LM mapping (an encoder: embeddings)"
     if arch in maps.base_names:
@@ -180,9 +191,10 @@ def classify_config(config: dict[str, Any]) -> TaskDecision:
         if key in auto_map:
             return TaskDecision(task, architectures, f"config.json's auto_map names {key} (remote code)", model_type)
     what = f"architectures {list(architectures)} are" if architectures else f"model_type {model_type!r} is"
-    return TaskDecision(None, architectures, f"{what} in none of transformers' causal-LM, seq2seq-LM, masked-LM "
-                        "or base-model mappings, and match none of LMI's suffixes (*ForCausalLM, *LMHeadModel, "
-                        "*ForConditionalGeneration, *Model, *ForMaskedLM)", model_type)
+    return TaskDecision(None, architectures, f"{what} in none of transformers' causal-LM, seq2seq-LM, masked-LM, "
+                        "sequence-classification or base-model mappings, and match none of LMI's suffixes "
+                        "(*ForCausalLM, *LMHeadModel, *ForConditionalGeneration, *ForSequenceClassification, *Model, "
+                        "*ForMaskedLM)", model_type)
 
 
 # --- reading the model's files -----------------------------------------------------------------

@@ -17,6 +17,7 @@ from flask import Flask, Response, g, has_request_context, request
 from lmi_serve.config.sources import ServerConfig
 from lmi_serve.dialects.lmi import routes as lmi_routes
 from lmi_serve.dialects.openai import routes as openai_routes
+from lmi_serve.dialects.openai import scoring as scoring_routes
 from lmi_serve.dialects.openai import tokenize as tokenize_routes
 from lmi_serve.dialects.tgi import routes as tgi_routes
 from lmi_serve.dialects.triton import routes as triton_routes
@@ -126,6 +127,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.register_blueprint(openai_routes.blueprint)
     app.register_blueprint(triton_routes.blueprint)
     app.register_blueprint(tokenize_routes.blueprint)
+    app.register_blueprint(scoring_routes.blueprint)  # /score, /rerank, /classify (vLLM's)
     app.register_blueprint(openapi_blueprint)  # /openapi.json, /docs
 
     install_request_hooks(app, config, metrics, registry)

@@ -18,6 +18,7 @@ from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.dialects.lmi import errors as lmi_errors
 from lmi_serve.dialects.openai import errors as openai_errors
 from lmi_serve.dialects.openai import routes as openai_routes
+from lmi_serve.dialects.openai import scoring as scoring_routes
 from lmi_serve.dialects.openai import tokenize as tokenize_routes
 from lmi_serve.dialects.tgi import protocol as tgi_protocol
 from lmi_serve.dialects.tgi import routes as tgi_routes
@@ -49,6 +50,7 @@ ERROR_RENDERERS: dict[str, ErrorRenderers] = {
     **{prefix: TGI_ERRORS for prefix in tgi_routes.ERROR_PREFIXES},
     **{prefix: OPENAI_ERRORS for prefix in openai_routes.ERROR_PREFIXES},
     **{prefix: OPENAI_ERRORS for prefix in tokenize_routes.ERROR_PREFIXES},
+    **{prefix: OPENAI_ERRORS for prefix in scoring_routes.ERROR_PREFIXES},  # /v2/rerank beats Triton's /v2
     **{prefix: TRITON_ERRORS for prefix in triton_routes.ERROR_PREFIXES},
 }
 

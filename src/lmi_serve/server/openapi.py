@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from lmi_serve import __version__
+from lmi_serve.dialects.openai import scoring_schema as scoring
 from lmi_serve.dialects.openai import tokenize as vllm_tokenize
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from lmi_serve.server import openapi_models as doc
@@ -138,6 +139,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                     "`model_name` picks its model, as on TGI's other routes.", model_query=True),
     ("/detokenize", "POST"): _openai("Token ids to text", request=(vllm_tokenize.DetokenizeRequest,),
                                      response=(vllm_tokenize.DetokenizeResponse,)),
+    **{(path, "POST"): _openai("Score text pairs with a cross-encoder (vLLM)", request=(scoring.ScoreRequest,),
+                               response=(scoring.ScoreResponse,)) for path in ("/score", "/v1/score")},
+    **{(path, "POST"): _openai("Rerank documents for a query (vLLM, Jina, Cohere)", request=(scoring.RerankRequest,),
+                               response=(scoring.RerankResponse,)) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
+    **{(path, "POST"): _openai("Classify texts (vLLM)", request=(scoring.ClassifyRequest,),
+                               response=(scoring.ClassifyResponse,)) for path in ("/classify", "/v1/classify")},
     # Triton / KServe v2
     ("/v2", "GET"): _triton("Server metadata", response=(doc.ServerMetadata,)),
     ("/v2/health/live", "GET"): _triton("Liveness"),

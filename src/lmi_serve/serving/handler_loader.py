@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 HANDLERS_DIR = Path(__file__).resolve().parent / "handlers"
 BUILTIN_BY_TASK = {"text-generation": "huggingface.py", "text2text-generation": "huggingface.py",
-                   "text-embedding": "embeddings.py"}
+                   "text-embedding": "embeddings.py", "text-classification": "classifier.py"}
 
 
 class HandlerLoadError(RuntimeError):

@@ -17,6 +17,8 @@ capability                  Protocol              used by
 ``embedding_limits()``      `EmbeddingModel`      OpenAI ``/v1/embeddings`` (dimensions, limits)
 ``vocabulary_size()``       `TokenIdInputs`       OpenAI ``/v1/embeddings`` token-id inputs
 ``truncated_token_ids()``   `TokenIdInputs`       OpenAI ``/v1/embeddings`` ``truncate_prompt_tokens``
+``classifier_head()``       `ClassifierModel`     ``/score``, ``/rerank``, ``/classify``, Triton infer
+``count_tokens(rows)``      `ClassifierModel`     ``/score``, ``/rerank``, ``/classify`` (usage)
 ``@input_formatter``        (decorated function)  the built-in text handler's rolling batch
 ``@output_formatter``       (decorated function)  the built-in text handler's rolling batch
 ==========================  ====================  ==================================================
@@ -49,9 +51,11 @@ from lmi_serve.serving.handler_loader import HandlerLoadError
 
 if TYPE_CHECKING:
     from lmi_serve.engine.engine import Engine
+    from lmi_serve.serving.classification import ClassifierHead
     from lmi_serve.tensor_model import TensorSpec
 
-__all__ = ["EmbeddingModel", "Handler", "HandlerCapabilities", "HandlerContext", "HandlerDeclarationError",
+__all__ = ["ClassifierModel", "EmbeddingModel",
+           "Handler", "HandlerCapabilities", "HandlerContext", "HandlerDeclarationError",
            "RollingBatch", "TensorModel", "TokenIdInputs", "TypedLoad", "typed_from_properties"]
 
 
@@ -147,6 +151,18 @@ class TokenIdInputs(Protocol):
         ``truncate_prompt_tokens`` on texts; without it a text longer than that is refused."""
 
 
+class ClassifierModel(Protocol):
+    """A text-classification handler (a reranker or classifier) the vLLM scoring routes and Triton serve.
+    Its ``handle`` takes ``{"inputs": [text | {"text", "text_pair"}], "parameters": {"function_to_apply":
+    "none", "return_all_scores": true}}`` and answers every label's logit per input, in label order."""
+
+    def classifier_head(self) -> ClassifierHead:
+        """The labels and the activation each API applies (serving/classification.py)."""
+
+    def count_tokens(self, rows: list[tuple[str, str | None]]) -> list[int]:
+        """Tokens the model reads per (text, text_pair or None): the responses' ``usage``."""
+
+
 # --- reading them once ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -165,6 +181,7 @@ class HandlerCapabilities:
     embedding_limits: Callable[[], tuple[int, int]] | None = None
     vocabulary_size: Callable[[], int] | None = None
     truncated_token_ids: Callable[[list[str], int, str], list[list[int]]] | None = None
+    classifier_head: Callable[[], ClassifierHead] | None = None
     input_formatter: Callable[..., Any] | None = None
     output_formatter: Callable[..., Any] | None = None
 
@@ -198,6 +215,7 @@ class HandlerCapabilities:
             embedding_limits=_function(module, "embedding_limits", where),
             vocabulary_size=_function(module, "vocabulary_size", where),
             truncated_token_ids=_function(module, "truncated_token_ids", where),
+            classifier_head=_function(module, "classifier_head", where),
             input_formatter=find_annotated(user_module, "is_input_formatter") if user_module else None,
             output_formatter=find_annotated(user_module, "is_output_formatter") if user_module else None)
 

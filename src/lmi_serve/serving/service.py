@@ -19,7 +19,7 @@ from lmi_serve.errors import InvalidRequest, NotReady
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.model.download import fetch_model_files
 from lmi_serve.model.source import ModelLoadError
-from lmi_serve.model.task import GENERATION_TASKS, TEXT_EMBEDDING, ModelTaskError, TaskDecision, decide_task
+from lmi_serve.model.task import GENERATION_TASKS, ENCODER_TASKS, ModelTaskError, TaskDecision, decide_task
 from lmi_serve.serving.batching import DirectDispatcher, DynamicBatcher, Job
 from lmi_serve.serving.handler_loader import resolve_handler
 from lmi_serve.serving.handler_protocol import HandlerCapabilities, HandlerContext
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 # Dynamic batching a built-in encoder handler gets when the user sets neither option (DJL's 1 / 100 ms
 # stay for a model.py). As in TEI, nothing waits: the requests that queued while the last forward ran
 # form the next one (up to 32 rows, where MiniLM's in-process throughput on a CPU stops growing), so a
-# lone client pays no delay and concurrent ones share forwards.
-ENCODER_BATCHING = {TEXT_EMBEDDING: {"batch_size": 32, "max_batch_delay": 0}}
+# lone client pays no delay and concurrent ones share forwards. Rerankers and classifiers are the same
+# kind of forward, and batch the same way.
+ENCODER_BATCHING = {task: {"batch_size": 32, "max_batch_delay": 0} for task in sorted(ENCODER_TASKS)}
 
 
 class ModelStatus(enum.Enum):
@@ -219,6 +220,9 @@ class ModelService:
         """The engine, for routes that drive it directly (`routes` names them in the refusal);
         NotReady before the model is ready, InvalidRequest when it is served with dynamic batching."""
         self.require_ready()
+        if self.engine is None and not self.generates_text:  # an embedding model or a classifier
+            raise InvalidRequest(f"The model `{self.name}` serves {self.task}, not text generation: {routes} "
+                                 "generate text", param=param)
         if self.engine is None:
             raise InvalidRequest(f"The model `{self.name}` is served with dynamic batching; {routes} need the "
                                  "rolling batch (option.rolling_batch=auto or scheduler)", param=param)

@@ -137,7 +137,7 @@ def shape(path: str, method: str, body: dict) -> str:
 
 
 def expected_shape(path: str, method: str) -> str:
-    if path.startswith(("/v1", "/tokenize", "/detokenize")):
+    if path.startswith(("/v1", "/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify")):
         return "openai"
     if path.startswith(("/generate", "/info", "/health")) or (path, method) == ("/", "POST"):
         return "tgi"

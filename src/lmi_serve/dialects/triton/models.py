@@ -3,6 +3,10 @@
 Three kinds of model speak tensors:
 - `llm`: a text-generation model on the rolling batch (its contract is in llm.py);
 - `embedding`: a text-embedding model, `text_input` BYTES [-1] -> `embedding` FP32 [-1, dim];
+- `classifier`: a text-classification model (a cross-encoder reranker, a classifier), `text_input`
+  BYTES [-1] and optionally `text_pair` BYTES [-1] (a reranker's documents beside its queries) ->
+  `logits` FP32 [-1, labels] and `scores` FP32 [-1, labels] (vLLM's score activation:
+  serving/classification.py);
 - `tensor`: a custom model.py that declares INPUT_TENSORS / OUTPUT_TENSORS (tensor_model.py).
 Every model has one version, "1", and `max_batch_size` 0: shapes are exactly as declared.
 """
@@ -27,7 +31,7 @@ CONFIG_TYPES = {"BYTES": "TYPE_STRING"}  # every other datatype is TYPE_<datatyp
 
 @dataclass(frozen=True)
 class ModelContract:
-    kind: str  # "llm", "embedding" or "tensor"
+    kind: str  # "llm", "embedding", "classifier" or "tensor"
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     # The LLM's [1] inputs also take [1, 1] (TensorRT-LLM clients) or any shape holding one element.
@@ -66,6 +70,11 @@ def contract_for(service: ModelService) -> ModelContract:
         return ModelContract("embedding", (TensorSpec("text_input", "BYTES", (-1,)),),
                              (TensorSpec("embedding", "FP32", (-1, dim)),))
     caps = service.capabilities
+    if service.task == "text-classification" and caps is not None and caps.classifier_head is not None:
+        labels = caps.classifier_head().num_labels
+        return ModelContract("classifier", (TensorSpec("text_input", "BYTES", (-1,)),
+                                            TensorSpec("text_pair", "BYTES", (-1,), optional=True)),
+                             (TensorSpec("logits", "FP32", (-1, labels)), TensorSpec("scores", "FP32", (-1, labels))))
     if caps is not None and caps.serves_tensors:
         return ModelContract("tensor", caps.input_tensors, caps.output_tensors)
     raise BadRequest(f"model '{service.name}' does not speak tensors: a text-generation model needs the "

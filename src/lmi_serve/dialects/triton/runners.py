@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from lmi_serve.serving.classifier_call import logits_request, read_logits
 from lmi_serve.dialects.common.disconnect import wait_for_results
 from lmi_serve.dialects.triton.llm import LlmCall, llm_outputs, parse_llm_call
 from lmi_serve.dialects.triton.models import ModelContract
@@ -24,6 +25,7 @@ from lmi_serve.engine.generation import Generation
 from lmi_serve.engine.types import GenerationResult
 from lmi_serve.errors import GenerationFailed, InvalidRequest
 from lmi_serve.handler_api import Input, Output, PairList
+from lmi_serve.serving.classification import activate
 from lmi_serve.serving.service import ModelService
 from lmi_serve.tensor_model import read_output_tensors, tensor_input
 from lmi_serve.tensors import WireTensor, as_wire_tensor
@@ -150,6 +152,26 @@ def _run_embedding(call: ModelCall) -> list[WireTensor]:
     return [as_wire_tensor("embedding", "FP32", np.asarray(vectors, dtype=np.float32).reshape(len(texts), -1))]
 
 
+def _run_classifier(call: ModelCall) -> list[WireTensor]:
+    texts = _texts(call.tensors["text_input"])
+    pairs = _texts(call.tensors["text_pair"]) if "text_pair" in call.tensors else [None] * len(texts)
+    if not texts:
+        raise InvalidRequest("input 'text_input' must hold at least one text")
+    if len(pairs) != len(texts):
+        raise InvalidRequest(f"input 'text_pair' holds {len(pairs)} texts and 'text_input' {len(texts)}: "
+                             "one pair per text")
+    rows = list(zip(texts, pairs))
+    output = _handler_output(call.service, logits_request(rows, call.request_id))
+    try:
+        logits = read_logits(output.body(), len(rows))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise GenerationFailed(f"model '{call.service.name}' answered an unexpected shape: {exc}") from None
+    function = call.service.capabilities.classifier_head().score_activation
+    scores = [activate(row, function) for row in logits]
+    return [as_wire_tensor("logits", "FP32", np.asarray(logits, dtype=np.float32).reshape(len(rows), -1)),
+            as_wire_tensor("scores", "FP32", np.asarray(scores, dtype=np.float32).reshape(len(rows), -1))]
+
+
 def _run_tensor_model(call: ModelCall) -> list[WireTensor]:
     # Request parameters reach handle() as properties, the way DJL hands it request headers.
     properties = {key: json.dumps(value) if isinstance(value, bool) else str(value)
@@ -162,7 +184,8 @@ def _run_tensor_model(call: ModelCall) -> list[WireTensor]:
         raise GenerationFailed(str(exc)) from None
 
 
-_RUNNERS = {"llm": _run_llm, "embedding": _run_embedding, "tensor": _run_tensor_model}
+_RUNNERS = {"llm": _run_llm, "embedding": _run_embedding, "classifier": _run_classifier,
+            "tensor": _run_tensor_model}
 
 
 def run_model(call: ModelCall) -> list[WireTensor]:
