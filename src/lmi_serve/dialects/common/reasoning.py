@@ -162,7 +162,9 @@ def split(text: str, found: Markers | None, start: Start) -> tuple[str, str]:
 
 # ---- grammars -------------------------------------------------------------------------------------
 
-_WS = "/[ \\t\\n]*/"
+# What a model writes between the closing marker and its answer (Qwen3: "\n\n"); bounded, since a
+# small model given free whitespace can pad forever.
+_WS = "/[ \\t\\n]{0,4}/"
 
 
 def _lark_regex(pattern: str) -> str:
