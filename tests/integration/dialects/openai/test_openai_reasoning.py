@@ -1,8 +1,8 @@
 """A reasoning model over HTTP: a tiny random Llama with SmolLM2's vocabulary plus `<think>` /
 `</think>` tokens and the real DeepSeek-R1-Distill-Qwen chat template (its prompt opens the block).
-A seed makes every run alike. A token budget (vLLM's `thinking_token_budget`) makes the grammar close the block after a few
-tokens, and response_format / tools decide the answer, so the split is forced whatever the random
-weights pick. Checked with the official `openai` client: `reasoning_content`, streamed = whole,
+A seed makes every run alike. A token budget (option.max_reasoning_tokens, which vLLM's
+`thinking_token_budget` may lower) makes the grammar close the block after a few tokens, and
+response_format / tools decide the answer, so the split is forced whatever the random weights pick. Checked with the official `openai` client: `reasoning_content`, streamed = whole,
 usage's reasoning tokens, include_reasoning, tool calls after the block, and /invocations alike."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from server_process import FIXTURES, serving
 
 pytestmark = pytest.mark.integration
 
-BUDGET = 3
+BUDGET = 3  # option.max_reasoning_tokens of the served model
 USER = [{"role": "user", "content": "What is 2+2?"}]
 REGEX = "The answer is [0-9]"
 # Seeded sampling: reproducible, and unlike greedy decoding the random weights do not pick only whitespace.
 BASE = {"model": "tiny", "messages": USER, "seed": 0, "max_tokens": 24,
-        "extra_body": {"thinking_token_budget": BUDGET, "response_format": {"type": "regex", "value": REGEX}}}
+        "extra_body": {"response_format": {"type": "regex", "value": REGEX}}}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}}]
 
@@ -43,7 +43,7 @@ def server(tmp_path_factory, smollm2_folder):
     config.pop("quantization_config", None)
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})).save_pretrained(folder)
-    (folder / "serving.properties").write_text("option.linear_kernel=torch\n")
+    (folder / "serving.properties").write_text(f"option.linear_kernel=torch\noption.max_reasoning_tokens={BUDGET}\n")
     with serving("--model-dir", str(folder)) as running:
         yield running
 
@@ -55,14 +55,16 @@ def smollm2_folder():
     return folder()
 
 
-def test_reasoning_content_then_the_answer_with_reasoning_tokens_counted(server, openai_client):
-    completion = openai_client(server).chat.completions.create(**BASE)
+@pytest.mark.parametrize("budget", [None, 1])
+def test_reasoning_content_then_the_answer_with_reasoning_tokens_counted(server, openai_client, budget):
+    body = BASE if budget is None else {**BASE, "extra_body": {**BASE["extra_body"], "thinking_token_budget": budget}}
+    completion = openai_client(server).chat.completions.create(**body)
     message = completion.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and "think>" not in reasoning
     assert re.fullmatch(REGEX, message.content)
     details = completion.usage.completion_tokens_details
-    assert 1 <= details.reasoning_tokens <= BUDGET + 1  # the budget's tokens and the closing marker
+    assert 1 <= details.reasoning_tokens <= (budget or BUDGET) + 1  # the budget's tokens and the closing marker
     assert completion.usage.completion_tokens > details.reasoning_tokens
 
 
@@ -91,7 +93,7 @@ def test_include_reasoning_false_leaves_it_out(server, openai_client):
 
 def test_tool_calls_come_after_the_reasoning(server, openai_client):
     body = {**BASE, "max_tokens": 40, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
-            "extra_body": {"thinking_token_budget": BUDGET}}
+            "extra_body": {}}
     message = openai_client(server).chat.completions.create(**body).choices[0].message
     assert message.model_extra["reasoning_content"]
     assert message.tool_calls[0].function.name == "add"
