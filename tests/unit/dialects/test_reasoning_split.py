@@ -191,3 +191,13 @@ def test_a_budget_ends_the_block_after_that_many_tokens(qwen3):
     assert _accepts(qwen3, bounded, "", ids=[*words[:3], close, *qwen3("4", add_special_tokens=False).input_ids])
     assert not _accepts(qwen3, bounded, "", ids=[*words[:4], close])
     assert reasoning.wrap_grammar(None, found, "inside") is None  # nothing to bound, nothing to constrain
+
+
+def test_a_reply_sent_back_keeps_its_reasoning_for_the_template(qwen3):
+    """Clients append the assistant message as received; Qwen3's template renders its reasoning_content
+    in the turn after the last user message, as apply_chat_template does."""
+    turns = [*MESSAGES, {"role": "assistant", "content": "4", "reasoning_content": "Two and two."},
+             {"role": "tool", "content": "ok", "tool_call_id": "call_1"}]
+    prompt = chat.render_prompt(qwen3, parse(ChatCompletionRequest, {"messages": turns}))
+    assert prompt == qwen3.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert "<think>\nTwo and two.\n</think>\n\n4" in prompt
