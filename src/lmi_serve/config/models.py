@@ -33,13 +33,16 @@ Quantize = Literal["none", "fp16", "q4"]
 LinearKernel = Literal["auto", "onednn", "torch"]
 # The LoRA matrices' dtype (model/lora.py): auto = the model's.
 LoraDtype = Literal["auto", "fp32", "fp16", "bf16"]
+# How a reasoning model's output splits into reasoning and answer (dialects/common/reasoning.py): auto =
+# `<think>` markers where the chat template or the vocabulary has them; none = all answer; vLLM's parser names.
+ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "text-classification", "tensor"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
-    "lora_dtype": get_args(LoraDtype),
+    "lora_dtype": get_args(LoraDtype), "reasoning_parser": get_args(ReasoningParser),
 }
 # What each kind of model cannot honour: field -> why. The one declaration of it: config/sources.py refuses
 # such an option, naming it, when the user set it for that model, and ignores it (with a log line)
@@ -342,6 +345,17 @@ class ModelConfig(BaseModel):
     )
     output_formatter: str | None = Field(None, description="`json`, `jsonlines`, `sse` (rolling batch)")
     tgi_compat: bool = Field(False, description="TGI-shaped bodies and errors on the LMI routes (rolling batch)")
+    reasoning_parser: ReasoningParser = Field(
+        "auto",
+        description="chat: the reasoning block returned as `reasoning_content` (`auto`: `<think>` markers when "
+                    "the chat template or vocabulary has them; `deepseek_r1`/`qwen3`: those markers; `none`: off)",
+    )
+    max_reasoning_tokens: int | None = Field(
+        None, ge=1,
+        description="chat: most tokens in a reasoning block (the markers must be tokens); a request's "
+                    "`thinking_token_budget` may lower it",
+        json_schema_extra={"doc_default": "unbounded"},
+    )
     entry_point: str | None = Field(
         None,
         description="handler file (path, or file in the model folder) or module",
@@ -375,7 +389,7 @@ class ModelConfig(BaseModel):
     ignored_options: tuple[str, ...] = ()
 
     @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "lora_dtype",
-                     mode="before")
+                     "reasoning_parser", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:

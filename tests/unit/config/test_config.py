@@ -516,3 +516,16 @@ def test_pickled_weights_are_refused_by_default_and_the_option_is_a_checked_bool
     assert load(tmp_path, "option.allow_pickled_weights=yes\n").allow_pickled_weights is True
     with pytest.raises(ConfigError, match=r"^OPTION_ALLOW_PICKLED_WEIGHTS: 'sure' is not a boolean"):
         synth(OPTION_ALLOW_PICKLED_WEIGHTS="sure")
+
+
+def test_reasoning_options_default_to_auto_unbounded_are_checked_and_reach_the_openai_service(tmp_path: Path) -> None:
+    from lmi_serve.dialects.openai.reasoning import ReasoningSettings, reasoning_settings
+
+    default = synth()
+    assert (default.reasoning_parser, default.max_reasoning_tokens) == ("auto", None)
+    config = load(tmp_path, "option.reasoning_parser=DeepSeek_R1\noption.max_reasoning_tokens=64\n")
+    assert reasoning_settings(config) == ReasoningSettings("deepseek_r1", 64)
+    with pytest.raises(ConfigError, match=r"^OPTION_REASONING_PARSER: 'r1' is not one of auto, none, deepseek_r1, qwen3"):
+        synth(OPTION_REASONING_PARSER="r1")
+    with pytest.raises(ConfigError, match=r"^OPTION_MAX_REASONING_TOKENS: '0' must be >= 1"):
+        synth(OPTION_MAX_REASONING_TOKENS="0")

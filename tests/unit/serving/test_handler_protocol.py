@@ -16,6 +16,7 @@ from lmi_serve.engine.kv.dynamic import DYNAMIC
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
 from lmi_serve.engine.kv.slots import SLOTS
 from lmi_serve.engine.sampling.watermark import WatermarkSettings
+from lmi_serve.dialects.openai.reasoning import ReasoningSettings
 from lmi_serve.handler_api import Input, input_formatter, output_formatter
 from lmi_serve.serving.handler_loader import HandlerLoadError, resolve_handler
 from lmi_serve.serving.handler_protocol import (HandlerCapabilities, HandlerContext, HandlerDeclarationError,
@@ -260,6 +261,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
                     tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
+                    reasoning_parser="qwen3", max_reasoning_tokens=64,
                     prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch")
 
 
@@ -289,7 +291,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert type(engine.kwargs["max_batch_size"]) is int and type(engine.kwargs["predict_timeout"]) is float
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
-                              "custom_input": None, "custom_output": None, "model_name": "typed-model"}
+                              "custom_input": None, "custom_output": None, "model_name": "typed-model",
+                              "reasoning": ReasoningSettings("qwen3", 64)}
     assert handler.get_engine() is engine
 
 

@@ -28,6 +28,7 @@ from lmi_serve.dialects.lmi.formatters import OutputFormatter, RenderContext, ch
 from lmi_serve.dialects.lmi.hooks import apply_input_formatter, custom_formatter
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest
 from lmi_serve.dialects.openai.schema import parse as parse_openai
+from lmi_serve.dialects.openai.reasoning import ReasoningSettings
 from lmi_serve.dialects.openai.service import OpenAIService
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
@@ -76,8 +77,10 @@ def _any_failed(results: Sequence[GenerationResult]) -> bool:
 class RollingBatchService:
     def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
                  output_formatter: str | None = None, custom_input: Callable | None = None,
-                 custom_output: Callable | None = None, model_name: str = "model"):
+                 custom_output: Callable | None = None, model_name: str = "model",
+                 reasoning: ReasoningSettings | None = None):
         self.engine = engine
+        self.reasoning = reasoning
         self.model_name = model_name
         self.max_input_len = max_input_len
         self.tgi_compat = tgi_compat
@@ -128,7 +131,7 @@ class RollingBatchService:
         """LMI's chat schema: an OpenAI chat request; the same chat.completion object back, and a
         stream of chat.completion.chunk objects as JSON lines (SSE with [DONE] when the client
         accepts text/event-stream or option.output_formatter=sse)."""
-        chat = OpenAIService(self.engine, self.model_name)
+        chat = OpenAIService(self.engine, self.model_name, reasoning=self.reasoning)
         reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
         if reply.chunks is None:
             return Output().add(reply.body).add_property("Content-Type", "application/json")

@@ -77,6 +77,9 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
             entry["name"] = message.name
         if message.tool_call_id:
             entry["tool_call_id"] = message.tool_call_id
+        thought = (message.model_extra or {}).get("reasoning_content")  # a reply sent back: Qwen3's template reads it
+        if role == "assistant" and isinstance(thought, str):
+            entry["reasoning_content"] = thought
         messages.append(entry)
     choice = request.effective_tool_choice
     if request.tools and choice != "none" and not template_knows_tools:

@@ -28,6 +28,7 @@ from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.dialects.openai import vllm
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
+from lmi_serve.dialects.openai.reasoning import reasoning_settings
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService, Reply
 from lmi_serve.errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
@@ -112,9 +113,11 @@ def _generation(name: str | None) -> OpenAIService:
     owner = _adapter_owner(name)
     if owner is not None:
         owner.require_ready()
-        return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name)
+        return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name,
+                             reasoning=reasoning_settings(getattr(owner, "config", None)))
     service = _service(name, _GENERATION_TASK)
-    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name)
+    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name,
+                         reasoning=reasoning_settings(getattr(service, "config", None)))
 
 
 def _reply(reply: Reply) -> Response:

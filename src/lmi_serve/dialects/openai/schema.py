@@ -38,7 +38,7 @@ REJECTED_FIELDS = {
     "functions": "the deprecated `functions` parameter is not supported; use `tools`",
     "function_call": "the deprecated `function_call` parameter is not supported; use `tool_choice`",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "this model does not reason before answering",
+    "reasoning_effort": "reasoning effort cannot be set; bound a reasoning model's block with thinking_token_budget",
 }
 
 

@@ -15,6 +15,7 @@ from lmi_serve.dialects.common.disconnect import wait_for_results
 from lmi_serve.dialects.openai import chat, vllm
 from lmi_serve.dialects.openai.errors import kind_body
 from lmi_serve.dialects.openai.generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
+from lmi_serve.dialects.openai.reasoning import ChatReasoning, ReasoningSettings
 from lmi_serve.dialects.openai.render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
@@ -68,10 +69,12 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
 
 
 class OpenAIService:
-    def __init__(self, engine: Engine, model_name: str, adapter: str | None = None):
+    def __init__(self, engine: Engine, model_name: str, adapter: str | None = None,
+                 reasoning: ReasoningSettings | None = None):
         """`adapter`: the LoRA adapter the request's `model` named (vLLM's convention; responses then
-        name it as their model), or None for the base model."""
+        name it as their model), or None for the base model. `reasoning`: the model's reasoning options."""
         self.engine, self.model_name, self.adapter = engine, adapter or model_name, adapter
+        self.reasoning = reasoning
         self.tokenizer = engine.tokenizer
 
     def token_text(self, token_id: int) -> str:
@@ -86,17 +89,20 @@ class OpenAIService:
         prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
                                             where="messages", param="messages")
         top = request.top_logprobs or 0 if request.logprobs else 0
-        requests = build_requests(self.engine, request, prompt, max_tokens, count=request.n, top_n=top,
-                                  guided=chat.guided_decoding(request), adapter=self.adapter)
+        thinking = ChatReasoning(self.tokenizer, self.reasoning, prompt_text, request)
+        requests = thinking.constrain(build_requests(self.engine, request, prompt, max_tokens, count=request.n,
+                                                     top_n=top, guided=chat.guided_decoding(request),
+                                                     adapter=self.adapter))
         generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
         meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
         states = [ChoiceState(len(prompt), index=i) for i in range(request.n)]
         if not request.stream:
             _results(generation, states)
-            return Reply(body=vllm.finish_chat(chat_completion(
-                meta, states, logprobs=request.logprobs, top_logprobs=top, tools_enabled=tools_enabled,
-                token_text=self.token_text), request, states))
+            answers, thoughts = thinking.split_states(states)  # the formatters see the answer alone
+            body = chat_completion(meta, answers, logprobs=request.logprobs, top_logprobs=top,
+                                   tools_enabled=tools_enabled, token_text=self.token_text)
+            return Reply(body=vllm.finish_chat(thinking.finish_body(body, states, thoughts), request, states))
         generation.start()  # a failure before the first token raises here, before any status line
         stream = ChatStream(meta, include_usage=request.include_usage, logprobs=request.logprobs, top_logprobs=top,
                             tools_enabled=tools_enabled, token_text=self.token_text)
@@ -107,9 +113,9 @@ class OpenAIService:
                     raise _failed(event)
                 yield from stream.start(index)
                 states[index].events.append(event)
-                yield from stream.on_event(states[index], event)
+                yield from thinking.stream_event(stream, states[index], event)
             if request.include_usage:
-                yield stream.usage_chunk(states)
+                yield thinking.usage_chunk(stream.usage_chunk(states), states)
 
         return Reply(chunks=_guarded(_with_running_usage(vllm.echo_chunks(chunks(), request), request, len(prompt),
                                                          states), generation))

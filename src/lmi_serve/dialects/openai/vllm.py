@@ -196,7 +196,10 @@ class VllmChatFields(VllmFields):
 
     echo: bool = False  # the reply starts with the last message's content when that is an assistant message
     add_special_tokens: bool = False  # the chat template writes the special tokens
-    include_reasoning: bool = True  # this model writes no reasoning, so there is never any to leave out
+    # Reasoning models (openai/reasoning.py): false leaves `reasoning_content` out (it is still generated);
+    # thinking_token_budget bounds the reasoning block's tokens.
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = Field(None, ge=1)
     # Extra variables for the chat template (e.g. Qwen3's `enable_thinking`), as on /tokenize.
     chat_template_kwargs: dict[str, Any] | None = None
 

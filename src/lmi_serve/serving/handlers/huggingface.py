@@ -17,6 +17,7 @@ import torch
 from lmi_serve.config.sources import ModelConfig, tensor_parallel_conflict
 from lmi_serve.dialects.common.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
 from lmi_serve.dialects.lmi.rolling import RollingBatchService
+from lmi_serve.dialects.openai.reasoning import reasoning_settings
 from lmi_serve.engine.build import build_engine, prepare_serving
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
@@ -93,7 +94,7 @@ class TextGenerationService:
                 output_formatter=config.output_formatter,
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
-                model_name=config.name)
+                model_name=config.name, reasoning=reasoning_settings(config))
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
