@@ -36,10 +36,12 @@ LoraDtype = Literal["auto", "fp32", "fp16", "bf16"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "tensor"]
+# How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
-    "lora_dtype": get_args(LoraDtype),
+    "lora_dtype": get_args(LoraDtype), "tool_call_parser": get_args(ToolCallParser),
 }
 # What each kind of model cannot honour: field -> why. The one declaration of it: config/sources.py refuses
 # such an option, naming it, when the user set it for that model, and ignores it (with a log line)
@@ -339,6 +341,11 @@ class ModelConfig(BaseModel):
     )
     output_formatter: str | None = Field(None, description="`json`, `jsonlines`, `sse` (rolling batch)")
     tgi_compat: bool = Field(False, description="TGI-shaped bodies and errors on the LMI routes (rolling batch)")
+    tool_call_parser: ToolCallParser | None = Field(
+        None,
+        description="the format chat models write tool calls in (vLLM's parser names; see the OpenAI page)",
+        json_schema_extra={"doc_default": "from the chat template, else `hermes`"},
+    )
     entry_point: str | None = Field(
         None,
         description="handler file (path, or file in the model folder) or module",
@@ -372,7 +379,7 @@ class ModelConfig(BaseModel):
     ignored_options: tuple[str, ...] = ()
 
     @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "lora_dtype",
-                     mode="before")
+                     "tool_call_parser", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:

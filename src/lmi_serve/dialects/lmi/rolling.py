@@ -76,9 +76,11 @@ def _any_failed(results: Sequence[GenerationResult]) -> bool:
 class RollingBatchService:
     def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
                  output_formatter: str | None = None, custom_input: Callable | None = None,
-                 custom_output: Callable | None = None, model_name: str = "model"):
+                 custom_output: Callable | None = None, model_name: str = "model",
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
         self.max_input_len = max_input_len
         self.tgi_compat = tgi_compat
         self.output_formatter = output_formatter
@@ -128,7 +130,7 @@ class RollingBatchService:
         """LMI's chat schema: an OpenAI chat request; the same chat.completion object back, and a
         stream of chat.completion.chunk objects as JSON lines (SSE with [DONE] when the client
         accepts text/event-stream or option.output_formatter=sse)."""
-        chat = OpenAIService(self.engine, self.model_name)
+        chat = OpenAIService(self.engine, self.model_name, tool_call_parser=self.tool_call_parser)
         reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
         if reply.chunks is None:
             return Output().add(reply.body).add_property("Content-Type", "application/json")

@@ -112,9 +112,11 @@ def _generation(name: str | None) -> OpenAIService:
     owner = _adapter_owner(name)
     if owner is not None:
         owner.require_ready()
-        return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name)
+        return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name,
+                             tool_call_parser=owner.config.tool_call_parser)
     service = _service(name, _GENERATION_TASK)
-    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name)
+    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name,
+                         tool_call_parser=service.config.tool_call_parser)
 
 
 def _reply(reply: Reply) -> Response:

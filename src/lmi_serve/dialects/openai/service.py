@@ -68,11 +68,14 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
 
 
 class OpenAIService:
-    def __init__(self, engine: Engine, model_name: str, adapter: str | None = None):
+    def __init__(self, engine: Engine, model_name: str, adapter: str | None = None,
+                 tool_call_parser: str | None = None):
         """`adapter`: the LoRA adapter the request's `model` named (vLLM's convention; responses then
-        name it as their model), or None for the base model."""
+        name it as their model), or None for the base model. `tool_call_parser`: the model's
+        option.tool_call_parser (a tool_formats name), else the chat template decides."""
         self.engine, self.model_name, self.adapter = engine, adapter or model_name, adapter
         self.tokenizer = engine.tokenizer
+        self.tool_format = chat.tool_format_for(self.tokenizer, tool_call_parser)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -80,14 +83,14 @@ class OpenAIService:
     # ---- chat ---------------------------------------------------------------------------------
 
     def chat(self, request: ChatCompletionRequest) -> Reply:
-        prompt_text = chat.render_prompt(self.tokenizer, request)
+        prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format)
         ids = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids
         ids = vllm.truncate_prompt(ids, request, self.engine.max_model_len)
         prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
                                             where="messages", param="messages")
         top = request.top_logprobs or 0 if request.logprobs else 0
         requests = build_requests(self.engine, request, prompt, max_tokens, count=request.n, top_n=top,
-                                  guided=chat.guided_decoding(request), adapter=self.adapter)
+                                  guided=chat.guided_decoding(request, self.tool_format), adapter=self.adapter)
         generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
         meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
@@ -96,10 +99,10 @@ class OpenAIService:
             _results(generation, states)
             return Reply(body=vllm.finish_chat(chat_completion(
                 meta, states, logprobs=request.logprobs, top_logprobs=top, tools_enabled=tools_enabled,
-                token_text=self.token_text), request, states))
+                token_text=self.token_text, tool_format=self.tool_format), request, states))
         generation.start()  # a failure before the first token raises here, before any status line
         stream = ChatStream(meta, include_usage=request.include_usage, logprobs=request.logprobs, top_logprobs=top,
-                            tools_enabled=tools_enabled, token_text=self.token_text)
+                            tools_enabled=tools_enabled, token_text=self.token_text, tool_format=self.tool_format)
 
         def chunks() -> Iterator[Chunk]:
             for index, event in generation.events():
