@@ -128,6 +128,20 @@ def test_each_family_reads_its_native_output_and_leaves_text_alone(family):
         assert parsed.content == text and not parsed.tool_calls
 
 
+def test_pythonic_refuses_names_python_cannot_write_naming_tools():
+    from lmi_serve.errors import InvalidRequest
+
+    bad = {"type": "function", "function": {"name": "get-weather", "parameters": {"type": "object"}}}
+    bad_parameter = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"first name": {"type": "string"}}}}}
+    for tool in (bad, bad_parameter):
+        request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [TIME, tool], "tool_choice": "required"})
+        with pytest.raises(InvalidRequest) as caught:
+            chat.guided_decoding(request, FORMATS["pythonic"])
+        assert caught.value.param == "tools" and "tools[1]" in caught.value.message
+        assert chat.guided_decoding(request, FORMATS["hermes"]) is not None  # JSON formats take any name
+
+
 def test_mistral_call_ids_fit_its_template():
     ids = {FORMATS["mistral"].new_call_id() for _ in range(20)}
     assert all(len(i) == 9 and i.isalnum() for i in ids) and len(ids) == 20

@@ -13,6 +13,7 @@ import ast
 import json
 
 from lmi_serve.dialects.openai.tool_formats.base import LAYOUT, Call, Scan, ToolFormat
+from lmi_serve.errors import InvalidRequest
 
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
@@ -77,7 +78,13 @@ class Pythonic(ToolFormat):
 
     def calls_rules(self, tools, parallel: bool) -> list[str]:
         alternatives = []
-        for tool in tools:
+        for index, tool in enumerate(tools):
+            # A call is Python: a name or keyword that is no identifier (`get-weather`) cannot be written.
+            names = [tool.function.name, *((tool.function.parameters or {}).get("properties") or {})]
+            for name in names:
+                if not (isinstance(name, str) and name.isidentifier()):
+                    raise InvalidRequest(f"tools[{index}]: {name!r} is not a Python identifier, which this model's "
+                                         "pythonic tool calls need for function and parameter names", param="tools")
             arguments = _arguments_rule(tool.function.parameters or {})
             alternatives.append(f'"{tool.function.name}(" {arguments} ")"'.replace("  ", " "))
         more = ' (", " call)*' if parallel else ""
