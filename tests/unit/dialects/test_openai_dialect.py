@@ -146,7 +146,7 @@ def test_grammars_follow_response_format_and_tool_choice():
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     assert json.loads(chat.guided_decoding(chat_request(response_format=fmt)).json_schema) == schema
     required = chat.guided_decoding(chat_request(tools=[TOOL, OTHER_TOOL], tool_choice="required")).lark
-    assert required.startswith("start: calls\n") and 'calls: call ("\\n" call)*' in required and "get_time" in required
+    assert required.startswith("start: calls\n") and "calls: call+" in required and "get_time" in required
     named = chat.guided_decoding(chat_request(tools=[TOOL, OTHER_TOOL], parallel_tool_calls=False,
                                               tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert "get_weather" not in named.lark and "calls: call\n" in named.lark

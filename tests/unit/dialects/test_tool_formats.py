@@ -169,8 +169,10 @@ def test_grammars_per_format_and_parallel_tool_calls():
                                            "parallel_tool_calls": False})
     auto = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER]})
     lark = {name: chat.guided_decoding(request, fmt).lark for name, fmt in FORMATS.items()}
-    assert "call)*" in lark["hermes"] and "call)*" in lark["mistral"] and "call)*" in lark["pythonic"]
+    assert "call+" in lark["hermes"] and "call)*" in lark["mistral"] and "call)*" in lark["pythonic"]
     assert "calls: call\n" in lark["llama3_json"]  # Llama 3 writes one call per turn
+    assert all("calls: call\n" in chat.guided_decoding(single, fmt).lark for fmt in FORMATS.values()
+               if fmt.name in ("hermes", "llama3_json"))
     assert all("call)*" not in chat.guided_decoding(single, fmt).lark for fmt in FORMATS.values())
     assert '"parameters"' in lark["llama3_json"] and "[TOOL_CALLS] [" in lark["mistral"]
     assert "TEXT: /[^{<]" in chat.guided_decoding(auto, FORMATS["llama3_json"]).lark

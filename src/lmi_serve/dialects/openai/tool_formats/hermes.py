@@ -1,5 +1,6 @@
 """Hermes / Qwen2.5 / Qwen3: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one
-block per call, blocks separated by a newline (as Qwen's template renders its history)."""
+block per call (Qwen's template renders its history so, blocks separated by a newline; the reader
+takes any whitespace around and between blocks)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ class Hermes(ToolFormat):
 
     def calls_rules(self, tools, parallel: bool) -> list[str]:
         schema = json.dumps(call_schema(tools, "arguments"))
-        return ['calls: call ("\\n" call)*' if parallel else "calls: call",
+        # Blocks follow each other directly: with a newline between them allowed, a small model
+        # that writes one after a block is then committed to another call, and tends to repeat.
+        return ["calls: call+" if parallel else "calls: call",
                 f'call: "{OPEN}\\n" %json {schema} "\\n{CLOSE}"']
 
     def scan(self, text: str) -> Scan:
