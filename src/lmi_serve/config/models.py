@@ -39,10 +39,13 @@ ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
 # tensor: a model.py serving tensors (Triton).
 Task = Literal["text-generation", "text2text-generation", "text-embedding", "text-classification", "tensor"]
+# How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
     "lora_dtype": get_args(LoraDtype), "reasoning_parser": get_args(ReasoningParser),
+    "tool_call_parser": get_args(ToolCallParser),
 }
 # What each kind of model cannot honour: field -> why. The one declaration of it: config/sources.py refuses
 # such an option, naming it, when the user set it for that model, and ignores it (with a log line)
@@ -356,6 +359,11 @@ class ModelConfig(BaseModel):
                     "`thinking_token_budget` may lower it",
         json_schema_extra={"doc_default": "unbounded"},
     )
+    tool_call_parser: ToolCallParser | None = Field(
+        None,
+        description="the format chat models write tool calls in (vLLM's parser names; see the OpenAI page)",
+        json_schema_extra={"doc_default": "from the chat template, else `hermes`"},
+    )
     entry_point: str | None = Field(
         None,
         description="handler file (path, or file in the model folder) or module",
@@ -389,7 +397,7 @@ class ModelConfig(BaseModel):
     ignored_options: tuple[str, ...] = ()
 
     @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "lora_dtype",
-                     "reasoning_parser", mode="before")
+                     "reasoning_parser", "tool_call_parser", mode="before")
     @classmethod
     def _choice(cls, value: Any, info: Any) -> Any:
         if value is None:

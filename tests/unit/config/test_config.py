@@ -197,6 +197,16 @@ def test_invalid_rolling_batch_from_properties(tmp_path: Path) -> None:
         load(tmp_path, "option.rolling_batch=foo\n")
 
 
+def test_tool_call_parser_is_unset_by_default_and_checked(tmp_path: Path) -> None:
+    assert synth().tool_call_parser is None
+    assert synth(OPTION_TOOL_CALL_PARSER="Llama3_JSON").tool_call_parser == "llama3_json"
+    assert load(tmp_path, "option.tool_call_parser=mistral\n").tool_call_parser == "mistral"
+    with pytest.raises(ConfigError) as info:
+        synth(OPTION_TOOL_CALL_PARSER="llama4_json")
+    assert str(info.value) == ("OPTION_TOOL_CALL_PARSER: 'llama4_json' is not one of hermes, llama3_json, mistral, "
+                               "pythonic")
+
+
 def test_kv_cache_is_slots_by_default_and_checked() -> None:
     assert synth().kv_cache == "slots" and synth(OPTION_KV_CACHE="Dynamic").kv_cache == "dynamic"
     with pytest.raises(ConfigError, match=r"^OPTION_KV_CACHE: 'paged' is not one of slots, dynamic"):

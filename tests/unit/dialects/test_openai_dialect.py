@@ -115,7 +115,7 @@ def test_template_messages_render_tool_calls_and_results():
     assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Be brief.\n\n")
     assert "get_weather" in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
     assert messages[1]["content"] == "Weather\nin Paris?"
-    assert messages[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert messages[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>",
                            "tool_call_id": "call_1"}
     native = chat.template_messages(request, template_knows_tools=True)
@@ -129,7 +129,7 @@ def test_replayed_tool_call_arguments_that_do_not_decode_are_rendered_as_sent(ar
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
     request = chat_request(messages=[{"role": "assistant", "tool_calls": [call]}, *USER])
     content = chat.template_messages(request, template_knows_tools=False)[0]["content"]
-    assert json.loads(content.removeprefix("<tool_call>").removesuffix("</tool_call>")) == \
+    assert json.loads(content.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == \
         {"name": "f", "arguments": arguments}
 
 

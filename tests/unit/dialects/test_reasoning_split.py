@@ -179,7 +179,7 @@ def test_the_tool_grammar_applies_after_the_block(qwen3):
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
     request = parse(ChatCompletionRequest, {"messages": MESSAGES, "tools": tools, "tool_choice": "required"})
     wrapped = reasoning.wrap_grammar(chat.guided_decoding(request), reasoning.markers(qwen3), "inside")
-    assert _accepts(qwen3, wrapped, 'I should add.</think>\n\n<tool_call>{"name": "add", "arguments": {"x": 1}}</tool_call>')
+    assert _accepts(qwen3, wrapped, 'I should add.</think>\n\n<tool_call>\n{"name": "add", "arguments": {"x": 1}}\n</tool_call>')
     assert not _accepts(qwen3, wrapped, "I should add.</think>\n\nIt is 4.")
 
 

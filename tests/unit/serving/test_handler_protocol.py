@@ -261,7 +261,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
                     tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
-                    reasoning_parser="qwen3", max_reasoning_tokens=64,
+                    reasoning_parser="qwen3", max_reasoning_tokens=64, tool_call_parser="llama3_json",
                     prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch")
 
 
@@ -292,7 +292,7 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
                               "custom_input": None, "custom_output": None, "model_name": "typed-model",
-                              "reasoning": ReasoningSettings("qwen3", 64)}
+                              "reasoning": ReasoningSettings("qwen3", 64), "tool_call_parser": "llama3_json"}
     assert handler.get_engine() is engine
 
 

@@ -78,10 +78,11 @@ class RollingBatchService:
     def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
                  output_formatter: str | None = None, custom_input: Callable | None = None,
                  custom_output: Callable | None = None, model_name: str = "model",
-                 reasoning: ReasoningSettings | None = None):
+                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None):
         self.engine = engine
         self.reasoning = reasoning
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
         self.max_input_len = max_input_len
         self.tgi_compat = tgi_compat
         self.output_formatter = output_formatter
@@ -131,7 +132,8 @@ class RollingBatchService:
         """LMI's chat schema: an OpenAI chat request; the same chat.completion object back, and a
         stream of chat.completion.chunk objects as JSON lines (SSE with [DONE] when the client
         accepts text/event-stream or option.output_formatter=sse)."""
-        chat = OpenAIService(self.engine, self.model_name, reasoning=self.reasoning)
+        chat = OpenAIService(self.engine, self.model_name, reasoning=self.reasoning,
+                             tool_call_parser=self.tool_call_parser)
         reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
         if reply.chunks is None:
             return Output().add(reply.body).add_property("Content-Type", "application/json")

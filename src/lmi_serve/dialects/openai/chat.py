@@ -1,54 +1,44 @@
 """Chat specifics: messages -> prompt text, response_format/tools -> a grammar, text -> tool calls.
 
-Tool calls travel as text the model writes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(the Hermes convention many chat templates use). When the model's chat template knows `tools`
-they are passed to it; otherwise a system message lists them and describes that format. A grammar
-then keeps the output honest:
-- `required` / a named function: only tool calls, arguments valid against the function's schema;
-- `auto`: either a tool call (as above) or text that does not start with `<` (or, with a
+Tool calls travel as text the model writes, in its family's format (tool_formats/: Hermes
+`<tool_call>` blocks, Llama 3 JSON, Mistral `[TOOL_CALLS]`, pythonic), chosen by
+option.tool_call_parser or from the chat template. When the template knows `tools` they are passed
+to it; otherwise a system message lists them and describes the format. A grammar then keeps the
+output honest:
+- `required` / a named function: only tool calls, arguments valid against the function's schema
+  (several where `parallel_tool_calls` and the format allow);
+- `auto`: either tool calls (as above) or text that cannot start a call (or, with a
   response_format, a JSON document);
-- `none`: no tools in the prompt; text that does not start with `<` (no call can be written).
-Assistant messages with `tool_calls` are rendered back in the same format, and `tool` messages
-through the template with their role, so a round trip reads naturally to the model.
+- `none`: no tools in the prompt; text that cannot start a call.
+Assistant messages with `tool_calls` go to a template that renders them itself as structured
+calls, else into their content in the format; `tool` messages go through the template with their
+role, so a round trip reads naturally to the model.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from lmi_serve.dialects.common import guided
-from lmi_serve.dialects.common import json_body
-from lmi_serve.dialects.common.json_body import InvalidJson
-from lmi_serve.dialects.openai import vllm
+from lmi_serve.dialects.openai import tool_formats, vllm
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
+from lmi_serve.dialects.openai.tool_formats.base import LAYOUT as _LAYOUT
+from lmi_serve.dialects.openai.tool_formats.base import ToolFormat, arguments_value, text_rule
+from lmi_serve.dialects.openai.tool_formats.hermes import CLOSE as CALL_CLOSE
+from lmi_serve.dialects.openai.tool_formats.hermes import OPEN as CALL_OPEN
 from lmi_serve.engine.types import GuidedDecoding
 from lmi_serve.errors import InvalidRequest
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-# The layout the grammar enforces inside embedded JSON (see engine/sampling/grammar.py).
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Text that cannot be mistaken for a tool call: it does not start with `<`.
-_TEXT_RULE = "TEXT: /[^<](.|\\n)*/"
+__all__ = ["CALL_CLOSE", "CALL_OPEN"]
 
 
-def _call_text(name: str, arguments) -> str:
-    return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': _arguments_value(arguments)})}{CALL_CLOSE}"
+def tool_format_for(tokenizer, option: str | None = None) -> ToolFormat:
+    """The tool-call format of a model: `option` (option.tool_call_parser) or its template's."""
+    return tool_formats.choose(getattr(tokenizer, "chat_template", None), option)
 
 
-def _arguments_value(arguments):
-    """A call's arguments as JSON: the decoded JSON string, or, when it does not decode (OpenAI
-    accepts any string there, e.g. a model's broken output replayed), the string itself."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        return json_body.loads(arguments)  # bounded depth: the body's limit does not reach inside strings
-    except InvalidJson:
-        return arguments
-
-
-def _tool_instructions(tools: list[Tool], choice) -> str:
+def _tool_instructions(tools: list[Tool], choice, tool_format: ToolFormat) -> str:
     listing = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description or "",
                                     "parameters": t.function.parameters or {"type": "object", "properties": {}}})
                         for t in tools)
@@ -56,23 +46,33 @@ def _tool_instructions(tools: list[Tool], choice) -> str:
             "auto": "Call a function only when it helps to answer; otherwise answer in plain text."}
     rule = (f"You must call the function {choice.function['name']}." if isinstance(choice, NamedToolChoice)
             else when.get(choice, ""))
-    return (f"You have access to these functions:\n{listing}\n{rule}\nTo call a function, reply with "
-            f'{CALL_OPEN}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CALL_CLOSE}')
+    return f"You have access to these functions:\n{listing}\n{rule}\n{tool_format.instructions()}"
 
 
-def template_messages(request: ChatCompletionRequest, template_knows_tools: bool) -> list[dict]:
-    """The conversation as plain dicts with string content, ready for apply_chat_template."""
+def template_messages(request: ChatCompletionRequest, template_knows_tools: bool,
+                      tool_format: ToolFormat = tool_formats.DEFAULT, template_renders_calls: bool = False) -> list[dict]:
+    """The conversation as plain dicts with string content, ready for apply_chat_template.
+    Past calls go to a template that renders `tool_calls` as such (arguments decoded, as
+    transformers' templates expect); otherwise into the content, written in `tool_format`."""
     messages = []
     for message in request.messages:
         content = message.text
-        if message.tool_calls:
-            content += "".join(_call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
+        calls = None
+        if message.tool_calls and template_renders_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": arguments_value(c.function.arguments)}}
+                     for c in message.tool_calls]
+        elif message.tool_calls:
+            content += tool_format.render_calls([(c.function.name, arguments_value(c.function.arguments))
+                                                 for c in message.tool_calls])
         role = "system" if message.role == "developer" else message.role
         if role == "tool" and not template_knows_tools:
             # A template without tool support has no tool turn the model was trained on; a user turn
             # carrying the result (as Qwen's and Hermes' templates render it) reads naturally.
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         entry = {"role": role, "content": content}
+        if calls:
+            entry["tool_calls"] = calls
         if message.name:
             entry["name"] = message.name
         if message.tool_call_id:
@@ -83,7 +83,7 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
         messages.append(entry)
     choice = request.effective_tool_choice
     if request.tools and choice != "none" and not template_knows_tools:
-        instructions = _tool_instructions(request.tools, choice)
+        instructions = _tool_instructions(request.tools, choice, tool_format)
         if messages[0]["role"] == "system":
             messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + instructions}
         else:
@@ -92,35 +92,30 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
 
 
 def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                  continue_final_message: bool = False, template_kwargs: dict | None = None,
+                  tool_format: ToolFormat | None = None) -> str:
     """The conversation as prompt text through the model's chat template. The keywords are vLLM's
     (its /tokenize takes them); a chat completion always opens the assistant's turn.
-    `template_kwargs` defaults to the request's `chat_template_kwargs`."""
+    `template_kwargs` defaults to the request's `chat_template_kwargs`; `tool_format` to the one
+    the template implies."""
     if template_kwargs is None:
         template_kwargs = getattr(request, "chat_template_kwargs", None)
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest("This model has no chat template; use /v1/completions", param="messages")
     knows_tools = isinstance(template, str) and "tools" in template
-    messages = template_messages(request, knows_tools)
+    renders_calls = isinstance(template, str) and "tool_calls" in template
+    messages = template_messages(request, knows_tools, tool_format or tool_formats.detect(template), renders_calls)
     extra = {}
     if knows_tools and request.tools and request.effective_tool_choice != "none":
-        extra["tools"] = [tool.function.model_dump(exclude_none=True) for tool in request.tools]
+        # Whole OpenAI tool objects, the shape transformers' templates read (`tool.function`, ...).
+        extra["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}), **extra)
     except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
         raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
-
-
-def _call_schema(tools: list[Tool]) -> dict:
-    options = [{"type": "object",
-                "properties": {"name": {"const": t.function.name},
-                               "arguments": t.function.parameters or {"type": "object", "properties": {}}},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for t in tools]
-    return {"anyOf": options, "x-guidance": _LAYOUT}
 
 
 def response_constraint(request: ChatCompletionRequest) -> GuidedDecoding | None:
@@ -138,8 +133,10 @@ def response_constraint(request: ChatCompletionRequest) -> GuidedDecoding | None
     return guided.json_schema(fmt.value, "response_format.value")
 
 
-def guided_decoding(request: ChatCompletionRequest) -> GuidedDecoding | None:
-    """The grammar the output must follow, or None for free text."""
+def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | None = None) -> GuidedDecoding | None:
+    """The grammar the output must follow, or None for free text. Tool calls are written in
+    `tool_format` (Hermes unless given)."""
+    fmt = tool_format or tool_formats.DEFAULT
     constraint = response_constraint(request)
     choice = request.effective_tool_choice
     if constraint is not None and (not request.tools or choice == "none"):
@@ -151,19 +148,17 @@ def guided_decoding(request: ChatCompletionRequest) -> GuidedDecoding | None:
     if not request.tools:
         return None
     if choice == "none":  # tools are known to the conversation but must not be called
-        return GuidedDecoding(lark=f"start: TEXT\n{_TEXT_RULE}\n")
+        return GuidedDecoding(lark=f"start: TEXT\n{text_rule(fmt.openers)}\n")
     tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function["name"]]
-    repeat = "+" if request.parallel_tool_calls else ""
-    rules = [f"calls: call{repeat}",
-             f'call: "{CALL_OPEN}" %json {json.dumps(_call_schema(tools))} "{CALL_CLOSE}"']
+    rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel)
     if choice == "auto":
         if schema is not None:
             rules.insert(0, f"start: calls | %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
         else:
             rules.insert(0, "start: calls | TEXT")
-            rules.append(_TEXT_RULE)
+            rules.append(text_rule(fmt.openers))
     else:
         rules.insert(0, "start: calls")
     return GuidedDecoding(lark="\n".join(rules) + "\n")
@@ -175,28 +170,12 @@ class ParsedOutput:
     tool_calls: list[dict]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_tool_calls(text: str) -> ParsedOutput:
-    """Split generated text into content and tool calls (`arguments` as a JSON string). Text that
-    is not a whole tool call stays content."""
-    stripped = text.lstrip()
-    if not stripped.startswith(CALL_OPEN):
+def parse_tool_calls(text: str, tool_format: ToolFormat | None = None) -> ParsedOutput:
+    """Split generated text into content and tool calls (`arguments` as the JSON the model wrote).
+    Text that is not wholly calls in the format (e.g. one cut by max_tokens) stays content."""
+    fmt = tool_format or tool_formats.DEFAULT
+    scan = fmt.scan(text)
+    if not (scan.complete and scan.calls):
         return ParsedOutput(text, [])
-    calls, rest = [], stripped
-    while rest.startswith(CALL_OPEN) and CALL_CLOSE in rest:
-        body, rest = rest[len(CALL_OPEN):].split(CALL_CLOSE, 1)
-        try:
-            call = json.loads(body)
-            name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            return ParsedOutput(text, [])
-        calls.append({"id": new_call_id(), "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(arguments)}})
-        rest = rest.lstrip()
-    if rest:  # an unfinished call (e.g. cut by max_tokens) leaves it all as content
-        return ParsedOutput(text, [])
-    return ParsedOutput(None, calls)
-
+    return ParsedOutput(None, [{"id": fmt.new_call_id(), "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}} for call in scan.calls])

@@ -14,8 +14,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lmi_serve.dialects.openai.chat import CALL_OPEN, parse_tool_calls
+from lmi_serve.dialects.openai.chat import parse_tool_calls
 from lmi_serve.dialects.openai.generation import ChoiceState
+from lmi_serve.dialects.openai.tool_formats import DEFAULT as DEFAULT_TOOL_FORMAT
+from lmi_serve.dialects.openai.tool_formats import ToolFormat
+from lmi_serve.dialects.openai.tool_stream import ToolCallStream
 from lmi_serve.engine.types import FinishReason, TokenEvent, TopToken
 
 TokenText = Callable[[int], str]
@@ -60,21 +63,23 @@ def chat_logprobs(events: Sequence[TokenEvent], top: int, token_text: TokenText)
     return {"content": content, "refusal": None}
 
 
-def chat_message(state: ChoiceState, tools_enabled: bool) -> tuple[dict, str | None]:
+def chat_message(state: ChoiceState, tools_enabled: bool,
+                 tool_format: ToolFormat = DEFAULT_TOOL_FORMAT) -> tuple[dict, str | None]:
     """(message, finish reason) of one finished choice."""
     text = state.text
     if tools_enabled:
-        parsed = parse_tool_calls(text)
+        parsed = parse_tool_calls(text, tool_format)
         if parsed.tool_calls:
             return {"role": "assistant", "content": None, "tool_calls": parsed.tool_calls}, "tool_calls"
     return {"role": "assistant", "content": text}, finish_reason(state.events[-1].finish_reason)
 
 
 def chat_completion(meta: ResponseMeta, states: Sequence[ChoiceState], *, logprobs: bool, top_logprobs: int,
-                    tools_enabled: bool, token_text: TokenText) -> dict:
+                    tools_enabled: bool, token_text: TokenText,
+                    tool_format: ToolFormat = DEFAULT_TOOL_FORMAT) -> dict:
     choices = []
     for state in states:
-        message, reason = chat_message(state, tools_enabled)
+        message, reason = chat_message(state, tools_enabled, tool_format)
         choices.append({"index": state.index, "message": message, "finish_reason": reason,
                         "logprobs": chat_logprobs(state.events, top_logprobs, token_text) if logprobs else None})
     return {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
@@ -84,16 +89,19 @@ def chat_completion(meta: ResponseMeta, states: Sequence[ChoiceState], *, logpro
 class ChatStream:
     """Chunks of one chat stream. Per choice: a role chunk with the first token, content deltas
     (each carrying the logprobs of its own tokens), one finish chunk with an empty delta. When the
-    output may be a tool call, text starting with `<tool_call>` is held and sent as `tool_calls`
-    deltas once complete; any other text streams as content."""
+    output may be a tool call, text that starts like a call in `tool_format` is held back from
+    content and goes out as `tool_calls` deltas (tool_stream.py); any other text streams as content."""
 
     def __init__(self, meta: ResponseMeta, *, include_usage: bool, logprobs: bool, top_logprobs: int,
-                 tools_enabled: bool, token_text: TokenText):
+                 tools_enabled: bool, token_text: TokenText, tool_format: ToolFormat = DEFAULT_TOOL_FORMAT):
         self.meta, self.include_usage = meta, include_usage
         self.logprobs, self.top_logprobs = logprobs, top_logprobs
         self.tools_enabled, self.token_text = tools_enabled, token_text
+        self.tool_format = tool_format
         self._started: set[int] = set()
         self._holding: dict[int, bool] = {}  # choice -> output is (so far) a tool call
+        self._calls: dict[int, ToolCallStream] = {}
+        self._unsent: dict[int, list[TokenEvent]] = {}  # held events whose logprobs have not gone out
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.meta.id, "object": "chat.completion.chunk", "created": self.meta.created,
@@ -121,27 +129,42 @@ class ChatStream:
         text, events = event.text, [event]
         if self.tools_enabled and index not in self._holding and state.text.strip():
             # Decided by the first visible character; what was held until now goes out with it.
-            self._holding[index] = state.text.lstrip().startswith(CALL_OPEN[:1])
+            self._holding[index] = self.tool_format.is_call_start(state.text)
             text, events = state.text, state.events
+            if not self._holding[index]:
+                self._unsent.pop(index, None)  # they go out with this content chunk
         holding = self._holding.get(index, self.tools_enabled)
         if not holding and (text or (self.logprobs and event.token_id >= 0)):
             chunks.append(self._chunk([self._choice(index, {"content": text}, events=events)]))
+        if holding:
+            unsent = self._unsent.setdefault(index, [])
+            unsent.append(event)
+            calls = self._calls.setdefault(index, ToolCallStream(self.tool_format))
+            deltas = calls.deltas(state.text) if self._holding.get(index) else []
+            if deltas:
+                chunks.append(self._chunk([self._choice(index, {"tool_calls": deltas}, events=list(unsent))]))
+                unsent.clear()
         if event.finish_reason is not None:
             chunks.extend(self._finish(state, holding))
         return chunks
 
     def _finish(self, state: ChoiceState, holding: bool) -> list[dict]:
         index, chunks = state.index, []
+        reason = finish_reason(state.events[-1].finish_reason)
+        unsent = self._unsent.pop(index, [])
         if holding:
-            message, reason = chat_message(state, True)
-            if message.get("tool_calls"):
-                deltas = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                chunks.append(self._chunk([self._choice(index, {"tool_calls": deltas}, events=state.events)]))
-            elif message["content"]:
-                chunks.append(self._chunk([self._choice(index, {"content": message["content"]}, events=state.events)]))
-        else:
-            reason = finish_reason(state.events[-1].finish_reason)
-        chunks.append(self._chunk([self._choice(index, {}, reason)]))
+            calls = self._calls.setdefault(index, ToolCallStream(self.tool_format))
+            deltas = calls.deltas(state.text, final=True)
+            if deltas is not None:  # wholly calls: what is left of them, then finish as tool_calls
+                reason = "tool_calls"
+                if deltas:
+                    chunks.append(self._chunk([self._choice(index, {"tool_calls": deltas}, events=unsent)]))
+                    unsent = []
+            elif not calls.started and state.text:  # never a call after all: the text is content
+                chunks.append(self._chunk([self._choice(index, {"content": state.text}, events=unsent)]))
+                unsent = []
+            # else a call cut short (max_tokens): its fragments are out; it ends with that reason
+        chunks.append(self._chunk([self._choice(index, {}, reason, events=unsent)]))
         return chunks
 
     def usage_chunk(self, states: Sequence[ChoiceState]) -> dict:

@@ -114,10 +114,16 @@ def _generation(name: str | None) -> OpenAIService:
     if owner is not None:
         owner.require_ready()
         return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name,
-                             reasoning=reasoning_settings(getattr(owner, "config", None)))
+                             reasoning=reasoning_settings(getattr(owner, "config", None)),
+                             tool_call_parser=_tool_call_parser(owner))
     service = _service(name, _GENERATION_TASK)
     return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name,
-                         reasoning=reasoning_settings(getattr(service, "config", None)))
+                         reasoning=reasoning_settings(getattr(service, "config", None)),
+                         tool_call_parser=_tool_call_parser(service))
+
+
+def _tool_call_parser(service) -> str | None:
+    return getattr(getattr(service, "config", None), "tool_call_parser", None)
 
 
 def _reply(reply: Reply) -> Response:

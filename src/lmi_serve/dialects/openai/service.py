@@ -70,12 +70,15 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
 
 class OpenAIService:
     def __init__(self, engine: Engine, model_name: str, adapter: str | None = None,
-                 reasoning: ReasoningSettings | None = None):
+                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None):
         """`adapter`: the LoRA adapter the request's `model` named (vLLM's convention; responses then
-        name it as their model), or None for the base model. `reasoning`: the model's reasoning options."""
+        name it as their model), or None for the base model. `reasoning`: the model's reasoning options.
+        `tool_call_parser`: the model's option.tool_call_parser (a tool_formats name), else the chat
+        template decides."""
         self.engine, self.model_name, self.adapter = engine, adapter or model_name, adapter
         self.reasoning = reasoning
         self.tokenizer = engine.tokenizer
+        self.tool_format = chat.tool_format_for(self.tokenizer, tool_call_parser)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -83,7 +86,7 @@ class OpenAIService:
     # ---- chat ---------------------------------------------------------------------------------
 
     def chat(self, request: ChatCompletionRequest) -> Reply:
-        prompt_text = chat.render_prompt(self.tokenizer, request)
+        prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format)
         ids = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids
         ids = vllm.truncate_prompt(ids, request, self.engine.max_model_len)
         prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
@@ -91,7 +94,7 @@ class OpenAIService:
         top = request.top_logprobs or 0 if request.logprobs else 0
         thinking = ChatReasoning(self.tokenizer, self.reasoning, prompt_text, request)
         requests = thinking.constrain(build_requests(self.engine, request, prompt, max_tokens, count=request.n,
-                                                     top_n=top, guided=chat.guided_decoding(request),
+                                                     top_n=top, guided=chat.guided_decoding(request, self.tool_format),
                                                      adapter=self.adapter))
         generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
@@ -101,11 +104,12 @@ class OpenAIService:
             _results(generation, states)
             answers, thoughts = thinking.split_states(states)  # the formatters see the answer alone
             body = chat_completion(meta, answers, logprobs=request.logprobs, top_logprobs=top,
-                                   tools_enabled=tools_enabled, token_text=self.token_text)
+                                   tools_enabled=tools_enabled, token_text=self.token_text,
+                                   tool_format=self.tool_format)
             return Reply(body=vllm.finish_chat(thinking.finish_body(body, states, thoughts), request, states))
         generation.start()  # a failure before the first token raises here, before any status line
         stream = ChatStream(meta, include_usage=request.include_usage, logprobs=request.logprobs, top_logprobs=top,
-                            tools_enabled=tools_enabled, token_text=self.token_text)
+                            tools_enabled=tools_enabled, token_text=self.token_text, tool_format=self.tool_format)
 
         def chunks() -> Iterator[Chunk]:
             for index, event in generation.events():

@@ -94,7 +94,8 @@ class TextGenerationService:
                 output_formatter=config.output_formatter,
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
-                model_name=config.name, reasoning=reasoning_settings(config))
+                model_name=config.name, reasoning=reasoning_settings(config),
+                tool_call_parser=config.tool_call_parser)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
