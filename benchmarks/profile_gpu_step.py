@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_gpu import LLAMA_3_2_1B, TINY, build_model, sync, synthetic_tokenizer  # noqa: E402
+from bench_gpu import LLAMA_3_2_1B, TINY, build_model, plain_sdpa, sync, synthetic_tokenizer  # noqa: E402
 
 
 def engine_itl(model, tokenizer, device, prompt: list[int], steps: int):
@@ -73,6 +73,7 @@ def engine_itl(model, tokenizer, device, prompt: list[int], steps: int):
 def forward_step(model, device, prompt: list[int], steps: int) -> float:
     from transformers import DynamicCache
 
+    plain_sdpa(model)  # the engine made the model attend through its slot wrapper: transformers' own SDPA again
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         cache = DynamicCache()
@@ -104,13 +105,16 @@ def main(argv=None) -> int:
     itl, prof = engine_itl(model, tokenizer, device, prompt, args.steps)
     forward = forward_step(model, device, prompt, args.steps)
     events = prof.key_averages()
-    kernel_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) if cuda else 0
+    # Kernels only: an aten op's row repeats the time of the kernels it launched.
+    kernel_us = sum(e.self_device_time_total for e in events if str(e.device_type).endswith("CUDA")) if cuda else 0
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
     label = torch.cuda.get_device_name(0) if cuda else "CPU (tiny shape: a check of the script)"
     print(f"# {label}, torch {torch.__version__}, batch 1, {len(prompt)} prompt tokens, {args.steps} steps")
     print(f"engine ITL p50   {itl * 1000:8.2f} ms")
     print(f"forward p50      {forward * 1000:8.2f} ms  (transformers' forward of one token, DynamicCache)")
     if cuda:
         print(f"kernels / step   {kernel_us / 1000 / args.steps:8.2f} ms  (profiled GPU time over the steps)")
+        print(f"launches / step  {launches / args.steps:8.0f}")
     print(f"engine - forward {(itl - forward) * 1000:8.2f} ms  (sampling, bookkeeping, the host read)")
     print()
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
