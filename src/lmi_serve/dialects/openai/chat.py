@@ -18,13 +18,14 @@ role, so a round trip reads naturally to the model.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lmi_serve.dialects.common import guided
 from lmi_serve.dialects.openai import tool_formats, vllm
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 from lmi_serve.dialects.openai.tool_formats.base import LAYOUT as _LAYOUT
-from lmi_serve.dialects.openai.tool_formats.base import ToolFormat, arguments_value, text_rule
+from lmi_serve.dialects.openai.tool_formats.base import NO_TOKENS, ToolFormat, arguments_value, text_rule
 from lmi_serve.dialects.openai.tool_formats.hermes import CLOSE as CALL_CLOSE
 from lmi_serve.dialects.openai.tool_formats.hermes import OPEN as CALL_OPEN
 from lmi_serve.engine.types import GuidedDecoding
@@ -133,9 +134,11 @@ def response_constraint(request: ChatCompletionRequest) -> GuidedDecoding | None
     return guided.json_schema(fmt.value, "response_format.value")
 
 
-def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | None = None) -> GuidedDecoding | None:
+def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | None = None,
+                    marker_tokens: Mapping[str, int] = NO_TOKENS) -> GuidedDecoding | None:
     """The grammar the output must follow, or None for free text. Tool calls are written in
-    `tool_format` (Hermes unless given)."""
+    `tool_format` (Hermes unless given), its markers as the model's own tokens where
+    `marker_tokens` (the format's `marker_tokens(tokenizer)`) has them."""
     fmt = tool_format or tool_formats.DEFAULT
     constraint = response_constraint(request)
     choice = request.effective_tool_choice
@@ -152,7 +155,7 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
     tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function["name"]]
-    rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel)
+    rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel, marker_tokens)
     if choice == "auto":
         if schema is not None:
             rules.insert(0, f"start: calls | %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
