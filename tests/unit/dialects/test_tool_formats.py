@@ -246,6 +246,41 @@ def test_parallel_calls_where_the_format_has_them(engine, tokenizers, family):
     pytest.fail("no seed wrote parallel calls")
 
 
+def test_a_call_cut_by_max_tokens_is_the_same_whole_and_streamed(engine, tokenizers):
+    """OpenAI returns a call cut by max_tokens as `tool_calls` with the arguments written so far and
+    finish_reason `length`; the stream has sent those fragments already, so the whole response
+    says the same (not the text as content)."""
+    seen_partial = set()
+    for family in ("hermes", "llama3_json", "mistral", "pythonic"):  # pythonic: a cut call is content, both ways
+        service = service_for(engine, tokenizers[family], family)
+        for max_tokens in (12, 16, 20, 24):
+            body = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required",
+                    "max_tokens": max_tokens, "temperature": 0, "parallel_tool_calls": False}
+            whole = service.chat(parse(ChatCompletionRequest, body)).body
+            choice = ChatCompletion.model_validate(whole).choices[0]
+            chunks = list(service.chat(parse(ChatCompletionRequest, {**body, "stream": True})).chunks)
+            state = ChatCompletionStreamState(
+                input_tools=[ChatCompletionToolParam(**WEATHER), ChatCompletionToolParam(**TIME)])
+            for chunk in chunks:
+                state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+            # The snapshot: get_final_completion refuses any `length` finish (LengthFinishReasonError).
+            streamed = state.current_completion_snapshot.choices[0]
+            assert streamed.finish_reason == choice.finish_reason, (family, max_tokens)
+            assert (streamed.message.content or None) == choice.message.content, (family, max_tokens)  # role chunk: ""
+            assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
+                [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []], (family, max_tokens)
+            if choice.finish_reason == "length" and choice.message.tool_calls:
+                assert choice.message.content is None and whole["choices"][0]["message"]["content"] is None
+                arguments = choice.message.tool_calls[0].function.arguments
+                fragments = [d["function"]["arguments"] for c in chunks
+                             for d in c["choices"][0]["delta"].get("tool_calls", [])]
+                assert "".join(fragments) == arguments
+                seen_partial.add(family)
+            if family == "pythonic" and choice.finish_reason == "length":
+                assert choice.message.content and not choice.message.tool_calls
+    assert seen_partial == {"hermes", "llama3_json", "mistral"}
+
+
 # ---- markers as the model's own tokens ----------------------------------------------------------
 
 def _accepts(tokenizer, guided, ids: list[int]) -> bool:

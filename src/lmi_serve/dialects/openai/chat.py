@@ -171,14 +171,20 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
 class ParsedOutput:
     content: str | None
     tool_calls: list[dict]
+    complete: bool = True  # the calls are whole (else cut short: the last one's arguments end early)
 
 
-def parse_tool_calls(text: str, tool_format: ToolFormat | None = None) -> ParsedOutput:
+def parse_tool_calls(text: str, tool_format: ToolFormat | None = None, *, partial: bool = False) -> ParsedOutput:
     """Split generated text into content and tool calls (`arguments` as the JSON the model wrote).
-    Text that is not wholly calls in the format (e.g. one cut by max_tokens) stays content."""
+    Text that is not wholly calls in the format stays content, unless `partial`: then calls cut
+    short (by max_tokens or a stop string) are read as a stream sends them, the calls written so
+    far with the arguments as far as written (`complete` False); formats whose arguments do not
+    stream (pythonic) leave such text content, as their streams do."""
     fmt = tool_format or tool_formats.DEFAULT
     scan = fmt.scan(text)
-    if not (scan.complete and scan.calls):
+    complete = scan.complete and bool(scan.calls)
+    if not scan.calls or not (complete or (partial and fmt.streams_arguments)):
         return ParsedOutput(text, [])
     return ParsedOutput(None, [{"id": fmt.new_call_id(), "type": "function",
-                                "function": {"name": call.name, "arguments": call.arguments}} for call in scan.calls])
+                                "function": {"name": call.name, "arguments": call.arguments}} for call in scan.calls],
+                        complete)
