@@ -174,7 +174,7 @@ def test_grammars_per_format_and_parallel_tool_calls():
     assert all("calls: call\n" in chat.guided_decoding(single, fmt).lark for fmt in FORMATS.values()
                if fmt.name in ("hermes", "llama3_json"))
     assert all("call)*" not in chat.guided_decoding(single, fmt).lark for fmt in FORMATS.values())
-    assert '"parameters"' in lark["llama3_json"] and "[TOOL_CALLS] [" in lark["mistral"]
+    assert '"parameters"' in lark["llama3_json"] and '"[TOOL_CALLS]" " ["' in lark["mistral"]
     assert "TEXT: /[^{<]" in chat.guided_decoding(auto, FORMATS["llama3_json"]).lark
     assert "TEXT: /[^\\[]" in chat.guided_decoding(auto, FORMATS["mistral"]).lark
 
@@ -244,3 +244,111 @@ def test_parallel_calls_where_the_format_has_them(engine, tokenizers, family):
         if len(message.tool_calls) > 1:
             return
     pytest.fail("no seed wrote parallel calls")
+
+
+def test_a_call_cut_by_max_tokens_is_the_same_whole_and_streamed(engine, tokenizers):
+    """OpenAI returns a call cut by max_tokens as `tool_calls` with the arguments written so far and
+    finish_reason `length`; the stream has sent those fragments already, so the whole response
+    says the same (not the text as content)."""
+    seen_partial = set()
+    for family in ("hermes", "llama3_json", "mistral", "pythonic"):  # pythonic: a cut call is content, both ways
+        service = service_for(engine, tokenizers[family], family)
+        for max_tokens in (12, 16, 20, 24):
+            body = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required",
+                    "max_tokens": max_tokens, "temperature": 0, "parallel_tool_calls": False}
+            whole = service.chat(parse(ChatCompletionRequest, body)).body
+            choice = ChatCompletion.model_validate(whole).choices[0]
+            chunks = list(service.chat(parse(ChatCompletionRequest, {**body, "stream": True})).chunks)
+            state = ChatCompletionStreamState(
+                input_tools=[ChatCompletionToolParam(**WEATHER), ChatCompletionToolParam(**TIME)])
+            for chunk in chunks:
+                state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+            # The snapshot: get_final_completion refuses any `length` finish (LengthFinishReasonError).
+            streamed = state.current_completion_snapshot.choices[0]
+            assert streamed.finish_reason == choice.finish_reason, (family, max_tokens)
+            assert (streamed.message.content or None) == choice.message.content, (family, max_tokens)  # role chunk: ""
+            assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == \
+                [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []], (family, max_tokens)
+            if choice.finish_reason == "length" and choice.message.tool_calls:
+                assert choice.message.content is None and whole["choices"][0]["message"]["content"] is None
+                arguments = choice.message.tool_calls[0].function.arguments
+                fragments = [d["function"]["arguments"] for c in chunks
+                             for d in c["choices"][0]["delta"].get("tool_calls", [])]
+                assert "".join(fragments) == arguments
+                seen_partial.add(family)
+            if family == "pythonic" and choice.finish_reason == "length":
+                assert choice.message.content and not choice.message.tool_calls
+    assert seen_partial == {"hermes", "llama3_json", "mistral"}
+
+
+# ---- markers as the model's own tokens ----------------------------------------------------------
+
+def _accepts(tokenizer, guided, ids: list[int]) -> bool:
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(guided)._matcher
+    return all(matcher.consume_token(token) for token in ids) and matcher.is_accepting()
+
+
+def _with_markers(smollm2_model_dir, *, hermes_special: bool = False):
+    """SmolLM2's tokenizer holding the families' markers as added tokens, as the real models do:
+    Qwen2.5/Qwen3's `<tool_call>` / `</tool_call>` not special (decoding keeps them), Llama 3's
+    `<|python_tag|>` and Mistral v0.3's `[TOOL_CALLS]` special."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    hermes = [AddedToken(m, special=hermes_special, normalized=False) for m in ("<tool_call>", "</tool_call>")]
+    tokenizer.add_tokens(hermes, special_tokens=hermes_special)
+    tokenizer.add_tokens([AddedToken(m, special=True, normalized=False) for m in ("<|python_tag|>", "[TOOL_CALLS]")],
+                         special_tokens=True)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def marked(smollm2_model_dir):
+    return _with_markers(smollm2_model_dir)
+
+
+CUT = {"hermes": NATIVE["hermes"][0], "llama3_json": NATIVE["llama3_json"][1], "mistral": NATIVE["mistral"][0]}
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_markers_the_tokenizer_holds_are_written_as_those_tokens(marked, smollm2_tokenizer, family, choice):
+    fmt = FORMATS[family]
+    tokens = fmt.marker_tokens(marked)
+    assert tokens == {m: marked.convert_tokens_to_ids(m) for m in fmt.markers}
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": choice})
+    guided = chat.guided_decoding(request, fmt, tokens)
+    assert all(f"<[{token_id}]>" in guided.lark for token_id in tokens.values())
+    text = CUT[family]
+    ids = marked(text, add_special_tokens=False).input_ids
+    assert set(tokens.values()) <= set(ids)  # the model's own single tokens...
+    assert _accepts(marked, guided, ids)  # ...are what the grammar takes
+    spelled = smollm2_tokenizer(text, add_special_tokens=False).input_ids  # the markers in ordinary tokens
+    assert not _accepts(marked, guided, spelled)
+    # What the engine's detokenizer makes of them (special ones dropped) still parses as the call.
+    decoded = marked.decode(ids, skip_special_tokens=True)
+    assert (text in decoded) if family == "hermes" else (decoded != text)
+    parsed = chat.parse_tool_calls(decoded, fmt)
+    assert [json.loads(c["function"]["arguments"]) for c in parsed.tool_calls] == [{"city": "Paris"}]
+    if family == "llama3_json":  # the tag may open the call, or not
+        assert _accepts(marked, guided, marked(NATIVE[family][0], add_special_tokens=False).input_ids)
+    # After a reasoning block the tool grammar is nested (%lark {...}); the tokens still name the markers.
+    from lmi_serve.dialects.common import reasoning
+
+    wrapped = reasoning.wrap_grammar(guided, reasoning.Markers("<think>", "</think>"), "inside")
+    assert _accepts(marked, wrapped, marked("hmm</think>\n\n", add_special_tokens=False).input_ids + ids)
+
+
+def test_markers_stay_text_where_they_are_no_tokens_or_decoding_would_drop_them(smollm2_tokenizer, smollm2_model_dir):
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "required"})
+    for fmt in FORMATS.values():
+        assert fmt.marker_tokens(smollm2_tokenizer) == {}
+        assert "<[" not in chat.guided_decoding(request, fmt, fmt.marker_tokens(smollm2_tokenizer)).lark
+    # Hermes' parser needs `<tool_call>` in the text: special markers (skipped when decoding) stay text.
+    special = _with_markers(smollm2_model_dir, hermes_special=True)
+    assert FORMATS["hermes"].marker_tokens(special) == {}
+    guided = chat.guided_decoding(request, FORMATS["hermes"], FORMATS["hermes"].marker_tokens(special))
+    assert '"<tool_call>"' in guided.lark
+    assert FORMATS["mistral"].marker_tokens(special) == {"[TOOL_CALLS]": special.convert_tokens_to_ids("[TOOL_CALLS]")}

@@ -18,13 +18,14 @@ role, so a round trip reads naturally to the model.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lmi_serve.dialects.common import guided
 from lmi_serve.dialects.openai import tool_formats, vllm
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 from lmi_serve.dialects.openai.tool_formats.base import LAYOUT as _LAYOUT
-from lmi_serve.dialects.openai.tool_formats.base import ToolFormat, arguments_value, text_rule
+from lmi_serve.dialects.openai.tool_formats.base import NO_TOKENS, ToolFormat, arguments_value, text_rule
 from lmi_serve.dialects.openai.tool_formats.hermes import CLOSE as CALL_CLOSE
 from lmi_serve.dialects.openai.tool_formats.hermes import OPEN as CALL_OPEN
 from lmi_serve.engine.types import GuidedDecoding
@@ -133,9 +134,11 @@ def response_constraint(request: ChatCompletionRequest) -> GuidedDecoding | None
     return guided.json_schema(fmt.value, "response_format.value")
 
 
-def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | None = None) -> GuidedDecoding | None:
+def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | None = None,
+                    marker_tokens: Mapping[str, int] = NO_TOKENS) -> GuidedDecoding | None:
     """The grammar the output must follow, or None for free text. Tool calls are written in
-    `tool_format` (Hermes unless given)."""
+    `tool_format` (Hermes unless given), its markers as the model's own tokens where
+    `marker_tokens` (the format's `marker_tokens(tokenizer)`) has them."""
     fmt = tool_format or tool_formats.DEFAULT
     constraint = response_constraint(request)
     choice = request.effective_tool_choice
@@ -152,7 +155,7 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
     tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function["name"]]
-    rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel)
+    rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel, marker_tokens)
     if choice == "auto":
         if schema is not None:
             rules.insert(0, f"start: calls | %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
@@ -168,14 +171,20 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
 class ParsedOutput:
     content: str | None
     tool_calls: list[dict]
+    complete: bool = True  # the calls are whole (else cut short: the last one's arguments end early)
 
 
-def parse_tool_calls(text: str, tool_format: ToolFormat | None = None) -> ParsedOutput:
+def parse_tool_calls(text: str, tool_format: ToolFormat | None = None, *, partial: bool = False) -> ParsedOutput:
     """Split generated text into content and tool calls (`arguments` as the JSON the model wrote).
-    Text that is not wholly calls in the format (e.g. one cut by max_tokens) stays content."""
+    Text that is not wholly calls in the format stays content, unless `partial`: then calls cut
+    short (by max_tokens or a stop string) are read as a stream sends them, the calls written so
+    far with the arguments as far as written (`complete` False); formats whose arguments do not
+    stream (pythonic) leave such text content, as their streams do."""
     fmt = tool_format or tool_formats.DEFAULT
     scan = fmt.scan(text)
-    if not (scan.complete and scan.calls):
+    complete = scan.complete and bool(scan.calls)
+    if not scan.calls or not (complete or (partial and fmt.streams_arguments)):
         return ParsedOutput(text, [])
     return ParsedOutput(None, [{"id": fmt.new_call_id(), "type": "function",
-                                "function": {"name": call.name, "arguments": call.arguments}} for call in scan.calls])
+                                "function": {"name": call.name, "arguments": call.arguments}} for call in scan.calls],
+                        complete)

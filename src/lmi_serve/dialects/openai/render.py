@@ -65,13 +65,17 @@ def chat_logprobs(events: Sequence[TokenEvent], top: int, token_text: TokenText)
 
 def chat_message(state: ChoiceState, tools_enabled: bool,
                  tool_format: ToolFormat = DEFAULT_TOOL_FORMAT) -> tuple[dict, str | None]:
-    """(message, finish reason) of one finished choice."""
+    """(message, finish reason) of one finished choice. Calls cut short (max_tokens) come back as
+    OpenAI returns them and as the stream sent them: `tool_calls` with the arguments written so
+    far, finishing for that reason (`length`)."""
     text = state.text
+    reason = finish_reason(state.events[-1].finish_reason)
     if tools_enabled:
-        parsed = parse_tool_calls(text, tool_format)
+        parsed = parse_tool_calls(text, tool_format, partial=True)
         if parsed.tool_calls:
-            return {"role": "assistant", "content": None, "tool_calls": parsed.tool_calls}, "tool_calls"
-    return {"role": "assistant", "content": text}, finish_reason(state.events[-1].finish_reason)
+            return ({"role": "assistant", "content": None, "tool_calls": parsed.tool_calls},
+                    "tool_calls" if parsed.complete else reason)
+    return {"role": "assistant", "content": text}, reason
 
 
 def chat_completion(meta: ResponseMeta, states: Sequence[ChoiceState], *, logprobs: bool, top_logprobs: int,

@@ -80,6 +80,10 @@ class OpenAIService:
         self.tokenizer = engine.tokenizer
         self.tool_format = chat.tool_format_for(self.tokenizer, tool_call_parser)
 
+    def _guided(self, request: ChatCompletionRequest):
+        """The chat grammar, naming the tool-call markers the tokenizer holds as tokens."""
+        return chat.guided_decoding(request, self.tool_format, self.tool_format.marker_tokens(self.tokenizer))
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
@@ -94,7 +98,7 @@ class OpenAIService:
         top = request.top_logprobs or 0 if request.logprobs else 0
         thinking = ChatReasoning(self.tokenizer, self.reasoning, prompt_text, request)
         requests = thinking.constrain(build_requests(self.engine, request, prompt, max_tokens, count=request.n,
-                                                     top_n=top, guided=chat.guided_decoding(request, self.tool_format),
+                                                     top_n=top, guided=self._guided(request),
                                                      adapter=self.adapter))
         generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from lmi_serve.dialects.common import json_body
 from lmi_serve.dialects.common.json_body import InvalidJson
@@ -19,6 +22,7 @@ from lmi_serve.dialects.common.json_body import InvalidJson
 # The layout the grammar enforces inside embedded JSON (see engine/sampling/grammar.py).
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _DECODER = json.JSONDecoder()
+NO_TOKENS: Mapping[str, int] = MappingProxyType({})  # every marker as text
 _STRING = r'"(?:[^"\\]|\\.)*"'
 
 
@@ -95,6 +99,25 @@ def call_schema(tools, key: str) -> dict:
     return {"anyOf": options, "x-guidance": LAYOUT}
 
 
+def marker(text: str, tokens: Mapping[str, int]) -> str:
+    """A call marker in Lark: the model's own token where the tokenizer holds the marker as one added
+    token (`tokens`), else the quoted text. llguidance treats added tokens as special: a quoted
+    string never matches them, so under a quoted marker the model would have to spell it out in
+    ordinary tokens, which it was never trained to do. `<[id]>` names a token by its id."""
+    token_id = tokens.get(text)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
+_MARKER_TOKENS: "weakref.WeakKeyDictionary[object, dict[str, dict[str, int]]]" = weakref.WeakKeyDictionary()
+
+
+def _added_vocab(tokenizer) -> dict[str, int]:
+    try:
+        return dict(tokenizer.get_added_vocab())
+    except (AttributeError, TypeError, NotImplementedError):
+        return {}
+
+
 def text_rule(openers: str) -> str:
     """Free text that cannot be read as the start of a call: its first character is none of `openers`."""
     escaped = "".join("\\" + c if c in "[]\\^-/" else c for c in openers)
@@ -108,10 +131,36 @@ class ToolFormat:
     openers: str = ""  # first visible characters of a call: output starting so is held while streaming
     parallel: bool = True  # whether several calls can be written in one turn
     streams_arguments: bool = True  # arguments are JSON text the model writes, so they stream as written
+    markers: tuple[str, ...] = ()  # the marker texts the grammar writes, which a tokenizer may hold as tokens
+    reads_markers: bool = False  # the parser needs the markers in the text (else it reads calls without them)
 
-    def calls_rules(self, tools, parallel: bool) -> list[str]:
-        """Lark rules defining `calls`: one call, or several where `parallel` and the format allow."""
+    def calls_rules(self, tools, parallel: bool, tokens: Mapping[str, int] = NO_TOKENS) -> list[str]:
+        """Lark rules defining `calls`: one call, or several where `parallel` and the format allow.
+        `tokens`: the markers to write as the model's own tokens (`marker_tokens`)."""
         raise NotImplementedError
+
+    def marker_tokens(self, tokenizer) -> dict[str, int]:
+        """The format's markers that `tokenizer` holds as one added token each (Qwen's `<tool_call>`,
+        Llama 3's `<|python_tag|>`, Mistral's `[TOOL_CALLS]`): marker -> token id. Where the parser
+        needs a marker in the text, a token that decoding drops (special, with the engine's default
+        skip_special_tokens) is left out: the grammar then keeps the marker as text."""
+        if not self.markers:
+            return {}
+        try:
+            cached = _MARKER_TOKENS.setdefault(tokenizer, {})
+        except TypeError:  # not weak-referenceable: found again each time
+            cached = {}
+        if self.name not in cached:
+            added, found = _added_vocab(tokenizer), {}
+            for text in self.markers:
+                token_id = added.get(text)
+                if token_id is None:
+                    continue
+                if self.reads_markers and tokenizer.decode([token_id], skip_special_tokens=True) != text:
+                    continue
+                found[text] = token_id
+            cached[self.name] = found
+        return cached[self.name]
 
     def scan(self, text: str) -> Scan:
         raise NotImplementedError

@@ -4,13 +4,17 @@ templates ask, optionally after `<|python_tag|>` (usually dropped from the text 
 One call per turn: Meta's templates refuse to render more than one call in a turn, and vLLM's
 llama3_json documents parallel calls as unsupported for Llama 3. The grammar therefore allows one
 call; the parser still reads `;`-separated calls, the spelling vLLM accepts, from an
-unconstrained model. `arguments` is accepted in place of `parameters` when reading."""
+unconstrained model. `arguments` is accepted in place of `parameters` when reading.
+
+Where the tokenizer has `<|python_tag|>` as a token (Llama 3.1+), the grammar lets the call open
+with it, as the models sometimes do; as text it is not offered (the templates do not ask for it)."""
 
 from __future__ import annotations
 
 import json
 
-from lmi_serve.dialects.openai.tool_formats.base import Scan, ToolFormat, call_schema, expect, json_call, skip_space
+from lmi_serve.dialects.openai.tool_formats.base import (NO_TOKENS, Scan, ToolFormat, call_schema, expect, json_call,
+                                                         skip_space)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -19,9 +23,11 @@ class Llama3Json(ToolFormat):
     name = "llama3_json"
     openers = "{<"
     parallel = False
+    markers = (PYTHON_TAG,)
 
-    def calls_rules(self, tools, parallel: bool) -> list[str]:
-        return ["calls: call", f"call: %json {json.dumps(call_schema(tools, 'parameters'))}"]
+    def calls_rules(self, tools, parallel: bool, tokens=NO_TOKENS) -> list[str]:
+        tag = f"<[{tokens[PYTHON_TAG]}]>? " if PYTHON_TAG in tokens else ""
+        return [f"calls: {tag}call", f"call: %json {json.dumps(call_schema(tools, 'parameters'))}"]
 
     def scan(self, text: str) -> Scan:
         scan, pos = Scan(), skip_space(text, 0)

@@ -1,6 +1,7 @@
 """Mistral (7B-Instruct v0.3, the template tested): `[TOOL_CALLS] [{"name": ..., "arguments":
 {...}}, ...]`, all of a turn's calls in one JSON array. `[TOOL_CALLS]` is a special token, which
-the text usually drops; the parser reads the array with or without it. Call ids are 9 letters and
+the text usually drops; the parser reads the array with or without it, and the grammar names the
+token where the tokenizer has it (as text otherwise). Call ids are 9 letters and
 digits, as Mistral's template demands of the history it renders.
 
 Newer Mistral tokenizers (v11+) write `[TOOL_CALLS]name[ARGS]{...}` instead; that spelling is not
@@ -12,7 +13,8 @@ import json
 import secrets
 import string
 
-from lmi_serve.dialects.openai.tool_formats.base import Scan, ToolFormat, call_schema, expect, json_call, skip_space
+from lmi_serve.dialects.openai.tool_formats.base import (NO_TOKENS, Scan, ToolFormat, call_schema, expect, json_call,
+                                                         marker, skip_space)
 
 MARKER = "[TOOL_CALLS]"
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -21,10 +23,12 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 class Mistral(ToolFormat):
     name = "mistral"
     openers = "["
+    markers = (MARKER,)
 
-    def calls_rules(self, tools, parallel: bool) -> list[str]:
+    def calls_rules(self, tools, parallel: bool, tokens=NO_TOKENS) -> list[str]:
         more = ' (", " call)*' if parallel else ""
-        return [f'calls: "{MARKER} [" call{more} "]"', f"call: %json {json.dumps(call_schema(tools, 'arguments'))}"]
+        return [f'calls: {marker(MARKER, tokens)} " [" call{more} "]"',
+                f"call: %json {json.dumps(call_schema(tools, 'arguments'))}"]
 
     def scan(self, text: str) -> Scan:
         scan, pos = Scan(), skip_space(text, 0)

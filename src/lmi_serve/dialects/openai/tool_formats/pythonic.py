@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import json
 
-from lmi_serve.dialects.openai.tool_formats.base import LAYOUT, Call, Scan, ToolFormat
+from lmi_serve.dialects.openai.tool_formats.base import LAYOUT, NO_TOKENS, Call, Scan, ToolFormat
 from lmi_serve.errors import InvalidRequest
 
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
@@ -76,7 +76,7 @@ class Pythonic(ToolFormat):
     openers = "["
     streams_arguments = False
 
-    def calls_rules(self, tools, parallel: bool) -> list[str]:
+    def calls_rules(self, tools, parallel: bool, tokens=NO_TOKENS) -> list[str]:
         alternatives = []
         for index, tool in enumerate(tools):
             # A call is Python: a name or keyword that is no identifier (`get-weather`) cannot be written.
