@@ -187,7 +187,8 @@ class RefusingEngine:
 
 def test_the_rolling_handler_answers_a_jsonlines_body_record_by_record():
     service = RollingBatchService(RefusingEngine(), max_input_len=32)
-    body = b'{"inputs": "x"}\n{"inputs": \n{"inputs": "x", "parameters": {"max_new_tokens": -1}}\n{"inputs": "overload"}\n'
+    body = (b'{"inputs": "x"}\n{"inputs": \n{"inputs": "x", "parameters": {"max_new_tokens": -1}}\n'
+            b'{"inputs": "overload"}\n')
     out = service.inference(Input.from_http(body, {"Content-Type": "application/jsonlines"}, [], "req-1"))
     got = lines(out)
     assert got[0] == {"error": "boom", "code": 424}

@@ -4,7 +4,6 @@ transform job's settings read from a real lmi-serve app's /execution-parameters.
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import boto3
@@ -53,7 +52,8 @@ def test_async_endpoint_config_and_payload_limit(session):
         stub.add_response("create_endpoint_config", {"EndpointConfigArn": f"{ARN}:endpoint-config/llama3"}, {
             "EndpointConfigName": "llama3", "ProductionVariants": [variant],
             "AsyncInferenceConfig": {
-                "OutputConfig": {"S3OutputPath": "s3://bucket/async/out/", "S3FailurePath": "s3://bucket/async/failed/"},
+                "OutputConfig": {"S3OutputPath": "s3://bucket/async/out/",
+                                 "S3FailurePath": "s3://bucket/async/failed/"},
                 "ClientConfig": {"MaxConcurrentInvocationsPerInstance": 32}}})
         stub.add_response("describe_endpoint_config", {
             "EndpointConfigName": "llama3", "EndpointConfigArn": f"{ARN}:endpoint-config/llama3",
@@ -95,7 +95,8 @@ def test_model_only_for_a_transform_job(session):
 def test_invoke_async_names_the_s3_request_and_returns_the_output_location(session):
     runtime = session.client("sagemaker-runtime", region_name=REGION)
     with Stubber(runtime) as stub:
-        stub.add_response("invoke_endpoint_async", {"InferenceId": "i-1", "OutputLocation": "s3://bucket/async/out/i-1.out"},
+        stub.add_response("invoke_endpoint_async",
+                          {"InferenceId": "i-1", "OutputLocation": "s3://bucket/async/out/i-1.out"},
                           {"EndpointName": "llama3-async", "InputLocation": "s3://bucket/requests/r1.json",
                            "ContentType": "application/json", "Accept": "application/json",
                            "InvocationTimeoutSeconds": 3600})
@@ -110,7 +111,8 @@ TRANSFORM_ARGS = ["--name", "llama3-batch", "--model", "llama3", "--input", "s3:
                   "--output", "s3://bucket/answers/", "--instance-type", "ml.g5.2xlarge"]
 DESCRIBED = {"TransformJobName": "llama3-batch", "TransformJobArn": f"{ARN}:transform-job/llama3-batch",
              "ModelName": "llama3", "CreationTime": CREATED,
-             "TransformInput": {"DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": "s3://bucket/prompts/"}}},
+             "TransformInput": {"DataSource": {"S3DataSource": {"S3DataType": "S3Prefix",
+                                                                "S3Uri": "s3://bucket/prompts/"}}},
              "TransformResources": {"InstanceType": "ml.g5.2xlarge", "InstanceCount": 1}}
 
 
