@@ -1,4 +1,5 @@
-"""Deploy lmi-serve to a SageMaker real-time endpoint with the SageMaker Python SDK v3's resource API.
+"""Deploy lmi-serve to a SageMaker real-time or asynchronous endpoint with the SageMaker Python SDK v3's
+resource API (Batch Transform, which needs only the model: `--model-only`, then transform.py).
 
     python deploy/sagemaker/deploy.py --image ACCOUNT.dkr.ecr.REGION.amazonaws.com/lmi-serve:gpu \\
         --role arn:aws:iam::ACCOUNT:role/SageMakerRole --model-data s3://bucket/models/llama-3-8b/ \\
@@ -12,6 +13,13 @@ polls DescribeEndpoint until InService. SDK v3's `ModelBuilder` (sagemaker-serve
 detects a model server and packs artefacts, which a ready-made container does not need, and the
 `sagemaker` 3.x meta-package weighs ~1 GB; v2's `Model(image_uri, env, role).deploy()` is the
 previous major version.
+
+`--async-output-path` makes the endpoint asynchronous (the endpoint configuration's
+AsyncInferenceConfig): InvokeEndpointAsync names a request body in S3, SageMaker POSTs it to the same
+/invocations and writes the whole answer to the output path. Payloads may reach 1 GB and an invocation
+an hour, but the container still reads the body: `--max-payload-mb` sets SAGEMAKER_MAX_PAYLOAD_IN_MB,
+lmi-serve's body limit (64 MiB by default). MaxConcurrentInvocationsPerInstance bounds the requests
+SageMaker sends each instance at once; the rolling batch's rows are the natural value.
 
 The weights come from S3 (`--model-data`, an uncompressed prefix SageMaker copies to /opt/ml/model,
 the folder lmi-serve serves, `serving.properties` and `adapters/` included) or are already in the
@@ -27,7 +35,10 @@ import sys
 
 import boto3
 from sagemaker.core.resources import Endpoint, EndpointConfig, Model
-from sagemaker.core.shapes import ContainerDefinition, ModelDataSource, ProductionVariant, S3ModelDataSource
+from sagemaker.core.shapes import (
+    AsyncInferenceClientConfig, AsyncInferenceConfig, AsyncInferenceOutputConfig, ContainerDefinition,
+    ModelDataSource, ProductionVariant, S3ModelDataSource,
+)
 
 # SageMaker's contract with a container (not configurable): GET /ping and POST /invocations on port
 # 8080, and SAGEMAKER_BIND_TO_PORT when it picks another; lmi-serve binds what that variable says.
@@ -60,12 +71,21 @@ class Recipe:
     graceful_timeout: int | None = None
     instance_count: int = 1
     extra_env: tuple[tuple[str, str], ...] = ()
+    max_payload_mb: int | None = None
+    async_output_path: str | None = None
+    async_failure_path: str | None = None
+    async_max_concurrent: int | None = None
 
     def __post_init__(self) -> None:
         if (self.model_data is None) == (self.model_id is None):
             raise ValueError("give exactly one of model_data (an S3 prefix) and model_id (in the image)")
         if self.model_data is not None and not self.model_data.startswith("s3://"):
             raise ValueError(f"model_data must be an s3:// prefix, not {self.model_data!r}")
+        for path in (self.async_output_path, self.async_failure_path):
+            if path is not None and not path.startswith("s3://"):
+                raise ValueError(f"an async inference path must be an s3:// prefix, not {path!r}")
+        if self.async_output_path is None and (self.async_failure_path or self.async_max_concurrent):
+            raise ValueError("async inference needs async_output_path (where SageMaker writes the answers)")
         if self.health_check_timeout() > MAX_HEALTH_CHECK_TIMEOUT:
             raise ValueError(f"model_loading_timeout {self.model_loading_timeout} s leaves SageMaker's health check "
                              f"no margin: at most {MAX_HEALTH_CHECK_TIMEOUT - HEALTH_CHECK_MARGIN} s")
@@ -81,6 +101,7 @@ class Recipe:
             "OPTION_MAX_LORAS": self.max_loras,
             "OPTION_MODEL_LOADING_TIMEOUT": self.model_loading_timeout,
             "SERVING_GRACEFUL_TIMEOUT": self.graceful_timeout,
+            "SAGEMAKER_MAX_PAYLOAD_IN_MB": self.max_payload_mb,
         }
         env.update({key: str(value) for key, value in optional.items() if value is not None})
         if self.enable_lora:
@@ -113,14 +134,35 @@ class Recipe:
         return ProductionVariant(**fields)
 
 
+    def async_inference_config(self) -> AsyncInferenceConfig | None:
+        """The endpoint configuration's AsyncInferenceConfig, or None for a real-time endpoint."""
+        if self.async_output_path is None:
+            return None
+        output = {"s3_output_path": self.async_output_path}
+        if self.async_failure_path is not None:
+            output["s3_failure_path"] = self.async_failure_path
+        fields = {"output_config": AsyncInferenceOutputConfig(**output)}
+        if self.async_max_concurrent is not None:
+            fields["client_config"] = AsyncInferenceClientConfig(
+                max_concurrent_invocations_per_instance=self.async_max_concurrent)
+        return AsyncInferenceConfig(**fields)
+
+
+def create_model(recipe: Recipe, session: boto3.Session) -> Model:
+    """CreateModel alone: what a Batch Transform job (transform.py) runs."""
+    return Model.create(model_name=recipe.name, primary_container=recipe.container(),
+                        execution_role_arn=recipe.role, session=session, region=session.region_name)
+
+
 def deploy(recipe: Recipe, session: boto3.Session, *, wait: bool = True, poll: int = 30) -> Endpoint:
-    """Create the model, the endpoint configuration and the endpoint (all named `recipe.name`);
-    with `wait`, return once the endpoint is InService (a failed one raises the SDK's error)."""
+    """Create the model, the endpoint configuration (asynchronous with an output path) and the endpoint,
+    all named `recipe.name`; with `wait`, return once the endpoint is InService (a failed one raises
+    the SDK's error)."""
     region = session.region_name
-    Model.create(model_name=recipe.name, primary_container=recipe.container(), execution_role_arn=recipe.role,
-                 session=session, region=region)
+    create_model(recipe, session)
+    config = {"async_inference_config": recipe.async_inference_config()} if recipe.async_output_path else {}
     EndpointConfig.create(endpoint_config_name=recipe.name, production_variants=[recipe.production_variant()],
-                          session=session, region=region)
+                          session=session, region=region, **config)
     endpoint = Endpoint.create(endpoint_name=recipe.name, endpoint_config_name=recipe.name,
                                session=session, region=region)
     if wait:
@@ -147,6 +189,12 @@ def parse_args(argv: list[str]) -> tuple[Recipe, argparse.Namespace]:
     parser.add_argument("--graceful-timeout", type=int, help="SERVING_GRACEFUL_TIMEOUT, seconds")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="any other variable lmi-serve reads (OPTION_*, ...); repeatable")
+    parser.add_argument("--max-payload-mb", type=int, help="SAGEMAKER_MAX_PAYLOAD_IN_MB: the body limit (MiB)")
+    parser.add_argument("--async-output-path", help="s3:// prefix for async answers: an asynchronous endpoint")
+    parser.add_argument("--async-failure-path", help="s3:// prefix for async failures")
+    parser.add_argument("--async-max-concurrent", type=int,
+                        help="MaxConcurrentInvocationsPerInstance (e.g. the rolling batch's rows)")
+    parser.add_argument("--model-only", action="store_true", help="create the model only (for transform.py)")
     parser.add_argument("--region", help="AWS region (default: the boto3 session's)")
     parser.add_argument("--no-wait", action="store_true", help="return once CreateEndpoint is accepted")
     args = parser.parse_args(argv)
@@ -161,13 +209,18 @@ def parse_args(argv: list[str]) -> tuple[Recipe, argparse.Namespace]:
         instance_count=args.instance_count, model_data=args.model_data, model_id=args.model_id, dtype=args.dtype,
         tensor_parallel_degree=args.tensor_parallel_degree, enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_rolling_batch_size=args.max_rolling_batch_size, model_loading_timeout=args.model_loading_timeout,
-        graceful_timeout=args.graceful_timeout, extra_env=tuple(extra))
+        graceful_timeout=args.graceful_timeout, extra_env=tuple(extra), max_payload_mb=args.max_payload_mb,
+        async_output_path=args.async_output_path, async_failure_path=args.async_failure_path,
+        async_max_concurrent=args.async_max_concurrent)
     return recipe, args
 
 
 def main(argv: list[str] | None = None) -> int:
     recipe, args = parse_args(sys.argv[1:] if argv is None else argv)
     session = boto3.Session(region_name=args.region)
+    if args.model_only:
+        print(f"model {create_model(recipe, session).model_name}")
+        return 0
     endpoint = deploy(recipe, session, wait=not args.no_wait)
     print(f"endpoint {endpoint.endpoint_name}: {endpoint.endpoint_status}")
     return 0

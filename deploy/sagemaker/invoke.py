@@ -4,12 +4,15 @@
     python deploy/sagemaker/invoke.py --endpoint llama3 --stream "Once upon a time"
     python deploy/sagemaker/invoke.py --endpoint llama3 --chat "What is the capital of France?"
     python deploy/sagemaker/invoke.py --endpoint llama3 --adapter sql "List the tables"
+    python deploy/sagemaker/invoke.py --endpoint llama3-async --async-input s3://bucket/requests/r1.json
 
 SageMaker forwards every InvokeEndpoint body to the container's POST /invocations, unchanged, with the
 ContentType and Accept given here; lmi-serve answers in LMI's schema (docs/lmi.md, "Routes"): `{"inputs",
 "parameters"}` -> `{"generated_text"}`; with `"stream": true` one JSON object per line (jsonlines,
 `{"token": {"text", ...}}`), which InvokeEndpointWithResponseStream delivers as PayloadPart events whose
 boundaries need not fall between lines; a body with `messages` is a chat completion in OpenAI's shape.
+An asynchronous endpoint (deploy.py --async-output-path) takes InvokeEndpointAsync instead: the body is
+an S3 object (the same JSON), the call returns at once with where the whole answer will be written.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def chat(runtime, endpoint: str, messages: list[dict[str, str]], *, max_tokens: 
     response = runtime.invoke_endpoint(EndpointName=endpoint, ContentType="application/json",
                                        Accept="application/json", Body=json.dumps(body))
     return json.loads(response["Body"].read())["choices"][0]["message"]["content"]
+
+
+def invoke_async(runtime, endpoint: str, input_location: str, *, content_type: str = "application/json",
+                 timeout: int | None = None) -> str:
+    """InvokeEndpointAsync: queue the request stored at `input_location` (s3://); the s3:// location
+    its answer will be written to. `timeout`: InvocationTimeoutSeconds (SageMaker allows up to 3600)."""
+    arguments = {"EndpointName": endpoint, "InputLocation": input_location, "ContentType": content_type,
+                 "Accept": "application/json"}
+    if timeout is not None:
+        arguments["InvocationTimeoutSeconds"] = timeout
+    return runtime.invoke_endpoint_async(**arguments)["OutputLocation"]
 
 
 def stream(runtime, endpoint: str, prompt: str, *, max_new_tokens: int = 64,
@@ -82,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true")
     mode.add_argument("--chat", action="store_true", help="send the prompt as a user message")
-    parser.add_argument("prompt")
+    mode.add_argument("--async-input", help="s3:// location of a request body, for an asynchronous endpoint")
+    parser.add_argument("prompt", nargs="?")
     args = parser.parse_args(argv)
+    if args.prompt is None and not args.async_input:
+        parser.error("a prompt is required (or --async-input)")
     runtime = boto3.Session(region_name=args.region).client("sagemaker-runtime")
-    if args.stream:
+    if args.async_input:
+        print(f"the answer will be written to {invoke_async(runtime, args.endpoint, args.async_input)}")
+    elif args.stream:
         for text in stream(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens,
                            adapter=args.adapter):
             print(text, end="", flush=True)

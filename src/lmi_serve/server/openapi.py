@@ -88,6 +88,8 @@ _TRITON_INFER = _triton("Infer (JSON, or the binary tensor data extension)", req
 OPERATIONS: dict[tuple[str, str], Operation] = {
     # LMI / SageMaker
     ("/ping", "GET"): _lmi("Health of every model", response=(doc.PingResponse,)),
+    ("/execution-parameters", "GET"): _lmi("Batch Transform's defaults: concurrent requests, MULTI_RECORD, "
+                                           "payload MB", response=(doc.ExecutionParameters,)),
     ("/invocations", "POST"): _INVOKE,
     ("/predictions/<model_name>", "POST"): _PREDICT,
     ("/predictions/<model_name>/<version>", "POST"): _PREDICT,

@@ -75,6 +75,13 @@ class PingResponse(RootModel[dict[str, dict[str, str]]]):
     """`{"<model>": {"status": "Healthy" | "Loading" | "Failed", "error"?}}`."""
 
 
+class ExecutionParameters(BaseModel):
+    """SageMaker Batch Transform's defaults for a job that leaves them unset."""
+    MaxConcurrentTransforms: int
+    BatchStrategy: str
+    MaxPayloadInMB: int
+
+
 class LmiModel(_Open):
     modelName: str
     modelUrl: str | None = None

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 #: SageMaker's /ping carry no key) read no body and start no model work. HEAD goes with GET.
 EXEMPT: frozenset[tuple[str, str]] = frozenset({
     ("/ping", "GET"), ("/health", "GET"), ("/", "GET"),  # LMI / SageMaker, TGI (GET / is TGI's health too)
+    ("/execution-parameters", "GET"),  # asked by SageMaker Batch Transform, which carries no key either
     ("/v2/health/live", "GET"), ("/v2/health/ready", "GET"),  # Triton / KServe v2
 })
 METRICS = ("/metrics", "GET")

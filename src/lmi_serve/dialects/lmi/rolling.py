@@ -24,6 +24,8 @@ from lmi_serve.dialects.common import streaming
 from lmi_serve.dialects.common.disconnect import ClientConnection, wait_for_results
 from lmi_serve.dialects.common.ranking import best_first, rank_with_seeds
 from lmi_serve.dialects.common.schema import parse_rolling_request, to_generation_requests
+from lmi_serve.dialects.lmi import multi_record
+from lmi_serve.dialects.lmi.errors import ERROR_TABLE
 from lmi_serve.dialects.lmi.formatters import OutputFormatter, RenderContext, choose_formatter
 from lmi_serve.dialects.lmi.hooks import apply_input_formatter, custom_formatter
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest
@@ -90,6 +92,17 @@ class RollingBatchService:
         self.custom_output = custom_output
 
     def inference(self, item: Input) -> Output:
+        records = multi_record.split_records(item.get_as_bytes(), item.get_property("Content-Type"),
+                                             sniff=self.custom_input is None)
+        if records is not None:  # a Batch Transform mini-batch (multi_record.py)
+            answerer = multi_record.RecordAnswerer(
+                self._inference_one, lambda error: handler_error(error, tgi_compat=self.tgi_compat),
+                lambda error: multi_record.route_error_body(ERROR_TABLE, error),
+                workers=_rows(self.engine))
+            return answerer.answer_all(item, records)
+        return self._inference_one(item)
+
+    def _inference_one(self, item: Input) -> Output:
         try:
             return self._answer(item)
         except ServingError as exc:
@@ -187,6 +200,12 @@ def _with_header_adapter(request, item: Input):
     if not name or request.parameters.adapters is not None:
         return request
     return replace(request, parameters=request.parameters.model_copy(update={"adapters": name}))
+
+
+def _rows(engine) -> int:
+    """The rows the engine decodes together: threads beyond them would only wait in its queue."""
+    scheduler = getattr(engine, "scheduler", None)
+    return getattr(scheduler, "max_batch_size", None) or 8
 
 
 def _read_payload(item: Input) -> Any:

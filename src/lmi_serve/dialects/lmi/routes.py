@@ -15,6 +15,7 @@ from lmi_serve.dialects.common.management import management_route
 from lmi_serve.dialects.lmi import adapters as adapter_api
 from lmi_serve.dialects.lmi.errors import error_response
 from lmi_serve.engine.adapters import AdapterExists, SourceRefused
+from lmi_serve.errors import InvalidRequest
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService, ModelStatus
@@ -67,6 +68,41 @@ def _invoke(service: ModelService) -> Response:
 def ping() -> Response:
     status, body = _registry().health()
     return Response(json.dumps(body), status=_PING_STATUS[status], mimetype=JSON)
+
+
+@blueprint.get("/execution-parameters")
+def execution_parameters() -> Response:
+    """SageMaker Batch Transform asks this when a job leaves MaxConcurrentTransforms (or MaxPayloadInMB,
+    BatchStrategy) unset: see `batch_transform_parameters`."""
+    limit = current_app.config.get("MAX_CONTENT_LENGTH") or 0
+    return Response(json.dumps(batch_transform_parameters(_registry(), limit)), mimetype=JSON)
+
+
+# SageMaker refuses a transform job whose MaxPayloadInMB is over 100 (MB)
+MAX_TRANSFORM_PAYLOAD_MB = 100
+
+
+def _rows(service: ModelService) -> int:
+    """The requests `service` takes at once: its rolling batch's rows, else its dynamic batch size.
+    Before loading has resolved rolling_batch=auto, the configuration's answer (auto -> rolling)."""
+    config = service.config
+    rolling = service.rolling_batch if service.dispatcher is not None else config.rolling_batch != "disable"
+    return config.max_rolling_batch_size if rolling else config.batch_size
+
+
+def batch_transform_parameters(registry: ModelRegistry, max_request_bytes: int) -> dict:
+    """MaxConcurrentTransforms: the rows of the model /invocations serves without a name (a transform
+    job names none), so every concurrent request gets a row; with several models and no default, the
+    smallest model's rows (any of them may be named). MaxPayloadInMB: the body limit in whole MiB
+    (option.max_request_bytes, SAGEMAKER_MAX_PAYLOAD_IN_MB...), at least 1 and at most SageMaker's 100,
+    so a mini-batch SageMaker builds is never refused with 413. MULTI_RECORD: /invocations splits
+    JSON Lines mini-batches (multi_record.py)."""
+    try:
+        rows = _rows(registry.for_invocations(None))
+    except InvalidRequest:
+        rows = min((_rows(service) for service in registry.services.values()), default=1)
+    payload_mb = min(MAX_TRANSFORM_PAYLOAD_MB, max(1, max_request_bytes // (1024 * 1024)))
+    return {"MaxConcurrentTransforms": rows, "BatchStrategy": "MULTI_RECORD", "MaxPayloadInMB": payload_mb}
 
 
 @blueprint.post("/invocations")
