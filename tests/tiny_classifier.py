@@ -6,6 +6,7 @@ tests compare with transformers' own forward of these. Each folder is written on
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -75,3 +76,12 @@ def reference_logits(folder: Path, texts: list[str], pairs: list[str] | None = N
         with torch.inference_mode():
             out.append(model(**encoded).logits[0].float().tolist())
     return out
+
+
+def two_classifiers(root: Path) -> dict[str, Path]:
+    """The store the scoring tests serve: a one-label cross-encoder (`rr`) and a two-label classifier (`senti`)."""
+    return {"rr": reranker(root / "rr"), "senti": sentiment(root / "senti")}
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))

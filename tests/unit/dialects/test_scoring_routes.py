@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from tiny_classifier import reference_logits, reranker, sentiment
+from tiny_classifier import reference_logits, sigmoid, two_classifiers
 
 from lmi_serve.config.sources import ModelConfig, ServerConfig
 from lmi_serve.server.app import create_app
@@ -21,14 +21,9 @@ DOCUMENTS = ["Paris is the capital of France.", "Berlin is a city in Germany.", 
              "The capital of France is a large city on the Seine."]
 
 
-def sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("classifiers")
-    return {"rr": reranker(root / "rr"), "senti": sentiment(root / "senti")}
+    return two_classifiers(tmp_path_factory.mktemp("classifiers"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import requests
 import tritonclient.http as triton
 from server_process import serving
-from tiny_classifier import reference_logits, reranker, sentiment
+from tiny_classifier import reference_logits, sigmoid, two_classifiers
 
 pytestmark = pytest.mark.integration
 
@@ -23,14 +23,9 @@ DOCUMENTS = ["Plants make food by photosynthesis in their leaves.", "The stock m
              "Photosynthesis turns light, water and carbon dioxide into sugar.", "Cats sleep a lot."]
 
 
-def sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("classifiers")
-    return {"rr": reranker(root / "rr"), "senti": sentiment(root / "senti")}
+    return two_classifiers(tmp_path_factory.mktemp("classifiers"))
 
 
 @pytest.fixture(scope="module")
