@@ -14,6 +14,14 @@ detects a model server and packs artefacts, which a ready-made container does no
 `sagemaker` 3.x meta-package weighs ~1 GB; v2's `Model(image_uri, env, role).deploy()` is the
 previous major version.
 
+`--multi-model` makes a multi-model endpoint (MME): `--model-data` is then an S3 prefix of `.tar.gz`
+archives, one model folder each (`tar -czf name.tar.gz -C folder .`). The container definition gets
+`Mode: MultiModel` and `ModelDataUrl` = that prefix, and the environment SAGEMAKER_MULTI_MODEL=true; the
+container starts with no model, SageMaker copies and unpacks an archive to /opt/ml/models/<id>/model the
+first time InvokeEndpoint names it as `TargetModel` (invoke.py --target-model) and calls POST /models,
+and unloads the least used ones when a load answers 507 (docs/lmi.md, "Multi-model endpoints"). Every
+OPTION_* the recipe sets applies to each model loaded.
+
 `--async-output-path` makes the endpoint asynchronous (the endpoint configuration's
 AsyncInferenceConfig): InvokeEndpointAsync names a request body in S3, SageMaker POSTs it to the same
 /invocations and writes the whole answer to the output path. Payloads may reach 1 GB and an invocation
@@ -75,12 +83,17 @@ class Recipe:
     async_output_path: str | None = None
     async_failure_path: str | None = None
     async_max_concurrent: int | None = None
+    multi_model: bool = False
 
     def __post_init__(self) -> None:
         if (self.model_data is None) == (self.model_id is None):
             raise ValueError("give exactly one of model_data (an S3 prefix) and model_id (in the image)")
         if self.model_data is not None and not self.model_data.startswith("s3://"):
             raise ValueError(f"model_data must be an s3:// prefix, not {self.model_data!r}")
+        if self.multi_model and self.model_data is None:
+            raise ValueError("a multi-model endpoint needs model_data: the s3:// prefix of the models' .tar.gz archives")
+        if self.multi_model and self.async_output_path is not None:
+            raise ValueError("SageMaker's asynchronous endpoints serve one model: drop multi_model or async_output_path")
         for path in (self.async_output_path, self.async_failure_path):
             if path is not None and not path.startswith("s3://"):
                 raise ValueError(f"an async inference path must be an s3:// prefix, not {path!r}")
@@ -92,7 +105,8 @@ class Recipe:
 
     def environment(self) -> dict[str, str]:
         """The container's environment: only names lmi-serve's config/sources.py reads, only what was set."""
-        env = {"OPTION_MODEL_NAME": self.name}
+        # A multi-model endpoint starts with no model: each is named by its load call, not here
+        env = {"SAGEMAKER_MULTI_MODEL": "true"} if self.multi_model else {"OPTION_MODEL_NAME": self.name}
         optional = {
             "HF_MODEL_ID": self.model_id,
             "OPTION_DTYPE": self.dtype,
@@ -115,6 +129,10 @@ class Recipe:
         return (self.model_loading_timeout or DEFAULT_MODEL_LOADING_TIMEOUT) + HEALTH_CHECK_MARGIN
 
     def container(self) -> ContainerDefinition:
+        if self.multi_model:  # SageMaker copies each archive under the prefix when a request first names it
+            prefix = self.model_data if self.model_data.endswith("/") else self.model_data + "/"
+            return ContainerDefinition(image=self.image, environment=self.environment(), mode="MultiModel",
+                                       model_data_url=prefix)
         source = None
         if self.model_data is not None:
             prefix = self.model_data if self.model_data.endswith("/") else self.model_data + "/"
@@ -129,7 +147,7 @@ class Recipe:
         fields = {"variant_name": "AllTraffic", "model_name": self.name, "instance_type": self.instance_type,
                   "initial_instance_count": self.instance_count,
                   "container_startup_health_check_timeout_in_seconds": self.health_check_timeout()}
-        if self.model_data is not None:  # large weights take a while to copy from S3
+        if self.model_data is not None and not self.multi_model:  # large weights take a while to copy from S3
             fields["model_data_download_timeout_in_seconds"] = self.health_check_timeout()
         return ProductionVariant(**fields)
 
@@ -178,7 +196,8 @@ def parse_args(argv: list[str]) -> tuple[Recipe, argparse.Namespace]:
     parser.add_argument("--instance-type", required=True, help="e.g. ml.g5.2xlarge (1 GPU), ml.g5.12xlarge (4)")
     parser.add_argument("--instance-count", type=int, default=1, help="replicas behind the endpoint")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model-data", help="s3:// prefix holding the model folder (copied to /opt/ml/model)")
+    source.add_argument("--model-data", help="s3:// prefix holding the model folder (copied to /opt/ml/model), or "
+                        "with --multi-model the models' .tar.gz archives")
     source.add_argument("--model-id", help="HF_MODEL_ID: a folder in the image or a hub id in its HF cache")
     parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16", "auto"])
     parser.add_argument("--tensor-parallel-degree", help="GPUs per replica (an integer or 'max')")
@@ -194,6 +213,8 @@ def parse_args(argv: list[str]) -> tuple[Recipe, argparse.Namespace]:
     parser.add_argument("--async-failure-path", help="s3:// prefix for async failures")
     parser.add_argument("--async-max-concurrent", type=int,
                         help="MaxConcurrentInvocationsPerInstance (e.g. the rolling batch's rows)")
+    parser.add_argument("--multi-model", action="store_true",
+                        help="a multi-model endpoint: models loaded on demand from --model-data's archives")
     parser.add_argument("--model-only", action="store_true", help="create the model only (for transform.py)")
     parser.add_argument("--region", help="AWS region (default: the boto3 session's)")
     parser.add_argument("--no-wait", action="store_true", help="return once CreateEndpoint is accepted")
@@ -211,7 +232,7 @@ def parse_args(argv: list[str]) -> tuple[Recipe, argparse.Namespace]:
         max_rolling_batch_size=args.max_rolling_batch_size, model_loading_timeout=args.model_loading_timeout,
         graceful_timeout=args.graceful_timeout, extra_env=tuple(extra), max_payload_mb=args.max_payload_mb,
         async_output_path=args.async_output_path, async_failure_path=args.async_failure_path,
-        async_max_concurrent=args.async_max_concurrent)
+        async_max_concurrent=args.async_max_concurrent, multi_model=args.multi_model)
     return recipe, args
 
 

@@ -5,6 +5,7 @@
     python deploy/sagemaker/invoke.py --endpoint llama3 --chat "What is the capital of France?"
     python deploy/sagemaker/invoke.py --endpoint llama3 --adapter sql "List the tables"
     python deploy/sagemaker/invoke.py --endpoint llama3-async --async-input s3://bucket/requests/r1.json
+    python deploy/sagemaker/invoke.py --endpoint fine-tunes --target-model support-bot.tar.gz "Hello"
 
 SageMaker forwards every InvokeEndpoint body to the container's POST /invocations, unchanged, with the
 ContentType and Accept given here; lmi-serve answers in LMI's schema (docs/lmi.md, "Routes"): `{"inputs",
@@ -13,6 +14,10 @@ ContentType and Accept given here; lmi-serve answers in LMI's schema (docs/lmi.m
 boundaries need not fall between lines; a body with `messages` is a chat completion in OpenAI's shape.
 An asynchronous endpoint (deploy.py --async-output-path) takes InvokeEndpointAsync instead: the body is
 an S3 object (the same JSON), the call returns at once with where the whole answer will be written.
+A multi-model endpoint (deploy.py --multi-model) takes `TargetModel`, the archive's path under the
+endpoint's prefix: SageMaker loads it on first use and sends the body to POST /models/<id>/invoke.
+InvokeEndpointWithResponseStream and InvokeEndpointAsync take no TargetModel: such an endpoint answers
+whole responses only.
 """
 
 from __future__ import annotations
@@ -33,19 +38,26 @@ def _parameters(max_new_tokens: int, adapter: str | None) -> dict[str, Any]:
     return parameters
 
 
-def generate(runtime, endpoint: str, prompt: str, *, max_new_tokens: int = 64, adapter: str | None = None) -> str:
+def _target(target_model: str | None) -> dict[str, str]:
+    """InvokeEndpoint's TargetModel on a multi-model endpoint (the archive, relative to its prefix)."""
+    return {"TargetModel": target_model} if target_model else {}
+
+
+def generate(runtime, endpoint: str, prompt: str, *, max_new_tokens: int = 64, adapter: str | None = None,
+             target_model: str | None = None) -> str:
     """One InvokeEndpoint call; the generated text."""
     body = {"inputs": prompt, "parameters": _parameters(max_new_tokens, adapter)}
     response = runtime.invoke_endpoint(EndpointName=endpoint, ContentType="application/json",
-                                       Accept="application/json", Body=json.dumps(body))
+                                       Accept="application/json", Body=json.dumps(body), **_target(target_model))
     return json.loads(response["Body"].read())["generated_text"]
 
 
-def chat(runtime, endpoint: str, messages: list[dict[str, str]], *, max_tokens: int = 64) -> str:
+def chat(runtime, endpoint: str, messages: list[dict[str, str]], *, max_tokens: int = 64,
+         target_model: str | None = None) -> str:
     """A chat completion through /invocations (OpenAI's request and response shapes); the reply's text."""
     body = {"messages": messages, "max_tokens": max_tokens}
     response = runtime.invoke_endpoint(EndpointName=endpoint, ContentType="application/json",
-                                       Accept="application/json", Body=json.dumps(body))
+                                       Accept="application/json", Body=json.dumps(body), **_target(target_model))
     return json.loads(response["Body"].read())["choices"][0]["message"]["content"]
 
 
@@ -93,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--adapter", help="a LoRA adapter's name")
+    parser.add_argument("--target-model", help="on a multi-model endpoint: the model's archive, e.g. bot.tar.gz")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--stream", action="store_true")
     mode.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     mode.add_argument("--async-input", help="s3:// location of a request body, for an asynchronous endpoint")
     parser.add_argument("prompt", nargs="?")
     args = parser.parse_args(argv)
+    if args.target_model and (args.stream or args.async_input):  # neither call takes TargetModel
+        parser.error("--target-model works with InvokeEndpoint only: multi-model endpoints do not stream "
+                     "or run asynchronously")
     if args.prompt is None and not args.async_input:
         parser.error("a prompt is required (or --async-input)")
     runtime = boto3.Session(region_name=args.region).client("sagemaker-runtime")
@@ -111,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
     elif args.chat:
         print(chat(runtime, args.endpoint, [{"role": "user", "content": args.prompt}],
-                   max_tokens=args.max_new_tokens))
+                   max_tokens=args.max_new_tokens, target_model=args.target_model))
     else:
         print(generate(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-                       adapter=args.adapter))
+                       adapter=args.adapter, target_model=args.target_model))
     return 0
 
 
