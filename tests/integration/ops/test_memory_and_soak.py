@@ -3,7 +3,7 @@
 1. After long prompts (chunked prefill, max_new_tokens 1) the worker's RSS returns to within 10 % of
    its warm idle value: the engine trims glibc's heap once it idles (memory.py). Without the trim
    the freed activations stay in the heap and RSS stays well above (benchmarks/bench_memory.py).
-2. Prompts of many lengths leave RSS within 10 % of where it was: every prefill length is a new
+2. Prompts of many (72) new lengths leave RSS within 10 % of where it was: every prefill length is a new
    input shape, and oneDNN's and ideep's kernel caches keep a kernel per shape (1,024 entries each
    unless the launcher caps them at 64). Measured +2-5 % with the caps, +24-27 % without.
 3. scripts/soak's mix over every dialect (streams, cancellations, bad requests) for a few seconds:
@@ -65,7 +65,7 @@ def test_rss_returns_to_warm_idle_after_long_prompts(server):
                       timeout=120).raise_for_status()
     warm = steady_rss(pid)
     rng = random.Random(0)
-    for _ in range(3):
+    for _ in range(2):
         prompt = " ".join(rng.choice(WORDS) for _ in range(2500))
         answer = requests.post(server.url("/invocations"), timeout=600,
                                json={"inputs": prompt, "parameters": {"max_new_tokens": 1}})
@@ -89,9 +89,11 @@ def test_rss_stays_put_over_many_prompt_lengths(server):
 
     prompts(range(20, 60, 4))  # the caches' first entries, at most a capped cache's worth
     warm = steady_rss(pid)
-    prompts(range(61, 261, 2))  # 100 lengths never seen: ~500 new (shape, rows) kernels
+    # 72 lengths never seen, past the caps' 64 entries: ~360 new (shape, rows) kernels. With both caps
+    # at 1,024 (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY) this assertion fails (checked).
+    prompts(range(61, 205, 2))
     after = steady_rss(pid)
-    assert after <= BOUND * warm, f"worker RSS {warm:.0f} -> {after:.0f} MiB over 100 new prompt lengths"
+    assert after <= BOUND * warm, f"worker RSS {warm:.0f} -> {after:.0f} MiB over 72 new prompt lengths"
 
 
 def test_soak_smoke_has_no_unexpected_answer_and_leaves_no_row(server, tmp_path):
