@@ -21,12 +21,10 @@ KEY = "sk-never-log-this-key"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # A cache of its own: the first start converts the GGUF, whose output must be JSON lines too
-    # (a tqdm bar there broke every line-parsing test on a fresh clone).
-    cache = tmp_path_factory.mktemp("cache")
-    with serving("--model-dir", str(DEFAULT_STORE / LLM),
-                           env={"LMI_SERVE_LOG_FORMAT": "json", "LMI_SERVE_CACHE_DIR": str(cache)}) as server:
+def server():
+    # The shared cache: the GGUF conversion's tqdm bar (which once broke every line-parsing test on a
+    # fresh clone) is checked off by tests/unit/server/test_logs.py, without a 25 s conversion here.
+    with serving("--model-dir", str(DEFAULT_STORE / LLM), env={"LMI_SERVE_LOG_FORMAT": "json"}) as server:
         yield server
 
 

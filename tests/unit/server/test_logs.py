@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -81,3 +84,22 @@ def test_a_clock_made_while_a_tally_is_current_counts_into_it():
         clock.event(TokenEvent(token_id=2, text="b", logprob=0.0, special=False, finish_reason=FinishReason.LENGTH))
     assert (tally.sequences, tally.prompt_tokens, tally.generated_tokens) == (2, 8, 4)
     assert tally.first_token is not None and tally.ttft_seconds > 0
+
+
+def test_the_launcher_silences_the_gguf_conversions_tqdm_bar():
+    """transformers converts a GGUF under a bare `tqdm.auto` bar (modeling_gguf_pytorch_utils), which
+    would put carriage-return frames between JSON log lines; the launcher's environment turns every
+    tqdm bar off before transformers loads. Checked in a fresh interpreter, as the server starts."""
+    code = ("import os, sys\n"
+            "from lmi_serve import __main__ as launcher\n"
+            "for key, value in launcher._RUNTIME_ENV.items(): os.environ.setdefault(key, value)\n"
+            "import transformers.modeling_gguf_pytorch_utils as gguf_utils\n"
+            "for _ in gguf_utils.tqdm(range(50), desc='Converting and de-quantizing GGUF tensors...'): pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Converting" not in done.stderr + done.stdout and "it/s" not in done.stderr
+    # and without the launcher's environment the same loop does draw its bar (the check can see one)
+    bare = subprocess.run([sys.executable, "-c", code.replace("os.environ.setdefault(key, value)", "pass")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert "Converting and de-quantizing GGUF tensors" in bare.stderr
