@@ -1,4 +1,4 @@
-"""A reasoning model over HTTP: a tiny random Llama with SmolLM2's vocabulary plus `<think>` /
+"""A reasoning model over HTTP (the package's shared store, conftest.py): a tiny random Llama with SmolLM2's vocabulary plus `<think>` /
 `</think>` tokens and the real DeepSeek-R1-Distill-Qwen chat template (its prompt opens the block).
 A seed makes every run alike. A token budget (option.max_reasoning_tokens, which vLLM's
 `thinking_token_budget` may lower) makes the grammar close the block after a few tokens, and
@@ -13,46 +13,22 @@ import re
 import pytest
 import requests
 
-from server_process import FIXTURES, serving
+from tiny_store import REASONER, REASONING_BUDGET as BUDGET
 
 pytestmark = pytest.mark.integration
 
-BUDGET = 3  # option.max_reasoning_tokens of the served model
 USER = [{"role": "user", "content": "What is 2+2?"}]
 REGEX = "The answer is [0-9]"
 # Seeded sampling: reproducible, and unlike greedy decoding the random weights do not pick only whitespace.
-BASE = {"model": "tiny", "messages": USER, "seed": 0, "max_tokens": 24,
+BASE = {"model": REASONER, "messages": USER, "seed": 0, "max_tokens": 24,
         "extra_body": {"response_format": {"type": "regex", "value": REGEX}}}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_folder):
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("reasoner")
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder))
-    tokenizer.add_tokens(["<think>", "</think>"])  # as the R1 distills and Qwen3 have them: added, not special
-    tokenizer.chat_template = (FIXTURES / "chat_templates" / "deepseek_r1_distill_qwen.jinja").read_text()
-    tokenizer.save_pretrained(folder)
-    config = json.loads((smollm2_folder / "config.json").read_text())
-    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer))
-    config.pop("quantization_config", None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})).save_pretrained(folder)
-    (folder / "serving.properties").write_text(f"option.linear_kernel=torch\noption.max_reasoning_tokens={BUDGET}\n")
-    with serving("--model-dir", str(folder)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def smollm2_folder():
-    from tp_model import smollm2_folder as folder
-
-    return folder()
+def server(tiny_models_server):
+    return tiny_models_server  # the package's store (conftest.py): this module's model is `tiny`
 
 
 @pytest.mark.parametrize("budget", [None, 1])
@@ -103,7 +79,7 @@ def test_tool_calls_come_after_the_reasoning(server, openai_client):
 def test_lmi_invocations_with_messages_answers_the_same(server, openai_client):
     whole = openai_client(server).chat.completions.create(**BASE).choices[0].message
     body = {k: v for k, v in BASE.items() if k not in ("extra_body", "model")} | BASE["extra_body"]
-    reply = requests.post(server.url("/invocations"), json=body, timeout=300)
+    reply = requests.post(server.url("/invocations"), params={"model_name": REASONER}, json=body, timeout=300)
     assert reply.status_code == 200, reply.text
     message = reply.json()["choices"][0]["message"]
     assert message["reasoning_content"] == whole.model_extra["reasoning_content"]

