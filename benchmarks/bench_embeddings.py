@@ -8,7 +8,11 @@ same model's in-process ceiling, in one run.
             and posts the next as soon as its reply came back; 1 and 16 clients
 - unbatched (--unbatched) the same server with option.batch_size=1: every request its own forward (what
             the embedding model did before it batched by default)
-Prints sentences/s, the ratio to the ceiling, and the server's batch counters (GET /models/<m>).
+Prints sentences/s, the ratio to the ceiling, and the server's batch counters (GET /models/<m>), and where
+the CPU went: CPU ms per sentence of the ceiling (this process), and per request of the server's worker
+and of the benchmark's own clients (this process's threads; on a small machine they share the server's
+cores). At the ceiling's rate a sentence leaves (cores / ceiling) CPU-seconds for everything, so the
+clients' and the server's CPU per request above the ceiling's bound the ratio a run can reach.
 The ceiling runs before the server starts and again (at its best batch size) after it stopped, so the
 two never share the CPU; the ratios use the higher of the two, and the gap between them shows how much
 the machine's load moved during the run.
@@ -19,6 +23,8 @@ the machine's load moved during the run.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import sys
 import tempfile
 import threading
@@ -29,6 +35,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_openai import start_server  # noqa: E402
+from soak import worker_pid  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402
 
 MODEL = "all-minilm-l6-v2"
@@ -58,17 +65,33 @@ def embedding_service():
     return EmbeddingService(ModelConfig(name=MODEL, model_id=model_id, task="text-embedding"))
 
 
-def ceiling(service, texts: list[str], batch_sizes: list[int], seconds: float) -> dict[int, float]:
-    """Sentences/s of the built-in handler's embed() per batch size, in this process."""
+def own_cpu() -> float:
+    """CPU seconds (user + system) of this process, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid`, from /proc (clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ceiling(service, texts: list[str], batch_sizes: list[int], seconds: float,
+            cpu_ms: dict[int, float] | None = None) -> dict[int, float]:
+    """Sentences/s of the built-in handler's embed() per batch size, in this process (and, into `cpu_ms`,
+    the CPU milliseconds per sentence)."""
     rates = {}
     for size in batch_sizes:
         service.embed(texts[:size])  # warm-up: this shape's kernels
-        done, start, i = 0, time.perf_counter(), 0
+        done, start, i, cpu = 0, time.perf_counter(), 0, own_cpu()
         while time.perf_counter() - start < seconds:
             batch = [texts[(i + k) % len(texts)] for k in range(size)]
             service.embed(batch)
             done, i = done + size, i + size
         rates[size] = done / (time.perf_counter() - start)
+        if cpu_ms is not None:
+            cpu_ms[size] = 1000 * (own_cpu() - cpu) / done
     return rates
 
 
@@ -107,11 +130,17 @@ def run_server(port: int, extra: list[str], texts: list[str], client_counts: lis
         served(base, texts, 4, 2.0)  # warm-up
         for clients in client_counts:
             before = requests.get(f"{base}/models/{MODEL}", timeout=10).json()[0]["models"][0]["batchStats"]
+            worker = worker_pid(proc.pid)
+            server_cpu, client_cpu = process_cpu(worker), own_cpu()
             rate, failed = served(base, texts, clients, seconds)
+            server_cpu, client_cpu = process_cpu(worker) - server_cpu, own_cpu() - client_cpu
             entry = requests.get(f"{base}/models/{MODEL}", timeout=10).json()[0]["models"][0]
             after = entry["batchStats"]
             batches, reqs = after["batches"] - before["batches"], after["requests"] - before["requests"]
+            served_requests = after["requests"] - before["requests"]
             rows.append({"clients": clients, "rate": rate, "failed": failed, "batch_size": entry["batchSize"],
+                         "server_cpu_ms": 1000 * server_cpu / max(served_requests, 1),
+                         "client_cpu_ms": 1000 * client_cpu / max(served_requests, 1),
                          "delay": entry["maxBatchDelayMillis"], "mean_batch": reqs / max(batches, 1),
                          "largest": after["largestBatch"]})
     finally:
@@ -134,9 +163,11 @@ def main() -> int:
     client_counts = [int(x) for x in args.clients.split(",")]
     print(f"CPU: {cpu_summary()}")
     service = embedding_service()
-    rates = ceiling(service, texts, [int(x) for x in args.batch_sizes.split(",")], args.seconds / 3)
+    cpu_ms: dict[int, float] = {}
+    rates = ceiling(service, texts, [int(x) for x in args.batch_sizes.split(",")], args.seconds / 3, cpu_ms)
     best = max(rates, key=rates.get)
-    print("in-process: " + ", ".join(f"batch {b}: {r:.1f}/s" for b, r in rates.items()) +
+    print("in-process: " + ", ".join(f"batch {b}: {r:.1f}/s ({cpu_ms[b]:.2f} CPU ms/sentence)"
+                                     for b, r in rates.items()) +
           f"; ceiling {rates[best]:.1f} sentences/s at batch {best}")
     results = []
     systems = {"served (defaults)": args.option}
@@ -147,13 +178,15 @@ def main() -> int:
     after = ceiling(service, texts, [best], args.seconds / 3)[best]
     top = max(rates[best], after)
     print(f"ceiling again after the servers: {after:.1f} sentences/s at batch {best}; ratios use {top:.1f}")
+    print(f"CPU ms per sentence in-process at batch {best}: {cpu_ms[best]:.2f}; at the ceiling's rate a sentence "
+          f"leaves {1000 * os.cpu_count() / top:.2f} CPU ms for everything ({os.cpu_count()} cores)")
     print("| system | clients | sentences/s | x ceiling | batch_size / delay ms | mean batch | largest since start "
-          "| failed |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| server CPU ms/request | client CPU ms/request | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results:
         print(f"| {name} | {row['clients']} | {row['rate']:.1f} | {row['rate'] / top:.2f} | "
               f"{row['batch_size']} / {row['delay']} | {row['mean_batch']:.1f} | {row['largest']} | "
-              f"{row['failed']} |")
+              f"{row['server_cpu_ms']:.2f} | {row['client_cpu_ms']:.2f} | {row['failed']} |")
     return 0
 
 
