@@ -11,6 +11,8 @@ FROM ${BASE_IMAGE}
 # empty: pip's own configuration only.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 LABEL com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true
+# SageMaker multi-model endpoints (SAGEMAKER_MULTI_MODEL=true: POST /models loads, DELETE unloads; docs/lmi.md)
+LABEL com.amazonaws.sagemaker.capabilities.multi-models=true
 ENV PYTHONUNBUFFERED=1 \
     LMI_SERVE_VENV=/opt/lmi-serve/.venv \
     LMI_SERVE_CACHE_DIR=/opt/lmi-serve/cache

@@ -45,6 +45,20 @@ class Overloaded(ServingError):
     """No room to queue the request now; the same request may succeed later."""
 
 
+class AlreadyExists(InvalidRequest):
+    """The name a request would create (a model to load) is taken. Dialects without a row of their
+    own answer it as the InvalidRequest it is."""
+
+
+class OutOfResources(Overloaded):
+    """Loading what the request asks for would not fit the memory (or another resource) left; after
+    something is unloaded the same request may succeed (SageMaker's 507 contract)."""
+
+
+class Forbidden(InvalidRequest):
+    """The request names something the server may not read (a path outside its allowed root)."""
+
+
 class Timeout(ServingError):
     """The request waited longer than predict_timeout for the model."""
 
@@ -60,6 +74,9 @@ class ClientGone(ServingError):
 
 KINDS: tuple[type[ServingError], ...] = (InvalidRequest, ContextOverflow, NotFound, NotReady, Overloaded, Timeout,
                                          GenerationFailed, ClientGone)
+#: Kinds only the model-management routes raise (LMI / SageMaker's, which give them statuses of their
+#: own); every other dialect renders them as the kind they subclass.
+MANAGEMENT_KINDS: tuple[type[ServingError], ...] = (AlreadyExists, OutOfResources, Forbidden)
 
 Row = TypeVar("Row")
 

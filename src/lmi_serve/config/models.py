@@ -498,7 +498,12 @@ class ServerConfig(BaseModel):
     graceful_timeout: float = Field(30.0, gt=0)
     # Access control (security.py): API keys (digests only), the management switch, the adapters root
     security: SecurityConfig = Field(default_factory=SecurityConfig)
-    models: tuple[ModelConfig, ...] = Field(min_length=1)
+    # SageMaker multi-model endpoints (serving/multi_model.py): models loaded and unloaded at run time
+    # through POST / DELETE /models; the store may start empty
+    multi_model: bool = False
+    mme_memory_limit: int | None = Field(None, ge=1)  # bytes the models may take; None: 85% of the container's
+    model_url_root: str = "/opt/ml/models"  # the folder POST /models may load from (SageMaker's)
+    models: tuple[ModelConfig, ...] = ()
 
     @field_validator("models")
     @classmethod
@@ -508,6 +513,20 @@ class ServerConfig(BaseModel):
         if duplicates:
             raise ValueError(f"duplicate model names: {', '.join(duplicates)}")
         return models
+
+    @model_validator(mode="after")
+    def _models_or_multi_model(self) -> ServerConfig:
+        if not self.models and not self.multi_model:
+            raise _FieldError("models", "no model to serve (only a multi-model endpoint, SAGEMAKER_MULTI_MODEL=true, "
+                                        "may start with none)")
+        # Every worker process holds its own copy of every model, and a load or unload reaches the one
+        # worker that answers it: with several, they would disagree on what is loaded. One worker with
+        # torch's threads on every core already uses the CPU and batches across requests.
+        if self.multi_model and self.workers > 1:
+            raise _FieldError("workers", f"a multi-model endpoint (SAGEMAKER_MULTI_MODEL) needs a single worker: a "
+                                         f"model is loaded into the worker that answers POST /models, and workers is "
+                                         f"{self.workers}")
+        return self
 
     @model_validator(mode="after")
     def _one_worker_for_lora(self) -> ServerConfig:

@@ -95,7 +95,9 @@ _OPTION_FIELDS: dict[str, str] = {
      "maxWorkers": "max_workers", "model_name": "name"}
 # "engine": accepted for LMI compatibility (there is one engine); the rest are server-wide options
 # read from the models' options (security.py, and the body limit below)
-_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes"})
+# Server-wide options of multi-model endpoints (serving/multi_model.py): the models' options may name them
+_MME_KEYS = frozenset({"multi_model", "mme_memory_limit", "model_url_root"})
+_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", *_MME_KEYS})
 #: serving.properties keys that LMI also accepts without the ``option.`` prefix
 _BARE_KEYS = frozenset({"batch_size", "max_dynamic_batch_size", "max_batch_delay", "job_queue_size",
                         "minWorkers", "min_workers", "maxWorkers", "max_workers", "engine", "model_name"})
@@ -257,13 +259,15 @@ def _load_store(store: Path, env: Mapping[str, str]) -> tuple[ModelConfig, ...]:
 
 
 def _discover_models(env: Mapping[str, str], model_dir: Path | None, model_store: Path | None,
-                     default_store: Path | None) -> tuple[ModelConfig, ...]:
+                     default_store: Path | None, multi_model: bool = False) -> tuple[ModelConfig, ...]:
     if model_dir is not None:
         return (load_model_config(Path(model_dir), env),)
     if model_store is not None:
         return _load_store(Path(model_store), env)
     if _first(env, "HF_MODEL_ID"):
         return (load_model_config(None, env),)
+    if multi_model:  # SageMaker starts a multi-model container empty, then loads models through POST /models
+        return ()
     if _is_model_folder(SAGEMAKER_MODEL_DIR):
         return (load_model_config(SAGEMAKER_MODEL_DIR, env),)
     if _first(env, "OPTION_MODEL_ID"):
@@ -284,8 +288,13 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
                         model_store: Path | None = None, host: str | None = None,
                         port: int | None = None, default_store: Path | None = None) -> ServerConfig:
     """Resolve the models to serve and the server settings; the launcher's single entry point."""
-    values: dict[str, Any] = {"models": _discover_models(env, model_dir, model_store, default_store)}
+    multi_model = _multi_model(env)
+    values: dict[str, Any] = {"models": _discover_models(env, model_dir, model_store, default_store,
+                                                         multi_model is not None and multi_model[1])}
     keys: dict[str, str] = {}
+    if multi_model is not None:
+        keys["multi_model"], values["multi_model"] = multi_model
+    _take_mme_options(values, keys, env)
 
     def take(field: str, *names: str) -> None:
         hit = _first(env, *names)
@@ -318,6 +327,40 @@ def build_server_config(env: Mapping[str, str], *, model_dir: Path | None = None
     take("strict_model_names", "LMI_SERVE_STRICT_MODEL_NAMES")
     take("graceful_timeout", "SERVING_GRACEFUL_TIMEOUT")
     return _validated(lambda: ServerConfig.model_validate(values), values, keys)
+
+
+# --- multi-model endpoints (serving/multi_model.py) ---------------------------------------------------
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off", ""}
+
+
+def _multi_model(env: Mapping[str, str]) -> tuple[str, bool] | None:
+    """(the variable, whether on) from SAGEMAKER_MULTI_MODEL (what SageMaker's containers read),
+    OPTION_MULTI_MODEL or LMI_SERVE_MULTI_MODEL; None when none is set."""
+    hit = _first(env, "SAGEMAKER_MULTI_MODEL", "OPTION_MULTI_MODEL", "LMI_SERVE_MULTI_MODEL")
+    if hit is None:
+        return None
+    text = hit[1].strip().lower()
+    if text not in _TRUE | _FALSE:
+        raise ConfigError(f"{hit[0]}: {hit[1]!r} is not true or false")
+    return hit[0], text in _TRUE
+
+
+def _take_mme_options(values: dict[str, Any], keys: dict[str, str], env: Mapping[str, str]) -> None:
+    """option.mme_memory_limit (a size: 4GiB, 512MiB, bytes) and option.model_url_root, from the
+    environment (OPTION_* or LMI_SERVE_*): a multi-model container may start with no model to carry them."""
+    from lmi_serve.serving.memory_budget import parse_bytes
+
+    limit = _first(env, "OPTION_MME_MEMORY_LIMIT", "LMI_SERVE_MME_MEMORY_LIMIT")
+    if limit:
+        try:
+            values["mme_memory_limit"] = parse_bytes(limit[1])
+        except ValueError as exc:
+            raise ConfigError(f"{limit[0]}: {exc}") from None
+        keys["mme_memory_limit"] = limit[0]
+    root = _first(env, "OPTION_MODEL_URL_ROOT", "LMI_SERVE_MODEL_URL_ROOT")
+    if root:
+        keys["model_url_root"], values["model_url_root"] = root[0], os.path.abspath(root[1])
 
 
 # --- server-wide options in serving.properties (security.py) -------------------------------------

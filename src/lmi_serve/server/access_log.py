@@ -5,7 +5,9 @@ model, status, prompt_tokens, generated_tokens, ttft_s, total_s. Tokens and the 
 token are the engine's (observer.RequestTally: every sequence the request submitted, counted by
 their SequenceClocks), never a dialect's rendering; they are null for a request that ran no
 sequence of the rolling batch (health, metadata, embeddings, dynamic batching, beam search).
-Nothing a client sent is written: no text, no headers, no query.
+Nothing a client sent is written: no text, no headers, no query; the one exception is SageMaker's own
+X-Amzn-SageMaker-Target-Model on a multi-model endpoint's invoke (`target_model`, the model archive
+InvokeEndpoint named, which AWS forwards for logging), on those lines only.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def response_ready(response: Response) -> None:
     fields = {"request_id": g.get("request_id", ""), "method": request.method,
               "route": request.url_rule.rule if request.url_rule is not None else None,
               "model": g.get("model_name") or None, "status": response.status_code}
+    if g.get("target_model"):
+        fields["target_model"] = g.target_model
     tally = g.access_tally
     response.call_on_close(lambda: write(fields, tally, started))
 

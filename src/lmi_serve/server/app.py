@@ -28,7 +28,9 @@ from lmi_serve.server.drain import WorkerDrain
 from lmi_serve.server.error_routing import install_error_handlers, render_error
 from lmi_serve.server.metrics import ServingMetrics
 from lmi_serve.server.openapi import blueprint as openapi_blueprint
+from lmi_serve.serving.multi_model import ModelLoader
 from lmi_serve.serving.registry import ModelRegistry
+from lmi_serve.serving.service import ModelService
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def install_request_hooks(app: Flask, config: ServerConfig, metrics: ServingMetr
         access_log.request_started()
 
     # API keys and the management switch (security.py): before any view, any model work, or the body
-    security.install(app, config.security, render_error)
+    security.install(app, config.security, render_error, multi_model=config.multi_model)
 
     @app.before_request
     def refuse_work_while_draining() -> None:
@@ -122,6 +124,11 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     for service in registry.services.values():
         service.on_request = note_requested_model
     app.extensions["lmi_serve.serving.registry"] = registry
+    # Models loaded and unloaded at run time (SageMaker multi-model endpoints, DJL's register API)
+    app.extensions["lmi_serve.serving.loader"] = ModelLoader(
+        registry, config, lambda model: ModelService(model, config.cache_dir, metrics.for_model(model.name),
+                                                     on_request=note_requested_model), dict(os.environ))
+    app.config["UNLOAD_GRACE"] = config.graceful_timeout  # in-flight requests of a model being unloaded
     app.register_blueprint(lmi_routes.blueprint)
     app.register_blueprint(tgi_routes.blueprint)
     app.register_blueprint(openai_routes.blueprint)

@@ -34,6 +34,9 @@ EXEMPT: frozenset[tuple[str, str]] = frozenset({
     ("/v2/health/live", "GET"), ("/v2/health/ready", "GET"),  # Triton / KServe v2
 })
 METRICS = ("/metrics", "GET")
+#: Management routes that SageMaker's multi-model contract calls without a key (it sends none): with
+#: SAGEMAKER_MULTI_MODEL they are ordinary routes (the everyday keys, if any), not management ones.
+MULTI_MODEL_ROUTES: frozenset[tuple[str, str]] = frozenset({("/models", "POST"), ("/models/<model_name>", "DELETE")})
 
 
 # --- the gate ----------------------------------------------------------------------------------
@@ -65,9 +68,10 @@ def open_routes(security: SecurityConfig) -> frozenset[tuple[str, str]]:
     return EXEMPT | ({METRICS} if security.public_metrics else frozenset())
 
 
-def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any]) -> None:
+def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any], *, multi_model: bool = False) -> None:
     """Add the gate (the module docstring) to `app`. `refuse(status, error_type, message)` renders a
-    refusal in the dialect of the request's route (app.py's `render_error`)."""
+    refusal in the dialect of the request's route (app.py's `render_error`). `multi_model`: SageMaker's
+    load and unload calls (MULTI_MODEL_ROUTES) are not management routes."""
     from flask import request
 
     exempt = open_routes(security)
@@ -83,7 +87,7 @@ def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any
             return None
         view = app.view_functions.get(request.endpoint) if request.url_rule is not None else None
         digests = everyday
-        if getattr(view, MARK, False):
+        if getattr(view, MARK, False) and not (multi_model and (rule, method) in MULTI_MODEL_ROUTES):
             if not security.enable_management_api:
                 return refuse(403, "ForbiddenException", "The management API is off: this route changes what the "
                               "server serves; set option.enable_management_api=true to allow it")

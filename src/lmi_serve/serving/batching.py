@@ -123,10 +123,33 @@ class DynamicBatcher:
         self._timeout = predict_timeout
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=job_queue_size)
         self.stats = BatchStats()
+        self.busy = False  # a batch is in handle() now
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"batcher-{name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and self._queue.empty()
+
+    def stop(self, error: ServingError) -> None:
+        """End the batching thread after the batch it runs; jobs still queued fail with `error`
+        (the model is being unloaded: serving/multi_model.py)."""
+        self._stopping = True
+        try:
+            self._queue.put_nowait(None)  # wakes _collect
+        except queue.Full:
+            pass
+        self._thread.join(timeout=30)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.fail(error)
 
     @property
     def queued(self) -> int:
@@ -153,20 +176,24 @@ class DynamicBatcher:
     def _collect(self) -> list[Job]:
         jobs = [self._queue.get()]
         until = time.monotonic() + self._delay
-        while len(jobs) < self.batch_size:
+        while len(jobs) < self.batch_size and jobs[-1] is not None:
             try:
                 jobs.append(self._queue.get(timeout=max(0.0, until - time.monotonic())))
             except queue.Empty:
                 break
-        live = [job for job in jobs if not job.cancelled and time.monotonic() < job.deadline]
+        live = [job for job in jobs if job is not None and not job.cancelled and time.monotonic() < job.deadline]
         return live
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             jobs = self._collect()
             if jobs:
                 self.stats.record(len(jobs))
-                self._run_batch(jobs)
+                self.busy = True
+                try:
+                    self._run_batch(jobs)
+                finally:
+                    self.busy = False
 
     def _run_batch(self, jobs: list[Job]) -> None:
         batched = self.batch_size > 1
@@ -210,6 +237,10 @@ class DirectDispatcher:
         self._handle = handle
         self.stats = BatchStats()
         self.queued = 0
+        self.idle = True  # its requests are the engine's: the engine says when it is idle
+
+    def stop(self, error: ServingError) -> None:
+        """Nothing queues here; the engine ends its own requests (Engine.stop)."""
 
     def submit(self, request: Input) -> Job:
         job = DirectJob(request, deadline=float("inf"))

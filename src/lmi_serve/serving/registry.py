@@ -12,8 +12,27 @@ from lmi_serve.serving.service import ModelService, ModelStatus
 
 class ModelRegistry:
     def __init__(self, services: list[ModelService]):
+        # Replaced whole, never changed in place, when a model is added or removed at run time
+        # (multi_model.py): a route iterating the old dict meanwhile is not disturbed.
         self.services = {s.name: s for s in services}
         self.stopping = False  # set by a SIGTERM (drain.py): the health routes answer unhealthy from then on
+        self._lock = threading.Lock()
+
+    def add(self, service: ModelService) -> None:
+        """Serve `service` from now on (a model loaded at run time); its name must be free."""
+        with self._lock:
+            if service.name in self.services:
+                raise ValueError(f"model {service.name} is already served")
+            self.services = {**self.services, service.name: service}
+
+    def remove(self, name: str) -> ModelService:
+        """Stop listing `name` (NotFound if it is not): new requests no longer reach it."""
+        with self._lock:
+            if name not in self.services:
+                raise NotFound(f"Model not found: {name}")
+            service = self.services[name]
+            self.services = {k: v for k, v in self.services.items() if k != name}
+            return service
 
     @classmethod
     def from_config(cls, config: ServerConfig,

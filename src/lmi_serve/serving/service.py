@@ -231,3 +231,25 @@ class ModelService:
     def submit(self, request: Input) -> Job:
         self.require_ready()
         return self.dispatcher.submit(request)
+
+    def unload(self, grace: float) -> None:
+        """Stop serving (the registry no longer lists this model): requests in flight get up to `grace`
+        seconds to finish, then the rest end with NotReady ("unloaded"); the threads stop and every
+        reference to the handler and its model is dropped, so the memory can go back."""
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not self._idle():
+            time.sleep(0.05)
+        reason = f"Model {self.name} was unloaded"
+        if self.engine is not None:
+            self.engine.stop(reason, NotReady)
+        if self.dispatcher is not None:
+            self.dispatcher.stop(NotReady(reason))
+        self.status, self.error = ModelStatus.FAILED, "unloaded"
+        self.dispatcher = self.engine = self.capabilities = None
+
+    def _idle(self) -> bool:
+        if self.engine is not None:
+            stats = self.engine.stats()
+            if stats.running or stats.waiting:
+                return False
+        return self.dispatcher is None or self.dispatcher.idle

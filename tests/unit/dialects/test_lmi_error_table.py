@@ -185,3 +185,18 @@ def test_beam_search_keeps_the_core_kinds(kind, tgi_compat, table):
     else:
         output = invoke(body, kind("boom"), tgi_compat=tgi_compat)
         assert (output.code, json.loads(output.body())) == table[kind]
+
+
+@pytest.mark.parametrize(("kind", "status", "error_type"), [
+    ("AlreadyExists", 409, "ConflictStatusException"),  # SageMaker MME: that model name is loaded
+    ("OutOfResources", 507, "InsufficientStorageException"),  # SageMaker MME: unload some, then retry
+    ("Forbidden", 403, "ForbiddenException"),
+])
+def test_the_management_kinds_have_sagemakers_statuses_here_and_their_parents_elsewhere(kind, status, error_type):
+    from lmi_serve import errors
+
+    error = getattr(errors, kind)("boom")
+    assert type(error) in errors.MANAGEMENT_KINDS
+    assert lookup(lmi_errors.ERROR_TABLE, error) == (status, error_type)
+    parent = type(error).__mro__[1]
+    assert parent in KINDS and isinstance(error, parent)  # what the other dialects' tables answer

@@ -12,7 +12,8 @@ from flask import Response
 
 from lmi_serve.dialects.common.json_body import InvalidJson
 from lmi_serve.errors import (
-    ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
+    AlreadyExists, ClientGone, Forbidden, GenerationFailed, InvalidRequest, NotFound, NotReady, OutOfResources,
+    Overloaded, ServingError, Timeout, lookup,
 )
 
 # kind -> (status, DJL's exception name)
@@ -24,6 +25,9 @@ ERROR_TABLE: dict[type[ServingError | InvalidJson], tuple[int, str]] = {
     Overloaded: (503, "WlmCapacityException"),
     Timeout: (504, "TimeoutException"),
     GenerationFailed: (424, "InvokeHandlerFailure"),
+    AlreadyExists: (409, "ConflictStatusException"),  # a model name already loaded (SageMaker MME's 409)
+    OutOfResources: (507, "InsufficientStorageException"),  # SageMaker MME: unload some models, then retry
+    Forbidden: (403, "ForbiddenException"),
     ClientGone: (499, "ClientClosedRequest"),  # nginx's code: nobody reads it, the access log does
     ServingError: (500, "InternalServerException"),
 }

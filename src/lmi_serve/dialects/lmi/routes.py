@@ -1,4 +1,5 @@
-"""LMI / SageMaker routes: /ping, /invocations, /predictions/<model>, /models, /models/<m>/adapters.
+"""LMI / SageMaker routes: /ping, /invocations, /predictions/<model>, /models (SageMaker multi-model
+endpoints and DJL's register API: models_api.py), /models/<m>/adapters.
 
 Routes turn HTTP into an `Input`, hand it to the model's job queue, and turn the handler's
 `Output` back into HTTP. They never parse the body: that is the handler's job (as in DJL).
@@ -13,6 +14,7 @@ from flask import Blueprint, Response, current_app, g, request
 
 from lmi_serve.dialects.common.management import management_route
 from lmi_serve.dialects.lmi import adapters as adapter_api
+from lmi_serve.dialects.lmi import models_api
 from lmi_serve.dialects.lmi.errors import error_response
 from lmi_serve.engine.adapters import AdapterExists, SourceRefused
 from lmi_serve.errors import InvalidRequest
@@ -119,15 +121,37 @@ def predictions(model_name: str, version: str | None = None) -> Response:
 
 @blueprint.get("/models")
 def list_models() -> Response:
-    models = [{"modelName": s.name, "modelUrl": s.config.model_dir or s.config.model_id,
-               "status": s.current_status().value} for s in _registry().services.values()]
-    return Response(json.dumps({"models": models}), mimetype=JSON)
+    return Response(json.dumps(models_api.page(list(_registry().services.values()), request.args)), mimetype=JSON)
 
 
 @blueprint.get("/models/<model_name>")
 def describe_model(model_name: str) -> Response:
     service = _registry().get(model_name)
+    if models_api.multi_model():  # SageMaker's shape, then our details
+        return Response(json.dumps({**models_api.entry(service), **_describe(service)}), mimetype=JSON)
     return Response(json.dumps([{"workflowName": service.name, "models": [_describe(service)]}]), mimetype=JSON)
+
+
+@blueprint.post("/models")
+@management_route  # DJL's register API; SageMaker's multi-model load is open (security.py)
+def load_model() -> Response:
+    name, url = models_api.load_request(request.get_data(), request.args)
+    models_api.loader().load(name, url)
+    return Response(models_api.loaded(name), mimetype=JSON)
+
+
+@blueprint.delete("/models/<model_name>")
+@management_route  # DJL's unregister; SageMaker's multi-model unload is open (security.py)
+def unload_model(model_name: str) -> Response:
+    models_api.loader().unload(model_name, grace=current_app.config["UNLOAD_GRACE"])
+    return Response(json.dumps({"status": f"Model \"{model_name}\" unregistered"}), mimetype=JSON)
+
+
+@blueprint.post("/models/<model_name>/invoke")
+def invoke_model(model_name: str) -> Response:
+    """SageMaker multi-model endpoints' invocation: /invocations for the model the path names."""
+    g.target_model = models_api.target_model()
+    return _invoke(_registry().get(model_name))
 
 
 def _describe(service: ModelService) -> dict:
@@ -136,7 +160,7 @@ def _describe(service: ModelService) -> dict:
     config = service.config
     return {
         "modelName": service.name,
-        "modelUrl": config.model_dir or config.model_id,
+        "modelUrl": models_api.loader().url_of(service),
         "task": service.task,
         # config.json's architectures the task was decided from; None until loading has begun
         "architectures": list(service.task_decision.architectures) if service.task_decision else None,
@@ -147,7 +171,7 @@ def _describe(service: ModelService) -> dict:
         "requestInQueue": service.dispatcher.queued if service.dispatcher else 0,
         "status": service.current_status().value,
         **({"error": service.error} if service.error else {}),
-        "loadedAtStartup": True,
+        "loadedAtStartup": service.name in models_api.loader().loaded_at_startup,
         "batchStats": {"batches": stats.batches, "requests": stats.requests,
                        "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
         if stats else None,
