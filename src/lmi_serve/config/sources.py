@@ -60,6 +60,7 @@ from lmi_serve.config.models import (
     tensor_parallel_conflict,
 )
 from lmi_serve.config.security import OPTION_KEYS as _SECURITY_KEYS
+from lmi_serve.config.sizes import parse_bytes
 from lmi_serve.config.security import SecurityError, build_security, server_option
 
 __all__ = ["KIND_NAMES", "ConfigError", "ModelConfig", "ServerConfig", "build_server_config", "load_model_config",
@@ -349,8 +350,6 @@ def _multi_model(env: Mapping[str, str]) -> tuple[str, bool] | None:
 def _take_mme_options(values: dict[str, Any], keys: dict[str, str], env: Mapping[str, str]) -> None:
     """option.mme_memory_limit (a size: 4GiB, 512MiB, bytes) and option.model_url_root, from the
     environment (OPTION_* or LMI_SERVE_*): a multi-model container may start with no model to carry them."""
-    from lmi_serve.serving.memory_budget import parse_bytes
-
     limit = _first(env, "OPTION_MME_MEMORY_LIMIT", "LMI_SERVE_MME_MEMORY_LIMIT")
     if limit:
         try:

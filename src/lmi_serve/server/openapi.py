@@ -93,7 +93,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/invocations", "POST"): _INVOKE,
     ("/predictions/<model_name>", "POST"): _PREDICT,
     ("/predictions/<model_name>/<version>", "POST"): _PREDICT,
-    ("/models", "GET"): _lmi("List the served models", response=(doc.LmiModelList,)),
+    ("/models", "GET"): _lmi("List the served models", response=(doc.LmiModelList,),
+                             description="Query parameters: `limit` (default 100), `next_page_token`."),
+    # SageMaker multi-model endpoints (SAGEMAKER_MULTI_MODEL) and DJL's register API (dialects/lmi/models_api.py)
+    ("/models", "POST"): _lmi(
+        "Load a model", request=(doc.LoadModelRequest,), response=(doc.LmiStatus,),
+        description="Multi-model mode: the JSON body `{model_name, url}` (a folder under option.model_url_root); "
+                    "409 when the name is loaded, 507 when it would not fit option.mme_memory_limit. Otherwise "
+                    "DJL's register API, a management route: query parameters `url`, `model_name`."),
+    ("/models/<model_name>", "DELETE"): _lmi(
+        "Unload a model", response=(doc.LmiStatus,),
+        description="Requests in flight get the graceful timeout to finish. A management route unless in "
+                    "multi-model mode."),
+    ("/models/<model_name>/invoke", "POST"): _lmi(
+        "Invoke one model (SageMaker multi-model endpoints)", request=(doc.LmiRequest,),
+        response=(doc.LmiGeneration,), media=("application/json", "application/jsonlines"),
+        description="As /invocations, for the model the path names; X-Amzn-SageMaker-Target-Model is logged."),
     ("/models/<model_name>", "GET"): _lmi("Describe one model", response=(doc.LmiModelDescription,)),
     # DJL's LoRA adapters management API (option.enable_lora)
     ("/models/<model_name>/adapters", "POST"): _lmi(

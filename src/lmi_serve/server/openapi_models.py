@@ -90,6 +90,15 @@ class LmiModel(_Open):
 
 class LmiModelList(BaseModel):
     models: list[LmiModel]
+    nextPageToken: str | None = None  # while more models remain (the next call's `next_page_token`)
+
+
+class LoadModelRequest(BaseModel):
+    """SageMaker multi-model endpoints' load call (dialects/lmi/models_api.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_name: str
+    url: str
 
 
 class LmiWorkflow(_Open):

@@ -16,7 +16,6 @@ is an allowance for a busy model, not its worst case (every row at the full cont
 from __future__ import annotations
 
 import json
-import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -28,26 +27,11 @@ LIMIT_SHARE = 0.85
 #: K/V tokens per row counted for a generation model (see the module docstring)
 KV_TOKENS_PER_ROW = 512
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-          "ti": 2**40, "tib": 2**40}
 # bytes per element of a safetensors dtype
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 # bytes per element in memory at the load dtype; `auto` counts as fp32, what it picks on most CPUs
 _LOAD_BYTES = {"fp32": 4, "float32": 4, "auto": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
-
-
-def parse_bytes(text: str) -> int:
-    """`4GiB`, `512MiB`, `1.5GB`, `2g`, `1073741824` -> bytes; ValueError naming the text otherwise."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text or "")
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (e.g. 4GiB, 512MiB, 2GB, or bytes)")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"{text!r} is not a positive size")
-    return value
 
 
 def container_memory(cgroup_root: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> int:

@@ -85,3 +85,14 @@ def test_streaming_or_async_with_a_target_model_is_refused(capsys):
     for operation in ("InvokeEndpointWithResponseStream", "InvokeEndpointAsync"):
         assert "TargetModel" not in shape.operation_model(operation).input_shape.members
     assert "TargetModel" in shape.operation_model("InvokeEndpoint").input_shape.members
+
+
+def test_the_multi_model_environment_is_what_lmi_serve_resolves():
+    """The recipe's container starts with no model, in multi-model mode, with the endpoint's limit."""
+    from lmi_serve.config.sources import build_server_config
+
+    recipe, _ = deploy_script.parse_args(_args("--multi-model", "--model-data", "s3://bucket/tunes/",
+                                               "--env", "OPTION_MME_MEMORY_LIMIT=12GiB"))
+    server = build_server_config({**recipe.environment(), "SAGEMAKER_BIND_TO_PORT": "8080"})
+    assert (server.multi_model, server.models, server.mme_memory_limit) == (True, (), 12 * 2**30)
+    assert (server.workers, server.model_url_root, server.port) == (1, "/opt/ml/models", deploy_script.CONTAINER_PORT)

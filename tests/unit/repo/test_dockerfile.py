@@ -118,5 +118,6 @@ def test_the_image_declares_bind_to_port_and_leaves_offline_mode_to_the_launcher
     steps = instructions(DOCKERFILE.read_text())
     labels = " ".join(arguments for keyword, arguments in steps if keyword == "LABEL")
     assert "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true" in labels
+    assert "com.amazonaws.sagemaker.capabilities.multi-models=true" in labels  # SageMaker MME (docs/lmi.md)
     assert not [arguments for keyword, arguments in steps if keyword in ("ENV", "ARG") and "HF_HUB_OFFLINE" in arguments]
     assert steps[-1] == ("CMD", '["serve"]')

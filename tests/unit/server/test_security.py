@@ -181,7 +181,7 @@ def test_metrics_is_public_only_when_the_option_says_so() -> None:
 
 
 MANAGEMENT = [("POST", "/models/m/adapters?name=a&src=a"), ("POST", "/models/m/adapters/a/update"),
-              ("DELETE", "/models/m/adapters/a")]
+              ("DELETE", "/models/m/adapters/a"), ("POST", "/models?url=/opt/ml/models/m"), ("DELETE", "/models/m")]
 
 
 def test_management_routes_are_off_by_default_even_with_a_key() -> None:
@@ -211,7 +211,8 @@ def test_with_both_kinds_admin_keys_alone_open_the_management_routes_and_open_th
                       OPTION_ADMIN_API_KEYS=ADMIN).test_client()
     for method, url in MANAGEMENT:
         assert client.open(url, method=method, headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 401
-        assert client.open(url, method=method, headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+        # past the gate: the model (404) or the folder to register (400) does not exist here
+        assert client.open(url, method=method, headers={"Authorization": f"Bearer {ADMIN}"}).status_code in (400, 404)
     assert client.get("/models/m/adapters", headers={"Authorization": f"Bearer {KEYS[0]}"}).status_code == 404
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
     assert client.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
