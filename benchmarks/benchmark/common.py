@@ -101,5 +101,23 @@ def stop_on_signals() -> None:
         signal.signal(sig, interrupt)
 
 
+def wait_for_health(proc: subprocess.Popen, url: str, name: str, output, timeout: float, interval: float) -> None:
+    """Poll `url` (a server's /health) until it answers 200, each try bounded to 5 s, for up to `timeout`
+    seconds; fail early, with the end of `output()` (its log), if `proc` exits."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{output()[-3000:]}")
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except (requests.ConnectionError, requests.Timeout):
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"{name} /health never answered 200 in {timeout:.0f} s:\n{output()[-3000:]}")
+
+
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

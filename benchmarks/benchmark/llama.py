@@ -14,10 +14,9 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from .common import ModelSource, llama_home, log
+from .common import ModelSource, llama_home, log, wait_for_health
 
 BUILD_HINT = "build it once with benchmarks/build_llama_server (about 9 minutes on 2 cores)"
 
@@ -89,19 +88,7 @@ class LlamaServer:
 
     def wait_for_ping(self, timeout: float = 300) -> None:
         """llama-server's /health answers 200 once the model is loaded (503 while loading)."""
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if requests.get(self.url("/health"), timeout=5).status_code == 200:
-                    return
-            except (requests.ConnectionError, requests.Timeout):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"llama-server /health never answered 200:\n{self.output()[-3000:]}")
+        wait_for_health(self.proc, self.url("/health"), "llama-server", self.output, timeout, 0.5)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

