@@ -57,6 +57,12 @@ class ServerProcess:
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
+    def complete_lines(self) -> list[str]:
+        """The log's finished lines: a line the server is still writing (a long JSON record can reach
+        the file in two writes) is left out rather than read half-written."""
+        text = self.output()
+        return text[:text.rfind("\n") + 1].splitlines()
+
     def wait_for_ping(self, accept=(200,), timeout: float = 420) -> requests.Response:
         """Poll /ping until it answers a status in `accept`. Refused connections (before the bind)
         and timeouts (a loaded machine) are retried until `timeout`; the server exiting fails."""

@@ -34,7 +34,7 @@ def client(server, openai_client) -> OpenAI:
 
 
 def records(server) -> list[dict]:
-    return [json.loads(line) for line in server.output().splitlines() if line.strip()]
+    return [json.loads(line) for line in server.complete_lines() if line.strip()]
 
 
 def access_line(server, request_id: str) -> dict:
