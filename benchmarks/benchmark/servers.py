@@ -25,6 +25,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-linear-torch": {"kv_cache": "slots", "linear_kernel": "torch"},  # rolling less the oneDNN layers
     "rolling-fp16": {"kv_cache": "slots", "quantize": "fp16"},
     "rolling-q4": {"kv_cache": "slots", "quantize": "q4"},
+    # bf16 weights and activations, Linear layers on oneDNN's bf16 matmul (AMX / avx512_bf16; emulated elsewhere)
+    "rolling-bf16": {"kv_cache": "slots", "dtype": "bf16"},
     "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},
 }
 

@@ -152,7 +152,10 @@ class ModelConfig(BaseModel):
     dtype: Dtype = Field(
         "auto",
         description=(
-            "`fp32`, `fp16`, `bf16`, `auto`: on a CPU fp32 (bf16 is emulated there and slower); on a GPU the "
+            "`fp32`, `fp16`, `bf16`, `auto`: on a CPU fp32, exact. `bf16` on a CPU is the opt-in fast path where "
+            "the CPU computes bf16 in hardware (avx512_bf16 or AMX): Linear layers on oneDNN's bf16 matmul (see "
+            "`option.linear_kernel`), not exact (quality gates in benchmarks/RESULTS.md); elsewhere it is emulated "
+            "and slower. On a GPU the "
             "checkpoint's own dtype (config.json's `torch_dtype`: fp16, bf16 or fp32; fp16 when it declares none, "
             "as DJL LMI), except bf16 on a GPU below compute capability 8.0 (T4, V100 only emulate it): fp16 "
             "there. Start-up logs the choice and why"
@@ -295,8 +298,9 @@ class ModelConfig(BaseModel):
         "auto",
         description=(
             "the kernel of fp32 Linear layers on the CPU. `auto`: oneDNN's matmul on weights reordered once into "
-            "its blocked layout (model/linear_kernels.py) wherever the model is fp32 on the CPU, else torch's "
-            "own; `onednn`: that, or a start-up error naming the option (a GPU, fp16/bf16); `torch`: `nn.Linear` "
+            "its blocked layout (model/linear_kernels.py) wherever the model is fp32 on the CPU (or bf16 on a CPU "
+            "with avx512_bf16 or AMX), else torch's own; `onednn`: that, or a start-up error naming the option (a "
+            "GPU, fp16, bf16 the CPU only emulates); `torch`: `nn.Linear` "
             "as loaded (MKL's sgemm), the path before. Still fp32 arithmetic: logits differ from MKL's only in "
             "summation order (~1e-6), perplexity 23.4280 both, 10/10 greedy continuations identical; a decode "
             "step 0.51–0.59x of `torch`'s at 1–32 rows here (Zen 5 EPYC). Applies after `option.quantize` (its "

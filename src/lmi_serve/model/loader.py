@@ -78,7 +78,9 @@ def choose_dtype(dtype: str, gpus: int, declared: str | None) -> tuple[torch.dty
     """The weights' dtype and why, for `option.dtype` on `gpus` visible GPUs (0: the CPU) and a checkpoint
     that declares `declared` (checkpoint_dtype).
 
-    CPU: `auto` is fp32 (bf16 is emulated there, and slower on CPUs without avx512_bf16).
+    CPU: `auto` is fp32, the exact default. `bf16` is an opt-in: fast where the CPU computes bf16 in hardware
+    (avx512_bf16 or AMX: its Linear layers then run on oneDNN, model/linear_kernels.py), emulated and slower
+    elsewhere, and never exact.
     GPU: `auto` follows the checkpoint (fp16, bf16 or fp32; fp16, DJL LMI's default, when it declares
     none), except bf16 on a GPU below compute capability 8.0, which only emulates it: fp16 there."""
     if dtype in _DTYPES:
@@ -86,9 +88,15 @@ def choose_dtype(dtype: str, gpus: int, declared: str | None) -> tuple[torch.dty
             native, gpu = gpu_bf16(gpus)
             if not native:
                 return torch.bfloat16, f"option.dtype=bf16, though this GPU ({gpu}) only emulates bf16 (slower than fp16)"
+        if dtype == "bf16" and not gpus:
+            from lmi_serve.model.linear_kernels import bf16_native
+
+            how = ("computed in hardware (avx512_bf16/AMX) on oneDNN" if bf16_native()
+                   else "though this CPU only emulates bf16 (no avx512_bf16 or AMX): slower than fp32")
+            return torch.bfloat16, f"option.dtype=bf16 on a CPU, {how}; not exact (fp32 is the default)"
         return _DTYPES[dtype], f"option.dtype={dtype}"
     if not gpus:
-        return torch.float32, "option.dtype=auto on a CPU (bf16 is emulated there and slower)"
+        return torch.float32, "option.dtype=auto on a CPU: fp32, exact (option.dtype=bf16 is the faster opt-in)"
     if declared is None:
         return torch.float16, "option.dtype=auto on a GPU; the checkpoint declares no fp16/bf16/fp32 dtype (fp16 as DJL LMI)"
     if declared == "bf16":

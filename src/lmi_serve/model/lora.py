@@ -67,13 +67,13 @@ class LoraWeights:
     up: nn.Module | None = None
 
     def on_kernel_of(self, base: nn.Module) -> "LoraWeights":
-        """These weights as layers of `base`'s kernel: oneDNN-packed fp32 when `base` is, so a forward
+        """These weights as layers of `base`'s kernel: oneDNN-packed when `base` is (same dtype), so a forward
         never switches between oneDNN's and MKL's thread teams per layer (that switch made a decode
         step of 16 rows with one adapter 5-9x slower than without on a 2-core machine)."""
         def layer(weight: torch.Tensor) -> nn.Module:
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
             linear.weight = nn.Parameter(weight, requires_grad=False)
-            if isinstance(base, OneDnnLinear) and weight.dtype == torch.float32:
+            if isinstance(base, OneDnnLinear) and weight.dtype == base.dtype:  # fp32, or bf16 on a CPU computing it
                 return OneDnnLinear(linear)
             return linear
         return LoraWeights(self.a, self.b, self.scale, layer(self.a), layer(self.b))

@@ -5,8 +5,11 @@
 - A swapped model gives the logits of the model as loaded, to fp32 rounding; a tied lm_head gets its
   own packed copy while the input embedding keeps its fp32 weight; greedy rows do not depend on what
   else is in the batch.
-- `auto` picks oneDNN only where it applies (fp32 on the CPU); `onednn` elsewhere, or an unknown
-  value, is refused naming option.linear_kernel.
+- `auto` picks oneDNN only where it applies (fp32 on the CPU, and bf16 where the CPU computes it in
+  hardware); `onednn` elsewhere, or an unknown value, is refused naming option.linear_kernel.
+- bf16 (option.dtype=bf16, where the CPU has avx512_bf16 or AMX): a swapped layer keeps bf16 in and out and
+  computes the bf16 product to bf16 rounding; a bf16 model is swapped whole and its logits stay those of
+  the model as loaded within bf16's precision.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
-from lmi_serve.model.linear_kernels import (LinearKernelError, OneDnnLinear, choose_kernel, onednn_available,
-                                            use_linear_kernel)
+from lmi_serve.model.linear_kernels import (LinearKernelError, OneDnnLinear, bf16_native, choose_kernel,
+                                            onednn_available, use_linear_kernel)
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch was built without oneDNN")
@@ -107,14 +110,15 @@ def test_torch_leaves_the_model_as_it_is():
     assert sum(isinstance(m, torch.nn.Linear) for m in model.modules()) == 15
 
 
-def test_auto_picks_onednn_only_for_fp32_on_the_cpu():
+def test_auto_picks_onednn_only_for_fp32_on_the_cpu_and_bf16_where_it_is_native():
     assert choose_kernel("auto", CPU, torch.float32) == "onednn"
-    assert choose_kernel("auto", CPU, torch.bfloat16) == "torch"
+    assert choose_kernel("auto", CPU, torch.bfloat16) == ("onednn" if bf16_native() else "torch")
+    assert choose_kernel("auto", CPU, torch.float16) == "torch"
     assert choose_kernel("auto", torch.device("cuda"), torch.float32) == "torch"
     assert choose_kernel("torch", CPU, torch.float32) == "torch"
 
 
-@pytest.mark.parametrize("device,dtype", [(CPU, torch.bfloat16), (torch.device("cuda"), torch.float32)])
+@pytest.mark.parametrize("device,dtype", [(CPU, torch.float16), (torch.device("cuda"), torch.float32)])
 def test_onednn_where_it_cannot_run_is_refused_by_name(device, dtype):
     with pytest.raises(LinearKernelError, match="option.linear_kernel=onednn"):
         choose_kernel("onednn", device, dtype)
@@ -127,3 +131,33 @@ def test_the_option_is_validated_at_start_up():
         ModelConfig(name="m", linear_kernel="mkl")
     with pytest.raises(LinearKernelError, match="'mkl' is not one of auto, onednn, torch"):
         choose_kernel("mkl", CPU, torch.float32)
+
+
+needs_bf16 = pytest.mark.skipif(not bf16_native(), reason="this CPU has neither avx512_bf16 nor AMX: bf16 stays on torch")
+
+
+@needs_bf16
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (3, 5, 96)])
+def test_a_bf16_layer_stays_bf16_and_computes_the_bf16_product(shape):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    x = torch.randn(*shape).to(torch.bfloat16)
+    out = OneDnnLinear(linear)(x).detach()
+    assert out.dtype == torch.bfloat16 and out.shape == (*shape[:-1], 160)
+    exact = F.linear(x.float(), linear.weight.detach().float(), linear.bias.detach().float())  # the same bf16 inputs, fp32 sums
+    # bf16 keeps 8 bits of mantissa: the result may differ from the exact product by its own rounding, a few ulps
+    assert float((out.float() - exact).abs().max()) <= 2 ** -6 * float(exact.abs().max())
+    assert "bfloat16" in repr(OneDnnLinear(linear))
+
+
+@needs_bf16
+def test_a_bf16_model_is_swapped_whole_and_keeps_its_logits_within_bf16():
+    model = tiny_llama(tied=True).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    report = use_linear_kernel(model, "auto", CPU)
+    assert (report.kernel, report.dtype, len(report.swapped), report.kept) == ("onednn", "bf16", 15, {})
+    assert "15 bf16 Linear layers" in report.describe()
+    got, want = logits(model, IDS), logits(reference, IDS)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) <= 2 ** -5 * float(want.float().abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

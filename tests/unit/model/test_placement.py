@@ -109,3 +109,16 @@ def test_tensor_parallel_ranks_take_the_workers_gpus_in_order(fake_gpus):
     with pytest.raises(ModelLoadError, match="tensor_parallel_degree=4 but only 2 GPU"):
         choose_placement("auto", None, 4)
     assert choose_placement("auto", "auto", 1).device_map == "auto"
+
+
+def test_bf16_on_a_cpu_is_the_opt_in_and_says_whether_the_cpu_computes_it(fake_gpus, caplog):
+    from lmi_serve.model.linear_kernels import bf16_native
+
+    fake_gpus()
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        assert choose_placement("bf16", None, 1).dtype == torch.bfloat16
+        assert choose_placement("auto", None, 1, declared_dtype="bf16").dtype == torch.float32  # auto stays exact
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Weights in")]
+    assert lines[0].startswith("Weights in bfloat16: option.dtype=bf16 on a CPU, ") and "not exact" in lines[0]
+    assert ("in hardware" in lines[0]) == bf16_native() and ("only emulates" in lines[0]) != bf16_native()
+    assert lines[1] == "Weights in float32: option.dtype=auto on a CPU: fp32, exact (option.dtype=bf16 is the faster opt-in)"
