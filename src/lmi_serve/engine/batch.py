@@ -138,8 +138,10 @@ class Batch:
         images = [r.images for r in requests if r.images is not None]
         if images and len(requests) > 1:  # prefill.py groups an image row alone; nothing else may batch it
             raise ValueError(f"a prompt with images is prefilled alone, not in a group of {len(requests)}")
+        # Passed only with images: a layout that serves no vision model need not know the keyword.
+        extra = {"model_inputs": images[0].named()} if images else {}
         out = kv_layout.prefill(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
-                                prompt_logits=want_prompt, model_inputs=images[0].named() if images else None)
+                                prompt_logits=want_prompt, **extra)
         return cls.prefilled(rows, out, device)
 
     @classmethod

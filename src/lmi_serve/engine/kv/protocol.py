@@ -33,8 +33,8 @@ Contract, for every layout and the KV batches it makes:
    prefilled them.
 6. Optionally, `held_bytes()`: the bytes of K/V storage the batch holds now (padding and room to
    grow included), read from tensor sizes only (no device sync); the `kv_cache_bytes` metric.
-7. `layout.prefill(..., model_inputs=)`, where given (a vision-language model's images, as
-   `ImageInputs.named()`): extra keyword tensors for that one forward, over exactly one prompt (a
+7. `layout.prefill(..., model_inputs=)`, passed only for a prompt with images (a vision-language
+   model's, as `ImageInputs.named()`): extra keyword tensors for that one forward, over exactly one prompt (a
    batch of one; prefill.py prefills an image row alone). Decoder-only layouts pass them to the
    forward (floating tensors in the model's dtype); the others refuse them.
 8. `layout.prepare(model)` readies the model for the layout (the attention function it needs) and
