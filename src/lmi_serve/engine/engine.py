@@ -71,8 +71,11 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = capped_model_len(model, max_model_len)
         self.predict_timeout = predict_timeout
-        vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
+        # The logits' width: a vision-language model's config keeps it in its text config.
+        text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.vocab_size = getattr(text_config, "vocab_size", None) or len(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, max(self.vocab_size, len(tokenizer)), self.eos_token_ids)
         self.watermark = watermark  # None: requests asking for a watermark are refused
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens, kv_layout=kv_layout,
