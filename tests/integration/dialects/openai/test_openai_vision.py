@@ -125,3 +125,20 @@ def test_two_images_within_the_limit_and_text_turns_are_served(server, openai_cl
     messages = [{"role": "system", "content": "Be brief."}, *user(data_uri(3), data_uri(4), text="Compare them.")]
     assert ask(client, "llava", messages)
     assert ask(client, "smolvlm", [{"role": "user", "content": "no image at all"}])
+
+
+def test_streamed_equals_whole_and_lmi_chat_answers_the_same(server, openai_client):
+    import requests
+
+    client = openai_client(server, strict=False)
+    messages = user(data_uri(5))
+    whole = ask(client, "smolvlm", messages)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="smolvlm", messages=messages, max_tokens=TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if chunk.choices]
+    assert "".join(pieces) == whole
+    # LMI's schema takes the same chat body (dialects/lmi/rolling.py): the same images, the same answer
+    reply = requests.post(server.url("/predictions/smolvlm"), json={
+        "messages": messages, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}, timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == whole
