@@ -177,3 +177,16 @@ def test_beam_search_refuses_images(served):
     engine = served.engine()
     with pytest.raises(InvalidRequest, match="Beam search with images"):
         engine.submit_beams(greedy(served.prompts["cat"]), 2)
+
+
+def test_a_bf16_model_serves_fp32_pixels_as_generate_does(family):
+    """The processor makes fp32 pixels for a half-precision model (as on a GPU). kv/protocol.py's
+    `forward_inputs` casts them to the model's dtype; these two families also cast inside their
+    vision code, so this checks the outcome, not that the cast is needed."""
+    import copy
+
+    name, model, processor, prompts = family
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert prompts["cat"].images.named()["pixel_values"].dtype == torch.float32
+    engine = Engine(half, processor.tokenizer, CPU, name=f"{name}-bf16")
+    assert run(engine, [prompts["cat"]]) == [reference(half, prompts["cat"])]

@@ -78,7 +78,8 @@ def held_bytes(kv: "KVBatch | None") -> int:
 def forward_inputs(model: Any, model_inputs: Mapping[str, Any] | None, rows: int, device: torch.device
                    ) -> dict[str, Any]:
     """`model_inputs` (contract item 7) ready for the forward: on `device`, floating tensors in the
-    model's dtype (a processor makes fp32 pixels; the vision tower may be fp16). Only one row carries them:
+    model's dtype (a processor makes fp32 pixels; the vision tower may be fp16, and not every family
+    casts its input itself: Llava's and Idefics3's do). Only one row carries them:
     its images' features replace that row's placeholder tokens, which a batch could not line up."""
     if not model_inputs:
         return {}
