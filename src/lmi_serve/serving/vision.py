@@ -35,12 +35,6 @@ class VisionInputs:
         the tokenizer's."""
         return getattr(self.processor, "chat_template", None) or getattr(self.processor.tokenizer, "chat_template", None)
 
-    def render(self, messages: list[dict], **kwargs) -> str:
-        """`messages` (content parts as transformers' templates read them: `{"type": "image"}`,
-        `{"type": "text", "text": ...}`) as prompt text through the chat template."""
-        return self.processor.tokenizer.apply_chat_template(messages, chat_template=self.chat_template,
-                                                            tokenize=False, **kwargs)
-
     def prepare(self, prompt: str, images: Sequence[tuple[bytes, str]], add_special_tokens: bool = True
                 ) -> tuple[tuple[int, ...], ImageInputs | None]:
         """The prompt's token ids (each placeholder expanded) and its images' tensors, from `images`

@@ -28,8 +28,8 @@ def llava(smollm2_tokenizer):
 
 def test_the_placeholder_is_expanded_and_the_pixels_ride_along(llava):
     inputs, image_token = llava
-    prompt = inputs.render([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
-                           add_generation_prompt=True)
+    prompt = inputs.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}], add_generation_prompt=True)
     ids, images = inputs.prepare(prompt, [(png(1), "p0")])
     assert ids.count(image_token) == (tiny_vlm.TILE // tiny_vlm.PATCH) ** 2  # one token per patch
     assert images.count == 1 and images.named()["pixel_values"].shape == (1, 3, tiny_vlm.TILE, tiny_vlm.TILE)
