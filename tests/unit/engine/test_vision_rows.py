@@ -166,6 +166,12 @@ def test_the_prefix_cache_never_serves_an_image_prompt(served):
     assert cache.stats.hits == 0 and cache.stats.stored_blocks == 0
 
 
+def test_the_context_is_the_text_models(served):
+    """The positions live in the text config (512 here), not the VLM's top-level config."""
+    text = served.model.config.get_text_config(decoder=True)
+    assert served.engine().max_model_len == text.max_position_embeddings == 512
+
+
 def test_a_text_model_refuses_images(tiny_model, smollm2_tokenizer, family):
     _, _, _, prompts = family
     engine = Engine(tiny_model, smollm2_tokenizer, CPU)
