@@ -368,6 +368,10 @@ class ModelConfig(BaseModel):
         description="the format chat models write tool calls in (vLLM's parser names; see the OpenAI page)",
         json_schema_extra={"doc_default": "from the chat template, else `hermes`"},
     )
+    limit_mm_per_prompt: int = Field(
+        4, ge=0,
+        description="vision-language models: most images per chat request (`4` or LMI's `image=4`); more is a 400",
+    )
     entry_point: str | None = Field(
         None,
         description="handler file (path, or file in the model folder) or module",
@@ -417,6 +421,19 @@ class ModelConfig(BaseModel):
     @classmethod
     def _flag(cls, value: Any) -> bool:
         return _parse_bool(value)
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _images_limit(cls, value: Any) -> Any:
+        """LMI / vLLM write it per modality (`image=4`, or JSON `{"image": 4}`); only images are served."""
+        text = _text(value).strip().strip("{}").replace('"', "").replace(":", "=")
+        if "=" not in text:
+            return value
+        limits = dict(item.split("=", 1) for item in text.split(",") if item.strip())
+        limits = {k.strip(): v.strip() for k, v in limits.items()}
+        if set(limits) - {"image"}:
+            raise ValueError(f"names {', '.join(sorted(set(limits) - {'image'}))}: only `image` inputs are served")
+        return limits.get("image", 4)
 
     @field_validator("enable_streaming", mode="before")
     @classmethod

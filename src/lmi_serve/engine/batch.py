@@ -131,12 +131,17 @@ class Batch:
     def prefill(cls, model, rows: list[Row], pad_id: int, device, kv_layout: KVLayout | None = None
                 ) -> "Batch":
         """One forward over the prompts of `rows` (by `kv_layout`, by default the model's default:
-        kv/select.py); leaves logits ready to sample."""
+        kv/select.py); leaves logits ready to sample. A row with images is prefilled alone."""
         kv_layout = kv_layout or layout_for(model)
         requests = [r.request for r in rows]
         want_prompt = any(r.prompt_logprobs for r in requests)
+        images = [r.images for r in requests if r.images is not None]
+        if images and len(requests) > 1:  # prefill.py groups an image row alone; nothing else may batch it
+            raise ValueError(f"a prompt with images is prefilled alone, not in a group of {len(requests)}")
+        # Passed only with images: a layout that serves no vision model need not know the keyword.
+        extra = {"model_inputs": images[0].named()} if images else {}
         out = kv_layout.prefill(model, [r.prompt_ids for r in requests], pad_id=pad_id, device=device,
-                                prompt_logits=want_prompt)
+                                prompt_logits=want_prompt, **extra)
         return cls.prefilled(rows, out, device)
 
     @classmethod

@@ -72,7 +72,9 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
             log.warning("The K/V budget (%d tokens) is under option.max_model_len (%d): requests that may reach "
                         "more are refused; raise option.gpu_memory_utilization or lower option.max_model_len",
                         budget.tokens, serving.max_model_len)
-    vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
+    text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+        else model.config  # a vision-language model keeps its vocabulary there
+    vocab = getattr(text_config, "vocab_size", None) or len(tokenizer)
     watermark = Watermark(vocab, device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
     engine = Engine(model, tokenizer, device, kv_layout=serving.kv_layout, prefix_cache=serving.prefix_cache,
                     max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,

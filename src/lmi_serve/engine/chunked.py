@@ -13,8 +13,8 @@ weighted by the context they attend over (`chunk_tokens`, `attention_crossover`)
 shorter, and every step's prefill costs about the same.
 
 A KV layout that declares `supports_chunks` (kv/protocol.py) has `prefill_more(tokens)` on a
-one-row KVBatch (kv/dynamic.py, kv/slots.py); encoder-decoder rows and requests that want prompt
-logprobs are prefilled whole, as before.
+one-row KVBatch (kv/dynamic.py, kv/slots.py); encoder-decoder rows, requests that want prompt
+logprobs and prompts with images are prefilled whole.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from lmi_serve.engine.types import GenerationRequest
 
 
 def chunkable(request: GenerationRequest) -> bool:
-    return not request.prompt_logprobs  # prompt logprobs come from one whole-prompt forward
+    # Prompt logprobs come from one whole-prompt forward. An image's features replace its placeholder
+    # tokens in the one forward that runs the vision encoder: a chunk boundary inside them would split
+    # the image, so a prompt with images goes whole (over the step's budget too: then it is the step's
+    # only prefill, as any prompt that cannot be chunked; scheduler.py `_admit`).
+    return not request.prompt_logprobs and request.images is None
 
 
 def attention_crossover(model: Any) -> float:

@@ -31,7 +31,7 @@ from lmi_serve.engine.sampling.grammar import GrammarCompiler
 from lmi_serve.engine.sampling.watermark import Watermark
 from lmi_serve.engine.scheduler import Scheduler
 from lmi_serve.engine.static_batch import eos_token_ids
-from lmi_serve.engine.support import check_supported
+from lmi_serve.engine.support import check_supported, takes_images
 from lmi_serve.engine.types import GenerationRequest, GenerationResult
 from lmi_serve.errors import ClientGone, GenerationFailed, InvalidRequest, NotFound, ServingError
 
@@ -67,11 +67,15 @@ class Engine:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
         self.encoder_decoder = is_encoder_decoder(model)
+        self.takes_images = takes_images(model)  # a vision-language model: requests may carry images
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = capped_model_len(model, max_model_len)
         self.predict_timeout = predict_timeout
-        vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
-        self.grammars = GrammarCompiler(tokenizer, max(vocab, len(tokenizer)), self.eos_token_ids)
+        # The logits' width: a vision-language model's config keeps it in its text config.
+        text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.vocab_size = getattr(text_config, "vocab_size", None) or len(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, max(self.vocab_size, len(tokenizer)), self.eos_token_ids)
         self.watermark = watermark  # None: requests asking for a watermark are refused
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens, kv_layout=kv_layout,
@@ -116,7 +120,8 @@ class Engine:
     def submit(self, request: GenerationRequest, *, sink: Sink | None = None, index: int = 0) -> RequestHandle:
         """Queue one sequence. Raises GrammarError (a ValueError) for an invalid `guided` grammar,
         Overloaded when the waiting queue is full, InvalidRequest for prompt logprobs from an
-        encoder-decoder model or for a watermark from an engine made without one, NotFound for an
+        encoder-decoder model, for a watermark from an engine made without one or for images to a
+        model that takes none, NotFound for an
         adapter that is not registered. Dialects use `generate`."""
         if request.prompt_logprobs and self.encoder_decoder:
             raise InvalidRequest("This model is an encoder-decoder model: its prompt is the encoder's input, which "
@@ -125,6 +130,8 @@ class Engine:
         deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
         if request.sampling.watermark and self.watermark is None:
             raise InvalidRequest("This model's engine has no watermark configured")
+        if request.images is not None and not self.takes_images:
+            raise InvalidRequest("This model takes text only: its forward has no pixel_values")
         watermark = self.watermark if request.sampling.watermark else None
         adapter = self._lease(request.adapter) if request.adapter is not None else None
         handle = RequestHandle(request, deadline, constraint, sink=sink, index=index, watermark=watermark,
@@ -167,6 +174,8 @@ class Engine:
             if self.adapters is None or request.adapter not in self.adapters:
                 self._lease(request.adapter)  # NotFound, naming it
             raise InvalidRequest("Beam search with a LoRA adapter is not supported; use greedy or sampled decoding")
+        if request.images is not None:  # a beam search prefills through its own path, which carries no images
+            raise InvalidRequest("Beam search with images is not supported; use greedy or sampled decoding")
         job = BeamSearch(request, num_beams, self.model, self.scheduler.kv_layout,
                          pad_id=self.tokenizer.pad_token_id, device=self.device)
         self.scheduler.add_beams(job)

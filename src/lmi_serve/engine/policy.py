@@ -25,8 +25,12 @@ DEFAULT_CONTEXT = 2048  # a model whose config names no window (max_position_emb
 
 
 def context_window(model: Any) -> int:
-    """The most tokens (prompt and generated) a row of `model` can hold."""
-    return getattr(model.config, "max_position_embeddings", None) or DEFAULT_CONTEXT
+    """The most tokens (prompt and generated) a row of `model` can hold: its (text) config's positions;
+    a vision-language model keeps them in its text config."""
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None) \
+        or DEFAULT_CONTEXT
 
 
 def max_model_len(model: Any, requested: int | None) -> int:

@@ -3,6 +3,8 @@ of the running batch, with their first tokens sampled and sent.
 
 - a prompt whose start the prefix cache holds (kv/prefix_cache.py) is prefilled alone, from those
   blocks: only the rest of it runs;
+- a prompt with images (a vision-language model) is prefilled whole, alone, and never from or into
+  the prefix cache: its K/V depend on the pixels, which the cache's token-id keys do not show;
 - the other joiners are prefilled in groups of similar length (`_groups`: padding is wasted
   compute, and prefill on a CPU is compute-bound, so a group only pays when it adds little padding);
   a group that fails is retried a row at a time, so only the request at fault fails;
@@ -52,6 +54,7 @@ class PrefillSteps:
     # -- what a prompt costs -------------------------------------------------------------------
     def _uses_prefixes(self, request: GenerationRequest) -> bool:
         """The prefix cache serves this request's prompt: the cache is on, the prompt is chunkable
+        (so it has no images: their K/V depend on pixels that the cache's token-id keys do not show)
         and the request is on the base model."""
         return self.prefixes is not None and chunkable(request) and request.adapter is None
 
@@ -82,10 +85,14 @@ class PrefillSteps:
                                      for h in group]))
 
     def _groups(self, handles: list[RequestHandle]) -> list[list[RequestHandle]]:
-        """Split joiners into prefill groups whose left padding stays under `max_padding`."""
+        """Split joiners into prefill groups whose left padding stays under `max_padding`; a prompt
+        with images is a group of its own (its pixels go with one prompt: kv/protocol.py item 7)."""
         groups: list[list[RequestHandle]] = []
         real = 0
+        alone = [[h] for h in handles if h.request.images is not None]  # a prompt with images: its own forward
         for handle in sorted(handles, key=lambda h: len(h.request.prompt_ids)):
+            if handle.request.images is not None:
+                continue
             length = len(handle.request.prompt_ids)
             group = groups[-1] if groups else None
             if group and (len(group) + 1) * length <= (1 + self.max_padding) * (real + length):
@@ -94,7 +101,7 @@ class PrefillSteps:
             else:
                 groups.append([handle])
                 real = length
-        return groups
+        return groups + alone
 
     def _prefill(self, rows: list[Row]) -> Batch | None:
         """One prefill forward of `rows`; if a group's fails, each row is retried alone."""
@@ -158,8 +165,8 @@ class PrefillSteps:
             return
         with self.phases.measure(PREFILL):
             for i, row in enumerate(batch.rows):
-                if row.adapter_slot is not None:  # K/V of an adapter: not the base model's prefix
-                    continue
+                if row.adapter_slot is not None or row.request.images is not None:
+                    continue  # K/V of an adapter, or of images: not what these token ids alone give
                 self.prefixes.store(row.request.prompt_ids, functools.partial(batch.kv.row_kv, i))
 
     def _admitted(self, batch: Batch) -> Batch | None:

@@ -103,3 +103,9 @@ def check_supported(model: Any) -> None:
         raise UnsupportedModel(f"{what} takes no position_ids: it would count a row's positions from the start of "
                                f"the shared, left-padded batch, so answers would depend on the other "
                                f"requests{ending}")
+
+
+def takes_images(model: Any) -> bool:
+    """Whether `model`'s forward takes `pixel_values` (a vision-language model): its requests may carry
+    images (types.ImageInputs); a text model's may not."""
+    return "pixel_values" in (_forward_parameters(model) or ())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmi_serve.errors import GenerationFailed, ServingError
 
@@ -82,6 +83,22 @@ class DetokenizeParams:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """A prompt's images, already turned into the model's input tensors by its processor (outside the
+    engine), with the prompt's placeholder tokens expanded to match. `tensors` are the extra keyword
+    arguments of the prompt's prefill forward, by name (`pixel_values`, and per family e.g.
+    `pixel_attention_mask`, `image_sizes`), each with a leading batch dimension of one prompt.
+    `digest` identifies the image bytes (equality and hashing use it, never the tensors)."""
+
+    tensors: tuple[tuple[str, Any], ...] = field(compare=False)
+    digest: str
+    count: int = 1  # images in the prompt
+
+    def named(self) -> dict[str, Any]:
+        return dict(self.tensors)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
@@ -92,6 +109,9 @@ class GenerationRequest:
     guided: GuidedDecoding | None = None  # constrained decoding (structured output, tool calls)
     detokenize: DetokenizeParams = DetokenizeParams()
     adapter: str | None = None  # the registered LoRA adapter to generate with (engine/adapters.py); None: the base
+    # The prompt's images (a vision-language model): its prefill runs whole and alone, never from or into
+    # the prefix cache (prefill.py). None: a text prompt.
+    images: ImageInputs | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ class LoadedModel:
     device: torch.device
     source: str
     load_seconds: float
+    # A vision-language model's processor (model/task.py VISION_ARCHITECTURES): it turns images into
+    # the model's pixel tensors and expands the prompt's image placeholders; None for a text model.
+    processor: Any = None
 
 
 # config.json's `torch_dtype` (`dtype` in transformers >= 4.56) -> our name, where option.dtype=auto follows it
@@ -233,8 +236,10 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
                    cache_dir: str = "~/.cache/lmi-serve") -> LoadedModel:
     """Load a text-generation model and its tokenizer, in eval mode, placed per `choose_placement`:
     a causal LM, or a seq2seq LM (with its encoder) when the config is encoder-decoder (T5, BART),
-    whatever task brought it here: as a causal LM, BART would lose its encoder and T5 not load."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    whatever task brought it here: as a causal LM, BART would lose its encoder and T5 not load.
+    A vision-language model of a served family loads with its vision tower and its processor
+    (`LoadedModel.processor`, whose tokenizer is the tokenizer); one of another family is refused."""
+    from transformers import AutoConfig, AutoTokenizer
 
     started = time.monotonic()
     source = resolve_model_source(model_id)
@@ -244,10 +249,10 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         config = AutoConfig.from_pretrained(source, **kwargs)
+        auto, processor = _model_class(source, config, kwargs)
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(source, **kwargs)
         placement = choose_placement(dtype, device_map, tensor_parallel_degree, rank, checkpoint_dtype(config))
-        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
         kwargs.update(_sharding(config, tensor_parallel_degree))
         model = auto.from_pretrained(source, config=config, dtype=placement.dtype, device_map=placement.device_map,
                                      max_memory=placement.max_memory, **kwargs)
@@ -260,7 +265,23 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
         tokenizer.pad_token = tokenizer.eos_token
     seconds = time.monotonic() - started
     log.info("Loaded %s (%s, %s) in %.1f s", source, type(model).__name__, placement.dtype, seconds)
-    return LoadedModel(model, tokenizer, placement.device, source, seconds)
+    return LoadedModel(model, tokenizer, placement.device, source, seconds, processor)
+
+
+def _model_class(source: str, config: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """(transformers auto class, processor or None) for a generation checkpoint's `config`."""
+    import transformers
+
+    from lmi_serve.model.task import vision_decision
+
+    vision = vision_decision(tuple(getattr(config, "architectures", None) or ()), getattr(config, "model_type", None))
+    if vision is not None and vision.refused:
+        raise ModelLoadError(vision.refused)
+    if vision is not None:
+        return transformers.AutoModelForImageTextToText, transformers.AutoProcessor.from_pretrained(source, **kwargs)
+    if getattr(config, "is_encoder_decoder", False):
+        return transformers.AutoModelForSeq2SeqLM, None
+    return transformers.AutoModelForCausalLM, None
 
 
 def load_encoder(model_id: str, *, dtype: str = "auto", device_map: str | None = None,

@@ -16,6 +16,10 @@ In order:
    ``*ForMaskedLM``) -> text-embedding. A generation task beats classification, classification beats
    embedding, and text2text beats text-generation: an encoder anywhere must not be dropped. Without
    ``architectures`` the ``model_type`` decides the same way, then a remote-code ``auto_map``.
+   Before all that, a vision-language model (an architecture in transformers' image-text-to-text
+   mapping and not in its causal-LM one, which holds the VLMs that also serve as text models, Gemma 3)
+   of a family in `VISION_ARCHITECTURES` -> text-generation with images (loaded with its processor);
+   one of another family has no task, and the refusal names the families served.
 5. Nothing fits: no task. The model fails at load, unless a model.py of its own serves it.
 
 ``text2text-generation`` (T5, BART) is served by the same built-in handler and routes as
@@ -52,6 +56,15 @@ _AUTO_MAP_TASKS = (("AutoModelForSeq2SeqLM", TEXT2TEXT_GENERATION), ("AutoModelF
 _HOW_TO_SET = "set option.task in serving.properties, or OPTION_TASK / HF_TASK in the environment"
 
 
+# Vision-language families whose image rows the engine is checked to serve exactly
+# (tests/unit/engine/test_vision_rows.py): architecture -> the families it is.
+VISION_ARCHITECTURES = {
+    "Idefics3ForConditionalGeneration": "Idefics3 / SmolVLM",
+    "LlavaForConditionalGeneration": "LLaVA (1.5)",
+}
+SERVED_VISION = ", ".join(f"{arch} ({what})" for arch, what in VISION_ARCHITECTURES.items())
+
+
 class ModelTaskError(RuntimeError):
     """No built-in handler serves the model's task; the message says why and what to set."""
 
@@ -64,6 +77,8 @@ class TaskDecision:
     architectures: tuple[str, ...] = ()
     reason: str = ""
     model_type: str | None = None
+    images: bool = False  # a vision-language model served with its images (VISION_ARCHITECTURES)
+    refused: str | None = None  # why no handler may serve it, when the task rules say more than "none fits"
 
     def explained(self) -> str:
         """The reason, naming the architectures (when it does not already) and the model_type."""
@@ -74,6 +89,8 @@ class TaskDecision:
 
     def refusal(self) -> str | None:
         """Why no built-in handler may serve this model, or None when one may."""
+        if self.refused:
+            return self.refused
         if self.task is None:
             return (f"no task fits this model: {self.explained()}. If it generates text, set "
                     f"option.task=text-generation; if it is an encoder, option.task=text-embedding "
@@ -97,6 +114,7 @@ class _Mappings:
     classifier_names: frozenset[str]
     masked_names: frozenset[str]
     base_names: frozenset[str]
+    image_text_names: frozenset[str]  # vision-language models, less those also in the causal-LM mapping
     seq2seq_types: frozenset[str]
     causal_types: frozenset[str]
     encoder_types: frozenset[str]  # model types with a masked-LM or text-encoding class: BERT-likes
@@ -119,6 +137,8 @@ def _mappings() -> _Mappings:
         classifier_names=_class_names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
         masked_names=_class_names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
         base_names=_class_names(auto.MODEL_MAPPING_NAMES) | _class_names(auto.MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES),
+        image_text_names=_class_names(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+        - _class_names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         seq2seq_types=frozenset(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
         causal_types=frozenset(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         encoder_types=frozenset(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
@@ -166,11 +186,31 @@ def _model_type_task(model_type: str | None, encoder_decoder: bool, maps: _Mappi
     return None
 
 
+def vision_decision(architectures: tuple[str, ...], model_type: str | None) -> TaskDecision | None:
+    """The decision for a vision-language model (served with images, or refused naming the families
+    served); None when no architecture is one."""
+    vision = [a for a in architectures if a in _mappings().image_text_names]
+    if not vision:
+        return None
+    served = [a for a in vision if a in VISION_ARCHITECTURES]
+    if served:
+        return TaskDecision(TEXT_GENERATION, architectures, f"architectures {served} are vision-language models "
+                            "(transformers' image-text-to-text mapping) of a family served with images",
+                            model_type, images=True)
+    return TaskDecision(None, architectures, f"architectures {vision} are vision-language models",
+                        model_type, refused=f"architectures {vision} are vision-language models (transformers' "
+                        f"image-text-to-text mapping) of a family not checked to serve images exactly; the "
+                        f"vision-language families served are {SERVED_VISION}")
+
+
 def classify_config(config: dict[str, Any]) -> TaskDecision:
     """The task a parsed config.json asks for (task None when nothing fits)."""
     maps = _mappings()
     architectures = tuple(a for a in config.get("architectures") or () if isinstance(a, str))
     model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    vision = vision_decision(architectures, model_type)
+    if vision is not None:
+        return vision
     encoder_decoder = bool(config.get("is_encoder_decoder"))
     found: dict[str, dict[str, list[str]]] = {}  # task -> why -> architectures
     for arch in architectures:

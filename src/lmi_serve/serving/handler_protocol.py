@@ -11,6 +11,7 @@ capability                  Protocol              used by
 ``load(config, context)``   `TypedLoad`           the service, for built-in handlers only
 ``SUPPORTS_ROLLING_BATCH``  `RollingBatch`        the service (``option.rolling_batch``)
 ``get_engine()``            `RollingBatch`        TGI, OpenAI, KServe/Triton generation, ``/models``
+``get_vision()``            `RollingBatch`        OpenAI chat ``image_url`` parts (a VLM's processor)
 ``INPUT_TENSORS``           `TensorModel`         KServe v2 / Triton tensor routes, task inference
 ``OUTPUT_TENSORS``          `TensorModel`         KServe v2 / Triton tensor routes
 ``count_tokens(texts)``     `EmbeddingModel`      OpenAI ``/v1/embeddings`` (usage, limits)
@@ -111,6 +112,11 @@ class RollingBatch(Protocol):
         load as ``ModelService.engine``: the TGI, OpenAI generation and KServe/Triton LLM routes
         talk to it directly, and ``/models`` shows its stats."""
 
+    def get_vision(self) -> Any:
+        """A vision-language model's serving/vision.VisionInputs (its processor and image limit), read
+        once with the engine as ``ModelService.vision``; None (or undeclared) for a text model, whose
+        chat image parts are then a 400."""
+
 
 class TensorModel(Protocol):
     """A model.py serving tensors on the KServe v2 / Triton routes (see tensor_model.py)."""
@@ -175,6 +181,7 @@ class HandlerCapabilities:
     load: Callable[[ModelConfig, HandlerContext], None] | None = None
     supports_rolling_batch: bool = False
     get_engine: Callable[[], Engine | None] | None = None
+    get_vision: Callable[[], Any] | None = None
     input_tensors: tuple[TensorSpec, ...] | None = None
     output_tensors: tuple[TensorSpec, ...] | None = None
     count_tokens: Callable[[list[str]], list[int]] | None = None
@@ -210,6 +217,7 @@ class HandlerCapabilities:
             module_name=module.__name__, handle=handle, builtin=builtin,
             load=_function(module, "load", where) if builtin else None,
             supports_rolling_batch=bool(rolling), get_engine=_function(module, "get_engine", where),
+            get_vision=_function(module, "get_vision", where),
             input_tensors=inputs, output_tensors=outputs,
             count_tokens=_function(module, "count_tokens", where),
             embedding_limits=_function(module, "embedding_limits", where),

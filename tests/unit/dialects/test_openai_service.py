@@ -30,6 +30,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.max_model_len, self.eos_token_ids = tokenizer, 512, frozenset({5})
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB))
+        self.vocab_size = VOCAB  # Engine.vocab_size, what the dialect reads
         self.submitted = []
 
     def generate(self, requests):

@@ -76,7 +76,7 @@ class FakeGrammars:
 
 
 def fake_engine():
-    return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=1000)),
+    return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(vocab_size=1000)), vocab_size=1000,
                            tokenizer=FakeTokenizer(), grammars=FakeGrammars())
 
 

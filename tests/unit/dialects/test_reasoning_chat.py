@@ -33,6 +33,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, pieces):
         self.tokenizer, self.max_model_len, self.eos_token_ids = tokenizer, 512, frozenset({0})
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=len(tokenizer)))
+        self.vocab_size = len(tokenizer)  # Engine.vocab_size, what the dialect reads
         self.pieces, self.submitted = pieces, []
 
     def generate(self, requests):

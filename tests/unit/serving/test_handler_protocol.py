@@ -292,7 +292,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
                               "custom_input": None, "custom_output": None, "model_name": "typed-model",
-                              "reasoning": ReasoningSettings("qwen3", 64), "tool_call_parser": "llama3_json"}
+                              "reasoning": ReasoningSettings("qwen3", 64), "tool_call_parser": "llama3_json",
+                              "vision": None}  # a text model: no processor
     assert handler.get_engine() is engine
 
 

@@ -51,10 +51,13 @@ def _tool_instructions(tools: list[Tool], choice, tool_format: ToolFormat) -> st
 
 
 def template_messages(request: ChatCompletionRequest, template_knows_tools: bool,
-                      tool_format: ToolFormat = tool_formats.DEFAULT, template_renders_calls: bool = False) -> list[dict]:
+                      tool_format: ToolFormat = tool_formats.DEFAULT, template_renders_calls: bool = False,
+                      parts: bool = False) -> list[dict]:
     """The conversation as plain dicts with string content, ready for apply_chat_template.
     Past calls go to a template that renders `tool_calls` as such (arguments decoded, as
-    transformers' templates expect); otherwise into the content, written in `tool_format`."""
+    transformers' templates expect); otherwise into the content, written in `tool_format`.
+    `parts` (a vision-language model's template, which iterates content parts): every content a
+    list of `{"type": "text"}` and `{"type": "image"}` parts, images where the request put them."""
     messages = []
     for message in request.messages:
         content = message.text
@@ -71,7 +74,7 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
             # A template without tool support has no tool turn the model was trained on; a user turn
             # carrying the result (as Qwen's and Hermes' templates render it) reads naturally.
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        entry = {"role": role, "content": content}
+        entry = {"role": role, "content": _parts(message, content) if parts else content}
         if calls:
             entry["tool_calls"] = calls
         if message.name:
@@ -85,29 +88,46 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
     choice = request.effective_tool_choice
     if request.tools and choice != "none" and not template_knows_tools:
         instructions = _tool_instructions(request.tools, choice, tool_format)
-        if messages[0]["role"] == "system":
+        if messages[0]["role"] == "system" and not parts:
             messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + instructions}
+        elif messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": [*messages[0]["content"], {"type": "text", "text": instructions}]}
         else:
-            messages.insert(0, {"role": "system", "content": instructions})
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": instructions}] if parts
+                                else instructions})
     return messages
+
+
+def _parts(message, content: str) -> list[dict]:
+    """A message's content as template parts: the request's own parts in order (an image part as
+    `{"type": "image"}`, the placeholder the processor expands), else `content` as one text part.
+    `content` is the message's text with anything appended (tool calls), which then follows its parts."""
+    if not message.image_urls:
+        return [{"type": "text", "text": content}]
+    out = [{"type": "image"} if part["type"] == "image_url" else {"type": "text", "text": part["text"]}
+           for part in message.content]
+    extra = content[len(message.text):]  # what template_messages appended to the text
+    return out + ([{"type": "text", "text": extra}] if extra else [])
 
 
 def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_prompt: bool = True,
                   continue_final_message: bool = False, template_kwargs: dict | None = None,
-                  tool_format: ToolFormat | None = None) -> str:
+                  tool_format: ToolFormat | None = None, vision=None) -> str:
     """The conversation as prompt text through the model's chat template. The keywords are vLLM's
     (its /tokenize takes them); a chat completion always opens the assistant's turn.
     `template_kwargs` defaults to the request's `chat_template_kwargs`; `tool_format` to the one
-    the template implies."""
+    the template implies. `vision` (a vision-language model's serving/vision.VisionInputs): its
+    processor's template, content as parts, each image part its placeholder."""
     if template_kwargs is None:
         template_kwargs = getattr(request, "chat_template_kwargs", None)
-    template = getattr(tokenizer, "chat_template", None)
+    template = vision.chat_template if vision is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequest("This model has no chat template; use /v1/completions", param="messages")
     knows_tools = isinstance(template, str) and "tools" in template
     renders_calls = isinstance(template, str) and "tool_calls" in template
-    messages = template_messages(request, knows_tools, tool_format or tool_formats.detect(template), renders_calls)
-    extra = {}
+    messages = template_messages(request, knows_tools, tool_format or tool_formats.detect(template), renders_calls,
+                                 parts=vision is not None)
+    extra = {"chat_template": template} if vision is not None else {}  # the processor's, not the tokenizer's
     if knows_tools and request.tools and request.effective_tool_choice != "none":
         # Whole OpenAI tool objects, the shape transformers' templates read (`tool.function`, ...).
         extra["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]

@@ -64,7 +64,7 @@ def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ..
     stop = StopParams(max_new_tokens=max_new_tokens, stop_sequences=fields.stops,
                       stop_token_ids=frozenset(fields.stop_token_ids or ()), eos_token_ids=engine.eos_token_ids,
                       ignore_eos=fields.ignore_eos, include_stop_str_in_output=fields.include_stop_str_in_output)
-    vocab = engine.model.config.vocab_size
+    vocab = engine.vocab_size
     check_token_ids(fields.stop_token_ids or (), vocab, "stop_token_ids")
     return extend(engine, fields, [
         GenerationRequest(prompt, sampling_params(fields, seed, vocab), stop,

@@ -115,11 +115,11 @@ def _generation(name: str | None) -> OpenAIService:
         owner.require_ready()
         return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name,
                              reasoning=reasoning_settings(getattr(owner, "config", None)),
-                             tool_call_parser=_tool_call_parser(owner))
+                             tool_call_parser=_tool_call_parser(owner), vision=getattr(owner, "vision", None))
     service = _service(name, _GENERATION_TASK)
     return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name,
                          reasoning=reasoning_settings(getattr(service, "config", None)),
-                         tool_call_parser=_tool_call_parser(service))
+                         tool_call_parser=_tool_call_parser(service), vision=getattr(service, "vision", None))
 
 
 def _tool_call_parser(service) -> str | None:

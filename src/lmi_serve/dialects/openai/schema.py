@@ -112,6 +112,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor decides the resolution
+
+
+class ImageURLPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+_PARTS = {"text": TextPart, "image_url": ImageURLPart}
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str | dict = "{}"
@@ -134,10 +149,12 @@ class ChatMessage(_Lenient):
     def _content_rules(self):
         if isinstance(self.content, list):
             for part in self.content:
-                if part.get("type") != "text":
+                if part.get("type") not in _PARTS:
                     raise ValueError(f"content parts of type {part.get('type')!r} are not supported; "
-                                     "this model takes text parts only")
-                TextPart.model_validate(part)
+                                     "parts are text, or image_url for a vision-language model")
+                _PARTS[part["type"]].model_validate(part)
+                if part["type"] == "image_url" and self.role != "user":
+                    raise ValueError(f"image_url parts belong in user messages, not {self.role} ones")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls and self.role != "assistant":
@@ -148,9 +165,17 @@ class ChatMessage(_Lenient):
 
     @property
     def text(self) -> str:
+        """The text parts, joined (image parts are `image_urls`)."""
         if isinstance(self.content, list):
-            return "\n".join(part["text"] for part in self.content)
+            return "\n".join(part["text"] for part in self.content if part["type"] == "text")
         return self.content or ""
+
+    @property
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(index in content, URL) of each image_url part."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part["image_url"]["url"]) for i, part in enumerate(self.content) if part["type"] == "image_url"]
 
 
 class FunctionDefinition(_Lenient):

@@ -8,11 +8,11 @@ timeout, a prefill error) still get a real status code; later failures become an
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmi_serve.dialects.common import streaming
 from lmi_serve.dialects.common.disconnect import wait_for_results
-from lmi_serve.dialects.openai import chat, vllm
+from lmi_serve.dialects.openai import chat, images, vllm
 from lmi_serve.dialects.openai.errors import kind_body
 from lmi_serve.dialects.openai.generation import ChoiceState, build_requests, check_token_ids, fit_to_context, submit
 from lmi_serve.dialects.openai.reasoning import ChatReasoning, ReasoningSettings
@@ -70,12 +70,14 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
 
 class OpenAIService:
     def __init__(self, engine: Engine, model_name: str, adapter: str | None = None,
-                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None):
+                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None, vision=None):
         """`adapter`: the LoRA adapter the request's `model` named (vLLM's convention; responses then
         name it as their model), or None for the base model. `reasoning`: the model's reasoning options.
         `tool_call_parser`: the model's option.tool_call_parser (a tool_formats name), else the chat
-        template decides."""
+        template decides. `vision`: a vision-language model's serving/vision.VisionInputs (its processor),
+        None for a text model (image parts are then a 400)."""
         self.engine, self.model_name, self.adapter = engine, adapter or model_name, adapter
+        self.vision = vision
         self.reasoning = reasoning
         self.tokenizer = engine.tokenizer
         self.tool_format = chat.tool_format_for(self.tokenizer, tool_call_parser)
@@ -90,8 +92,13 @@ class OpenAIService:
     # ---- chat ---------------------------------------------------------------------------------
 
     def chat(self, request: ChatCompletionRequest) -> Reply:
-        prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format)
-        ids = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids
+        if self.vision is None:
+            images.refuse_images(images.image_parts(request))
+        prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format, vision=self.vision)
+        if self.vision is not None:
+            ids, pictures = images.prompt_with_images(self.vision, prompt_text, request)
+        else:
+            ids, pictures = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids, None
         ids = vllm.truncate_prompt(ids, request, self.engine.max_model_len)
         prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
                                             where="messages", param="messages")
@@ -100,6 +107,8 @@ class OpenAIService:
         requests = thinking.constrain(build_requests(self.engine, request, prompt, max_tokens, count=request.n,
                                                      top_n=top, guided=self._guided(request),
                                                      adapter=self.adapter))
+        if pictures is not None:  # every sequence of the request sees the same images
+            requests = [replace(r, images=pictures) for r in requests]
         generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
         meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
@@ -135,7 +144,7 @@ class OpenAIService:
             if request.use_raw_prompt is False:
                 raise InvalidRequest("use_raw_prompt=false applies the chat template to text; a token-id prompt "
                                      "is used as given", param="use_raw_prompt")
-            check_token_ids(prompt, self.engine.model.config.vocab_size, "prompt")
+            check_token_ids(prompt, self.engine.vocab_size, "prompt")
             return prompt
         if request.use_raw_prompt is False:  # the one transformation we know: the chat template
             if not getattr(self.tokenizer, "chat_template", None):

@@ -21,14 +21,14 @@ from pydantic import Field, field_validator, model_validator
 
 from lmi_serve.dialects.common import json_body
 from lmi_serve.dialects.common.json_body import InvalidJson
-from lmi_serve.dialects.openai import chat, vllm
+from lmi_serve.dialects.openai import chat, images, vllm
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.routes import choose_service
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, ChatMessage, Tool, TokenId, _Lenient, parse
 from lmi_serve.dialects.tgi import protocol as tgi_protocol
 from lmi_serve.dialects.tgi import routes as tgi_routes
-from lmi_serve.errors import ServingError
+from lmi_serve.errors import InvalidRequest, ServingError
 
 blueprint = Blueprint("tokenize", __name__)
 ERROR_PREFIXES = ("/tokenize", "/detokenize")  # app-level 404/405/413 there: OpenAI's envelope
@@ -113,6 +113,9 @@ def chat_prompt_ids(tokenizer, parsed: TokenizeChatRequest) -> list[int]:
     conversation = ChatCompletionRequest.model_validate(
         {"messages": [m.model_dump(exclude_none=True) for m in parsed.messages],
          "tools": [t.model_dump(exclude_none=True) for t in parsed.tools] if parsed.tools else None})
+    found = images.image_parts(conversation)
+    if found:  # the ids depend on the processor's expansion of each image, which /tokenize does not run
+        raise InvalidRequest(f"{found[0][1]}: /tokenize takes text parts only", param=found[0][1])
     text = chat.render_prompt(tokenizer, conversation, add_generation_prompt=parsed.add_generation_prompt,
                               continue_final_message=parsed.continue_final_message,
                               template_kwargs=parsed.chat_template_kwargs)

@@ -337,7 +337,7 @@ def extend(engine, fields: BaseModel, requests: list[GenerationRequest]) -> list
                              f"({first.stop.max_new_tokens})", param="min_tokens")
     if fields.prompt_logprobs is not None and getattr(fields, "stream", False):
         raise InvalidRequest("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
-    vocab = engine.model.config.vocab_size
+    vocab = engine.vocab_size
     allowed = _token_ids(fields.allowed_token_ids, vocab, "allowed_token_ids") \
         if fields.allowed_token_ids is not None else None
     banned = bad_word_sequences(engine.tokenizer, fields.bad_words)

@@ -9,14 +9,14 @@ not depend on its neighbours. `keep` drops leading columns that became padding i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from lmi_serve.engine.kv.protocol import KVLayout, Prefilled, layer_bytes
+from lmi_serve.engine.kv.protocol import KVLayout, Prefilled, forward_inputs, layer_bytes
 from lmi_serve.engine.kv.slot_attention import use_parts
 
 
@@ -46,9 +46,13 @@ class DynamicKV:
 
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
         """The `KVFactory`: one left-padded forward over `prompts`. Until the first `feed`, a row's
-        pending token is its last prompt token (a placeholder that keeps every tensor [rows] long)."""
+        pending token is its last prompt token (a placeholder that keeps every tensor [rows] long).
+        `model_inputs` (a one-prompt batch's images) go to the forward: the vision encoder runs and its
+        features replace the placeholder tokens' embeddings; the K/V cached is the language model's,
+        so the row then decodes as any text row."""
+        extra = forward_inputs(model, model_inputs, len(prompts), device)
         input_ids, mask = _left_pad(prompts, pad_id, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # No config: every layer keeps its whole KV. Given the config, transformers trims a
@@ -59,7 +63,7 @@ class DynamicKV:
         cache = DynamicCache()
         with torch.inference_mode():
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=0 if prompt_logits else 1)
+                        use_cache=True, logits_to_keep=0 if prompt_logits else 1, **extra)
         width = input_ids.shape[1]
         per_row = [out.logits[i, width - len(p):] for i, p in enumerate(prompts)] if prompt_logits else None
         kv = cls(model, cache, mask, mask.sum(dim=-1), input_ids[:, -1], [len(p) for p in prompts])
@@ -160,8 +164,9 @@ class DynamicLayout(KVLayout):
         self.kv_class = kv_class  # DynamicKV or a subclass (SlotKV; tests' recording ones)
 
     def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
-        return self.kv_class.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
+        return self.kv_class.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits,
+                                     model_inputs=model_inputs)
 
     def resume(self, model: Any, prefix: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,
                device: torch.device) -> DynamicKV:

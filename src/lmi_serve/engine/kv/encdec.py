@@ -18,7 +18,7 @@ model types served, and how, are `DECODER_POSITIONS`; support.py refuses the res
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -117,9 +117,11 @@ class EncoderDecoderKV:
 
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
         """The encoder over `prompts`, then the decoder over its prompt (the same
         for every row, so no padding and default positions)."""
+        if model_inputs:
+            raise ValueError("encoder-decoder rows take no images")
         if prompt_logits:
             raise ValueError("an encoder-decoder model's prompt is the encoder's input, which has no logprobs")
         input_ids, enc_mask = _right_pad(prompts, pad_id, device)
@@ -204,8 +206,9 @@ class EncoderDecoderLayout(KVLayout):
     name = "encoder-decoder"
 
     def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
-        return EncoderDecoderKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
+        return EncoderDecoderKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits,
+                                        model_inputs=model_inputs)
 
 
 ENCODER_DECODER = EncoderDecoderLayout()

@@ -33,13 +33,17 @@ Contract, for every layout and the KV batches it makes:
    prefilled them.
 6. Optionally, `held_bytes()`: the bytes of K/V storage the batch holds now (padding and room to
    grow included), read from tensor sizes only (no device sync); the `kv_cache_bytes` metric.
-7. `layout.prepare(model)` readies the model for the layout (the attention function it needs) and
+7. `layout.prefill(..., model_inputs=)`, passed only for a prompt with images (a vision-language
+   model's, as `ImageInputs.named()`): extra keyword tensors for that one forward, over exactly one prompt (a
+   batch of one; prefill.py prefills an image row alone). Decoder-only layouts pass them to the
+   forward (floating tensors in the model's dtype); the others refuse them.
+8. `layout.prepare(model)` readies the model for the layout (the attention function it needs) and
    runs before the model's first forward through it; it is idempotent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,6 +75,21 @@ def held_bytes(kv: "KVBatch | None") -> int:
     return measure() if measure is not None else 0
 
 
+def forward_inputs(model: Any, model_inputs: Mapping[str, Any] | None, rows: int, device: torch.device
+                   ) -> dict[str, Any]:
+    """`model_inputs` (contract item 7) ready for the forward: on `device`, floating tensors in the
+    model's dtype (a processor makes fp32 pixels; the vision tower may be fp16, and not every family
+    casts its input itself: Llava's and Idefics3's do). Only one row carries them:
+    its images' features replace that row's placeholder tokens, which a batch could not line up."""
+    if not model_inputs:
+        return {}
+    if rows != 1:
+        raise ValueError(f"images are prefilled one prompt at a time, not {rows}")
+    dtype = getattr(model, "dtype", None)
+    return {name: value.to(device, dtype=dtype) if value.is_floating_point() and dtype is not None
+            else value.to(device) for name, value in model_inputs.items()}
+
+
 def layer_bytes(layers) -> int:
     """Bytes of the storage behind transformers cache layers' `keys` and `values` (a view counts
     the whole storage it looks into: that is what stays allocated)."""
@@ -100,9 +119,10 @@ class KVLayout:
     supports_prefixes = False  # `resume` here and `row_kv` on its batches (contract item 5)
 
     def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
         """One forward over `prompts` (token ids, at least one each) into a new KVBatch whose rows are
-        the prompts in order; the pending tokens are unset until the first `feed`."""
+        the prompts in order; the pending tokens are unset until the first `feed`. `model_inputs`:
+        contract item 7."""
         raise NotImplementedError
 
     def resume(self, model: Any, prefix: Sequence[tuple[torch.Tensor, torch.Tensor] | None], *,

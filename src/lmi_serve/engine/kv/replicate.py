@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -95,7 +95,9 @@ class Replicator(KVLayout):
             threading.Thread(target=self._beat, args=(heartbeat,), name="tp-heartbeat", daemon=True).start()
 
     def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
+        if model_inputs:  # an Op carries token ids only; images would have to be broadcast too
+            raise ValueError("tensor-parallel serving does not carry images yet")
         with self._lock:
             batch = self._next_id
             self._next_id += 1

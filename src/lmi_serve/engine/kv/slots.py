@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -246,9 +246,10 @@ class SlotKV(DynamicKV):
 
     @classmethod
     def prefill(cls, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
-                prompt_logits: bool = False) -> Prefilled:
-        """DynamicKV's prefill, its cache then moved into slot buffers."""
-        out = DynamicKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits)
+                prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
+        """DynamicKV's prefill (images included), its cache then moved into slot buffers."""
+        out = DynamicKV.prefill(model, prompts, pad_id=pad_id, device=device, prompt_logits=prompt_logits,
+                                model_inputs=model_inputs)
         dynamic = out.kv
         kv = cls(model, _adopt(dynamic.cache), dynamic.mask, dynamic.next_pos, dynamic.pending, dynamic.lengths)
         return Prefilled(kv, out.logits, out.prompt_logits, out.seen)

@@ -29,6 +29,7 @@ from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_mod
 from lmi_serve.model.quantize import QuantizeReport, quantize_model
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
+from lmi_serve.serving.vision import VisionInputs
 
 
 def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
@@ -69,6 +70,9 @@ class TextGenerationService:
             device_map=config.device_map, tensor_parallel_degree=config.tensor_parallel_degree,
             revision=config.revision, trust_remote_code=config.trust_remote_code, cache_dir=context.cache_dir)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        # A vision-language model (model/task.py VISION_ARCHITECTURES): its processor turns chat images into tensors.
+        processor = getattr(loaded, "processor", None)  # a loader of another shape (tests' fakes) has none
+        self.vision = VisionInputs(processor, config.limit_mm_per_prompt) if processor is not None else None
         self.quantized = _quantize(self.model, config, self.device)
         # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are. A
         # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
@@ -95,7 +99,7 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name, reasoning=reasoning_settings(config),
-                tool_call_parser=config.tool_call_parser)
+                tool_call_parser=config.tool_call_parser, vision=self.vision)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
@@ -166,6 +170,11 @@ def load(config: ModelConfig, context: HandlerContext) -> None:
 def get_engine() -> Engine | None:
     """The rolling-batch engine, for dialects (TGI, OpenAI, KServe) that talk to it directly."""
     return _service.engine if _service else None
+
+
+def get_vision() -> VisionInputs | None:
+    """A vision-language model's processor and image limit, for chat image parts; None for a text model."""
+    return _service.vision if _service else None
 
 
 def handle(inputs: Input) -> Output | None:
