@@ -10,8 +10,10 @@ differ between one row and several. `torch` keeps the plain layers (the baseline
 
 A model loaded in bf16 (`option.dtype=bf16`, opt-in on a CPU) gets the same packing where the CPU computes
 bf16 in hardware (avx512_bf16 or AMX, as oneDNN reports it): there oneDNN's bf16 matmul runs on AMX tiles or
-bf16 dot-product instructions, 2-3x fp32's speed at one row and 4-5x at 32 on a Sapphire-Rapids-class Xeon,
-where torch's own bf16 `nn.Linear` is slower than fp32. bf16 is not exact: that is the opt-in's price.
+bf16 dot-product instructions (one layer 2-3x fp32's speed at one row, ~4x at 32 rows on an AMX Xeon, where
+torch's own bf16 `nn.Linear` is slower than fp32; a whole decode step 0.5-0.6x of fp32's at 8-32 rows:
+benchmarks/RESULTS.md). bf16 is not exact, and its rows are not batch-invariant (a product's bf16 rounding
+depends on the kernel oneDNN picks for the row count): that is the opt-in's price.
 
 The swap runs on the loaded model, after option.quantize (whose fp16 / int4 layers are not nn.Linear
 and are left alone), and only where the layer is fp32 (or bf16, natively computed) on the CPU and torch was
