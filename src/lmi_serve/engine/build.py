@@ -23,7 +23,7 @@ from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
 from lmi_serve.engine.kv.protocol import KVLayout
 from lmi_serve.engine.kv.replicate import Replicator
 from lmi_serve.engine.kv.select import choose_kv, layout_for
-from lmi_serve.engine.policy import max_model_len
+from lmi_serve.engine.policy import max_model_len, vocab_size
 from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
 from lmi_serve.engine.support import check_supported
 
@@ -72,10 +72,8 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
             log.warning("The K/V budget (%d tokens) is under option.max_model_len (%d): requests that may reach "
                         "more are refused; raise option.gpu_memory_utilization or lower option.max_model_len",
                         budget.tokens, serving.max_model_len)
-    text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
-        else model.config  # a vision-language model keeps its vocabulary there
-    vocab = getattr(text_config, "vocab_size", None) or len(tokenizer)
-    watermark = Watermark(vocab, device, WatermarkSettings(config.watermark_gamma, config.watermark_delta))
+    watermark = Watermark(vocab_size(model, tokenizer), device,
+                          WatermarkSettings(config.watermark_gamma, config.watermark_delta))
     engine = Engine(model, tokenizer, device, kv_layout=serving.kv_layout, prefix_cache=serving.prefix_cache,
                     max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                     predict_timeout=config.predict_timeout, max_prefill_tokens=config.max_rolling_batch_prefill_tokens,

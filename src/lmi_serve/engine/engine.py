@@ -27,6 +27,7 @@ from lmi_serve.engine.memory import IdleTrim
 from lmi_serve.engine.observer import EngineObserver
 from lmi_serve.engine.phases import PhaseTimes
 from lmi_serve.engine.policy import max_model_len as capped_model_len
+from lmi_serve.engine.policy import vocab_size
 from lmi_serve.engine.sampling.grammar import GrammarCompiler
 from lmi_serve.engine.sampling.watermark import Watermark
 from lmi_serve.engine.scheduler import Scheduler
@@ -71,10 +72,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = capped_model_len(model, max_model_len)
         self.predict_timeout = predict_timeout
-        # The logits' width: a vision-language model's config keeps it in its text config.
-        text_config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
-            else model.config
-        self.vocab_size = getattr(text_config, "vocab_size", None) or len(tokenizer)
+        self.vocab_size = vocab_size(model, tokenizer)  # the logits' width
         self.grammars = GrammarCompiler(tokenizer, max(self.vocab_size, len(tokenizer)), self.eos_token_ids)
         self.watermark = watermark  # None: requests asking for a watermark are refused
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,

@@ -24,13 +24,22 @@ MAX_SEED = 2**63 - 1  # seeds are int64 on every wire; torch's generators take t
 DEFAULT_CONTEXT = 2048  # a model whose config names no window (max_position_embeddings)
 
 
-def context_window(model: Any) -> int:
-    """The most tokens (prompt and generated) a row of `model` can hold: its (text) config's positions;
-    a vision-language model keeps them in its text config."""
+def text_config(model: Any) -> Any:
+    """The config of `model`'s text decoder: a vision-language model keeps its positions and vocabulary
+    there, not in its top-level config; a text model's is its own."""
     config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None) \
-        or DEFAULT_CONTEXT
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def context_window(model: Any) -> int:
+    """The most tokens (prompt and generated) a row of `model` can hold: its (text) config's positions."""
+    return getattr(text_config(model), "max_position_embeddings", None) \
+        or getattr(model.config, "max_position_embeddings", None) or DEFAULT_CONTEXT
+
+
+def vocab_size(model: Any, tokenizer: Any) -> int:
+    """The logits' width: the (text) config's vocabulary, else the tokenizer's."""
+    return getattr(text_config(model), "vocab_size", None) or len(tokenizer)
 
 
 def max_model_len(model: Any, requested: int | None) -> int:
