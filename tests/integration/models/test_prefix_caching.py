@@ -18,7 +18,7 @@ SYSTEM = ("You are the support assistant of a small bakery in Lyon. You answer q
           "bread, cakes, allergens and orders. Keep answers short and friendly, and never invent prices. "
           "The bakery opens at seven and closes at seven, except on Sundays, when it closes at one.")
 QUESTIONS = ["Do you sell croissants?", "When do you open on Sunday?", "Is there gluten in the rye bread?"]
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 def lmi(server, path: str, prompt: str, stream: bool) -> str:

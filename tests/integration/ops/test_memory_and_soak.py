@@ -99,7 +99,7 @@ def test_rss_stays_put_over_many_prompt_lengths(server):
 def test_soak_smoke_has_no_unexpected_answer_and_leaves_no_row(server, tmp_path):
     out = tmp_path / "soak.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--url", server.base,
-                           "--pid", str(server.proc.pid), "--minutes", "0.15", "--warmup-minutes", "0.03",
+                           "--pid", str(server.proc.pid), "--minutes", "0.1", "--warmup-minutes", "0.02",
                            "--concurrency", "4", "--idle-seconds", "2", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     figures = json.loads(out.read_text())
