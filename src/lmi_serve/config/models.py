@@ -372,6 +372,15 @@ class ModelConfig(BaseModel):
         4, ge=0,
         description="vision-language models: most images per chat request (`4` or LMI's `image=4`); more is a 400",
     )
+    image_fetch: Literal["off", "public", "any"] = Field(
+        "off",
+        description="vision-language models: fetch http(s) image URLs: `off` (data URIs only), `public` (no "
+                    "private, loopback or link-local address), `any` (an in-cluster image store too)",
+    )
+    image_fetch_timeout: float = Field(
+        10.0, gt=0, le=300,
+        description="vision-language models: seconds one image URL may take to download (connect and read)",
+    )
     entry_point: str | None = Field(
         None,
         description="handler file (path, or file in the model folder) or module",

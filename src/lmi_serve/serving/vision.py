@@ -17,6 +17,7 @@ from typing import Any
 
 from lmi_serve.engine.types import ImageInputs
 from lmi_serve.errors import InvalidRequest
+from lmi_serve.serving.image_fetch import FetchPolicy
 
 MAX_PIXELS = 64_000_000  # a decoded image over this is refused (a small file can expand to gigabytes)
 _TEXT_INPUTS = ("input_ids", "attention_mask")  # the prompt itself, not the forward's extra inputs
@@ -24,10 +25,17 @@ _TEXT_INPUTS = ("input_ids", "attention_mask")  # the prompt itself, not the for
 
 @dataclass
 class VisionInputs:
-    """The model's processor, and how many images one request may carry (option.limit_mm_per_prompt)."""
+    """The model's processor, how many images one request may carry (option.limit_mm_per_prompt), and
+    whether http(s) image URLs are fetched (option.image_fetch)."""
 
     processor: Any
     max_images: int
+    fetch: FetchPolicy = FetchPolicy()
+
+    @property
+    def image_token(self) -> str:
+        """The placeholder text the processor expands into an image's tokens."""
+        return getattr(self.processor, "image_token", None) or "<image>"
 
     @property
     def chat_template(self) -> str | None:

@@ -1,5 +1,6 @@
 """Chat image parts before any model sees them (dialects/common/images.py): only base64 data URIs of
-image media types, within the size limit and the per-request count; every refusal names the part."""
+image media types (http(s) only under option.image_fetch: test_image_fetch.py), within the size limit
+and the per-request count, `detail` only `auto`; every refusal names the part."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def test_a_base64_data_uri_gives_its_bytes():
 
 
 @pytest.mark.parametrize("url, words", [
-    ("http://example.com/a.png", "fetching is not enabled"),
-    ("https://example.com/a.png", "fetching is not enabled"),
+    ("http://example.com/a.png", "option.image_fetch=off"),
+    ("https://example.com/a.png", "option.image_fetch=off"),
     ("file:///etc/passwd", "must be a data URI"),
     ("data:image/png,rawbytes", "base64 payload"),
     ("data:text/plain;base64,aGk=", "not an image"),
@@ -49,3 +50,20 @@ def test_more_images_than_the_limit_names_the_first_one_over():
     with pytest.raises(InvalidRequest, match=r"^c: 3 images in this request, over this model's limit of 2") as caught:
         check_count(["a", "b", "c"], 2)
     assert caught.value.param == "c"
+
+
+@pytest.mark.parametrize("detail, refused_", [(None, False), ("auto", False), ("low", True), ("high", True)])
+def test_detail_other_than_auto_is_refused_naming_it(detail, refused_):
+    from lmi_serve.dialects.openai.images import refuse_detail
+    from lmi_serve.dialects.openai.schema import ChatCompletionRequest
+
+    image_url = {"url": "data:image/png;base64,AAAA", **({"detail": detail} if detail else {})}
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": image_url}]}]})
+    if not refused_:
+        refuse_detail(request)
+        return
+    with pytest.raises(InvalidRequest) as caught:
+        refuse_detail(request)
+    assert caught.value.param == "messages[1].content[1].image_url.detail" and repr(detail) in caught.value.message

@@ -1,8 +1,8 @@
 """Images as dialects receive them: a chat content part's URL -> the image file's bytes.
 
-Only `data:` URIs (base64) are read. An http(s) URL would make the server fetch what a client names
-(server-side request forgery, unbounded downloads), so it is refused until fetching is built with its
-guards (an option, size and time limits, no private addresses); the 400 says so. Every refusal names
+`data:` URIs (base64) are always read. An http(s) URL makes the server fetch what a client names, so
+it is fetched only where the model's option.image_fetch allows it, with serving/image_fetch.py's
+guards (no private addresses under `public`, a size and a time limit); else a 400 says so. Every refusal names
 the part (`messages[0].content[1]`), as OpenAI's errors do. Decoding the bytes into pixels is the
 model's side (serving/vision.py), which names the part the same way.
 """
@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+
 from lmi_serve.errors import InvalidRequest
+from lmi_serve.serving.image_fetch import MAX_IMAGE_BYTES, FetchPolicy, fetch_image
 
-MAX_IMAGE_BYTES = 20 << 20  # one image file, as OpenAI's limit: a larger one is a 400
+OFF = FetchPolicy()
 
 
-def image_bytes(url: str, where: str) -> bytes:
-    """The bytes of the image `url` (a base64 `data:` URI) names; InvalidRequest naming `where` otherwise."""
+def image_bytes(url: str, where: str, fetch: FetchPolicy = OFF) -> bytes:
+    """The bytes of the image `url` names: a base64 `data:` URI, or an http(s) URL where `fetch` allows
+    it; InvalidRequest naming `where` otherwise."""
     if url.startswith(("http://", "https://")):
-        raise InvalidRequest(f"{where}: image URLs are not fetched (fetching is not enabled on this server); "
-                             "send the image inline as a data URI (data:image/png;base64,...)", param=where)
+        return fetch_image(url, where, fetch)
     if not url.startswith("data:"):
         raise InvalidRequest(f"{where}: an image URL must be a data URI (data:image/png;base64,...)", param=where)
     header, comma, payload = url[len("data:"):].partition(",")

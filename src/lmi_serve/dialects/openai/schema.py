@@ -115,7 +115,7 @@ class TextPart(BaseModel):
 class ImageURL(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str
-    detail: Literal["auto", "low", "high"] | None = None  # accepted; the processor decides the resolution
+    detail: Literal["auto", "low", "high"] | None = None  # low / high: a 400 (openai/images.py refuse_detail)
 
 
 class ImageURLPart(BaseModel):

@@ -9,6 +9,9 @@ validation, 424 generation, 429 overloaded, 503 unhealthy). A stream whose reque
 its first token answers that error status; streams never end with `[DONE]` (the client would choke
 on it), and an error after the stream started is a final `data:` error object.
 
+A vision-language model reads markdown images (`![](data:image/png;base64,...)`) in `inputs` as TGI
+does (images.py).
+
 TGI's own defaults are kept: a request without `parameters` samples (`do_sample` true); POST `/`
 returns the prompt with the text unless `return_full_text` is set. Parameters follow the LMI
 rolling-batch schema (a superset of TGI's; values are coerced, "5" is 5, before any rule), plus
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 
 from flask import Blueprint, Response, current_app, request
 
@@ -31,6 +35,7 @@ from lmi_serve.dialects.common.disconnect import wait_for_results
 from lmi_serve.dialects.common.ranking import rank_with_seeds
 from lmi_serve.dialects.common.schema import RollingRequest, to_generation_requests
 from lmi_serve.dialects.common.shapes import RenderContext
+from lmi_serve.dialects.tgi import images
 from lmi_serve.dialects.tgi.protocol import check_context, error_response, parse_request, tgi_response, tgi_stream_frame
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
@@ -47,8 +52,12 @@ def _registry() -> ModelRegistry:
     return current_app.extensions["lmi_serve.serving.registry"]
 
 
+def _service():
+    return _registry().for_invocations(request.args.get("model_name") or request.headers.get("model_name"))
+
+
 def _engine() -> tuple[str, Engine]:
-    service = _registry().for_invocations(request.args.get("model_name") or request.headers.get("model_name"))
+    service = _service()
     return service.name, service.rolling_engine("the TGI routes")
 
 
@@ -57,8 +66,13 @@ def _parse(*, default_full_text: bool, stream_route: bool) -> RollingRequest:
 
 
 def _submit(parsed: RollingRequest) -> tuple[RenderContext, Generation]:
-    _, engine = _engine()
-    prompt_ids = engine.tokenizer(parsed.inputs).input_ids
+    service = _service()
+    engine, vision = service.rolling_engine("the TGI routes"), getattr(service, "vision", None)
+    pictures = None
+    if vision is not None:  # markdown images in `inputs` (images.py)
+        prompt_ids, pictures = images.prompt_with_images(vision, parsed.inputs, parsed.parameters.truncate)
+    else:
+        prompt_ids = engine.tokenizer(parsed.inputs).input_ids
     if parsed.parameters.truncate:
         prompt_ids = prompt_ids[-parsed.parameters.truncate:]
     check_context(len(prompt_ids), parsed.parameters.max_new_tokens, engine.max_model_len)
@@ -66,6 +80,8 @@ def _submit(parsed: RollingRequest) -> tuple[RenderContext, Generation]:
     # Overloaded, which the error table answers.
     requests = to_generation_requests(parsed.parameters, prompt_ids, eos_token_ids=engine.eos_token_ids,
                                       max_model_len=engine.max_model_len, max_input_len=engine.max_model_len - 1)
+    if pictures is not None:  # every sequence of the request sees the same images
+        requests = [replace(r, images=pictures) for r in requests]
     generation = guided.generate(engine, requests, "parameters.grammar")
     ctx = RenderContext.for_request(parsed, tgi_compat=True, seed=requests[0].sampling.seed,
                                     prompt_tokens_count=len(requests[0].prompt_ids))

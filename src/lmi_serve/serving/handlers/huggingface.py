@@ -29,6 +29,7 @@ from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_mod
 from lmi_serve.model.quantize import QuantizeReport, quantize_model
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
+from lmi_serve.serving.image_fetch import FetchPolicy
 from lmi_serve.serving.vision import VisionInputs
 
 
@@ -72,7 +73,9 @@ class TextGenerationService:
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         # A vision-language model (model/task.py VISION_ARCHITECTURES): its processor turns chat images into tensors.
         processor = getattr(loaded, "processor", None)  # a loader of another shape (tests' fakes) has none
-        self.vision = VisionInputs(processor, config.limit_mm_per_prompt) if processor is not None else None
+        self.vision = (VisionInputs(processor, config.limit_mm_per_prompt,
+                                    FetchPolicy(config.image_fetch, config.image_fetch_timeout))
+                       if processor is not None else None)
         self.quantized = _quantize(self.model, config, self.device)
         # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are. A
         # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
