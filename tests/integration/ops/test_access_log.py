@@ -10,8 +10,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from lmi_serve.__main__ import DEFAULT_STORE
-from server_process import serving, wait_for
+from server_process import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -21,11 +20,13 @@ KEY = "sk-never-log-this-key"
 
 
 @pytest.fixture(scope="module")
-def server():
-    # The shared cache: the GGUF conversion's tqdm bar (which once broke every line-parsing test on a
-    # fresh clone) is checked off by tests/unit/server/test_logs.py, without a 25 s conversion here.
-    with serving("--model-dir", str(DEFAULT_STORE / LLM), env={"LMI_SERVE_LOG_FORMAT": "json"}) as server:
-        yield server
+def server(json_logs_small_body_server):
+    # SmolLM2 (and `simple`) with JSON logs, shared with test_body_scan.py (conftest.py): its 4 MiB body
+    # limit is far above these requests. The shared cache: the GGUF conversion's tqdm bar (which once broke
+    # every line-parsing test on a fresh clone) is checked off by tests/unit/server/test_logs.py,
+    # without a 25 s conversion here.
+    assert json_logs_small_body_server.env["LMI_SERVE_LOG_FORMAT"] == "json"
+    return json_logs_small_body_server
 
 
 @pytest.fixture(scope="module")

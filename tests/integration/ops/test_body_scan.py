@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from server_process import serving
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from benchmark.body_probe import ROUTES, SHAPES, probe, worker_process  # noqa: E402
 
@@ -36,9 +34,12 @@ DEPTH_REFUSALS = {"triton": "JSON nesting depth exceeds maximum allowed limit", 
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving(env={"LMI_SERVE_MAX_REQUEST_BYTES": str(LIMIT)}) as running:
-        yield running
+def server(json_logs_small_body_server):
+    """SmolLM2 and `simple` (the routes' models, from the default store) with
+    LMI_SERVE_MAX_REQUEST_BYTES=LIMIT, shared with test_access_log.py (conftest.py; its JSON logs
+    change nothing here)."""
+    assert int(json_logs_small_body_server.env["LMI_SERVE_MAX_REQUEST_BYTES"]) == LIMIT
+    return json_logs_small_body_server
 
 
 @pytest.mark.parametrize("shape", SHAPES)

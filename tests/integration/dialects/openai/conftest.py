@@ -1,6 +1,7 @@
 """One server for the OpenAI dialect's tiny-model modules (reasoning, tool-call parser, rerank and
-classify): a store of four models, started once for the package instead of once per module (each
-start costs ~7 s of imports on 2 cores). Each module still has its own models, folder and options."""
+classify, vision): a store of six models, started once for the package instead of once per module
+(each start costs ~7-9 s of imports on 2 cores). Each module still has its own models, folder and
+options; the vision module's text model is the reasoner, which it only asks for a refusal."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+import tiny_vlm
 from server_process import serving
 from tiny_classifier import two_classifiers
-from tiny_store import REASONER, TOOL_PARSER, write_reasoner
+from tiny_store import REASONER, TOOL_PARSER, VLMS, write_reasoner
 
 
 @pytest.fixture(scope="package")
@@ -20,7 +22,13 @@ def classifiers(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="package")
-def tiny_models_server(tmp_path_factory, classifiers):
+def tiny_store(tmp_path_factory, classifiers) -> Path:
+    """The store's folder: the served names are its folder names (tests/tiny_store.py), and the
+    vision module builds its transformers reference from the same checkpoints."""
+    from transformers import AutoTokenizer
+
+    from tp_model import smollm2_folder
+
     store = tmp_path_factory.mktemp("tiny-store")
     write_reasoner(store / REASONER)
     (store / TOOL_PARSER).mkdir()
@@ -30,5 +38,15 @@ def tiny_models_server(tmp_path_factory, classifiers):
     for name, folder in classifiers.items():  # no option.task: the task comes from config.json
         (store / name).mkdir()
         (store / name / "serving.properties").write_text(f"option.model_id={folder}\n")
-    with serving("--model-store", str(store)) as server:
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    for name, family in VLMS.items():  # test_openai_vision.py: two tiny random VLMs (tests/tiny_vlm.py)
+        tiny_vlm.vlm_folder(family, store / name, tokenizer)
+    (store / "llava" / "serving.properties").write_text("option.limit_mm_per_prompt=image=2\n")
+    return store
+
+
+@pytest.fixture(scope="package")
+def tiny_models_server(tiny_store):
+    """Shared by the package's tiny-model modules: one start (~9 s) instead of one per module."""
+    with serving("--model-store", str(tiny_store)) as server:
         yield server

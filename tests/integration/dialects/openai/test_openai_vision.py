@@ -3,7 +3,8 @@
 tiny text model. An `image_url` data URI (PNG or JPEG) answers what transformers' greedy `generate()`
 makes from the same chat template, processor and pixels; other pixels answer otherwise. Refusals are
 400s in OpenAI's shape naming the part: http(s) URLs (fetching is not enabled), bytes that are not an
-image, more images than the limit, and any image to a text model."""
+image, more images than the limit, and any image to a text model. The store is the package's
+(conftest.py); its text model is the reasoner (tests/tiny_store.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import pytest
 import torch
 
 import tiny_vlm
-from server_process import serving
-from tiny_store import write_reasoner
+from tiny_store import REASONER as TEXT_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -36,28 +36,13 @@ def user(*urls: str, text: str = QUESTION) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, smollm2_tokenizer_for_store):
-    root = tmp_path_factory.mktemp("vlm-store")
-    tiny_vlm.vlm_folder("idefics3", root / "smolvlm", smollm2_tokenizer_for_store)
-    tiny_vlm.vlm_folder("llava", root / "llava", smollm2_tokenizer_for_store)
-    (root / "llava" / "serving.properties").write_text("option.limit_mm_per_prompt=image=2\n")
-    write_reasoner(root / "text")
-    return root
+def store(tiny_store):
+    return tiny_store  # the package's store (conftest.py): `smolvlm`, `llava` and the reasoner among its models
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer_for_store():
-    from transformers import AutoTokenizer
-
-    from tp_model import smollm2_folder
-
-    return AutoTokenizer.from_pretrained(str(smollm2_folder()))
-
-
-@pytest.fixture(scope="module")
-def server(store):
-    with serving("--model-store", str(store)) as running:
-        yield running
+def server(tiny_models_server):
+    return tiny_models_server  # one start for the package's tiny-model modules (conftest.py)
 
 
 def reference(folder, messages_for_template, images) -> str:
@@ -116,7 +101,7 @@ def test_bad_images_are_400s_naming_the_part(server, openai_client):
 
 
 def test_a_text_model_refuses_images_as_before(server, openai_client):
-    error = refusal(openai_client(server), "text", user(data_uri(1)))
+    error = refusal(openai_client(server), TEXT_MODEL, user(data_uri(1)))
     assert error.param == "messages[0].content[0]" and "text parts only" in error.message
 
 
