@@ -21,7 +21,7 @@ from lmi_serve.dialects.openai import scoring as scoring_routes
 from lmi_serve.dialects.openai import tokenize as tokenize_routes
 from lmi_serve.dialects.tgi import routes as tgi_routes
 from lmi_serve.dialects.triton import routes as triton_routes
-from lmi_serve.server import access_log
+from lmi_serve.server import access_log, logs
 from lmi_serve.server import security
 from lmi_serve.server.body_limit import ServingRequest
 from lmi_serve.server.drain import WorkerDrain
@@ -118,6 +118,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.config["STRICT_MODEL_NAMES"] = config.strict_model_names
     if registry is None:
         threads = configure_threads(config.workers)
+        logs.route_library_logs()
         log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)
         registry = ModelRegistry.from_config(config, observer_for=metrics.for_model)
         registry.start_loading()

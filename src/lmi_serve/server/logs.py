@@ -38,6 +38,16 @@ def configure(level: str, log_format: str) -> None:
     logging.captureWarnings(log_format == "json")  # warnings.warn lines in the same format
 
 
+def route_library_logs() -> None:
+    """transformers logs through a handler of its own (its `[transformers]` lines, not propagated): send
+    its records to the root handler instead, so they come out in the server's format (one JSON object
+    per line under `json`). Called in the worker, where transformers is imported anyway."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+
+
 def gunicorn_logconfig(level: str, log_format: str) -> dict[str, Any]:
     """gunicorn's `logconfig_dict`: its error log goes to the root handler, in `log_format`
     (gunicorn's own access log stays off: access_log.py writes one line per request)."""

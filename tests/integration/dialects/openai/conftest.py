@@ -41,7 +41,9 @@ def tiny_store(tmp_path_factory, classifiers) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
     for name, family in VLMS.items():  # test_openai_vision.py: two tiny random VLMs (tests/tiny_vlm.py)
         tiny_vlm.vlm_folder(family, store / name, tokenizer)
-    (store / "llava" / "serving.properties").write_text("option.limit_mm_per_prompt=image=2\n")
+    # image URLs: smolvlm fetches any (a loopback image server in the test), llava only public addresses
+    (store / "smolvlm" / "serving.properties").write_text("option.image_fetch=any\noption.image_fetch_timeout=30\n")
+    (store / "llava" / "serving.properties").write_text("option.limit_mm_per_prompt=image=2\noption.image_fetch=public\n")
     return store
 
 
