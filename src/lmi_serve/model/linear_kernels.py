@@ -77,11 +77,26 @@ class OneDnnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # a caller that up/down-casts around a layer: keep its contract
             x = x.to(self.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+        if x.numel() == x.shape[-1]:  # one row: computed as two (see one_row_as_two)
+            return one_row_as_two(self._linear, x)
+        return self._linear(x.contiguous())
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=onednn, {dtype}"
+
+
+def one_row_as_two(linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear` of a one-row `x`, computed on that row twice and the first result kept. For fp32 weights
+    with 1,280 or more input features oneDNN takes another kernel for a single row, whose last bits differ
+    from the same row's in any batch of 2 to 64 rows (benchmarks/RESULTS.md, "Choosing the Linear kernel
+    per CPU"); a row decoding alone must answer what it answers in company. Two rows read the weights
+    once, as one does."""
+    flat = x.reshape(1, x.shape[-1])
+    return linear(flat.expand(2, -1).contiguous())[:1].reshape(*x.shape[:-1], -1)
 
 
 @dataclass

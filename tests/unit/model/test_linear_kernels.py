@@ -103,6 +103,19 @@ def test_greedy_rows_do_not_depend_on_the_batch_with_onednn_layers(smollm2_token
     assert len({tuple(t) for t in together}) == len(prompts)  # premise: the outputs depend on the prompt
 
 
+@pytest.mark.parametrize("in_features", [576, 1280, 1536, 2048, 8192])
+def test_a_row_alone_gets_the_bits_it_gets_in_any_batch(in_features):
+    # oneDNN answers one fp32 row with another kernel from 1,280 input features up; its last bits differed
+    # from the same row's in a batch (the MLP's down projection of SmolLM2, every projection of Llama 1B).
+    torch.manual_seed(0)
+    layer = OneDnnLinear(torch.nn.Linear(in_features, 96))
+    x = torch.randn(33, in_features)
+    with torch.no_grad():
+        alone = layer(x[:1])
+        assert all(torch.equal(layer(x[:rows])[:1], alone) for rows in range(2, 34))
+        assert torch.equal(layer(x[:1].reshape(1, 1, in_features)).reshape(1, 96), alone)  # a decode step's shape
+
+
 def test_torch_leaves_the_model_as_it_is():
     model = tiny_llama(tied=False)
     report = use_linear_kernel(model, "torch", CPU)
