@@ -17,7 +17,6 @@ from typing import Any
 
 from lmi_serve.engine.types import ImageInputs
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.serving.image_fetch import FetchPolicy
 
 MAX_PIXELS = 64_000_000  # a decoded image over this is refused (a small file can expand to gigabytes)
 _TEXT_INPUTS = ("input_ids", "attention_mask")  # the prompt itself, not the forward's extra inputs
@@ -30,7 +29,7 @@ class VisionInputs:
 
     processor: Any
     max_images: int
-    fetch: FetchPolicy = FetchPolicy()
+    fetch: Any = None  # dialects/common/image_fetch.FetchPolicy (option.image_fetch); None: data URIs only
 
     @property
     def image_token(self) -> str:

@@ -46,6 +46,8 @@ def first_start(revisions, tmp_path_factory):
             during = requests.get(server.url("/ping"), timeout=10)
             facts = {"ping_during": during, "ping_was_during": "Downloaded Hub model" not in server.output()}
             server.wait_for_ping()
+            # /ping is 200 once one worker is ready; the other may still load (a request there is a 503)
+            wait_for(lambda: server.output().count("Model tiny ready") == 2, timeout=300)
             facts.update({"root": root, "file_gets": hub.file_gets(),
                           "models": requests.get(server.url("/models/tiny"), timeout=10).json(),
                           "listed": requests.get(server.url("/models"), timeout=10).text,
@@ -63,7 +65,9 @@ def test_two_workers_download_the_pinned_revision_once_and_serve_it(first_start,
     assert first_start["log"].count("Downloading Hub model acme/tiny@v1 (commit") == 1
     (description,) = first_start["models"][0]["models"]
     assert description["architectures"] == ["MistralForCausalLM"]  # v1's config, not main's Llama
-    assert all(r.status_code == 200 and r.json()["generated_text"] for r in first_start["generated"])
+    generated = first_start["generated"]
+    assert all(r.status_code == 200 and r.json()["generated_text"] for r in generated), [
+        (r.status_code, r.text[:200]) for r in generated]
     assert TOKEN not in first_start["log"] and TOKEN not in first_start["listed"]
 
 

@@ -1,7 +1,7 @@
 """Images as dialects receive them: a chat content part's URL -> the image file's bytes.
 
 `data:` URIs (base64) are always read. An http(s) URL makes the server fetch what a client names, so
-it is fetched only where the model's option.image_fetch allows it, with serving/image_fetch.py's
+it is fetched only where the model's option.image_fetch allows it, with image_fetch.py's
 guards (no private addresses under `public`, a size and a time limit); else a 400 says so. Every refusal names
 the part (`messages[0].content[1]`), as OpenAI's errors do. Decoding the bytes into pixels is the
 model's side (serving/vision.py), which names the part the same way.
@@ -13,16 +13,16 @@ import base64
 import binascii
 
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.serving.image_fetch import MAX_IMAGE_BYTES, FetchPolicy, fetch_image
+from lmi_serve.dialects.common.image_fetch import MAX_IMAGE_BYTES, FetchPolicy, fetch_image
 
 OFF = FetchPolicy()
 
 
-def image_bytes(url: str, where: str, fetch: FetchPolicy = OFF) -> bytes:
+def image_bytes(url: str, where: str, fetch: FetchPolicy | None = OFF) -> bytes:
     """The bytes of the image `url` names: a base64 `data:` URI, or an http(s) URL where `fetch` allows
     it; InvalidRequest naming `where` otherwise."""
     if url.startswith(("http://", "https://")):
-        return fetch_image(url, where, fetch)
+        return fetch_image(url, where, fetch or OFF)
     if not url.startswith("data:"):
         raise InvalidRequest(f"{where}: an image URL must be a data URI (data:image/png;base64,...)", param=where)
     header, comma, payload = url[len("data:"):].partition(",")

@@ -29,7 +29,7 @@ from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_mod
 from lmi_serve.model.quantize import QuantizeReport, quantize_model
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
-from lmi_serve.serving.image_fetch import FetchPolicy
+from lmi_serve.dialects.common.image_fetch import FetchPolicy
 from lmi_serve.serving.vision import VisionInputs
 
 

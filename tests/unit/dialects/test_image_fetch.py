@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from lmi_serve.errors import InvalidRequest
-from lmi_serve.serving import image_fetch
-from lmi_serve.serving.image_fetch import FetchPolicy, fetch_image
+from lmi_serve.dialects.common import image_fetch
+from lmi_serve.dialects.common.image_fetch import FetchPolicy, fetch_image
 
 WHERE = "messages[0].content[1]"
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
