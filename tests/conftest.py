@@ -17,29 +17,11 @@ _EARLY: dict[str, ServerProcess] = {}
 _EARLY_STORE: list[Path] = []
 
 
-SHARED_SERVERS = ("default_server", "store_server")
-# Under pytest-xdist (scripts/test runs two processes) the tests of the session servers form one group, so
-# those servers start once, in one process; everything else (unit tests, modules with servers of their
-# own) is the other group, run beside it on the second core.
-SHARED_GROUP, OTHER_GROUP = "session-servers", "the-rest"
-
-
-def pytest_itemcollected(item):
-    """Under xdist (--dist loadgroup), each test joins its group as it is collected (before xdist reads
-    the groups in its pytest_collection_modifyitems)."""
-    if hasattr(item.config, "workerinput"):
-        shared = any(name in SHARED_SERVERS for name in getattr(item, "fixturenames", ()))
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUP if shared else OTHER_GROUP))
-
-
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: start only what the selected tests use
 def pytest_collection_modifyitems(session, config, items):
-    """Unit tests first (they need no server and fail fast), integration tests after; in one process
-    (not under xdist), the shared servers the integration tests will use start now, so that they load
-    while the unit tests run."""
+    """Unit tests first (they need no server and fail fast), integration tests after; if both run,
+    start the shared servers the integration tests will use now, so that they load meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("integration") is not None)  # stable
-    if hasattr(config, "workerinput"):
-        return
     if not items or items[0].get_closest_marker("integration") is not None:
         return  # nothing to overlap with
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
