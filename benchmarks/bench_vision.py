@@ -37,14 +37,8 @@ sys.path.insert(1, str(ROOT / "benchmarks"))
 from benchmark.common import cpu_summary  # noqa: E402
 from server_process import serving  # noqa: E402
 from soak import worker_pid  # noqa: E402
+from tiny_vlm import CHAT_TEMPLATE  # noqa: E402  (ChatML; an image part becomes <image>, as the tests' VLMs)
 
-CHAT_TEMPLATE = (  # SmolVLM's turn markers are ChatML-like here; image parts become <image>
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QUESTIONS = ["What is in the picture?", "Describe the colours you see.", "Is there any text in this image?",
              "Count the objects in the picture.", "What is the weather like here?"]
 
