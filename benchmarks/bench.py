@@ -55,8 +55,11 @@ back to not sending the flag when its schema rejects it; the run says so). Metri
 chunks, pooled over requests; E2E; output tok/s = all output tokens / (last response end - first
 request start); p50/p99.
 
-One system runs at a time; every server stays up (idle) for the whole run, so the systems interleave
-point by point (each system at c, then the next c; cb/static at the largest c). The machine is shared
+One system runs at a time. By default every server stays up (idle) for the whole run and each is
+measured at every concurrency in turn (cb/static at the largest c, after the servers, which idle
+meanwhile). With --one-at-a-time each server is started alone, measured and stopped before the
+next starts: an idle server's threads still wake in bursts (an idle vLLM CPU server slowed our
+one-stream decode 2.5x, RESULTS.md), so that is the fair comparison, at the price of start-ups. The machine is shared
 and noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
 for CPU use outside the benchmark to calm down, shows that outside use per point ("bg CPU", % of
 one core), and re-runs a point disturbed by more than --noisy % (--retries times), keeping the
@@ -75,7 +78,6 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
 """
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -89,14 +91,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(1, str(ROOT / "src"))
 sys.path.insert(2, str(ROOT / "benchmarks"))  # the benchmark package next to this file
 
-from benchmark.clients import DynamicClient, openai_sender, stream_one
-from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, EXTERNAL_SYSTEMS, LLAMA_SYSTEMS, RESULT_TAG, VLLM_SYSTEMS,
-                              Interrupted, ModelSource, log, stop_on_signals)
-from benchmark.inprocess import inproc_point, run_worker
-from benchmark.monitor import hwm_mib
-from benchmark.points import Runner, http_point
+from benchmark.clients import DynamicClient
+from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,
+                              stop_on_signals)
+from benchmark.inprocess import run_worker
+from benchmark.points import Runner
 from benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
-from benchmark.servers import ServerSettings, Servers, phase_split, warm_up
+from benchmark.servers import ServerSettings
+from benchmark.sweep import INPROC_SYSTEMS, SweepRun
 from benchmark.workload import build_workload, model_folder
 
 WORKLOADS = ("sweep", "chat", "gaps")
@@ -147,6 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--beam", action="store_true", help="also run num_beams=4 requests, one after another")
     g.add_argument("--prefill-budget", help="comma-separated option.max_rolling_batch_prefill_tokens values: "
                                            "every system runs once per value (default: the server's default)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="sweep: start each system's server alone, measure it, stop it (default: all up at once)")
     p.add_argument("--quick", action="store_true", help="short smoke run")
     p.add_argument("--out", help="also write the markdown report here")
     p.add_argument("--json", help="also write every row as JSON here")
@@ -182,17 +186,6 @@ def requests_for(args: argparse.Namespace, concurrency: int) -> int:
     if args.num_prompts:
         return args.num_prompts
     return max(concurrency * args.requests_per_client, args.min_requests)
-
-
-def sweep_sender(name: str, dyn: DynamicClient) -> tuple[str, object]:
-    """(route, sender) of a system in the sweep."""
-    if name in LLAMA_SYSTEMS:  # no prompt cache: every request prefills its whole prompt, as ours do
-        return "/v1/completions", openai_sender("completions", extra={"cache_prompt": False})
-    if name in VLLM_SYSTEMS:
-        return "/v1/completions", openai_sender("completions")
-    if name == "dynamic":
-        return "/invocations", dyn
-    return "/invocations", stream_one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,70 +238,43 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
                               llama_slots=max(args.concurrency), llama_ctx_per_slot=-(-ctx // 256) * 256,
                               llama_threads=args.threads, llama_prompt_cache=False,
                               vllm_max_seqs=max(args.concurrency), vllm_max_model_len=-(-ctx // 256) * 256, vllm_threads=args.threads)
-    servers = Servers(workdir, args.systems, settings, source)
     rows: list[dict] = []
     notes: list[str] = []
     runner = Runner(args.quiet_wait, args.quiet_threshold, args.noisy, args.retries)
     interrupted: Interrupted | None = None
-    try:
-        from transformers import AutoTokenizer
+    run = SweepRun(rows=rows, notes=notes, runner=runner, workdir=workdir, source=source, args=args)
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_folder(source))
-        points = sorted(set(args.concurrency) | set(args.inproc_concurrency))
-        sizes = {c: requests_for(args, c) for c in points}
-        # each point its own window of prompts (and the warm-up the last one): no prompt repeats in a run
-        offsets, total = {}, 0
-        for c in points:
-            offsets[c], total = total, total + sizes[c]
-        workload = build_workload(tokenizer, total + 2, args.prompt_len, args.output_len)
-        log(f"workload: {len(workload.prompts)} prompts, {min(workload.prompt_tokens)}-{max(workload.prompt_tokens)} "
-            f"prompt tokens, outputs {min(workload.max_new_tokens)}-{max(workload.max_new_tokens)}; requests per point "
-            + ", ".join(f"c{c}: {n}" for c, n in sizes.items()))
-        servers.wait()
-        dyn = DynamicClient(tokenizer, send_ignore_eos=True)
-        senders = {name: sweep_sender(name, dyn) for name in servers.servers}
-        for name, server in list(servers.servers.items()):
-            try:
-                notes += warm_up(name, server, workload.window(total, 2), dyn, senders[name][1], senders[name][0])
-            except RuntimeError as exc:
-                servers.drop(name, f"warm-up failed: {str(exc)[:300]}")
-        try:
-            for c in points:
-                n, window = sizes[c], workload.window(offsets[c], sizes[c])
-                if c in args.concurrency:
-                    for name, server in servers.servers.items():
-                        path, send = senders[name]
-                        run = functools.partial(http_point, name, server, send, path, window, c, n)
-                        rows.append(runner.measure(f"{name}@{c}", run))
-                if c in args.inproc_concurrency:
-                    for kind in ("cb", "static"):
-                        if kind not in args.systems:
-                            continue
-                        extra_notes: list[str] = []
-                        run = functools.partial(inproc_point, kind, window, c, n, args.threads, workdir,
-                                                servers.pids(), extra_notes, source)
-                        try:
-                            rows.append(runner.measure(f"{kind}@{c}", run))
-                        except Exception as exc:  # noqa: BLE001 - report and go on with the other systems
-                            notes.append(f"{kind}@{c} failed: {str(exc)[-1500:]}")
-                            log(f"{kind}@{c} FAILED: {str(exc)[-800:]}")
-                            continue
-                        notes += [x for x in dict.fromkeys(extra_notes) if x not in notes]
-        except Exception as exc:  # noqa: BLE001 - keep what was measured and say why it stopped
-            notes.append(f"SWEEP ABORTED: {type(exc).__name__}: {str(exc)[-2000:]}")
-            log(f"sweep aborted: {type(exc).__name__}: {str(exc)[-2000:]}")
-        except Interrupted as exc:  # the same, and main exits with the signal's status after the report
-            notes.append(f"SWEEP INTERRUPTED by {exc}: the points above are all that was measured")
-            interrupted = exc
-        hwm = {name: hwm_mib(s.proc.pid) for name, s in servers.servers.items()}
-        for name, server in servers.servers.items():
-            split = phase_split(server) if name not in EXTERNAL_SYSTEMS else None
-            if split:
-                notes.append(f"engine phases of {name} over the whole run: {split}")
-        server_logs = {name: s.output() for name, s in servers.servers.items()}
-        llama_commands = {name: s.command for name, s in servers.servers.items() if name in EXTERNAL_SYSTEMS}
-    finally:
-        servers.stop()
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(source))
+    points = sorted(set(args.concurrency) | set(args.inproc_concurrency))
+    sizes = {c: requests_for(args, c) for c in points}
+    # each point its own window of prompts (and the warm-up the last one): no prompt repeats in a run
+    offsets, total = {}, 0
+    for c in points:
+        offsets[c], total = total, total + sizes[c]
+    workload = build_workload(tokenizer, total + 2, args.prompt_len, args.output_len)
+    log(f"workload: {len(workload.prompts)} prompts, {min(workload.prompt_tokens)}-{max(workload.prompt_tokens)} "
+        f"prompt tokens, outputs {min(workload.max_new_tokens)}-{max(workload.max_new_tokens)}; requests per point "
+        + ", ".join(f"c{c}: {n}" for c, n in sizes.items()))
+    run.windows = {c: workload.window(offsets[c], sizes[c]) for c in points}
+    run.warm_window = workload.window(total, 2)
+    run.dyn = DynamicClient(tokenizer, send_ignore_eos=True)
+    served = [s for s in args.systems if s not in INPROC_SYSTEMS]
+    # all at once (the default): every server up for the whole run; one at a time: each system's server
+    # alone, stopped before the next starts (an idle server's threads still wake and disturb the others)
+    groups = [[s] for s in served] if args.one_at_a_time else [served]
+    try:
+        for i, group in enumerate(groups):
+            last = i == len(groups) - 1
+            run.serve(group, settings, inproc_after=last and not args.one_at_a_time)
+        if args.one_at_a_time:
+            run.inproc_points([])  # with no server up
+    except Interrupted as exc:  # main exits with the signal's status, after the report if a point was measured
+        if not rows:
+            raise
+        notes.append(f"SWEEP INTERRUPTED by {exc}: the points above are all that was measured")
+        interrupted = exc
+    hwm, skipped, llama_commands, server_logs = run.hwm, run.skipped, run.commands, run.logs
 
     order = {s: i for i, s in enumerate(ALL_SYSTEMS)}
     rows.sort(key=lambda r: (order[r["system"]], r["concurrency"]))
@@ -321,7 +287,7 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
            f"(mean {sum(workload.prompt_tokens) / len(workload.prompt_tokens):.0f}), outputs "
            f"{args.output_len[0]}-{args.output_len[1]} tokens forced (ignore EOS); greedy; requests per point: "
            + ", ".join(f"{c}: {n}" for c, n in sizes.items()) + ".", "",
-           render_table(rows), *skipped_lines(servers.skipped), "",
+           render_table(rows), *skipped_lines(skipped), "",
            "Notes:",
            "- rolling at concurrency 1 is the sequential baseline (one request at a time on the same server).",
            "- every point has its own prompts (no prompt repeats within a run), so no prefix cache hits.",
