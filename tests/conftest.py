@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,82 +11,25 @@ import pytest
 from server_process import FIXTURES, ServerProcess
 
 DEFAULT_ENV = {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "64", "SAGEMAKER_MAX_REQUEST_SIZE": "100000"}
-# The session's shared servers, started at collection (pytest_collection_modifyitems): a start is ~6 s
-# of single-threaded imports in the worker, which the second core does beside the first tests.
+# The session's shared servers, started while the unit tests run (pytest_collection_modifyitems):
+# a start is ~6 s of single-threaded imports in the worker, which the second core does beside them.
 _EARLY: dict[str, ServerProcess] = {}
 _EARLY_STORE: list[Path] = []
 
 
-# scripts/test runs the suite as two processes, one per lane (LMI_SERVE_TEST_LANE): "shared" is every
-# module that uses the session's shared servers, "rest" the unit tests and the modules with servers of
-# their own. A server's start (single-threaded imports) or a client waiting on it leaves a core idle,
-# which the other lane uses; the shared servers start once, in their lane.
-LANE_ENV = "LMI_SERVE_TEST_LANE"
-LANES = ("shared", "rest")
-SHARED_SERVERS = {"default_server", "store_server"}
-# The models' integration tests start servers of their own; they run in the "shared" lane too, which
-# balances the lanes (a one-process run's module times, 2026-11-27: ~590 s of tests against ~500 s).
-SHARED_LANE_FOLDERS = ("tests/integration/models/",)
-
-
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: start only what the selected tests use
 def pytest_collection_modifyitems(session, config, items):
-    """Keep this process's lane, if it has one; unit tests first (they need no server and fail fast),
-    integration tests after; start the shared servers the selected tests use now, so that they load
-    while the first tests run."""
-    lane = os.environ.get(LANE_ENV)
-    if lane:
-        if lane not in LANES:
-            raise pytest.UsageError(f"{LANE_ENV}={lane!r}: expected one of {', '.join(LANES)}")
-        shared = shared_lane_modules(items) | {module_of(item) for item in items
-                                               if module_of(item).startswith(SHARED_LANE_FOLDERS)}
-        dropped = [item for item in items if (module_of(item) in shared) != (lane == "shared")]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            keep = set(map(id, dropped))
-            items[:] = [item for item in items if id(item) not in keep]
+    """Unit tests first (they need no server and fail fast), integration tests after; if both run,
+    start the shared servers the integration tests will use now, so that they load meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("integration") is not None)  # stable
-    if config.option.collectonly:
-        return
+    if not items or items[0].get_closest_marker("integration") is not None:
+        return  # nothing to overlap with
     used = {name for item in items for name in getattr(item, "fixturenames", ())}
     if "default_server" in used:
         _EARLY["default"] = ServerProcess(env=DEFAULT_ENV)
     if "store_server" in used:
         _EARLY_STORE.append(write_model_store(Path(tempfile.mkdtemp(prefix="lmi-serve-store-"))))
         _EARLY["store"] = ServerProcess("--model-store", str(_EARLY_STORE[0]))
-
-
-def module_of(item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
-def servers_of(item) -> set[str]:
-    """The session- and package-scoped server fixtures (named `*_server`) an item uses."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return set()
-    return {name for name, defs in info.name2fixturedefs.items()
-            if name.endswith("_server") and defs and defs[-1].scope in ("session", "package")}
-
-
-def shared_lane_modules(items) -> set[str]:
-    """Modules that use a shared server, and every module that shares a package-scoped server with
-    one of them (so that no server starts in both lanes)."""
-    users: dict[str, set[str]] = {}  # server fixture -> modules using it
-    for item in items:
-        for name in servers_of(item):
-            users.setdefault(name, set()).add(module_of(item))
-    shared: set[str] = set()
-    frontier = set(SHARED_SERVERS)
-    seen: set[str] = set()
-    while frontier:
-        server = frontier.pop()
-        seen.add(server)
-        for module in users.get(server, ()):
-            if module not in shared:
-                shared.add(module)
-                frontier |= {n for item in items if module_of(item) == module for n in servers_of(item)} - seen
-    return shared
 
 
 def pytest_sessionfinish(session, exitstatus):
