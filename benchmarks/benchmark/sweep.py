@@ -54,6 +54,16 @@ class SweepRun:
     logs: dict[str, str] = field(default_factory=dict)
     aborted: bool = False
 
+    def measure_all(self, settings: ServerSettings) -> None:
+        """Every system of `args.systems`: the servers all up at once, or one at a time
+        (`args.one_at_a_time`), then the in-process systems (with the servers idle, or none up)."""
+        served = [s for s in self.args.systems if s not in INPROC_SYSTEMS]
+        groups = [[s] for s in served] if self.args.one_at_a_time else [served]
+        for i, group in enumerate(groups):
+            self.serve(group, settings, inproc_after=i == len(groups) - 1 and not self.args.one_at_a_time)
+        if self.args.one_at_a_time or not groups:
+            self.inproc_points([])
+
     def serve(self, group: list[str], settings: ServerSettings, inproc_after: bool) -> None:
         """Start `group`'s servers, measure each at every HTTP concurrency (and, with `inproc_after`,
         the in-process systems while they idle), keep their figures and logs, stop them. After an
