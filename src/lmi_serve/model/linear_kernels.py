@@ -73,11 +73,13 @@ class OneDnnLinear(nn.Module):
         self.dtype = linear.weight.dtype
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), _PACK_ROWS)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._row_alone_differs = row_alone_differs(self._linear, self.in_features, self.out_features, self.dtype,
+                                                    self.bias is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # a caller that up/down-casts around a layer: keep its contract
             x = x.to(self.dtype)
-        if x.numel() == x.shape[-1]:  # one row: computed as two (see one_row_as_two)
+        if x.numel() == x.shape[-1] and self._row_alone_differs:  # one row: computed as two (one_row_as_two)
             return one_row_as_two(self._linear, x)
         return self._linear(x.contiguous())
 
@@ -87,6 +89,25 @@ class OneDnnLinear(nn.Module):
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=onednn, {dtype}"
+
+
+_ROW_ALONE_DIFFERS: dict[tuple, bool] = {}  # (in, out, dtype, bias, threads) -> probed answer
+
+
+def row_alone_differs(linear, in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> bool:
+    """Whether oneDNN answers one row of this shape with other bits than the same row gets beside another
+    (then the layer takes `one_row_as_two`). Probed once per shape on this CPU and thread count, with
+    random rows: oneDNN picks its kernel by shape, and another kernel's rounding shows on any input.
+    Measured on an AVX-512 Xeon: the same kernel below 1,280 input features, another from there up;
+    the copy and the second row cost a one-row step ~4 ms of ~50 (SmolLM2) where they were not needed."""
+    key = (in_features, out_features, dtype, bias, torch.get_num_threads())
+    if key not in _ROW_ALONE_DIFFERS:
+        rows = torch.randn(3, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.no_grad():
+            _ROW_ALONE_DIFFERS[key] = any(
+                not torch.equal(linear(rows[i:i + 1]), linear(rows[i:i + 1].expand(2, -1).contiguous())[:1])
+                for i in range(len(rows)))
+    return _ROW_ALONE_DIFFERS[key]
 
 
 def one_row_as_two(linear, x: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,23 @@ def test_a_row_alone_gets_the_bits_it_gets_in_any_batch(in_features):
         assert torch.equal(layer(x[:1].reshape(1, 1, in_features)).reshape(1, 96), alone)  # a decode step's shape
 
 
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_a_row_alone_is_computed_as_two_only_where_the_kernel_differs(in_features):
+    # The second row is a copy and a cost (~4 ms of a 50 ms SmolLM2 step): paid only for shapes whose
+    # one-row answer differs from the row's answer in a pair, which the layer probes once.
+    torch.manual_seed(0)
+    layer = OneDnnLinear(torch.nn.Linear(in_features, 96))
+    x = torch.randn(2, in_features)
+    with torch.no_grad():
+        differs = not torch.equal(layer._linear(x[:1]), layer._linear(x)[:1])
+        seen = []
+        kernel = layer._linear
+        layer._linear = lambda rows: seen.append(rows.shape[0]) or kernel(rows)
+        layer(x[:1])
+    assert layer._row_alone_differs == differs
+    assert seen == ([2] if differs else [1])
+
+
 def test_torch_leaves_the_model_as_it_is():
     model = tiny_llama(tied=False)
     report = use_linear_kernel(model, "torch", CPU)
