@@ -126,7 +126,7 @@ def run_guidellm_workload(args, source: ModelSource) -> tuple[str, list[dict]]:
                             workdir / f"{name}.json")
             rows.append({"system": name, "concurrency": streams, **summary(run_guidellm(binary, spec, workdir, name))})
             log(f"{name}: {rows[-1]}")
-        except (RuntimeError, KeyError, IndexError, ValueError) as exc:
+        except (RuntimeError, KeyError, IndexError, ValueError, subprocess.TimeoutExpired) as exc:
             notes.append(f"{name} failed: {str(exc)[-1500:]}")
             log(f"{name} FAILED: {str(exc)[-800:]}")
         finally:
