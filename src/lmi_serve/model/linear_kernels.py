@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lmi_serve.model.quantize import own_remaining_tensors, replace_module, return_freed_memory
+from lmi_serve.model.shared_input import SharedInputSlice, stack_shared_inputs
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,11 @@ def one_row_as_two(linear, x: torch.Tensor) -> torch.Tensor:
     return linear(flat.expand(2, -1).contiguous())[:1].reshape(*x.shape[:-1], -1)
 
 
+def on_onednn(module: nn.Module) -> bool:
+    """A layer computed by oneDNN's packed kernel: a OneDnnLinear, or a slice of a stacked one."""
+    return isinstance(module, (OneDnnLinear, SharedInputSlice))
+
+
 @dataclass
 class LinearKernelReport:
     """What a swap did: for the start-up log and the benchmarks."""
@@ -127,6 +133,7 @@ class LinearKernelReport:
     kernel: str  # the kernel in use: onednn or torch
     dtype: str = "fp32"  # the swapped layers' weights: fp32, or bf16 (option.dtype=bf16 on a CPU that computes it)
     swapped: list[str] = field(default_factory=list)
+    stacked: list[str] = field(default_factory=list)  # of `swapped`: siblings stacked into one matmul (shared_input.py)
     kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays an nn.Linear
     seconds: float = 0.0
 
@@ -135,7 +142,8 @@ class LinearKernelReport:
             return "option.linear_kernel: torch's own nn.Linear (MKL sgemm in fp32)"
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
         return (f"option.linear_kernel=onednn: {len(self.swapped)} {self.dtype} Linear layers on oneDNN's packed weights "
-                f"in {self.seconds:.1f} s; kept: {kept}")
+                f"({len(self.stacked)} of them stacked with siblings of the same input) in {self.seconds:.1f} s; "
+                f"kept: {kept}")
 
 
 def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -151,14 +159,19 @@ def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> s
     return "onednn" if requested == "auto" and fits else ("torch" if requested == "auto" else requested)
 
 
-def use_linear_kernel(model: nn.Module, requested: str, device: torch.device) -> LinearKernelReport:
+def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
+                      stack_siblings: bool = True) -> LinearKernelReport:
     """Swap `model`'s fp32 nn.Linear layers for OneDnnLinear in place when the kernel is onednn
-    (choose_kernel); a no-op for torch. Raises LinearKernelError for a request that cannot apply."""
+    (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
+    False (the benchmarks' baseline); a no-op for torch. Raises LinearKernelError for a request that
+    cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
     if report.kernel == "torch":
         return report
     started = time.monotonic()
+    report.stacked = stack_shared_inputs(model, packable_dtypes(), OneDnnLinear) if stack_siblings else []
+    report.swapped.extend(report.stacked)
     with torch.no_grad():
         for name, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmi_serve.model.linear_kernels import OneDnnLinear
+from lmi_serve.model.linear_kernels import OneDnnLinear, on_onednn
 from lmi_serve.model.quantize import replace_module
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -73,7 +73,7 @@ class LoraWeights:
         def layer(weight: torch.Tensor) -> nn.Module:
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
             linear.weight = nn.Parameter(weight, requires_grad=False)
-            if isinstance(base, OneDnnLinear) and weight.dtype == base.dtype:  # fp32, or bf16 on a CPU computing it
+            if on_onednn(base) and weight.dtype == base.dtype:  # fp32, or bf16 on a CPU computing it
                 return OneDnnLinear(linear)
             return linear
         return LoraWeights(self.a, self.b, self.scale, layer(self.a), layer(self.b))
@@ -249,7 +249,7 @@ class LoraLinear(nn.Module):
 
 def _adaptable(module: nn.Module) -> bool:
     """A plain fp32/fp16/bf16 linear layer or its oneDNN-packed form (not a quantized one)."""
-    return type(module) is nn.Linear or isinstance(module, OneDnnLinear)
+    return type(module) is nn.Linear or on_onednn(module)
 
 
 class LoraModel:

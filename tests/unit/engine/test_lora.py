@@ -229,3 +229,26 @@ def test_each_layer_indexes_its_rows_on_its_own_input_device():
         out = model(torch.empty(3, 8, device="meta"))
     assert out.device.type == "meta" and out.shape == (3, 4)
     assert made == [torch.device("meta")] * 2  # each layer asked for its rows on its input's device
+
+
+def test_adapters_on_stacked_onednn_layers(tiny_model, adapter_dirs, prompt_ids):
+    """q/k/v and gate/up stacked into one oneDNN matmul each (model/shared_input.py): LoRA still wraps every
+    one of them, base rows keep the stacked base model's logits bit for bit, adapter rows match PEFT."""
+    from peft import PeftModel
+
+    from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
+    if not onednn_available():
+        pytest.skip("this torch was built without oneDNN")
+    base = copy.deepcopy(tiny_model)
+    assert use_linear_kernel(base, "onednn", CPU).stacked
+    model = copy.deepcopy(tiny_model)
+    use_linear_kernel(model, "onednn", CPU)
+    adapters = start_adapters(model, CPU, max_loras=2, max_rank=64, dtype="auto", folder=None)
+    adapters.register("alpha", str(adapter_dirs["alpha"]))
+    layers = {name for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+    assert {"model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"} <= layers
+    ids = [prompt_ids[0], prompt_ids[1]]
+    mixed = logits(model, ids, [adapters.get("alpha").slot, None])
+    assert torch.equal(mixed[1], logits(base, ids)[1])
+    reference = PeftModel.from_pretrained(copy.deepcopy(tiny_model), str(adapter_dirs["alpha"])).eval()
+    assert torch.allclose(mixed[0], logits(reference, ids)[0], atol=1e-4, rtol=1e-4)
