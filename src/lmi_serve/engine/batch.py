@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmi_serve.engine.detokenizer import IncrementalDetokenizer
-from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled, eviction_order
 from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.sampling.grammar import Constraint
 from lmi_serve.engine.sampling.history import SamplingHistory
@@ -187,4 +187,8 @@ class Batch:
                 for row, token, logprob, top in zip(self.rows, choice.token_ids, choice.logprobs, choice.top)]
 
     def evict_finished(self) -> None:
-        self.filter([i for i, row in enumerate(self.rows) if not row.finished])
+        """Drop the finished rows; the others go on in the order the KV batch moves least (a row's place
+        in the batch means nothing: kv/protocol.py item 9)."""
+        survivors = [i for i, row in enumerate(self.rows) if not row.finished]
+        if len(survivors) < len(self.rows):
+            self.filter(eviction_order(self.kv, survivors))

@@ -437,3 +437,65 @@ def test_kv_keep_indexes_each_layer_on_its_own_device(kind, tiny_model, prompt_i
     kv.keep([0, 2, 3])
     assert mismatched == []
     assert kv.mask.device == CPU and len(kv) == 3
+
+
+@pytest.mark.parametrize("parts, survivors, order", [
+    ([6], [0, 2, 3, 5], [0, 5, 2, 3]),  # row 1's place goes to the last survivor, 5; 4's place is gone
+    ([6], [1, 2, 3, 4, 5], [5, 1, 2, 3, 4]),
+    ([6], [0, 1, 2], [0, 1, 2]),  # the tail leaves: nothing moves
+    ([3, 2], [1, 2, 3, 4], [2, 1, 3, 4]),  # each part fills its own places: parts stay runs of rows
+    ([3, 2], [0, 4], [0, 4]),
+])
+def test_slot_kv_eviction_order_fills_each_parts_places_with_its_last_rows(parts, survivors, order, monkeypatch):
+    monkeypatch.setattr(SlotKV, "part_shapes", lambda self: (parts, [10] * len(parts)))
+    assert SlotKV.eviction_order(object.__new__(SlotKV), survivors) == order
+
+
+def test_slot_kv_eviction_copies_only_the_rows_that_move(tiny_model, prompt_ids, monkeypatch, slot_buffers):
+    """Rows leave as the scheduler evicts them (kv/protocol.py item 9): each leaving row costs one row's
+    copy, the longest row leaving costs none (its columns are dropped by moving the part's start), and
+    every row's logits stay those of a fresh prefill of its sequence, through writes that pass the
+    buffers' end (compacted) and a joiner merging into the moved part."""
+    monkeypatch.setattr(SlotKV, "merge_slack", 10**9)  # one part
+    sequences = [list(prompt_ids[i % 5]) + [i] for i in range(6)]
+    sequences[3] = (list(prompt_ids[2]) * 10)[:60]  # the longest
+    kv = SlotKV.prefill(tiny_model, sequences, pad_id=0, device=CPU).kv
+    [part] = kv.cache.layers[0].parts
+    store = part.key_store
+    copied = []
+    select = kv_slots.SlotPart.select
+
+    def counted(self, rows, targets, sources, first):
+        copied.append(0 if targets is None else len(targets))
+        return select(self, rows, targets, sources, first)
+
+    monkeypatch.setattr(kv_slots.SlotPart, "select", counted)
+
+    def step(n=1):
+        for _ in range(n):
+            tokens = [30 + len(s) % 50 for s in sequences]
+            kv.feed(torch.tensor(tokens))
+            for sequence, token in zip(sequences, tokens):
+                sequence.append(token)
+            logits = kv.decode()
+        for sequence, row in zip(sequences, logits):
+            assert torch.allclose(row, fresh_logits(tiny_model, [sequence])[0], atol=1e-4)
+
+    step()
+    order = kv.eviction_order([0, 2, 3, 4])  # rows 1 and 5 leave
+    assert order == [0, 4, 2, 3]
+    kv.keep(order)
+    sequences = [sequences[i] for i in order]
+    layers = len(kv._layers())
+    assert copied == [1] * layers and part.key_store is store  # one row copied per layer, in place
+    step()
+    copied.clear()
+    order = kv.eviction_order([0, 1, 2])  # the longest (now the last row) leaves
+    kv.keep(order)
+    sequences = [sequences[i] for i in order]
+    assert copied == [0] * layers and part.start > 0 and part.key_store is store
+    step(kv_slots.MIN_COLUMNS - part.end + 2)  # past the buffer's end: compacted, not grown
+    assert part.start == 0 and part.key_store.shape[2] == store.shape[2]
+    kv.extend(SlotKV.prefill(tiny_model, [list(prompt_ids[1])], pad_id=0, device=CPU).kv)
+    sequences.append(list(prompt_ids[1]))
+    step()

@@ -39,6 +39,9 @@ Contract, for every layout and the KV batches it makes:
    forward (floating tensors in the model's dtype); the others refuse them.
 8. `layout.prepare(model)` readies the model for the layout (the attention function it needs) and
    runs before the model's first forward through it; it is idempotent.
+9. Optionally, `eviction_order(survivors)`: the same rows as `survivors` (ascending), in the order whose
+   `keep` copies least (a slot cache fills a leaving row's place with its part's last row). A row's
+   place carries no meaning, so the engine keeps finished rows' survivors in it (`eviction_order` below).
 """
 
 from __future__ import annotations
@@ -73,6 +76,12 @@ def held_bytes(kv: "KVBatch | None") -> int:
     """`kv.held_bytes()` (contract item 6); 0 for no batch or an implementation without it."""
     measure = getattr(kv, "held_bytes", None)
     return measure() if measure is not None else 0
+
+
+def eviction_order(kv: "KVBatch", survivors: Sequence[int]) -> list[int]:
+    """`kv.eviction_order(survivors)` (contract item 9); `survivors` as they are for an implementation without it."""
+    order = getattr(kv, "eviction_order", None)
+    return list(survivors) if order is None else order(survivors)
 
 
 def forward_inputs(model: Any, model_inputs: Mapping[str, Any] | None, rows: int, device: torch.device

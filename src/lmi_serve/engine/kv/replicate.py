@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled, held_bytes
+from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled, eviction_order, held_bytes
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,10 @@ class ReplicatedBatch:
 
     def held_bytes(self) -> int:
         return held_bytes(self.local)
+
+    def eviction_order(self, survivors: Sequence[int]) -> list[int]:
+        """Rank 0's choice; the ranks then replay the `keep` it leads to."""
+        return eviction_order(self.local, survivors)
 
 
 def follow(model: Any, layout: KVLayout, device: torch.device, receive: Callable[[], Op] = lambda: broadcast(None)
