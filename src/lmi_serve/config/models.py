@@ -299,7 +299,8 @@ class ModelConfig(BaseModel):
         description=(
             "the kernel of fp32 Linear layers on the CPU. `auto`: oneDNN's matmul on weights reordered once into "
             "its blocked layout (model/linear_kernels.py; a decoder's q/k/v and gate/up stacked into one matmul "
-            "each, the same bits: model/shared_input.py) wherever the model is fp32 on the CPU (or bf16 on a CPU "
+            "each, the same bits: model/shared_input.py; RMSNorm layers on `F.rms_norm` where a probe finds the "
+            "same bits, with either kernel: model/fused_norms.py) wherever the model is fp32 on the CPU (or bf16 on a CPU "
             "with avx512_bf16 or AMX), else torch's own; `onednn`: that, or a start-up error naming the option (a "
             "GPU, fp16, bf16 the CPU only emulates); `torch`: `nn.Linear` "
             "as loaded (MKL's sgemm), the path before. Still fp32 arithmetic: logits differ from MKL's only in "

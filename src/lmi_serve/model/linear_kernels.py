@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lmi_serve.model.fused_norms import use_fused_norms
 from lmi_serve.model.quantize import own_remaining_tensors, replace_module, return_freed_memory
 from lmi_serve.model.shared_input import SharedInputSlice, stack_shared_inputs
 
@@ -134,16 +135,18 @@ class LinearKernelReport:
     dtype: str = "fp32"  # the swapped layers' weights: fp32, or bf16 (option.dtype=bf16 on a CPU that computes it)
     swapped: list[str] = field(default_factory=list)
     stacked: list[str] = field(default_factory=list)  # of `swapped`: siblings stacked into one matmul (shared_input.py)
+    norms: list[str] = field(default_factory=list)  # RMSNorm layers on F.rms_norm, the same bits (fused_norms.py)
     kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays an nn.Linear
     seconds: float = 0.0
 
     def describe(self) -> str:
+        norms = f"; {len(self.norms)} RMSNorm layers on F.rms_norm" if self.norms else ""
         if self.kernel == "torch":
-            return "option.linear_kernel: torch's own nn.Linear (MKL sgemm in fp32)"
+            return f"option.linear_kernel: torch's own nn.Linear (MKL sgemm in fp32){norms}"
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
         return (f"option.linear_kernel=onednn: {len(self.swapped)} {self.dtype} Linear layers on oneDNN's packed weights "
                 f"({len(self.stacked)} of them stacked with siblings of the same input) in {self.seconds:.1f} s; "
-                f"kept: {kept}")
+                f"kept: {kept}{norms}")
 
 
 def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -163,10 +166,11 @@ def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
                       stack_siblings: bool = True) -> LinearKernelReport:
     """Swap `model`'s fp32 nn.Linear layers for OneDnnLinear in place when the kernel is onednn
     (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
-    False (the benchmarks' baseline); a no-op for torch. Raises LinearKernelError for a request that
-    cannot apply."""
+    False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
+    their bits (fused_norms.py). Raises LinearKernelError for a request that cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
+    report.norms = use_fused_norms(model)
     if report.kernel == "torch":
         return report
     started = time.monotonic()

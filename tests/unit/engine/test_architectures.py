@@ -32,6 +32,7 @@ from lmi_serve.engine.kv.select import KV_LAYOUTS
 from lmi_serve.engine.kv.slots import SlotKV, SlotLayout
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
+from lmi_serve.model.fused_norms import FusedRMSNorm, use_fused_norms
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 from waiting import within
 
@@ -159,6 +160,31 @@ def reference(model, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> list[int]:
 
 def greedy(prompt: tuple[int, ...], n: int = NEW_TOKENS) -> GenerationRequest:
     return GenerationRequest(prompt, stop=StopParams(max_new_tokens=n, eos_token_ids=frozenset(), ignore_eos=True))
+
+
+# Families whose RMSNorm is Llama's formula, which F.rms_norm must take over (model/fused_norms.py).
+LLAMA_NORMS = frozenset({"llama_rope_scaling", "qwen2", "qwen3", "mistral", "phi3"})
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_fused_norms_keep_every_familys_logits_bit_for_bit(name, smollm2_tokenizer):
+    """RMSNorm layers go on F.rms_norm only where that answers their bits (a probe per class): every
+    family's logits are unchanged, and the Llama-formula families are swapped (others may be too, as
+    Gemma 3n's, whose norm without Gemma's `1 + weight` gives the same bits)."""
+    model = build(FAMILIES[name], len(smollm2_tokenizer), WINDOW)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.normal_(1.0, 0.3)  # a weight that matters (the init is all ones, or zeros)
+    ids = torch.randint(3, len(smollm2_tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
+    extra = {"decoder_input_ids": ids[:, :4]} if model.config.is_encoder_decoder else {}
+    with torch.inference_mode():
+        before = model(input_ids=ids, **extra).logits
+        swapped = use_fused_norms(model)
+        after = model(input_ids=ids, **extra).logits
+    assert torch.equal(before, after)
+    assert all(isinstance(model.get_submodule(n), FusedRMSNorm) for n in swapped)
+    assert swapped or name not in LLAMA_NORMS
 
 
 @dataclass
