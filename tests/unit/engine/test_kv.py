@@ -118,6 +118,20 @@ def fresh_logits(model, sequences) -> torch.Tensor:
     return DynamicKV.prefill(model, sequences, pad_id=0, device=CPU).logits
 
 
+def decode_fed(kv, sequences: list[list[int]], tokens: list[int]) -> torch.Tensor:
+    """Feed each row its token (appended to that row's sequence) and decode: the step's logits."""
+    kv.feed(torch.tensor(tokens))
+    for sequence, token in zip(sequences, tokens):
+        sequence.append(token)
+    return kv.decode()
+
+
+def assert_fresh(model, sequences: list[list[int]], logits: torch.Tensor, where: str = "") -> None:
+    """Every row's logits equal a fresh prefill of its sequence alone."""
+    for sequence, row in zip(sequences, logits):
+        assert torch.allclose(row, fresh_logits(model, [sequence])[0], atol=1e-4), where
+
+
 @pytest.mark.parametrize("kind", sorted(KV_LAYOUTS))
 def test_kv_keep_and_extend_match_a_fresh_prefill(kind, tiny_model, smollm2_tokenizer, prompt_ids):
     """After rows joined, left and decoded, every row's logits equal those of a fresh prefill of
@@ -315,14 +329,9 @@ def test_slot_kv_reads_only_what_it_wrote(tiny_model, prompt_ids, monkeypatch, s
         if step == 7:  # the first row and the long one leave
             kv.keep([1, 2])
             sequences = [sequences[i] for i in (1, 2)]
-        tokens = [20 + step + i for i in range(len(sequences))]
-        kv.feed(torch.tensor(tokens))
-        for sequence, token in zip(sequences, tokens):
-            sequence.append(token)
-        logits = kv.decode()
+        logits = decode_fed(kv, sequences, [20 + step + i for i in range(len(sequences))])
         assert torch.isfinite(logits).all(), f"step {step}"
-        for sequence, row in zip(sequences, logits):
-            assert torch.allclose(row, fresh_logits(tiny_model, [sequence])[0], atol=1e-4), f"step {step}"
+        assert_fresh(tiny_model, sequences, logits, f"step {step}")
 
 
 def test_slot_kv_writes_in_place_and_reuses_its_buffers(tiny_model, prompt_ids):
@@ -357,13 +366,7 @@ def test_slot_kv_parts_attend_over_their_own_columns(tiny_model, prompt_ids, slo
     assert rows == [2, 1] and lengths == [max(map(len, sequences[:2])), 400]
     assert kv.cache.layers[0].parts[0].key_store is short_store  # the short rows did not move
     for step in range(3):
-        tokens = [11 + step, 12 + step, 13 + step]
-        kv.feed(torch.tensor(tokens))
-        for sequence, token in zip(sequences, tokens):
-            sequence.append(token)
-        logits = kv.decode()
-        for sequence, row in zip(sequences, logits):
-            assert torch.allclose(row, fresh_logits(tiny_model, [sequence])[0], atol=1e-4)
+        assert_fresh(tiny_model, sequences, decode_fed(kv, sequences, [11 + step, 12 + step, 13 + step]))
     assert kv.row_kv(2, 0, 400)[0][0].shape[1] == 400  # the prefix cache reads a row in its part
     kv.keep([0, 1])  # the long row leaves: one part again, as narrow as the short rows need
     assert kv.part_shapes() == ([2], [max(map(len, sequences[:2]))]) and kv.mask.shape[1] == kv.part_shapes()[1][0]
@@ -473,13 +476,8 @@ def test_slot_kv_eviction_copies_only_the_rows_that_move(tiny_model, prompt_ids,
 
     def step(n=1):
         for _ in range(n):
-            tokens = [30 + len(s) % 50 for s in sequences]
-            kv.feed(torch.tensor(tokens))
-            for sequence, token in zip(sequences, tokens):
-                sequence.append(token)
-            logits = kv.decode()
-        for sequence, row in zip(sequences, logits):
-            assert torch.allclose(row, fresh_logits(tiny_model, [sequence])[0], atol=1e-4)
+            logits = decode_fed(kv, sequences, [30 + len(s) % 50 for s in sequences])
+        assert_fresh(tiny_model, sequences, logits)
 
     step()
     order = kv.eviction_order([0, 2, 3, 4])  # rows 1 and 5 leave
