@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmi_serve.model.quantize import replace_module
+from lmi_serve.model.surgery import replace_module
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Sibling Linear layers that read the same input, computed as one oneDNN matmul (model surgery, no engine).
+"""Sibling Linear layers that read the same input, computed as one matmul (model surgery, no engine).
 
 A decoder layer multiplies one hidden state by q, k and v (and, in its MLP, by gate and up): three (two)
 matmuls that each read the activations and start oneDNN's threads again. Stacked into one weight, they are
@@ -6,7 +6,8 @@ one call: on SmolLM2's shapes (2 threads, AVX-512 Xeon) q/k/v took 84 µs a laye
 and 255 instead of 343 at 32 rows, gate/up 0.88-1.0x; the whole one-row step ~5 % (benchmarks/RESULTS.md).
 Each output column is the same dot product as before, and oneDNN sums it in the same order whatever the
 number of columns: the stacked layer's slices equal the separate layers' outputs bit for bit (the tests
-check it), so batch invariance and every greedy reference hold unchanged.
+check it), so batch invariance and every greedy reference hold unchanged. option.quantize=q4's int4 layers
+stack the same way (model/quantize.py: torch's int4 kernel computes each output element on its own).
 
 The model's own forward still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`: each becomes a `SharedInputSlice`
 of one `SharedInputGroup`. The first member called computes all of them for `x` and keeps the result; the
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmi_serve.model.quantize import replace_module
+from lmi_serve.model.surgery import replace_module
 
 # Children of one module that read the same input in the architectures transformers ships: attention's
 # q/k/v (Llama, Mistral, Qwen, Gemma, ... and BERT's query/key/value) and the gated MLP's gate/up.
@@ -35,17 +36,11 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("gate_pr
 
 
 class SharedInputGroup:
-    """One stacked OneDnnLinear for several layers of one input, and the last result, per thread."""
+    """One stacked layer for several layers of one input, and the last result, per thread."""
 
-    def __init__(self, layers: list[nn.Linear], pack: Callable[[nn.Linear], nn.Module]):
-        weight = torch.cat([layer.weight.detach() for layer in layers])
-        stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, dtype=weight.dtype)
-        with torch.no_grad():
-            stacked.weight.copy_(weight)
-            if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([layer.bias.detach() for layer in layers]))
-        self.linear = pack(stacked)
-        self.members = len(layers)
+    def __init__(self, stacked: nn.Module, members: int):
+        self.linear = stacked
+        self.members = members
         self._kept = threading.local()
 
     def output(self, member: int, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +74,7 @@ class _Kept:
 class SharedInputSlice(nn.Module):
     """One layer of a SharedInputGroup: the columns [start, stop) of the stacked output, as its own tensor."""
 
-    weight = None  # as OneDnnLinear: the packed weight is opaque
+    weight = None  # as OneDnnLinear / Q4Linear: the packed weight is opaque
 
     def __init__(self, group: SharedInputGroup, member: int, start: int, stop: int):
         super().__init__()
@@ -96,7 +91,7 @@ class SharedInputSlice(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, columns {self._start}:"
-                f"{self._stop} of a stacked oneDNN layer, kernel=onednn, {str(self.dtype).removeprefix('torch.')}")
+                f"{self._stop} of a stacked {type(self._group.linear).__name__}, {str(self.dtype).removeprefix('torch.')}")
 
 
 def _groups(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
@@ -119,23 +114,46 @@ def _groups(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
     return found
 
 
-def stack_shared_inputs(model: nn.Module, packable: tuple[torch.dtype, ...],
-                        pack: Callable[[nn.Linear], nn.Module]) -> list[str]:
-    """Replace each group of sibling nn.Linear layers (SIBLINGS) in `model` whose weights are packable on this
-    CPU by SharedInputSlices of one stacked layer made by `pack` (OneDnnLinear); returns the replaced layers'
-    names. Runs before the layer-by-layer swap (linear_kernels.use_linear_kernel), which packs what is left."""
+def stack_groups(model: nn.Module, build: Callable[[list[str], list[nn.Linear]], nn.Module | None]) -> list[str]:
+    """Replace each group of sibling nn.Linear layers (SIBLINGS) in `model` for which `build(full names,
+    layers)` returns a stacked layer (their outputs' columns one after the other, in that order) by
+    SharedInputSlices of it; returns the replaced layers' names."""
     replaced = []
     with torch.no_grad():
         for parent_name, names in _groups(model):
             parent = model.get_submodule(parent_name) if parent_name else model
             layers = [getattr(parent, name) for name in names]
-            if layers[0].weight.dtype not in packable or layers[0].weight.device.type != "cpu":
+            full_names = [f"{parent_name}.{name}" if parent_name else name for name in names]
+            stacked = build(full_names, layers)
+            if stacked is None:
                 continue
-            group = SharedInputGroup(layers, pack)
+            group = SharedInputGroup(stacked, len(layers))
             start = 0
-            for member, (name, layer) in enumerate(zip(names, layers)):
-                full = f"{parent_name}.{name}" if parent_name else name
+            for member, (full, layer) in enumerate(zip(full_names, layers)):
                 replace_module(model, full, SharedInputSlice(group, member, start, start + layer.out_features))
                 start += layer.out_features
                 replaced.append(full)
     return replaced
+
+
+def stack_shared_inputs(model: nn.Module, packable: tuple[torch.dtype, ...],
+                        pack: Callable[[nn.Linear], nn.Module]) -> list[str]:
+    """Replace each group of sibling nn.Linear layers (SIBLINGS) in `model` whose weights are packable on this
+    CPU by SharedInputSlices of one stacked layer made by `pack` (OneDnnLinear); returns the replaced layers'
+    names. Runs before the layer-by-layer swap (linear_kernels.use_linear_kernel), which packs what is left."""
+    def build(_names: list[str], layers: list[nn.Linear]) -> nn.Module | None:
+        if layers[0].weight.dtype not in packable or layers[0].weight.device.type != "cpu":
+            return None
+        return pack(_concatenated(layers))
+
+    return stack_groups(model, build)
+
+
+def _concatenated(layers: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the layers' outputs side by side."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, dtype=weight.dtype)
+    stacked.weight.copy_(weight)
+    if stacked.bias is not None:
+        stacked.bias.copy_(torch.cat([layer.bias.detach() for layer in layers]))
+    return stacked
