@@ -25,6 +25,8 @@ Systems:
 - rolling-fp16, rolling-q4  rolling with option.quantize=fp16 / q4 (opt-in lighter weights).
 - rolling-bf16  rolling with option.dtype=bf16: bf16 weights and activations on oneDNN's bf16 matmul
               where the CPU computes bf16 (avx512_bf16 / AMX); an opt-in, not exact.
+- rolling-q4-bf16  rolling with option.quantize=q4 and option.dtype=bf16: the GGUF's own 4-bit blocks on
+              torch's int4 kernel with bf16 activations (its vector path); an opt-in, not exact.
 - rolling-prefix  rolling with option.enable_prefix_caching=true (in the sweep no prompts share a
               prefix, so it measures the cache's overhead; the chat workload measures its gain).
 - dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;

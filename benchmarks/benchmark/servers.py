@@ -27,6 +27,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-q4": {"kv_cache": "slots", "quantize": "q4"},
     # bf16 weights and activations, Linear layers on oneDNN's bf16 matmul (AMX / avx512_bf16; emulated elsewhere)
     "rolling-bf16": {"kv_cache": "slots", "dtype": "bf16"},
+    # the GGUF's own 4-bit blocks on torch's int4 kernel, bf16 activations (its vector path); lm_head bf16 oneDNN
+    "rolling-q4-bf16": {"kv_cache": "slots", "quantize": "q4", "dtype": "bf16"},
     "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},
 }
 

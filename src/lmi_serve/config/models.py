@@ -26,7 +26,8 @@ KvCache = Literal["slots", "dynamic"]
 # default (engine/kv/select.py) both read this, so tests run what the server runs.
 DEFAULT_KV_CACHE: KvCache = "slots"
 # Opt-in lighter weights (model/quantize.py): none = the weights as loaded; fp16 = fp16-stored weights,
-# fp32 compute; q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only). CPU only.
+# fp32 compute; q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only), computed in the model's dtype
+# (fp32, or bf16: the int4 kernel's fast path). CPU only.
 Quantize = Literal["none", "fp16", "q4"]
 # fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
 # (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
@@ -281,17 +282,20 @@ class ModelConfig(BaseModel):
     quantize: Quantize = Field(
         "none",
         description=(
-            "opt-in lighter weights, CPU only, fp32 activations (`none` is today's fp32 output). `fp16`: every "
+            "opt-in lighter weights, CPU only (`none` is today's output). `fp16`: every "
             "Linear (lm_head too) stores its weights in fp16 and computes in fp32 (fbgemm); a tied embedding "
             "keeps its fp32 weight. Perplexity 23.7155 against 23.7171, 10/10 greedy continuations identical to "
             "fp32 here, weights 513 → 256 MiB, a step 0.59–0.85x of fp32 on an AVX2 EPYC. `q4`: the GGUF's own "
-            "Q4_0/Q4_1 blocks on torch's int4 kernel (exact relative to the GGUF: every packed layer is checked "
-            "against the loaded weights; layers the GGUF holds in another type, such as SmolLM2's Q8_0 tied "
-            "lm_head, stay fp32): weights 405 → 76 MiB, memory 905 → 606 MiB, but torch 2.13's x86 int4 kernel "
-            "has vector code only for bf16 activations, so with exact fp32 activations it is 4.6–42x *slower* "
-            "than fp32 (start-up warns): it saves memory, not time. Refused, naming the option, with "
-            "`option.dtype` fp16/bf16, on a GPU, or `q4` for a model that is not a Q4 GGUF. No `int8` (see the "
-            "fast-engine notes)"
+            "Q4_0/Q4_1 blocks on torch's int4 kernel (every packed layer is checked against the loaded weights; "
+            "q/k/v and gate/up stacked into one int4 layer each; layers the GGUF holds in another type, such as "
+            "SmolLM2's Q8_0 tied lm_head, keep their loaded weights): weights 405 → 76 MiB. With "
+            "`option.dtype=bf16` the activations are bf16, the kernel's vector path: the fastest one-stream "
+            "decode here (a one-row step 0.56x of the fp32 default's, 0.79x of bf16's on an avx512_bf16 EPYC; "
+            "at 32 rows bf16 alone is faster), not exact (perplexity -0.04 %, bf16's rounding). With fp32 "
+            "activations it is exact relative to the GGUF but torch 2.13's int4 kernel runs a scalar loop there, "
+            "4.6–42x *slower* than fp32 (start-up warns): memory, not time. Refused, naming the option: "
+            "`fp16` with `option.dtype` fp16/bf16, `q4` with fp16, either on a GPU, or `q4` for a model that "
+            "is not a Q4 GGUF. No `int8` (see the fast-engine notes)"
         ),
     )
     linear_kernel: LinearKernel = Field(
@@ -478,7 +482,10 @@ class ModelConfig(BaseModel):
         if self.enable_lora and self.rolling_batch == "disable":
             raise _FieldError("enable_lora", "LoRA adapters need the rolling batch; "
                               "this model has option.rolling_batch=disable")
-        if self.quantize != "none" and self.dtype in ("fp16", "bf16"):
+        if self.quantize == "q4" and self.dtype == "fp16":
+            raise _FieldError("quantize", "option.quantize=q4 computes in fp32 or bf16 (the int4 kernel's fast "
+                              "path); option.dtype=fp16 cannot be combined with it (use bf16, fp32 or auto)")
+        if self.quantize == "fp16" and self.dtype in ("fp16", "bf16"):
             raise _FieldError("quantize", f"option.quantize={self.quantize} computes in fp32 from fp32-loaded "
                               f"weights; option.dtype={self.dtype} cannot be combined with it (use fp32 or auto)")
         degree = self.tensor_parallel_degree

@@ -10,9 +10,13 @@ modules are replaced, so every KV implementation and both batching modes work un
 - ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 blocks, lossless relative to that GGUF:
   Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
   torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
-  w = d*(q - 8), zero = 0). Activations stay fp32. Linear layers the GGUF holds in another type
-  (SmolLM2's lm_head is tied to a Q8_0 embedding) keep their fp32 weights. Each packed layer is
-  checked against the loaded fp32 weight (the dequantized GGUF) before it replaces it.
+  w = d*(q - 8), zero = 0). Activations keep the model's dtype: fp32 (exact relative to the GGUF,
+  but the kernel has vector code for bf16 activations only, so fp32 is a slow scalar loop) or bf16
+  (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
+  kernel takes them). Linear layers the GGUF holds in another type (SmolLM2's lm_head is tied to a
+  Q8_0 embedding) keep their loaded weights. Each packed layer is checked against the loaded weight
+  (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The kernel computes
+  each row on its own: a row's output does not depend on the others in the batch.
 
 Both run on CPU only (the kernels are CPU kernels).
 """
@@ -32,12 +36,17 @@ import psutil
 import torch
 from torch import nn
 
+from lmi_serve.model.shared_input import stack_groups
+from lmi_serve.model.surgery import replace_module
+
 log = logging.getLogger(__name__)
 
 MODES = ("none", "fp16", "q4")
 Q4_GROUP = 32  # weights per GGUF Q4 block: one scale (and min) per 32 input columns
 _Q4_TYPES = ("Q4_0", "Q4_1")
-_MATCH_TOLERANCE = 1e-6  # max |packed - loaded| relative to the layer's largest weight: fp32 rounding only
+# max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
+_MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
+Q4_ACTIVATIONS = tuple(_MATCH_TOLERANCE)  # the dtypes a q4 layer computes in (the model's)
 
 
 class QuantizeError(ValueError):
@@ -57,12 +66,14 @@ class QuantizeReport:
     rss_after: int = 0
     seconds: float = 0.0
     max_abs_diff: float = 0.0  # q4: largest |packed weight - loaded weight| over all packed layers
+    stacked: list[str] = field(default_factory=list)  # q4: swapped layers now slices of one int4 layer with siblings
 
     def describe(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
-        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped in {self.seconds:.1f} s, "
+        stacked = f" ({len(self.stacked)} of them stacked with siblings of the same input)" if self.stacked else ""
+        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in {self.seconds:.1f} s, "
                 f"their weights {self.weight_bytes_before / 2**20:.0f} MiB -> {self.weight_bytes_after / 2**20:.0f} MiB"
-                f"; process RSS {self.rss_before / 2**20:.0f} -> {self.rss_after / 2**20:.0f} MiB; kept in fp32: {kept}")
+                f"; process RSS {self.rss_before / 2**20:.0f} -> {self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
 
 
 class Fp16Linear(nn.Module):
@@ -96,6 +107,11 @@ class Q4Blocks:
     scale: np.ndarray  # [N, K / 32] float32
     zero: np.ndarray  # [N, K / 32] float32
 
+    @staticmethod
+    def concatenated(parts: list[Q4Blocks]) -> Q4Blocks:
+        """The blocks of one layer whose rows are `parts`' rows, one after the other."""
+        return Q4Blocks(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("q", "scale", "zero")))
+
     def dequantize(self) -> torch.Tensor:
         scale = torch.from_numpy(self.scale).repeat_interleave(Q4_GROUP, dim=1)
         zero = torch.from_numpy(self.zero).repeat_interleave(Q4_GROUP, dim=1)
@@ -120,42 +136,41 @@ def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
 
 
 class Q4Linear(nn.Module):
-    """`nn.Linear` on 4-bit weights with fp32 activations: torch's x86 int4 kernel
-    (`_weight_int4pack_mm_for_cpu`, group 32)."""
+    """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16; the kernel takes its
+    scales and zeros in the activations' dtype): torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`,
+    group 32)."""
 
     weight = None  # as Fp16Linear's
 
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None):
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
+        self.dtype = dtype
         q = torch.from_numpy(blocks.q.astype(np.int32))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         scale_zero = np.stack([blocks.scale.T, blocks.zero.T], axis=-1)  # [K/32, N, 2]
-        self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
+        flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scale_zero)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def stored_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 4
+        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * self.scale_zero.element_size()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=int4 group {Q4_GROUP}"
+        activations = str(self.dtype).removeprefix("torch.")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weights=int4 group {Q4_GROUP}, "
+                f"activations={activations}")
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The plain nn.Linear modules: a subclass has its own forward (Llama 4's router returns a tuple)."""
     return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-
-
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def process_rss() -> int:
@@ -172,7 +187,8 @@ def return_freed_memory() -> None:
 
 
 def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | None) -> None:
-    """Refuse, before anything is swapped, what cannot work: a GPU, or q4 without a Q4 GGUF."""
+    """Refuse, before anything is swapped, what cannot work: a GPU, q4 without a Q4 GGUF or in a dtype
+    the int4 kernel does not compute in, fp16 from weights that are not fp32."""
     if mode == "none":
         return
     if torch.device(device).type != "cpu":
@@ -182,6 +198,18 @@ def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | 
         raise QuantizeError("option.quantize=q4 reads the GGUF's own 4-bit blocks, and this model was not loaded "
                             "from a GGUF file: give a Q4_0 / Q4_1 GGUF (option.model_id / option.gguf_file), or use "
                             "option.quantize=fp16")
+    dtype = _weights_dtype(model)
+    allowed = Q4_ACTIVATIONS if mode == "q4" else (torch.float32,)
+    if dtype is not None and dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+                            for d in allowed)
+        raise QuantizeError(f"option.quantize={mode} computes in {names}, and this model was loaded in "
+                            f"{str(dtype).removeprefix('torch.')}; set option.dtype accordingly")
+
+
+def _weights_dtype(model: Any) -> torch.dtype | None:
+    """The dtype of the model's first plain Linear layer (the dtype it computes in), or None if it has none."""
+    return next((linear.weight.dtype for _, linear in _linears(model)), None) if isinstance(model, nn.Module) else None
 
 
 def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path | None = None) -> QuantizeReport:
@@ -226,10 +254,12 @@ def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
 
 
 def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
-    """Every Linear the GGUF holds in Q4 blocks that match its loaded weights is replaced; the
-    replacements are all built (and checked) before the first one goes in."""
+    """Every Linear the GGUF holds in Q4 blocks that match its loaded weights is replaced (q/k/v and
+    gate/up by one stacked int4 layer each); the blocks are all read and checked before the first
+    replacement goes in."""
     layers = _read_gguf_linears(model, gguf)
-    replacements: dict[str, Q4Linear] = {}
+    checked: dict[str, tuple[Q4Blocks, torch.Tensor | None]] = {}
+    dtype = torch.float32
     with torch.no_grad():
         for name, linear in _linears(model):
             found = layers.tensors.get(name)
@@ -242,18 +272,33 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
                 if name in layers.permuted_heads:
                     blocks = _permute_rows(blocks, layers.permuted_heads[name])
                 report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
-                replacements[name] = Q4Linear(blocks, linear.bias)
+                dtype = linear.weight.dtype
+                checked[name] = (blocks, linear.bias)
                 report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
-                report.weight_bytes_after += replacements[name].stored_bytes()
-    if not replacements:
+    if not checked:
         raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
                             "layers; use option.quantize=fp16")
-    for name, new in replacements.items():
-        replace_module(model, name, new)
-    report.swapped = list(replacements)
-    log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with fp32 "
-                "activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but decodes "
-                "far slower than fp32 (4.6x the step time at B=1, 42x at B=32, measured on an AVX2 EPYC)")
+
+    def build(names: list[str], _layers: list[nn.Linear]) -> Q4Linear | None:
+        """Siblings whose blocks all go int4, as one layer: one kernel call instead of three (two); the
+        kernel computes each output element on its own, so the slices equal the separate layers bit for bit."""
+        if any(name not in checked for name in names):
+            return None
+        biases = [checked[name][1] for name in names]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        return Q4Linear(Q4Blocks.concatenated([checked[name][0] for name in names]), bias, dtype)
+
+    report.stacked = stack_groups(model, build)
+    for name, (blocks, bias) in checked.items():
+        if name not in report.stacked:
+            replace_module(model, name, Q4Linear(blocks, bias, dtype))
+    report.swapped = list(checked)
+    report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules() if isinstance(module, Q4Linear))
+    if dtype == torch.float32:
+        log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with fp32 "
+                    "activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but decodes "
+                    "far slower than fp32 (4.6x the step time at B=1, 42x at B=32, measured on an AVX2 EPYC); "
+                    "option.dtype=bf16 runs it on its vector code")
 
 
 def _why_kept(model: nn.Module, linear: nn.Linear, found: Any, embedding: Any) -> str:
@@ -307,10 +352,10 @@ def _permute_rows(blocks: Q4Blocks, heads: int) -> Q4Blocks:
 
 
 def _check_match(name: str, blocks: Q4Blocks, weight: torch.Tensor) -> float:
-    """The packed weights must be the loaded ones (the GGUF dequantized) up to fp32 rounding."""
+    """The packed weights must be the loaded ones (the GGUF dequantized) up to the loaded dtype's rounding."""
     diff = float((blocks.dequantize() - weight.detach().float()).abs().max())
     scale = float(weight.detach().abs().max()) or 1.0
-    if diff > _MATCH_TOLERANCE * scale:
+    if diff > _MATCH_TOLERANCE[weight.dtype] * scale:
         raise QuantizeError(f"option.quantize=q4: the GGUF's blocks for {name} differ from the loaded weights by "
                             f"{diff:.3g} (the model's weights are not that GGUF's); use option.quantize=fp16")
     return diff

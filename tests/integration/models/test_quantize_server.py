@@ -1,4 +1,5 @@
-"""option.quantize through the real server: the default store started with OPTION_QUANTIZE=fp16.
+"""option.quantize through the real server: the default store started with OPTION_QUANTIZE=fp16 (and once
+with q4 in bf16, the fast 4-bit path: it logs the stacked int4 swap and streams what it returns).
 SmolLM2 (the model /invocations answers without a model name: the first text-generation model)
 answers, logs what it swapped and the memory, streams what it returns whole, and gives greedy outputs
 that do not depend on the company a request keeps. The variable reaches every model of the store; the
@@ -92,3 +93,25 @@ def test_the_embedding_model_embeds(quantized_store):
 def test_the_log_names_the_ignored_variable_and_the_model(quantized_store):
     lines = [line for line in quantized_store.output().splitlines() if "OPTION_QUANTIZE ignored" in line]
     assert len(lines) == 1 and f"Model {EMBEDDING_MODEL}:" in lines[0], lines
+
+
+# --- the fast 4-bit path: option.quantize=q4 with option.dtype=bf16 ---
+
+@pytest.fixture(scope="module")
+def q4_bf16_server():
+    """The default store with SmolLM2's own Q4_1 blocks on torch's int4 kernel, bf16 activations."""
+    with serving(env={"OPTION_QUANTIZE": "q4", "OPTION_DTYPE": "bf16"}) as server:
+        yield server
+
+
+def test_q4_bf16_server_logs_the_stacked_int4_swap_and_streams_what_it_returns(q4_bf16_server):
+    log = q4_bf16_server.output()
+    assert "option.quantize=q4: 210 Linear layers swapped (150 of them stacked" in log, log[-3000:]
+    assert "option.dtype=bf16" in log and "vectorized for bf16 activations only" not in log  # no slow-path warning
+    for prompt in PROMPTS[:2]:
+        whole = generate(q4_bf16_server, greedy(prompt, 20)).json()
+        streamed = generate(q4_bf16_server, {**greedy(prompt, 20), "stream": True}, stream=True)
+        lines = [json.loads(line) for line in streamed.iter_lines() if line]
+        assert whole["generated_text"].strip()
+        assert "".join(line["token"]["text"] for line in lines) == whole["generated_text"]
+        assert [line["token"]["id"] for line in lines] == [t["id"] for t in whole["details"]["tokens"]]

@@ -4,7 +4,9 @@
   copy while the input embedding keeps its fp32 weight.
 - q4: a tiny Llama whose Linear weights are the dequantized Q4_1 blocks of a GGUF written here (what
   the server's safetensors cache holds for a GGUF model) computes the same logits once its Linear
-  layers run on those 4-bit blocks; weights that are not that GGUF's are refused.
+  layers run on those 4-bit blocks; weights that are not that GGUF's are refused. Loaded in bf16, its
+  layers compute in bf16 (the kernel's fast path) close to the bf16 model; q/k/v and gate/up become
+  slices of one stacked int4 layer that equal the separate layers bit for bit.
 - Refusals name option.quantize; greedy output does not depend on what else is in the batch.
 """
 
@@ -21,7 +23,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
-from lmi_serve.model.quantize import (Fp16Linear, Q4Linear, QuantizeError, quantize_model, unpack_q4_blocks)
+from lmi_serve.model.quantize import (Fp16Linear, Q4Blocks, Q4Linear, QuantizeError, quantize_model,
+                                      unpack_q4_blocks)
+from lmi_serve.model.shared_input import SharedInputSlice
 
 CPU = torch.device("cpu")
 VOCAB = 512
@@ -116,10 +120,48 @@ def test_q4_computes_the_dequantized_gguf_blocks(tmp_path, qtype):
     write_q4_gguf(model, tmp_path / "tiny.gguf", qtype)
     want = logits(model, IDS)  # fp32 on the dequantized blocks: the reference
     report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Q4Linear) and isinstance(model.lm_head, Q4Linear)
-    assert len(report.swapped) == 2 * 7 + 1 and not report.kept and report.max_abs_diff < 1e-6
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, Q4Linear) and isinstance(model.lm_head, Q4Linear)
+    assert isinstance(layer.self_attn.q_proj, SharedInputSlice) and isinstance(layer.self_attn.q_proj.stacked, Q4Linear)
+    assert isinstance(layer.mlp.up_proj, SharedInputSlice)
+    assert len(report.swapped) == 2 * 7 + 1 and len(report.stacked) == 2 * 5 and not report.kept
+    assert report.max_abs_diff < 1e-6
     got = logits(model, IDS)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_q4_in_bf16_computes_in_bf16_about_as_close_to_fp32_as_the_bf16_model(tmp_path):
+    model = tiny_llama(tied=False)
+    write_q4_gguf(model, tmp_path / "tiny.gguf")
+    fp32 = logits(model, IDS)
+    model = model.to(torch.bfloat16)  # what option.dtype=bf16 loads from the GGUF's safetensors cache
+    bf16_error = (logits(model, IDS).float() - fp32).abs().max()
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert len(report.swapped) == 2 * 7 + 1 and report.max_abs_diff > 0, "bf16 loaded weights are rounded"
+    assert model.lm_head.scale_zero.dtype == torch.bfloat16
+    got = logits(model, IDS)
+    assert got.dtype == torch.bfloat16
+    # the int4 layers hold the GGUF's own weights; bf16 activations and scales round as the bf16 model does
+    assert 0 < (got.float() - fp32).abs().max() < 1.5 * bf16_error, ((got.float() - fp32).abs().max(), bf16_error)
+
+
+def random_blocks(rows: int, columns: int, seed: int) -> Q4Blocks:
+    rng = np.random.default_rng(seed)
+    scale = rng.uniform(0.01, 0.1, (rows, columns // 32)).astype(np.float32)
+    return Q4Blocks(rng.integers(0, 16, (rows, columns)).astype(np.uint8), scale,
+                    (rng.normal(size=(rows, columns // 32)) * scale).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_q4_slices_equal_the_separate_layers_and_rows_do_not_depend_on_the_batch(dtype):
+    parts = [random_blocks(rows, 96, seed) for seed, rows in enumerate((64, 32, 48))]
+    separate = [Q4Linear(blocks, None, dtype) for blocks in parts]
+    stacked = Q4Linear(Q4Blocks.concatenated(parts), None, dtype)
+    x = torch.randn(33, 96).to(dtype)
+    for rows in (1, 2, 7, 33):
+        assert torch.equal(stacked(x[:rows]), torch.cat([layer(x[:rows]) for layer in separate], dim=-1)), rows
+    alone = torch.cat([stacked(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, stacked(x)), "a row's output must not depend on the rows beside it"
 
 
 def test_unpacked_blocks_are_what_gguf_dequantizes():
@@ -170,6 +212,19 @@ def test_config_validates_quantize():
         config(OPTION_QUANTIZE="int8")
     with pytest.raises(ConfigError, match=r"^OPTION_QUANTIZE: option\.quantize=fp16 .* option\.dtype=bf16"):
         config(OPTION_QUANTIZE="fp16", OPTION_DTYPE="bf16")
+    assert (config(OPTION_QUANTIZE="q4", OPTION_DTYPE="bf16").quantize, config(OPTION_DTYPE="bf16").dtype) == \
+        ("q4", "bf16")
+    with pytest.raises(ConfigError, match=r"^OPTION_QUANTIZE: option\.quantize=q4 .* option\.dtype=fp16"):
+        config(OPTION_QUANTIZE="q4", OPTION_DTYPE="fp16")
+
+
+def test_quantize_refuses_a_model_loaded_in_a_dtype_it_does_not_compute_in(tmp_path):
+    model = tiny_llama(tied=False)
+    write_q4_gguf(model, tmp_path / "tiny.gguf")
+    with pytest.raises(QuantizeError, match=r"^option\.quantize=fp16 computes in fp32, .* loaded in bfloat16"):
+        quantize_model(copy.deepcopy(model).to(torch.bfloat16), "fp16", CPU)
+    with pytest.raises(QuantizeError, match=r"^option\.quantize=q4 computes in fp32 or bf16, .* loaded in float16"):
+        quantize_model(model.to(torch.float16), "q4", CPU, tmp_path / "tiny.gguf")
 
 
 PROMPTS = [[5, 17, 99], [9, 8, 7, 6, 5, 4, 3, 2, 11, 12, 13], [300, 301], [42] * 6]
@@ -183,11 +238,13 @@ def greedy(model, tokenizer, prompts) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["fp16", "q4"])
+@pytest.mark.parametrize("mode", ["fp16", "q4", "q4-bf16"])
 def test_quantized_greedy_is_batch_invariant_and_deterministic(tmp_path, mode, smollm2_tokenizer):
     model = tiny_llama(tied=False)
     write_q4_gguf(model, tmp_path / "tiny.gguf")
-    quantize_model(model, mode, CPU, tmp_path / "tiny.gguf")
+    if mode.endswith("-bf16"):
+        model = model.to(torch.bfloat16)
+    quantize_model(model, mode.removesuffix("-bf16"), CPU, tmp_path / "tiny.gguf")
     batched = greedy(model, smollm2_tokenizer, PROMPTS)
     alone = [greedy(model, smollm2_tokenizer, [p])[0] for p in PROMPTS]
     assert batched == alone and greedy(model, smollm2_tokenizer, PROMPTS) == batched

@@ -46,6 +46,8 @@ def test_rolling_options_carry_the_prefill_budget_and_the_quantization():
     assert fp16["max_rolling_batch_size"] == 16
     assert our_options("rolling-q4", ServerSettings())["quantize"] == "q4"
     assert our_options("rolling-bf16", ServerSettings())["dtype"] == "bf16"
+    assert {k: our_options("rolling-q4-bf16", ServerSettings())[k] for k in ("quantize", "dtype")} == \
+        {"quantize": "q4", "dtype": "bf16"}
     assert "max_rolling_batch_prefill_tokens" not in our_options("rolling-dynamic", ServerSettings())
     assert our_options("dynamic", ServerSettings())["rolling_batch"] == "disable"
 
