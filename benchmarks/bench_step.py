@@ -162,7 +162,8 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     """A freshly loaded model per variant, swapped; with a line of start-up cost and memory."""
     from lmi_serve.model.linear_kernels import use_linear_kernel
     from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
-    from lmi_serve.model.quantize import process_rss, quantize_model
+    from lmi_serve.model.quantize import quantize_model
+    from lmi_serve.model.surgery import process_rss
 
     gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}

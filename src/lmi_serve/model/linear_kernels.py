@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from lmi_serve.model.fused_norms import use_fused_norms
-from lmi_serve.model.quantize import own_remaining_tensors, return_freed_memory
-from lmi_serve.model.surgery import replace_module
+from lmi_serve.model.surgery import own_remaining_tensors, replace_module, return_freed_memory
 from lmi_serve.model.shared_input import SharedInputSlice, stack_shared_inputs
 
 log = logging.getLogger(__name__)

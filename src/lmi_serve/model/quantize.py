@@ -23,7 +23,6 @@ Both run on CPU only (the kernels are CPU kernels).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import time
@@ -32,17 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from torch import nn
 
-from lmi_serve.model.shared_input import stack_groups
-from lmi_serve.model.surgery import replace_module
+from lmi_serve.model.linear_kernels import OneDnnLinear, packable_dtypes
+from lmi_serve.model.shared_input import concatenated_linear, stack_groups
+from lmi_serve.model.surgery import own_remaining_tensors, process_rss, replace_module, return_freed_memory
 
 log = logging.getLogger(__name__)
 
 MODES = ("none", "fp16", "q4")
 Q4_GROUP = 32  # weights per GGUF Q4 block: one scale (and min) per 32 input columns
+Q4_MAX_ROWS = 8  # bf16 q4 layers: more rows than this go to their bf16 oneDNN copy (Q4Linear)
 _Q4_TYPES = ("Q4_0", "Q4_1")
 # max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
 _MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
@@ -138,14 +138,18 @@ def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
 class Q4Linear(nn.Module):
     """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16; the kernel takes its
     scales and zeros in the activations' dtype): torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`,
-    group 32)."""
+    group 32). With `dense` (the same layer on oneDNN's bf16 matmul), more than Q4_MAX_ROWS rows go there:
+    the int4 kernel computes row by row (a matrix-vector loop), fastest for a few rows, and a GEMM wins
+    above (SmolLM2's layer set at 1 / 8 / 32 rows: int4 66 / 180 / 671 µs, bf16 oneDNN 163 / 200 / 375 µs)."""
 
     weight = None  # as Fp16Linear's
 
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32):
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+                 dense: nn.Module | None = None):
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         self.dtype = dtype
+        self.dense = dense
         q = torch.from_numpy(blocks.q.astype(np.int32))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         scale_zero = np.stack([blocks.scale.T, blocks.zero.T], axis=-1)  # [K/32, N, 2]
@@ -154,36 +158,27 @@ class Q4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        if self.dense is not None and flat.shape[0] > Q4_MAX_ROWS:
+            return self.dense(flat).reshape(*x.shape[:-1], self.out_features)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scale_zero)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def stored_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * self.scale_zero.element_size()
+        dense = 0 if self.dense is None else self.in_features * self.out_features * 2  # its packed bf16 copy
+        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * self.scale_zero.element_size() + dense
 
     def extra_repr(self) -> str:
         activations = str(self.dtype).removeprefix("torch.")
+        dense = f", above {Q4_MAX_ROWS} rows bf16 oneDNN" if self.dense is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, weights=int4 group {Q4_GROUP}, "
-                f"activations={activations}")
+                f"activations={activations}{dense}")
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The plain nn.Linear modules: a subclass has its own forward (Llama 4's router returns a tuple)."""
     return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
-
-
-def process_rss() -> int:
-    gc.collect()
-    return psutil.Process().memory_info().rss
-
-
-def return_freed_memory() -> None:
-    """Give the swap's freed temporaries back to the OS (glibc keeps them otherwise: ~290 MiB for q4)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | None) -> None:
@@ -234,15 +229,6 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path
     return report
 
 
-def own_remaining_tensors(model: nn.Module) -> None:
-    """Copy what the swap left (embeddings, norms, biases) out of the loaded file: tensors loaded
-    from safetensors are views of one memory-mapped file, which stays mapped (and resident) while
-    any of them lives, so without this the swapped-out fp32 weights would still count."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.data = tensor.data.clone()
-
-
 def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
     with torch.no_grad():
         for name, linear in _linears(model):
@@ -258,7 +244,7 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
     gate/up by one stacked int4 layer each); the blocks are all read and checked before the first
     replacement goes in."""
     layers = _read_gguf_linears(model, gguf)
-    checked: dict[str, tuple[Q4Blocks, torch.Tensor | None]] = {}
+    checked: dict[str, tuple[Q4Blocks, nn.Linear]] = {}
     dtype = torch.float32
     with torch.no_grad():
         for name, linear in _linears(model):
@@ -273,25 +259,31 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
                     blocks = _permute_rows(blocks, layers.permuted_heads[name])
                 report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
                 dtype = linear.weight.dtype
-                checked[name] = (blocks, linear.bias)
+                checked[name] = (blocks, linear)
                 report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
     if not checked:
         raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
                             "layers; use option.quantize=fp16")
+
+    # bf16 on a CPU that computes it: many rows (prefill, a large batch) on a bf16 oneDNN copy of the loaded weights
+    dense = dtype == torch.bfloat16 and torch.bfloat16 in packable_dtypes()
+
+    def q4_linear(blocks: Q4Blocks, linear: nn.Linear) -> Q4Linear:
+        return Q4Linear(blocks, linear.bias, dtype, OneDnnLinear(linear) if dense else None)
 
     def build(names: list[str], _layers: list[nn.Linear]) -> Q4Linear | None:
         """Siblings whose blocks all go int4, as one layer: one kernel call instead of three (two); the
         kernel computes each output element on its own, so the slices equal the separate layers bit for bit."""
         if any(name not in checked for name in names):
             return None
-        biases = [checked[name][1] for name in names]
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        return Q4Linear(Q4Blocks.concatenated([checked[name][0] for name in names]), bias, dtype)
+        return q4_linear(Q4Blocks.concatenated([checked[name][0] for name in names]),
+                         concatenated_linear([checked[name][1] for name in names]))
 
-    report.stacked = stack_groups(model, build)
-    for name, (blocks, bias) in checked.items():
-        if name not in report.stacked:
-            replace_module(model, name, Q4Linear(blocks, bias, dtype))
+    with torch.no_grad():
+        report.stacked = stack_groups(model, build)
+        for name, (blocks, linear) in checked.items():
+            if name not in report.stacked:
+                replace_module(model, name, q4_linear(blocks, linear))
     report.swapped = list(checked)
     report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules() if isinstance(module, Q4Linear))
     if dtype == torch.float32:

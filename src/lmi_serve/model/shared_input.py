@@ -144,12 +144,12 @@ def stack_shared_inputs(model: nn.Module, packable: tuple[torch.dtype, ...],
     def build(_names: list[str], layers: list[nn.Linear]) -> nn.Module | None:
         if layers[0].weight.dtype not in packable or layers[0].weight.device.type != "cpu":
             return None
-        return pack(_concatenated(layers))
+        return pack(concatenated_linear(layers))
 
     return stack_groups(model, build)
 
 
-def _concatenated(layers: list[nn.Linear]) -> nn.Linear:
+def concatenated_linear(layers: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose output is the layers' outputs side by side."""
     weight = torch.cat([layer.weight.detach() for layer in layers])
     stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, dtype=weight.dtype)
