@@ -13,10 +13,11 @@ modules are replaced, so every KV implementation and both batching modes work un
   w = d*(q - 8), zero = 0). Activations keep the model's dtype: fp32 (exact relative to the GGUF,
   but the kernel has vector code for bf16 activations only, so fp32 is a slow scalar loop) or bf16
   (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
-  kernel takes them). Linear layers the GGUF holds in another type (SmolLM2's lm_head is tied to a
-  Q8_0 embedding) keep their loaded weights. Each packed layer is checked against the loaded weight
-  (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The kernel computes
-  each row on its own: a row's output does not depend on the others in the batch.
+  kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
+  the CPU computes bf16, since the int4 kernel computes row by row). Linear layers the GGUF holds
+  in another type (SmolLM2's lm_head is tied to a Q8_0 embedding) keep their loaded weights. Each packed layer is checked against the loaded weight
+  (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The int4 kernel computes
+  each row on its own: a row's output does not depend on the others in the batch (the bf16 copy's does).
 
 Both run on CPU only (the kernels are CPU kernels).
 """
