@@ -11,12 +11,12 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
 With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model with option.quantize's
-lighter weights (model/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with option.linear_kernel=onednn (model/linear_kernels.py: the fp32
-Linear layers on oneDNN's packed weights; `onednn-unstacked` the same without q/k/v and gate/up stacked
-into one matmul each, model/shared_input.py) or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where
-the CPU computes bf16), each on the `slots` KV cache, interleaved with the plain fp32
-model (torch's nn.Linear, as loaded); their ratio column is then to that model's `slots`, and the
-start-up cost (load + swap) and the weights' memory are printed. Their gates:
+lighter weights (model/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with
+option.linear_kernel=onednn (model/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
+`onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, model/shared_input.py)
+or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where the CPU computes bf16), each on the `slots`
+KV cache, interleaved with the plain fp32 model (torch's nn.Linear, as loaded); their ratio column is then to
+that model's `slots`, and the start-up cost (load + swap) and the weights' memory are printed. Their gates:
 perplexity within +5 % of fp32's (on the first --ppl-tokens tokens of the text, the same for both) and
 greedy agreement with fp32 (n/N identical continuations, --gate-tokens each), plus each variant batched
 against itself alone.
@@ -181,7 +181,8 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
         report = quantize_model(lm.model, mode.removesuffix("-bf16"), lm.device, gguf)
         rest = f"; {use_linear_kernel(lm.model, 'auto', lm.device).describe()}" if bf16 else ""  # as the server does
         variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap {report.seconds:.1f} s; "
-                                    f"{report.describe()}; max |packed - loaded weight| {report.max_abs_diff:.2g}{rest}")
+                                    f"{report.describe()}; max |packed - loaded weight| "
+                                    f"{report.max_abs_diff:.2g}{rest}")
     return variants
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 OURS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4", "rolling-bf16",
         "rolling-q4-bf16", "rolling-prefix", "dynamic")
+LIGHTER = ("rolling-fp16", "rolling-q4", "rolling-bf16", "rolling-q4-bf16")  # our opt-in lighter weights
 LLAMAS = (("llama-server", "Q4_1"), ("llama-server-f32", "F32"))
 
 
@@ -66,7 +67,7 @@ def target_checks(rows: list[dict], top: int, ttft_conc: int) -> list[str]:
     dyn = find(rows, "dynamic", top)
     if roll and dyn and dyn["tok_s"]:
         out.append(f"- (info) rolling@{top} vs dynamic@{top} tok/s: {roll['tok_s'] / dyn['tok_s']:.2f}x")
-    for light in ("rolling-fp16", "rolling-q4", "rolling-bf16", "rolling-q4-bf16"):
+    for light in LIGHTER:
         ratio(f"{light}@{top} vs rolling-dynamic@{top} tok/s", find(rows, light, top),
               find(rows, "rolling-dynamic", top), 3.0)
     out += tpot_ratios(rows)
@@ -94,8 +95,8 @@ def tpot_ratios(rows: list[dict]) -> list[str]:
             if r["concurrency"] != 1 or r["system"] == base_name or not r.get("tpot_p50"):
                 continue
             value = r["tpot_p50"] / base["tpot_p50"]
-            goal = " (target <= 0.5x) " + ("PASS" if value <= 0.5 else "MISS") if r["system"] in (
-                "rolling-fp16", "rolling-q4", "rolling-bf16", "rolling-q4-bf16") and base_name == "rolling-dynamic" else ""
+            goal = " (target <= 0.5x) " + ("PASS" if value <= 0.5 else "MISS") if r["system"] in LIGHTER \
+                and base_name == "rolling-dynamic" else ""
             out.append(f"- single-stream TPOT p50 {r['system']} / {base_name}: {r['tpot_p50'] * 1000:.1f} / "
                        f"{base['tpot_p50'] * 1000:.1f} ms = **{value:.2f}x**{goal}")
     return out

@@ -15,9 +15,10 @@ modules are replaced, so every KV implementation and both batching modes work un
   (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
   kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
   the CPU computes bf16, since the int4 kernel computes row by row). Linear layers the GGUF holds
-  in another type (SmolLM2's lm_head is tied to a Q8_0 embedding) keep their loaded weights. Each packed layer is checked against the loaded weight
-  (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The int4 kernel computes
-  each row on its own: a row's output does not depend on the others in the batch (the bf16 copy's does).
+  in another type (SmolLM2's lm_head is tied to a Q8_0 embedding) keep their loaded weights. Each
+  packed layer is checked against the loaded weight (the dequantized GGUF, rounded to the model's
+  dtype) before it replaces it. The int4 kernel computes each row on its own: a row's output does
+  not depend on the others in the batch (the bf16 copy's does).
 
 Both run on CPU only (the kernels are CPU kernels).
 """
@@ -72,9 +73,10 @@ class QuantizeReport:
     def describe(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
         stacked = f" ({len(self.stacked)} of them stacked with siblings of the same input)" if self.stacked else ""
-        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in {self.seconds:.1f} s, "
-                f"their weights {self.weight_bytes_before / 2**20:.0f} MiB -> {self.weight_bytes_after / 2**20:.0f} MiB"
-                f"; process RSS {self.rss_before / 2**20:.0f} -> {self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
+        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in "
+                f"{self.seconds:.1f} s, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
+                f"{self.weight_bytes_after / 2**20:.0f} MiB; process RSS {self.rss_before / 2**20:.0f} -> "
+                f"{self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
 
 
 class Fp16Linear(nn.Module):
@@ -168,7 +170,8 @@ class Q4Linear(nn.Module):
 
     def stored_bytes(self) -> int:
         dense = 0 if self.dense is None else self.in_features * self.out_features * 2  # its packed bf16 copy
-        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * self.scale_zero.element_size() + dense
+        int4 = self.packed.numel() * self.packed.element_size()
+        return int4 + self.scale_zero.numel() * self.scale_zero.element_size() + dense
 
     def extra_repr(self) -> str:
         activations = str(self.dtype).removeprefix("torch.")
@@ -288,10 +291,10 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
     report.swapped = list(checked)
     report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules() if isinstance(module, Q4Linear))
     if dtype == torch.float32:
-        log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with fp32 "
-                    "activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but decodes "
-                    "far slower than fp32 (4.6x the step time at B=1, 42x at B=32, measured on an AVX2 EPYC); "
-                    "option.dtype=bf16 runs it on its vector code")
+        log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with "
+                    "fp32 activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but "
+                    "decodes far slower than fp32 (4.6x the step time at B=1, 42x at B=32, measured on an AVX2 "
+                    "EPYC); option.dtype=bf16 runs it on its vector code")
 
 
 def _why_kept(model: nn.Module, linear: nn.Linear, found: Any, embedding: Any) -> str:

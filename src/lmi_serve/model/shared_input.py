@@ -90,8 +90,9 @@ class SharedInputSlice(nn.Module):
         return self._group.output(self._member, x)[..., self._start:self._stop].contiguous()
 
     def extra_repr(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
         return (f"in_features={self.in_features}, out_features={self.out_features}, columns {self._start}:"
-                f"{self._stop} of a stacked {type(self._group.linear).__name__}, {str(self.dtype).removeprefix('torch.')}")
+                f"{self._stop} of a stacked {type(self._group.linear).__name__}, {dtype}")
 
 
 def _groups(model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
