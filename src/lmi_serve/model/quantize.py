@@ -249,7 +249,7 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
     replacement goes in."""
     layers = _read_gguf_linears(model, gguf)
     checked: dict[str, tuple[Q4Blocks, nn.Linear]] = {}
-    dtype = torch.float32
+    dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
     with torch.no_grad():
         for name, linear in _linears(model):
             found = layers.tensors.get(name)
@@ -262,7 +262,6 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
                 if name in layers.permuted_heads:
                     blocks = _permute_rows(blocks, layers.permuted_heads[name])
                 report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
-                dtype = linear.weight.dtype
                 checked[name] = (blocks, linear)
                 report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
     if not checked:
