@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lmi_serve.config.models import DEFAULT_SPEC_LENGTH
 from lmi_serve.config.sources import ModelConfig
 from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
 from lmi_serve.engine.engine import Engine
@@ -25,6 +26,7 @@ from lmi_serve.engine.kv.replicate import Replicator
 from lmi_serve.engine.kv.select import choose_kv, layout_for
 from lmi_serve.engine.policy import max_model_len, vocab_size
 from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
+from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
 from lmi_serve.engine.support import check_supported
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
                     max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
                     predict_timeout=config.predict_timeout, max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
                     max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
-                    adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None)
+                    adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None,
+                    speculation=_speculation(config, serving.kv_layout))
     if tp_group is not None:
         tp_group.on_failure(engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
     return engine
@@ -107,6 +110,19 @@ def _replicated(layout: KVLayout, tp_group: Any) -> Replicator:
     replicator = Replicator(layout, on_error=tp_group.fail)
     atexit.register(tp_group.stop, replicator.stop)  # the worker exits: so do the followers
     return replicator
+
+
+def _speculation(config: ModelConfig, layout: KVLayout) -> NgramSpeculation | None:
+    """The n-gram speculation option.draft_model_id=ngram asks for; a start-up error where the layout
+    cannot verify drafts (config/models.py refuses the other combinations)."""
+    if config.draft_model_id is None:
+        return None
+    if not layout.supports_speculation:
+        raise ValueError(f"option.draft_model_id: this model's KV cache ({layout.name}) cannot verify draft tokens")
+    speculation = NgramSpeculation(NgramSettings(config.spec_length or DEFAULT_SPEC_LENGTH,
+                                                 config.prompt_lookup_max, config.prompt_lookup_min))
+    log.info(speculation.describe())
+    return speculation
 
 
 def _prefix_cache(config: ModelConfig, layout: KVLayout, rolling: bool) -> PrefixCache | None:

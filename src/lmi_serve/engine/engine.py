@@ -31,6 +31,7 @@ from lmi_serve.engine.policy import vocab_size
 from lmi_serve.engine.sampling.grammar import GrammarCompiler
 from lmi_serve.engine.sampling.watermark import Watermark
 from lmi_serve.engine.scheduler import Scheduler
+from lmi_serve.engine.speculation import NgramSpeculation, SpeculationStats
 from lmi_serve.engine.static_batch import eos_token_ids
 from lmi_serve.engine.support import check_supported, takes_images
 from lmi_serve.engine.types import GenerationRequest, GenerationResult
@@ -53,6 +54,7 @@ class EngineStats:
     max_batch_size: int
     phases: PhaseTimes  # where the steps' time went (phases.py): seconds and counts per phase
     prefix_cache: PrefixStats | None = None  # with prefix caching: lookups, hits, tokens reused, memory
+    speculation: SpeculationStats | None = None  # with n-gram speculation: verifying steps, drafts, accepted
 
 
 class Engine:
@@ -60,10 +62,12 @@ class Engine:
                  predict_timeout: float | None = None, max_model_len: int | None = None,
                  max_prefill_tokens: int = 512, name: str = "model", kv_layout: KVLayout | None = None,
                  prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None,
-                 adapters: Adapters | None = None, kv_tokens: int | None = None):
+                 adapters: Adapters | None = None, kv_tokens: int | None = None,
+                 speculation: NgramSpeculation | None = None):
         """`adapters`: the model's LoRA adapters (adapters.py; the model wrapped by model/lora.py), which
         requests name in `GenerationRequest.adapter`; None: LoRA is off and such requests are refused.
-        `kv_tokens`: the K/V budget in tokens (kv/budget.py, on a GPU); None: no bound."""
+        `kv_tokens`: the K/V budget in tokens (kv/budget.py, on a GPU); None: no bound. `speculation`:
+        n-gram drafts for a batch of one row (speculation.py); None: off."""
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
@@ -78,7 +82,7 @@ class Engine:
         self.scheduler = Scheduler(model, tokenizer, device, max_batch_size=max_batch_size, max_queue=max_queue,
                                    max_prefill_tokens=max_prefill_tokens, kv_layout=kv_layout,
                                    prefix_cache=prefix_cache, adapters=adapters, kv_tokens=kv_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, speculation=speculation)
         self.adapters = adapters
         self.observer: EngineObserver | None = None  # observe() sets it (metrics)
         self.failure: str | None = None  # set by fail(): the model cannot serve any more
@@ -205,13 +209,14 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
-        prefixes = self.scheduler.prefixes
+        prefixes, speculation = self.scheduler.prefixes, self.scheduler.speculation
         return EngineStats(running=self.scheduler.running,
                            waiting=len(self.scheduler.waiting) + len(self.scheduler.beams.waiting), steps=s.steps,
                            prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
                            failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size,
                            phases=self.scheduler.phases.snapshot(),
-                           prefix_cache=replace(prefixes.stats) if prefixes is not None else None)
+                           prefix_cache=replace(prefixes.stats) if prefixes is not None else None,
+                           speculation=replace(speculation.stats) if speculation is not None else None)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

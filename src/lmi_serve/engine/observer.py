@@ -47,6 +47,8 @@ class StepReport:
     prefix_hit_tokens: int = 0  # cumulative: of those, tokens whose K/V came from the cache
     prefix_cache_bytes: int = 0  # held now
     kv_cache_bytes: int = 0  # K/V storage the rolling batch's rows hold now (kv/protocol.py held_bytes)
+    draft_tokens: int = 0  # cumulative, with n-gram speculation: draft tokens verified
+    accepted_draft_tokens: int = 0  # cumulative: of those, tokens the engine chose
 
 
 class EngineObserver:

@@ -20,7 +20,8 @@ Order of operations in `Scheduler.step`:
    (padding is wasted compute: prefill on a CPU is compute-bound, so a group only pays when it adds
    little padding); store the prompts' blocks and sample the first tokens;
 4. merge them into the running batch;
-5. one decode forward for every running row, then sample;
+5. one decode forward for every running row, then sample; with n-gram speculation (speculation.py) a
+   batch of one row instead verifies its drafts in one forward and takes the tokens that match;
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
 7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`);
 8. advance every running beam search one token (beams/rows.py: one forward of its k beams in a KV
@@ -55,6 +56,7 @@ from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.observer import EngineObserver, StepReport
 from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, for_device
 from lmi_serve.engine.prefill import PrefillSteps
+from lmi_serve.engine.speculation import NgramSpeculation, SpeculationStats
 from lmi_serve.engine.types import TokenEvent
 from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded, ServingError, Timeout
 from lmi_serve.model.lora import AdapterError
@@ -78,14 +80,15 @@ class Scheduler(PrefillSteps):
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
                  kv_layout: KVLayout | None = None, prefix_cache: PrefixCache | None = None,
                  adapters: Adapters | None = None, kv_tokens: int | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, speculation: NgramSpeculation | None = None):
         """`kv_layout` prefills new rows into KV batches (kv/protocol.py) and says whether a prompt can
         be chunked; None picks the model's default (kv/select.py). `prefix_cache` (kv/prefix_cache.py)
         lets prompts reuse the K/V of a prefix prefilled before; the layout must declare
         `supports_prefixes`. `adapters` (adapters.py) gives an admitted request of a LoRA adapter its
         slot; rows of adapters do not use the prefix cache (its K/V are the base model's). `kv_tokens`:
         the K/V tokens running rows may reserve together (kv/budget.py; None: no bound), each row
-        what its request may reach, capped at `max_model_len`."""
+        what its request may reach, capped at `max_model_len`. `speculation` (speculation.py): drafts for
+        a batch of one row; the layout must declare `supports_speculation`."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_layout = kv_layout or layout_for(model)
         # Idempotent: engine/build.py prepared it before the warm-up; an engine built directly (tests,
@@ -95,6 +98,9 @@ class Scheduler(PrefillSteps):
         if prefix_cache is not None and not self.kv_layout.supports_prefixes:
             raise ValueError("this model's KV cache cannot start a row from a cached prefix")
         self.prefixes = prefix_cache
+        if speculation is not None and not self.kv_layout.supports_speculation:
+            raise ValueError("this model's KV cache cannot verify draft tokens")
+        self.speculation = speculation
         self.adapters = adapters
         self.chunking: ChunkedPrefill | None = None  # the long prompt being prefilled a chunk per step
         self.max_batch_size = max_batch_size
@@ -216,10 +222,12 @@ class Scheduler(PrefillSteps):
 
     def _report(self, decoded: int) -> None:
         prefixes = self.prefixes.stats if self.prefixes is not None else PrefixStats()
+        speculated = self.speculation.stats if self.speculation is not None else SpeculationStats()
         self.observer.step_finished(StepReport(
             batch_size=decoded, running=self.running, waiting=len(self.waiting) + len(self.beams.waiting),
             prefix_query_tokens=prefixes.prompt_tokens, prefix_hit_tokens=prefixes.hit_tokens,
-            prefix_cache_bytes=prefixes.bytes, kv_cache_bytes=held_bytes(self.batch.kv if self.batch else None)))
+            prefix_cache_bytes=prefixes.bytes, kv_cache_bytes=held_bytes(self.batch.kv if self.batch else None),
+            draft_tokens=speculated.draft_tokens, accepted_draft_tokens=speculated.accepted_tokens))
 
     def _admit_beams(self) -> None:
         """Drop cancelled beam searches, then start waiting ones while their beams fit."""
@@ -319,11 +327,48 @@ class Scheduler(PrefillSteps):
 
     def _decode(self) -> None:
         batch = self.batch
+        drafts = self._drafts(batch)
+        if drafts:
+            self._speculate(batch, drafts)
+            return
         with guarded_forward(batch.rows, self.stats,
                              f"Decode step failed; failing its {len(batch)} running requests") as forward:
             with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots):
                 batch.decode()
             events = self._emit(batch, self._sample(batch))
+        if forward.failed:
+            self.batch = None
+            return
+        self._deliver(events)
+        self._evict()
+
+    def _drafts(self, batch: Batch) -> list[int]:
+        """The one row's draft tokens (none without speculation, or with more rows), no more than it may
+        still generate after them: every token fed stays within its request's length."""
+        if self.speculation is None or len(batch) != 1:
+            return []
+        row = batch.rows[0]
+        room = row.request.stop.max_new_tokens - row.generated - 1
+        return self.speculation.drafts(row, row.request.prompt_ids, row.token_ids)[:room] if room > 0 else []
+
+    def _speculate(self, batch: Batch, drafts: list[int]) -> None:
+        """One forward over the one row's pending token and `drafts` (speculation.py); then, position by
+        position, the token a decode step would choose there, while it equals the draft fed after it. The
+        first that differs (or all drafts matching, the next position's) is the row's pending token; the
+        drafts after it leave the cache."""
+        row = batch.rows[0]
+        events: list[tuple[Row, TokenEvent]] = []
+        with guarded_forward(batch.rows, self.stats, "Decode step failed; failing its 1 running request") as forward:
+            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots):
+                logits = batch.kv.verify(drafts)
+            for position, draft in enumerate([*drafts, None]):
+                batch.logits = logits[position:position + 1]
+                events += self._emit(batch, self._sample(batch))
+                if row.finished or row.token_ids[-1] != draft:
+                    break
+            with self.phases.measure(EVICT):
+                batch.kv.discard(len(drafts) - position)
+            self.speculation.record(len(drafts), position)
         if forward.failed:
             self.batch = None
             return

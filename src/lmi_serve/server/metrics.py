@@ -103,6 +103,10 @@ class ServingMetrics:
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", model)
         self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens whose K/V came from the prefix cache",
                                          model)
+        self.draft_tokens = self._counter("spec_decode_num_draft_tokens",
+                                          "Draft tokens verified (option.draft_model_id=ngram)", model)
+        self.accepted_tokens = self._counter("spec_decode_num_accepted_tokens",
+                                             "Draft tokens the engine chose (option.draft_model_id=ngram)", model)
         self.ttft = self._histogram("time_to_first_token_seconds", "Submission to the first token",
                                     LATENCY_BUCKETS)
         # vLLM's names: request_time_per_output_token_seconds is a sequence's mean; time_per_output_token_seconds
@@ -171,7 +175,9 @@ class ModelMetrics(EngineObserver):
         self._prefix_queries, self._prefix_hits = metrics.prefix_queries.labels(name), metrics.prefix_hits.labels(name)
         self._prefix_bytes = metrics.prefix_cache_bytes.labels(name)
         self._kv_bytes = metrics.kv_cache_bytes.labels(name)
+        self._drafts, self._accepted = metrics.draft_tokens.labels(name), metrics.accepted_tokens.labels(name)
         self._seen_queries = self._seen_hits = 0  # the engine reports totals; the counters take increments
+        self._seen_drafts = self._seen_accepted = 0
         self._running.set(0)
         self._waiting.set(0)
         self._kv_bytes.set(0)
@@ -216,5 +222,9 @@ class ModelMetrics(EngineObserver):
             self._prefix_queries.inc(report.prefix_query_tokens - self._seen_queries)
             self._prefix_hits.inc(report.prefix_hit_tokens - self._seen_hits)
             self._seen_queries, self._seen_hits = report.prefix_query_tokens, report.prefix_hit_tokens
+        if report.draft_tokens != self._seen_drafts:
+            self._drafts.inc(report.draft_tokens - self._seen_drafts)
+            self._accepted.inc(report.accepted_draft_tokens - self._seen_accepted)
+            self._seen_drafts, self._seen_accepted = report.draft_tokens, report.accepted_draft_tokens
         self._prefix_bytes.set(report.prefix_cache_bytes)
         self._kv_bytes.set(report.kv_cache_bytes)

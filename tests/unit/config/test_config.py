@@ -223,6 +223,25 @@ def test_prefix_caching_is_off_by_default_and_checked(tmp_path: Path) -> None:
         load(tmp_path, "option.enable_prefix_caching=true\noption.rolling_batch=disable\n")
 
 
+def test_ngram_speculation_is_off_by_default_and_checked(tmp_path: Path) -> None:
+    assert synth().draft_model_id is None and synth().spec_length == 0
+    config = synth(OPTION_DRAFT_MODEL_ID="[ngram]", OPTION_SPEC_LENGTH="6")  # vLLM's older spelling too
+    assert (config.draft_model_id, config.spec_length, config.prompt_lookup_max, config.prompt_lookup_min) == \
+        ("ngram", 6, 4, 2)
+    with pytest.raises(ConfigError, match=r"^OPTION_DRAFT_MODEL_ID: 'facebook/opt-125m' is not served: only `ngram`"):
+        synth(OPTION_DRAFT_MODEL_ID="facebook/opt-125m")
+    with pytest.raises(ConfigError, match=r"^option\.spec_length: draft tokens need option\.draft_model_id=ngram"):
+        load(tmp_path / "a", "option.spec_length=4\n")
+    with pytest.raises(ConfigError, match=r"^OPTION_SPEC_LENGTH: '17' must be <= 16"):
+        synth(OPTION_DRAFT_MODEL_ID="ngram", OPTION_SPEC_LENGTH="17")
+    with pytest.raises(ConfigError, match=r"^option\.prompt_lookup_min: option\.prompt_lookup_min \(3\) is more"):
+        load(tmp_path / "b", "option.draft_model_id=ngram\noption.prompt_lookup_min=3\noption.prompt_lookup_max=2\n")
+    with pytest.raises(ConfigError, match=r"^option\.draft_model_id: speculation needs the rolling batch"):
+        load(tmp_path / "c", "option.draft_model_id=ngram\noption.rolling_batch=disable\n")
+    with pytest.raises(ConfigError, match=r"cannot be combined with option\.draft_model_id"):
+        load(tmp_path / "d", "option.draft_model_id=ngram\noption.tensor_parallel_degree=2\n")
+
+
 def test_batch_size_zero(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^batch_size: '0' must be >= 1"):
         load(tmp_path, "batch_size=0\n")

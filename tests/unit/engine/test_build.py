@@ -107,6 +107,25 @@ def test_build_engine_is_the_handlers_engine(tiny_model, smollm2_tokenizer):
     assert not engine.alive  # the caller starts it
 
 
+def test_build_engine_speculates_as_configured(tiny_model, smollm2_tokenizer, caplog):
+    assert build_engine(tiny_model, smollm2_tokenizer, CPU, config(), prepare_serving(
+        tiny_model, CPU, config(), rolling=True)).scheduler.speculation is None
+    options = config(draft_model_id="ngram", prompt_lookup_max=3)
+    with caplog.at_level("INFO", logger="lmi_serve.engine.build"):
+        engine = build_engine(tiny_model, smollm2_tokenizer, CPU, options,
+                              prepare_serving(tiny_model, CPU, options, rolling=True))
+    settings = engine.scheduler.speculation.settings
+    assert (settings.length, settings.longest, settings.shortest) == (4, 3, 2)  # spec_length 0: the default, 4
+    assert "n-gram speculation on: up to 4 draft tokens" in caplog.text
+    options = config(draft_model_id="ngram", spec_length=7)
+    seq2seq = Serving(ENCODER_DECODER, 512)
+    with pytest.raises(ValueError, match="^option.draft_model_id: this model's KV cache .* cannot verify"):
+        build_engine(tiny_model, smollm2_tokenizer, CPU, options, seq2seq)
+    engine = build_engine(tiny_model, smollm2_tokenizer, CPU, options, prepare_serving(tiny_model, CPU, options,
+                                                                                       rolling=True))
+    assert engine.scheduler.speculation.settings.length == 7
+
+
 def test_a_follower_gets_rank_0s_layout_unwrapped_and_prepared(tiny_model, smollm2_tokenizer):
     model = unprepared(tiny_model)
     assert follower_layout(model, config(kv_cache="dynamic")) is DYNAMIC and attends_by_parts(model)

@@ -57,9 +57,10 @@ class Declared(DynamicLayout):
 
 
 def test_each_layout_states_what_it_supports(tiny_model):
-    assert [(layout.name, layout.supports_chunks, layout.supports_prefixes) for layout in
-            (DYNAMIC, SLOTS, ENCODER_DECODER)] == [("dynamic", True, True), ("slots", True, True),
-                                                   ("encoder-decoder", False, False)]
+    assert [(layout.name, layout.supports_chunks, layout.supports_prefixes, layout.supports_speculation)
+            for layout in (DYNAMIC, SLOTS, ENCODER_DECODER)] == [("dynamic", True, True, True),
+                                                                 ("slots", True, True, True),
+                                                                 ("encoder-decoder", False, False, False)]
     assert KV_LAYOUTS == {"dynamic": DYNAMIC, "slots": SLOTS}
     assert SLOTS.memory_bytes(tiny_model, 4, 64) == slot_bytes(tiny_model, 4, 64) > 0
     assert DYNAMIC.memory_bytes(tiny_model, 4, 64) is None and ENCODER_DECODER.memory_bytes(tiny_model, 4, 64) is None
@@ -86,6 +87,7 @@ def test_the_replicator_declares_what_the_layout_it_wraps_does_except_prefixes(t
         assert replicator.name == inner.name and replicator.supports_chunks == inner.supports_chunks
         assert replicator.memory_bytes(tiny_model, 2, 32) == inner.memory_bytes(tiny_model, 2, 32)
         assert not replicator.supports_prefixes  # resume / row_kv are not replicated
+        assert not replicator.supports_speculation  # nor verify / discard (the config refuses both together)
         assert not hasattr(replicator, "prefill_more")  # declared, not faked
     recorded = Declared(chunks=False)
     replicator = Replicator(recorded, send=lambda op: None, heartbeat=None)

@@ -18,6 +18,8 @@ import torch
 
 from lmi_serve.engine.adapters import AdapterExists, Adapters, lora_rows, start_adapters
 from lmi_serve.engine.engine import Engine
+from lmi_serve.engine.kv.slots import SLOTS
+from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
 from lmi_serve.engine.types import FinishReason, GenerationRequest, SamplingParams, StopParams
 from lmi_serve.errors import InvalidRequest, NotFound
 from lmi_serve.model.lora import AdapterError, LoraLinear, LoraModel, LoraWeights
@@ -252,3 +254,23 @@ def test_adapters_on_stacked_onednn_layers(tiny_model, adapter_dirs, prompt_ids)
     assert torch.equal(mixed[1], logits(base, ids)[1])
     reference = PeftModel.from_pretrained(copy.deepcopy(tiny_model), str(adapter_dirs["alpha"])).eval()
     assert torch.allclose(mixed[0], logits(reference, ids)[0], atol=1e-4, rtol=1e-4)
+
+
+def test_an_adapter_rows_drafts_are_verified_on_its_adapter(tiny_model, adapter_dirs, prompt_ids, make_engine):
+    """n-gram speculation (engine/speculation.py): `verify` runs under the row's slot, so each position's logits
+    are the adapter's (those of a fresh forward of the sequence so far), and the engine's output is unchanged."""
+    model, adapters = lora_model(tiny_model, adapter_dirs)
+    SLOTS.prepare(model)
+    slot = adapters.get("alpha").slot
+    prompt = list(prompt_ids[2])
+    with lora_rows(model, [slot]):
+        kv = SLOTS.prefill(model, [prompt], pad_id=0, device=CPU).kv
+        kv.feed(torch.tensor([11]))
+        verified = kv.verify([12, 13])
+    for position, fed in enumerate(([11], [11, 12], [11, 12, 13])):
+        expected = logits(model, [tuple(prompt + fed)], [slot])[0, -1]
+        assert torch.allclose(verified[position], expected, atol=1e-4), position
+    assert not torch.allclose(verified[0], logits(tiny_model, [tuple(prompt + [11])])[0, -1], atol=1e-3)
+    speculating = make_engine(model, adapters, speculation=NgramSpeculation(NgramSettings()))
+    requests = [greedy(p, "alpha", n=24) for p in prompt_ids]
+    assert [run(speculating, [r])[0] for r in requests] == [run(make_engine(model, adapters), [r])[0] for r in requests]

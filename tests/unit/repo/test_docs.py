@@ -92,6 +92,8 @@ def test_every_option_field_has_a_description() -> None:
 SAMPLES = {"name": "renamed", "model_id": "/models/other", "min_workers": "0", "max_workers": "2",
            "tensor_parallel_degree": "max", "output_formatter": "sse", "entry_point": "custom.py", "handler": "run",
            "gguf_file": "other.gguf", "device_map": "auto", "revision": "v2"}
+# Fields that take effect only beside another option, which the config refuses to leave out: that option.
+COMPANIONS = {"spec_length": ("draft_model_id", "ngram")}
 
 
 def sample(field: str) -> str:
@@ -115,12 +117,15 @@ def test_every_listed_key_and_variable_sets_its_field(tmp_path: Path, field: str
     (folder / "config.json").write_text("{}")
     default = load_model_config(folder, {})
     value = sample(field)
+    other, other_value = COMPANIONS.get(field, (None, None))
     for name in config_doc.environment_names(field):
-        got = getattr(load_model_config(folder, {name: value}), field)
+        env = {name: value, **({f"OPTION_{other.upper()}": other_value} if other else {})}
+        got = getattr(load_model_config(folder, env), field)
         assert got != getattr(default, field) and str(got).lower() == value, (name, got)
     for key in config_doc.option_keys(field):
         for spelling in {key, key if key.startswith("option.") else f"option.{key}"}:
-            (folder / "serving.properties").write_text(f"{spelling}={value}\n")
+            companion = f"option.{other}={other_value}\n" if other else ""
+            (folder / "serving.properties").write_text(f"{spelling}={value}\n{companion}")
             got = getattr(load_model_config(folder, {}), field)
             assert got != getattr(default, field) and str(got).lower() == value, (spelling, got)
     assert config_doc.option_keys(field) and config_doc.environment_names(field)

@@ -51,8 +51,10 @@ def test_observer_facts_become_counts_and_histograms(metrics):
     model.sequence_finished(report(FinishReason.EOS_TOKEN, 5))
     model.sequence_finished(report(FinishReason.CANCELLED, 2))
     model.sequence_finished(report(FinishReason.ERROR, 0, GenerationFailed))
-    model.step_finished(StepReport(batch_size=3, running=3, waiting=2, prefix_query_tokens=64, prefix_hit_tokens=32))
-    model.step_finished(StepReport(batch_size=0, running=1, waiting=0, prefix_query_tokens=80, prefix_hit_tokens=32))
+    model.step_finished(StepReport(batch_size=3, running=3, waiting=2, prefix_query_tokens=64, prefix_hit_tokens=32,
+                                   draft_tokens=4, accepted_draft_tokens=3))
+    model.step_finished(StepReport(batch_size=0, running=1, waiting=0, prefix_query_tokens=80, prefix_hit_tokens=32,
+                                   draft_tokens=10, accepted_draft_tokens=3))
     s = scrape(metrics.render()[0].decode())
     p = "lmi_serve:"
     assert value(s, p + "prompt_tokens_total", model_name="m") == 9
@@ -72,6 +74,8 @@ def test_observer_facts_become_counts_and_histograms(metrics):
     assert value(s, p + "num_requests_waiting", model_name="m") == 0
     assert value(s, p + "prefix_cache_queries_total", model_name="m") == 80
     assert value(s, p + "prefix_cache_hits_total", model_name="m") == 32
+    assert value(s, p + "spec_decode_num_draft_tokens_total", model_name="m") == 10  # the engine's totals, not sums
+    assert value(s, p + "spec_decode_num_accepted_tokens_total", model_name="m") == 3
     assert value(s, p + "model_load_time_seconds", model_name="m") == 2.5
     assert value(s, p + "model_loads_total", model_name="m") == 1
 

@@ -189,7 +189,10 @@ def _engine_stats(stats: EngineStats) -> dict:
             # cumulative wall seconds and entries per phase of the engine's step (engine/phases.py)
             "phaseSeconds": {name: round(seconds, 6) for name, seconds in stats.phases.seconds.items()},
             "phaseCounts": dict(stats.phases.counts),
-            **({"prefixCache": _prefix_stats(stats.prefix_cache)} if stats.prefix_cache is not None else {})}
+            **({"prefixCache": _prefix_stats(stats.prefix_cache)} if stats.prefix_cache is not None else {}),
+            **({"speculation": {"steps": stats.speculation.steps, "draftTokens": stats.speculation.draft_tokens,
+                                "acceptedTokens": stats.speculation.accepted_tokens}}
+               if stats.speculation is not None else {})}
 
 
 def _prefix_stats(stats: PrefixStats) -> dict:

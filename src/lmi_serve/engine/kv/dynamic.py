@@ -105,6 +105,38 @@ class DynamicKV:
         self.pending = ids[:, -1]
         return out.logits[:, -1, :]
 
+    def verify(self, drafts: Sequence[int]) -> torch.Tensor:
+        """Feed a one-row batch its pending token and then `drafts` (speculation, engine/speculation.py),
+        caching all of them: [1 + len(drafts), vocab] logits, one per position fed. `discard` then
+        drops the drafts the engine did not choose."""
+        if len(self) != 1:
+            raise ValueError(f"speculation verifies one row, not {len(self)}")
+        device = self.mask.device
+        ids = torch.cat([self.pending[:, None], torch.tensor([list(drafts)], dtype=torch.long, device=device)], dim=1)
+        positions = self.next_pos[:, None] + torch.arange(ids.shape[1], device=device)[None, :]
+        self.mask = torch.cat([self.mask, torch.ones_like(ids, dtype=self.mask.dtype)], dim=1)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                             past_key_values=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + ids.shape[1]
+        self.lengths = [n + ids.shape[1] for n in self.lengths]
+        return out.logits[0]
+
+    def discard(self, tokens: int) -> None:
+        """Drop the last `tokens` cached tokens of a one-row batch (drafts `verify` fed and the engine
+        did not choose); the next `feed` sets the token that follows what is left."""
+        if not tokens:
+            return
+        if len(self) != 1 or tokens >= self.lengths[0]:
+            raise ValueError(f"cannot discard {tokens} of {self.lengths} cached tokens")
+        self._drop_columns(tokens)
+        self.mask = self.mask[:, :-tokens]
+        self.next_pos = self.next_pos - tokens
+        self.lengths = [n - tokens for n in self.lengths]
+
+    def _drop_columns(self, tokens: int) -> None:
+        self.cache.crop(-tokens)
+
     @staticmethod
     def _empty_cache() -> DynamicCache:
         return DynamicCache()  # no config: whole layers (see `prefill`)
@@ -159,6 +191,7 @@ class DynamicLayout(KVLayout):
     name = "dynamic"
     supports_chunks = True
     supports_prefixes = True
+    supports_speculation = True
 
     def __init__(self, kv_class: type[DynamicKV] = DynamicKV):
         self.kv_class = kv_class  # DynamicKV or a subclass (SlotKV; tests' recording ones)

@@ -42,6 +42,10 @@ Contract, for every layout and the KV batches it makes:
 9. Optionally, `eviction_order(survivors)`: the same rows as `survivors` (ascending), in the order whose
    `keep` copies least (a slot cache fills a leaving row's place with its part's last row). A row's
    place carries no meaning, so the engine keeps finished rows' survivors in it (`eviction_order` below).
+10. Where `layout.supports_speculation` (n-gram speculation, engine/speculation.py): `verify(drafts)` on a
+   one-row batch feeds its pending token and then `drafts` in one forward, caching all, and returns the
+   logits of each position fed ([1 + len(drafts), vocab]); `discard(n)` drops the last n cached tokens
+   (the drafts the engine did not choose), after which the row goes on as if they had never been fed.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ class KVLayout:
     name = "kv"
     supports_chunks = False  # its batches have `prefill_more` (contract item 4)
     supports_prefixes = False  # `resume` here and `row_kv` on its batches (contract item 5)
+    supports_speculation = False  # `verify` and `discard` on its one-row batches (contract item 10)
 
     def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
                 prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:

@@ -80,6 +80,7 @@ class Replicator(KVLayout):
     tensor parallelism."""
 
     supports_prefixes = False
+    supports_speculation = False  # verify / discard are not replicated (config refuses both options together)
 
     def __init__(self, inner: KVLayout, *, send: Callable[[Op], Any] = broadcast,
                  on_error: Callable[[str], None] | None = None, heartbeat: float | None = HEARTBEAT_SECONDS):

@@ -202,6 +202,17 @@ class SlotLayer(DynamicLayer):
             raise ValueError(f"this slot layer holds {len(self.parts)} parts, not one tensor")
         return self.parts[0]
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` columns of every part (DynamicLayer.crop's sign: the parts are
+        right-aligned at the batch's cursor, so the batch's last columns are each part's last)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the (negative) number of columns to remove")
+        if not self.is_initialized:
+            return
+        for part in self.parts:
+            part.end -= min(-tokens_to_remove, part.length)
+            part._refresh()
+
     def get_seq_length(self) -> int:
         return max((part.length for part in self.parts), default=0) if self.is_initialized else 0
 
