@@ -30,6 +30,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     # the GGUF's own 4-bit blocks on torch's int4 kernel, bf16 activations (its vector path); lm_head bf16 oneDNN
     "rolling-q4-bf16": {"kv_cache": "slots", "quantize": "q4", "dtype": "bf16"},
     "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},
+    # n-gram speculation (engine/speculation.py): a batch of one row verifies prompt-lookup drafts
+    "rolling-ngram": {"kv_cache": "slots", "draft_model_id": "ngram"},
 }
 
 
