@@ -16,6 +16,7 @@ from lmi_serve.engine.kv.dynamic import DYNAMIC
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
 from lmi_serve.engine.kv.slots import SLOTS
 from lmi_serve.engine.sampling.watermark import WatermarkSettings
+from lmi_serve.engine.speculation import NgramSettings
 from lmi_serve.dialects.openai.reasoning import ReasoningSettings
 from lmi_serve.handler_api import Input, input_formatter, output_formatter
 from lmi_serve.serving.handler_loader import HandlerLoadError, resolve_handler
@@ -262,7 +263,8 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
                     tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
                     reasoning_parser="qwen3", max_reasoning_tokens=64, tool_call_parser="llama3_json",
-                    prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch")
+                    prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch",
+                    draft_model_id="ngram", spec_length=3, prompt_lookup_max=5)
 
 
 def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
@@ -282,6 +284,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     engine, rolling = engine_and_rolling(no_model)
     prefix_cache = engine.kwargs.pop("prefix_cache")
     assert isinstance(prefix_cache, PrefixCache) and prefix_cache.budget_bytes == 3 * 2**20
+    speculation = engine.kwargs.pop("speculation")
+    assert speculation.settings == NgramSettings(length=3, longest=5, shortest=2)
     watermark = engine.kwargs.pop("watermark")
     assert watermark.args == (100, "cpu", WatermarkSettings(gamma=0.25, delta=1.5))
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
