@@ -42,6 +42,10 @@ BODY_MIN_RATE = 500  # bytes per second: each 500 bytes received extend the body
 BODY_BUFFER = 1024 * 1024
 MAX_READING = 512
 CHECK_EVERY = 0.25
+# While the worker stops, a connection that sent nothing is closed once it has been silent this long. Not at
+# once: a connection accepted just before the stop usually has its request on the way (a drained worker that
+# closed such connections at once reset a client's GET /ping in a SIGTERM test, ~1 run in 50).
+STOP_SILENT_GRACE = 1.0
 RECV_SIZE = 65536
 _MAX_HEADERS, _DEFAULT_FIELD_SIZE, _UNLIMITED_LINE = 32768, 8190, 1024 * 1024
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -193,13 +197,15 @@ class ReadingFront:
 
     def check(self, alive: bool = True) -> None:
         """Answer 408 to the requests past their deadline (and close the connections that sent
-        nothing). While the worker stops, connections that sent nothing yet are closed at once."""
+        nothing). While the worker stops, connections that have sent nothing for STOP_SILENT_GRACE are
+        closed: a stopping worker does not wait out a silent client's head timeout."""
         now = time.monotonic()
         if now < self._next_check and alive:
             return
         self._next_check = now + CHECK_EVERY
         for reading in list(self.reading.values()):
-            if reading.deadline() <= now or (not alive and not reading.buf):
+            silent = not reading.buf and now - reading.started >= STOP_SILENT_GRACE
+            if reading.deadline() <= now or (not alive and silent):
                 self._expire(reading, "deadline passed" if alive else "worker stopping")
 
     def _readable(self, reading: Reading) -> None:

@@ -139,6 +139,17 @@ def test_past_its_deadline_a_partial_request_gets_408_and_a_silent_connection_is
     assert quiet_peer.recv(100) == b""  # no answer before its close
 
 
+def test_while_the_worker_stops_a_new_connection_gets_a_moment_to_send_its_request(front):
+    fresh, fresh_peer = front.connect()
+    stale, _ = front.connect()
+    front.front.reading[stale].started -= request_reader.STOP_SILENT_GRACE  # silent for the whole grace already
+    front.front.check(alive=False)
+    assert front.dropped == [stale] and list(front.front.reading) == [fresh]
+    fresh_peer.sendall(b"GET /ping HTTP/1.1\r\n\r\n")  # accepted just before the stop: its request comes
+    front.pump()
+    assert front.handed == [(fresh, b"GET /ping HTTP/1.1\r\n\r\n")] and front.dropped == [stale]
+
+
 def test_past_the_cap_the_oldest_connection_being_read_is_answered_408(front, monkeypatch):
     monkeypatch.setattr(request_reader, "MAX_READING", 2)
     first, first_peer = front.connect(b"GET / HTTP/1.1\r\n")
