@@ -28,8 +28,9 @@ import transformers as tf
 
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv.encdec import decoder_prompt
-from lmi_serve.engine.kv.select import KV_LAYOUTS
+from lmi_serve.engine.kv.select import KV_LAYOUTS, layout_for
 from lmi_serve.engine.kv.slots import SlotKV, SlotLayout
+from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from lmi_serve.model.fused_norms import FusedRMSNorm, use_fused_norms
@@ -306,6 +307,55 @@ def test_streamed_equals_non_streamed(served):
         assert [e.token_id for e in events] == token_ids(result) == expected
         assert "".join(e.text for e in events) == result.text
         assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_verify_and_discard_give_each_positions_logits(served):
+    """n-gram speculation's KV verbs (kv/protocol.py item 10) in every family: a forward over the pending
+    token and three drafts gives each position the logits of a plain forward over the sequence so far
+    (positions, masks and the windowed families' windows included), and after two drafts are discarded
+    the row decodes as if they had never been fed."""
+    layout = served.kv_layout or layout_for(served.model)
+    if served.model.config.is_encoder_decoder:
+        assert not layout.supports_speculation  # its KV cache cannot take drafts back
+        return
+    prompt = served.prompts[2]  # longer than the window
+    drafts = [7, 8, 9]
+
+    def plain(sequence) -> torch.Tensor:
+        with torch.inference_mode():
+            return served.model(input_ids=torch.tensor([sequence])).logits[0].float()
+
+    with torch.inference_mode():
+        kv = layout.prefill(served.model, [prompt], pad_id=0, device=CPU).kv
+        kv.feed(torch.tensor([5]))
+        verified = kv.verify(drafts).float()
+    sequence = [*prompt, 5, *drafts]
+    expected = plain(sequence)[len(prompt):]
+    assert torch.allclose(verified, expected, atol=1e-4), f"{served.name}: {(verified - expected).abs().max()}"
+    kv.discard(2)
+    kv.feed(torch.tensor([11]))
+    with torch.inference_mode():
+        decoded = kv.decode()[0].float()
+    assert torch.allclose(decoded, plain([*prompt, 5, 7, 11])[-1], atol=1e-4), served.name
+
+
+def test_ngram_speculation_equals_generate(served, smollm2_tokenizer):
+    """A prompt that repeats itself (its generation, then the prompt again): prompt lookup proposes what
+    followed the prompt the first time (where the family continues the repeat as it did the prompt: not
+    the families with absolute position embeddings), and the output stays transformers' own."""
+    if served.model.config.is_encoder_decoder:
+        with pytest.raises(ValueError, match="cannot verify draft tokens"):
+            Engine(served.model, smollm2_tokenizer, CPU, speculation=NgramSpeculation(NgramSettings()))
+        return
+    engine = Engine(served.model, smollm2_tokenizer, CPU, max_batch_size=8, name=f"{served.name}-ngram",
+                    kv_layout=served.kv_layout, speculation=NgramSpeculation(NgramSettings(length=4))).start()
+    try:
+        for prompt, first in list(zip(served.prompts, served.expected))[1:3]:
+            repeated = (*prompt, *first, *prompt)
+            [result] = within(lambda: engine.generate([greedy(repeated)]).results())
+            assert token_ids(result) == reference(served.model, repeated), f"{served.name}, {len(repeated)} tokens"
+    finally:
+        engine.stop()
 
 
 def test_rows_join_and_leave_at_different_times(served, smollm2_tokenizer):
