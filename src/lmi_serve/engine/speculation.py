@@ -17,7 +17,7 @@ positions, which rounds differently from a one-token forward (~1e-6 in fp32), as
 
 Only a batch of one row speculates: rows of a batch accept different numbers of drafts, and the
 left-padded layouts keep one column cursor for all rows. A verifying forward costs more than a
-one-token one (5-8 % at one row here), so where guesses keep failing (text that does not repeat
+one-token one (~10 % for 4 drafts at one row here), so where guesses keep failing (text that does not repeat
 itself, whose short n-grams still recur) the row stops looking for a while: after a second forward in
 a row that accepted nothing it skips 1 step, after a third 2, then 4 ... up to MAX_PAUSE; any accepted
 draft ends the streak (one miss among hits, as in a summary that quotes, costs no pause).
