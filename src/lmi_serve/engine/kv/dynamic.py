@@ -129,13 +129,10 @@ class DynamicKV:
             return
         if len(self) != 1 or tokens >= self.lengths[0]:
             raise ValueError(f"cannot discard {tokens} of {self.lengths} cached tokens")
-        self._drop_columns(tokens)
+        self.cache.crop(-tokens)  # a SlotCache's layers crop their parts (kv/slots.py)
         self.mask = self.mask[:, :-tokens]
         self.next_pos = self.next_pos - tokens
         self.lengths = [n - tokens for n in self.lengths]
-
-    def _drop_columns(self, tokens: int) -> None:
-        self.cache.crop(-tokens)
 
     @staticmethod
     def _empty_cache() -> DynamicCache:
