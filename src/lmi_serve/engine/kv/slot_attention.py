@@ -24,6 +24,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import pack_gqa, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lmi_serve.engine.kv import decode_kernel
+
 ATTENTION = "lmi_slot_parts"
 
 
@@ -46,9 +48,15 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     """One query per row (a decode step): the query heads that share a K/V head go as that head's
     queries (transformers' `pack_gqa`), with or without a mask. transformers does this only when
     there is a mask; without one it asks SDPA to broadcast the K/V heads (`enable_gqa`), which took
-    0.66 ms where this takes 0.36 (32 rows of 208 tokens, SmolLM2's 9 query and 3 K/V heads)."""
+    0.66 ms where this takes 0.36 (32 rows of 208 tokens, SmolLM2's 9 query and 3 K/V heads).
+    fp32 on the CPU from `decode_kernel.MIN_ROWS` rows, kv/decode_kernel.py's kernel attends instead."""
     if query.shape[2] != 1 or _special(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if not dropout and decode_kernel.eligible(query, key, value, attention_mask):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = decode_kernel.attend(query, key, value, attention_mask, scale)
+        if out is not None:
+            return out, None
     groups = getattr(module, "num_key_value_groups", 1)
     packed = pack_gqa(query, groups) if groups > 1 else query
     mask = pack_gqa(attention_mask, groups) if groups > 1 else attention_mask
@@ -103,4 +111,6 @@ def use_parts(model: Any) -> bool:
         return False
     for config in configs:
         config._attn_implementation = ATTENTION
+    if model.dtype == torch.float32 and model.device.type == "cpu":
+        decode_kernel.kernel()  # compiled (or found unavailable) at start-up, not in a request's step
     return True

@@ -1,0 +1,115 @@
+"""kv/decode_kernel.py: the fp32 CPU decode attention equals torch's SDPA, is exactly batch-invariant,
+reads the slot cache's views in place, and leaves to SDPA what it does not take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmi_serve.engine.kv import decode_kernel, slot_attention
+
+pytestmark = pytest.mark.skipif(decode_kernel.kernel() is None, reason="numba's OpenMP layer is unavailable")
+
+DIM = 64
+
+
+def _in_buffer(rows: int, heads: int, columns: int, capacity: int, first: int, generator) -> torch.Tensor:
+    """A view [rows, heads, columns, DIM] at column `first` of a larger buffer, as a slot part keeps K/V."""
+    store = torch.randn(rows + 2, heads, capacity, DIM, generator=generator)
+    return store[:rows, :, first:first + columns]
+
+
+def _sdpa(query, key, value, mask):
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+                                         attn_mask=mask, scale=DIM ** -0.5)
+    return out.transpose(1, 2)
+
+
+def _padded_mask(lengths: list[int], columns: int) -> torch.Tensor:
+    mask = torch.zeros(len(lengths), 1, 1, columns, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        mask[row, ..., columns - length:] = True
+    return mask
+
+
+@pytest.mark.parametrize("query_heads,heads", [(9, 3), (4, 4), (8, 2)])
+@pytest.mark.parametrize("mask_kind", ["none", "padded", "shared", "window"])
+@pytest.mark.parametrize("in_buffer", [True, False])
+def test_the_kernel_equals_sdpa(query_heads, heads, mask_kind, in_buffer):
+    generator = torch.Generator().manual_seed(query_heads * 31 + heads)
+    rows, columns = 6, 37
+    if in_buffer:
+        key = _in_buffer(rows, heads, columns, 64, 5, generator)
+        value = _in_buffer(rows, heads, columns, 64, 5, generator)
+    else:
+        key = torch.randn(rows, heads, columns, DIM, generator=generator)
+        value = torch.randn(rows, heads, columns, DIM, generator=generator)
+    query = torch.randn(rows, query_heads, 1, DIM, generator=generator) * 3  # peaked softmax: tiny probabilities too
+    mask = {"none": None, "padded": _padded_mask([37, 1, 20, 36, 5, 30], columns),
+            "shared": _padded_mask([25], columns),
+            "window": _padded_mask([20] * rows, columns) & ~_padded_mask([4] * rows, columns)}[mask_kind]
+    assert decode_kernel.eligible(query, key, value, mask)
+    out = decode_kernel.attend(query, key, value, mask, DIM ** -0.5)
+    assert out is not None and out.shape == (rows, 1, query_heads, DIM)
+    torch.testing.assert_close(out, _sdpa(query, key, value, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_is_bit_for_bit_the_same_alone_and_in_any_batch():
+    """A row's result depends on its own query, columns and mask only: not on its neighbours, their
+    number or the padding the batch gives it (SDPA's blocks move with the padding)."""
+    generator = torch.Generator().manual_seed(7)
+    heads, query_heads, length = 3, 9, 50
+    key_row = torch.randn(1, heads, length, DIM, generator=generator)
+    value_row = torch.randn(1, heads, length, DIM, generator=generator)
+    query_row = torch.randn(1, query_heads, 1, DIM, generator=generator)
+    outputs = []
+    for rows, padding in [(4, 0), (5, 13), (8, 200)]:
+        key = torch.randn(rows, heads, length + padding, DIM, generator=generator)
+        value = torch.randn(rows, heads, length + padding, DIM, generator=generator)
+        query = torch.randn(rows, query_heads, 1, DIM, generator=generator)
+        place = rows - 2
+        key[place, :, padding:], value[place, :, padding:], query[place] = key_row[0], value_row[0], query_row[0]
+        lengths = [length + padding] * rows
+        lengths[place] = length
+        out = decode_kernel.attend(query, key, value, _padded_mask(lengths, length + padding), DIM ** -0.5)
+        outputs.append(out[place])
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+def test_what_the_kernel_does_not_take_is_refused_or_left_to_sdpa():
+    rows, heads, columns = 4, 3, 10
+    key = torch.randn(rows, heads, columns, DIM)
+    query = torch.randn(rows, 9, 1, DIM)
+    assert decode_kernel.eligible(query, key, key, None)
+    assert not decode_kernel.eligible(torch.randn(rows, 9, 2, DIM), key, key, None)  # a prefill
+    assert not decode_kernel.eligible(query[:decode_kernel.MIN_ROWS - 1], key[:decode_kernel.MIN_ROWS - 1],
+                                      key[:decode_kernel.MIN_ROWS - 1], None)  # few rows: SDPA is as fast
+    assert not decode_kernel.eligible(query.bfloat16(), key.bfloat16(), key.bfloat16(), None)
+    assert not decode_kernel.eligible(query, key, key, torch.zeros(rows, 1, 1, columns))  # an additive mask
+    assert not decode_kernel.eligible(query, key, key, torch.ones(rows, 1, 2, columns, dtype=torch.bool))
+    # K/V whose columns are not rows of a [.., capacity, dim] buffer: not read in place, SDPA attends
+    strided = torch.randn(rows, heads, DIM, columns).transpose(2, 3)
+    assert decode_kernel.attend(query, strided, strided, None, DIM ** -0.5) is None
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 3
+
+
+def test_decode_attention_runs_the_kernel_for_an_fp32_decode_step(monkeypatch):
+    calls = []
+    attend = decode_kernel.attend
+    monkeypatch.setattr(decode_kernel, "attend", lambda *args: calls.append(1) or attend(*args))
+    generator = torch.Generator().manual_seed(3)
+    key = _in_buffer(5, 3, 20, 32, 7, generator)
+    value = _in_buffer(5, 3, 20, 32, 7, generator)
+    query = torch.randn(5, 9, 1, DIM, generator=generator)
+    mask = _padded_mask([20, 3, 11, 20, 8], 20)
+    out, _ = slot_attention.decode_attention(_Attention(), query, key, value, mask, scaling=DIM ** -0.5)
+    assert calls == [1]
+    torch.testing.assert_close(out, _sdpa(query, key, value, mask), rtol=1e-5, atol=1e-5)
+    out, _ = slot_attention.decode_attention(_Attention(), query.double(), key.double(), value.double(), mask,
+                                             scaling=DIM ** -0.5)
+    assert calls == [1]  # fp64: SDPA
