@@ -32,6 +32,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},
     # n-gram speculation (engine/speculation.py): a batch of one row verifies prompt-lookup drafts
     "rolling-ngram": {"kv_cache": "slots", "draft_model_id": "ngram"},
+    # rolling less the decode attention kernel (engine/kv/decode_kernel.py): torch's SDPA in every step
+    "rolling-sdpa": {"kv_cache": "slots", "decode_attention": "sdpa"},
 }
 
 

@@ -131,3 +131,30 @@ def test_a_follower_gets_rank_0s_layout_unwrapped_and_prepared(tiny_model, smoll
     assert follower_layout(model, config(kv_cache="dynamic")) is DYNAMIC and attends_by_parts(model)
     assert follower_layout(model, config()) is SLOTS
     assert follower_layout(tiny_seq2seq("bart", len(smollm2_tokenizer)), config()) is ENCODER_DECODER
+
+
+@pytest.mark.parametrize("choice,kernel_calls", [("auto", True), ("sdpa", False)])
+def test_option_decode_attention_chooses_the_decode_steps_attention(tiny_model, smollm2_tokenizer, monkeypatch,
+                                                                     choice, kernel_calls):
+    from lmi_serve.engine.batch import Batch, make_row
+    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
+
+    if decode_kernel.kernel() is None:
+        pytest.skip("numba's OpenMP layer is unavailable here")
+    calls = []
+    attend = decode_kernel.attend
+    monkeypatch.setattr(decode_kernel, "attend", lambda *args: calls.append(1) or attend(*args))
+    model = unprepared(tiny_model)
+    layout = prepare_serving(model, CPU, config(decode_attention=choice), rolling=True).kv_layout
+    follower = unprepared(tiny_model)
+    follower_layout(follower, config(decode_attention=choice))
+    for prepared in (model, follower):
+        calls.clear()
+        stop = StopParams(max_new_tokens=4, ignore_eos=True)
+        rows = [make_row(GenerationRequest((1, 2, 3 + i), SamplingParams(), stop), smollm2_tokenizer)
+                for i in range(decode_kernel.MIN_ROWS)]
+        batch = Batch.prefill(prepared, rows, smollm2_tokenizer.pad_token_id, CPU, layout)
+        batch.sample()
+        batch.decode()
+        assert bool(calls) is kernel_calls

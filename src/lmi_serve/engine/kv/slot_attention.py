@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from lmi_serve.engine.kv import decode_kernel
 
 ATTENTION = "lmi_slot_parts"
+KERNEL_FLAG = "_lmi_decode_kernel"  # on a model's config: False keeps its decode steps on SDPA (use_decode_kernel)
 
 
 class Parts(tuple):
@@ -52,7 +53,8 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     fp32 on the CPU from `decode_kernel.MIN_ROWS` rows, kv/decode_kernel.py's kernel attends instead."""
     if query.shape[2] != 1 or _special(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if not dropout and decode_kernel.eligible(query, key, value, attention_mask):
+    if (not dropout and getattr(getattr(module, "config", None), KERNEL_FLAG, True)
+            and decode_kernel.eligible(query, key, value, attention_mask)):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = decode_kernel.attend(query, key, value, attention_mask, scale)
         if out is not None:
@@ -111,6 +113,15 @@ def use_parts(model: Any) -> bool:
         return False
     for config in configs:
         config._attn_implementation = ATTENTION
-    if model.dtype == torch.float32 and model.device.type == "cpu":
-        decode_kernel.kernel()  # compiled (or found unavailable) at start-up, not in a request's step
+    use_decode_kernel(model, True)
     return True
+
+
+def use_decode_kernel(model: Any, on: bool) -> None:
+    """Whether `model`'s decode steps may attend with kv/decode_kernel.py where it applies (option.decode_attention);
+    when they may and the model is fp32 on the CPU, the kernel is compiled now, not in a request's step."""
+    for config in _attention_configs(model):
+        setattr(config, KERNEL_FLAG, on)
+    device = getattr(model, "device", None)
+    if on and getattr(model, "dtype", None) == torch.float32 and getattr(device, "type", None) == "cpu":
+        decode_kernel.kernel()
