@@ -3,9 +3,11 @@
 torch's CPU SDPA (its flash kernel) runs a decode step's attention at about a third of the memory
 bandwidth once the K/V cache is out of the CPU's caches, as it is in a model's step (the weights stream
 through between two layers): 32 rows of 200 tokens took 19-20 ms a step over SmolLM2's 30 layers,
-where reading their K/V takes ~6. This kernel gives each (row, K/V head) to one task that scores the
-head's query group against each column's key, takes the softmax and sums the values, reading each
-key and value once and skipping masked columns (a left-padded row pays nothing for its padding).
+where reading their K/V takes ~6. This kernel gives each (row, K/V head) to one task that goes once
+over the columns, scoring the head's query group against each column's key and summing its value
+under an online softmax (running maximum and sums, rescaled when a column beats the best score), so
+each key and value is read once, the two as parallel streams, and masked columns are skipped (a
+left-padded row pays nothing for its padding). 12.5 against SDPA's 18.6 ms in that step.
 
 It is also exactly batch-invariant: a row's result depends on its own query, columns and mask only,
 never on its neighbours or on how much padding the batch gives it (SDPA's blocks shift with the padding).
@@ -49,38 +51,37 @@ def _attend_kernel(q, keys, values, first, allowed, scale, out):  # pragma: no c
         b = task // heads
         h = task % heads
         m = b if allowed.shape[0] > 1 else 0
-        scores = np.empty((groups, columns), dtype=np.float32)
+        scaled = np.empty((groups, dim), dtype=np.float32)
+        for g in range(groups):
+            for d in range(dim):
+                scaled[g, d] = q[b, h, g, d] * scale
+        # one pass over the columns, each key read with its value (two streams from memory, not one after
+        # the other): an online softmax, whose running sums are rescaled when a column beats the best score
         best = np.full(groups, -np.inf, dtype=np.float32)
-        for t in range(columns):
-            if not allowed[m, t]:
-                continue
-            key = keys[b, h, first + t]
-            for g in range(groups):
-                query = q[b, h, g]
-                acc = np.float32(0.0)
-                for d in range(dim):
-                    acc += query[d] * key[d]
-                acc *= scale
-                scores[g, t] = acc
-                best[g] = max(best[g], acc)
         total = np.zeros(groups, dtype=np.float32)
-        for t in range(columns):
-            if not allowed[m, t]:
-                continue
-            for g in range(groups):
-                x = scores[g, t] - best[g]
-                e = np.exp(x) if x > np.float32(_EXP_FLOOR) else np.float32(0.0)
-                scores[g, t] = e
-                total[g] += e
         summed = np.zeros((groups, dim), dtype=np.float32)
         for t in range(columns):
             if not allowed[m, t]:
                 continue
+            key = keys[b, h, first + t]
             value = values[b, h, first + t]
             for g in range(groups):
-                p = scores[g, t]
+                score = np.float32(0.0)
                 for d in range(dim):
-                    summed[g, d] += p * value[d]
+                    score += scaled[g, d] * key[d]
+                if score > best[g]:
+                    x = best[g] - score
+                    rescale = np.exp(x) if x > np.float32(_EXP_FLOOR) else np.float32(0.0)
+                    best[g] = score
+                    total[g] = total[g] * rescale + np.float32(1.0)
+                    for d in range(dim):
+                        summed[g, d] = summed[g, d] * rescale + value[d]
+                else:
+                    x = score - best[g]
+                    p = np.exp(x) if x > np.float32(_EXP_FLOOR) else np.float32(0.0)
+                    total[g] += p
+                    for d in range(dim):
+                        summed[g, d] += p * value[d]
         for g in range(groups):
             inverse = np.float32(1.0) / total[g] if total[g] > 0 else np.float32(0.0)
             for d in range(dim):
