@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     layout.prepare(model)
     switch = Switch()
     print(f"cpu: {cpu_summary()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {line}")
-    print(f"kernel available: {decode_kernel.kernel() is not None}; MIN_ROWS {decode_kernel.MIN_ROWS}")
+    print(f"kernel available: {decode_kernel.kernel() is not None}")
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
     print(f"\n{'rows':>5} {'KV':>6} {'kernel min':>11} {'SDPA min':>9} {'ratio':>6} {'kernel med':>11} "
           f"{'SDPA med':>9} {'attn kernel':>12} {'attn SDPA':>10}   (ms per step)")

@@ -345,7 +345,7 @@ class ModelConfig(BaseModel):
     decode_attention: DecodeAttention = Field(
         "auto",
         description=(
-            "the attention of a decode step. `auto`: from 4 rows of an fp32 model on the CPU, a kernel of its own "
+            "the attention of a decode step. `auto`: for an fp32 model on the CPU, a kernel of its own "
             "(engine/kv/decode_kernel.py, compiled by numba at start-up): each key and value read once, padding "
             "skipped, a row's result independent of its batch; 0.90x / 0.78x / 0.72x the step time of torch's "
             "SDPA at 32 rows of 200 / 800 / 2,000 tokens (2-core EPYC). Within float rounding of SDPA's result. "

@@ -153,7 +153,7 @@ def test_option_decode_attention_chooses_the_decode_steps_attention(tiny_model, 
         calls.clear()
         stop = StopParams(max_new_tokens=4, ignore_eos=True)
         rows = [make_row(GenerationRequest((1, 2, 3 + i), SamplingParams(), stop), smollm2_tokenizer)
-                for i in range(decode_kernel.MIN_ROWS)]
+                for i in range(4)]
         batch = Batch.prefill(prepared, rows, smollm2_tokenizer.pad_token_id, CPU, layout)
         batch.sample()
         batch.decode()

@@ -13,8 +13,8 @@ It is also exactly batch-invariant: a row's result depends on its own query, col
 never on its neighbours or on how much padding the batch gives it (SDPA's blocks shift with the padding).
 
 Used by kv/slot_attention.py's `decode_attention` when `eligible` (fp32 on the CPU, one query per row,
-a boolean or no mask, K/V laid out as the slot and dynamic caches keep them, at least `MIN_ROWS` rows:
-below that SDPA is as fast) and the model's `option.decode_attention` is `auto`; everything else stays
+a boolean or no mask, K/V laid out as the slot and dynamic caches keep them; at one to three rows of a
+short context it is level with SDPA, at long ones faster) and the model's `option.decode_attention` is `auto`; everything else stays
 on SDPA. numba's parallel loops run on its OpenMP threading layer; where that cannot load (no libgomp),
 or numba is missing, `kernel()` is None and SDPA runs. Compiled once per machine (cached beside this
 file or in numba's cache directory)."""
@@ -30,7 +30,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MIN_ROWS = 4  # at 1 row a step is as fast on SDPA (3 tasks for 2 threads); from 4 rows this is faster
 _EXP_FLOOR = -87.0  # exp below this is a float32 denormal, whose products are slow: counted as 0
 _state: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -131,7 +130,7 @@ def _buffer(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 
 def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     rows, query_heads, queries, _ = query.shape
-    return (queries == 1 and rows >= MIN_ROWS and query.device.type == "cpu"
+    return (queries == 1 and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.float32
             and key.shape == value.shape and key.shape[0] == rows and query_heads % key.shape[1] == 0
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, rows)
