@@ -14,10 +14,10 @@ never on its neighbours or on how much padding the batch gives it (SDPA's blocks
 
 Used by kv/slot_attention.py's `decode_attention` when `eligible` (fp32 on the CPU, one query per row,
 a boolean or no mask, K/V laid out as the slot and dynamic caches keep them; at one to three rows of a
-short context it is level with SDPA, at long ones faster) and the model's `option.decode_attention` is `auto`; everything else stays
-on SDPA. numba's parallel loops run on its OpenMP threading layer; where that cannot load (no libgomp),
-or numba is missing, `kernel()` is None and SDPA runs. Compiled once per machine (cached beside this
-file or in numba's cache directory)."""
+short context it is level with SDPA, at long ones faster) and the model's `option.decode_attention` is
+`auto`; everything else stays on SDPA. numba's parallel loops run on its OpenMP threading layer; where
+that cannot load (no libgomp), or numba is missing, `kernel()` is None and SDPA runs. Compiled once per
+machine (cached beside this file or in numba's cache directory)."""
 
 from __future__ import annotations
 
