@@ -27,7 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from lmi_serve.engine.kv import decode_kernel
 
 ATTENTION = "lmi_slot_parts"
-KERNEL_FLAG = "_lmi_decode_kernel"  # on a model's config: False keeps its decode steps on SDPA (use_decode_kernel)
+# On a model's config (absent: True); False keeps its decode steps on SDPA (use_decode_kernel, engine/build.py).
+KERNEL_FLAG = "_lmi_decode_kernel"
 
 
 class Parts(tuple):
@@ -113,7 +114,6 @@ def use_parts(model: Any) -> bool:
         return False
     for config in configs:
         config._attn_implementation = ATTENTION
-    use_decode_kernel(model, True)
     return True
 
 
