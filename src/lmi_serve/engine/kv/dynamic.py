@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from lmi_serve.engine.kv.mixed import mixes, packed_forward, restorer
 from lmi_serve.engine.kv.protocol import KVLayout, Prefilled, forward_inputs, layer_bytes
 from lmi_serve.engine.kv.slot_attention import use_parts
 
@@ -83,6 +84,46 @@ class DynamicKV:
         self.next_pos = self.next_pos + 1
         self.lengths = [n + 1 for n in self.lengths]
         return out.logits[:, -1, :]
+
+    @classmethod
+    def empty(cls, model: Any, device: torch.device) -> "DynamicKV":
+        """A one-row batch holding no tokens yet: a joiner whose prompt `decode_with` feeds (contract item 11)."""
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        return cls(model, cls._empty_cache(), torch.zeros((1, 0), dtype=torch.long, device=device), zero, zero, [0])
+
+    def decode_with(self, chunks: Sequence[tuple["DynamicKV", Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode()` and, in the same forward, `prefill_more(tokens)` of each one-row batch of `chunks`
+        (kv/mixed.py; contract item 11): the rows' logits [rows, vocab] and each chunk's last [chunks, vocab].
+        If the forward raises, every batch is left as it was."""
+        for kv, _ in chunks:
+            if len(kv) != 1:
+                raise ValueError(f"a chunk continues one row, not {len(kv)}")
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        width = self.mask.shape[1]
+        padded = min(self.lengths) + 1 < width  # the host's lengths: no read from the device
+        decode_mask = self.mask.bool()[:, None, None, :] if padded else None
+        restores = [restorer(cache) for cache in (self.cache, *(kv.cache for kv, _ in chunks))]
+        try:
+            rows, last = packed_forward(self.model, self.cache, self.pending, self.next_pos, decode_mask,
+                                        [(kv.cache, tokens, kv.lengths[0]) for kv, tokens in chunks])
+        except BaseException:  # every batch as it was: the caller may run the parts separately
+            for restore in restores:
+                restore()
+            self.mask = self.mask[:, :-1]
+            raise
+        self.next_pos = self.next_pos + 1
+        self.lengths = [n + 1 for n in self.lengths]
+        for kv, tokens in chunks:
+            kv._fed([tokens])
+        return rows, last
+
+    def _fed(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Account a one-row batch's chunk `tokens` after a forward cached them."""
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.mask.device)
+        self.mask = torch.cat([self.mask, torch.ones_like(ids, dtype=self.mask.dtype)], dim=1)
+        self.next_pos = self.next_pos + ids.shape[1]
+        self.lengths = [n + ids.shape[1] for n in self.lengths]
+        self.pending = ids[:, -1]
 
     def held_bytes(self) -> int:
         """Bytes of K/V storage held (kv/protocol.py contract item 6)."""
@@ -189,6 +230,12 @@ class DynamicLayout(KVLayout):
     supports_chunks = True
     supports_prefixes = True
     supports_speculation = True
+
+    def mixes(self, model: Any) -> bool:
+        return mixes(model)
+
+    def empty(self, model: Any, device: torch.device) -> DynamicKV:
+        return self.kv_class.empty(model, device)
 
     def __init__(self, kv_class: type[DynamicKV] = DynamicKV):
         self.kv_class = kv_class  # DynamicKV or a subclass (SlotKV; tests' recording ones)

@@ -46,6 +46,12 @@ Contract, for every layout and the KV batches it makes:
    one-row batch feeds its pending token and then `drafts` in one forward, caching all, and returns the
    logits of each position fed ([1 + len(drafts), vocab]); `discard(n)` drops the last n cached tokens
    (the drafts the engine did not choose), after which the row goes on as if they had never been fed.
+11. Where `layout.mixes(model)` (one forward per step, kv/mixed.py): `layout.empty(model, device)` makes a
+   one-row batch holding nothing, and `decode_with(chunks)` runs `decode()` and, for each (one-row batch,
+   tokens) of `chunks`, its `prefill_more(tokens)`, all in one forward: the rows' logits [rows, vocab] and
+   each chunk's last position's [chunks, vocab], each as the separate calls would give them within float
+   rounding. The chunks' batches then go on as after `prefill_more`. If the forward raises, every batch is
+   left as it was before the call (the engine then runs the parts separately, so a prompt at fault fails alone).
 """
 
 from __future__ import annotations
@@ -147,6 +153,14 @@ class KVLayout:
 
     def prepare(self, model: Any) -> None:
         """Ready `model` for this layout, before its first forward through it (idempotent)."""
+
+    def mixes(self, model: Any) -> bool:
+        """Whether this layout's batches of `model` run prompt chunks in their decode forward (contract item 11)."""
+        return False
+
+    def empty(self, model: Any, device: torch.device) -> KVBatch:
+        """A one-row batch holding no tokens, which `decode_with` fills; only where `mixes(model)`."""
+        raise NotImplementedError(f"the {self.name} KV layout cannot run prompt chunks in a decode forward")
 
     def memory_bytes(self, model: Any, rows: int, columns: int) -> int | None:
         """The most this layout's K/V of `rows` rows of `columns` tokens can take, where it has a

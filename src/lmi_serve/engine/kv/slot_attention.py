@@ -35,6 +35,17 @@ class Parts(tuple):
     """Per part, in batch row order, the K (or V) of its columns in use: [rows_p, kv heads, len_p, head dim]."""
 
 
+class Packed(tuple):
+    """A packed forward's K (or V), kv/mixed.py: the decode rows' (a tensor or `Parts`, when the plan
+    has rows) then each chunk's row's [1, kv heads, cached + chunk, head dim]; `plan` says where their
+    queries are and what each attends over."""
+
+    def __new__(cls, sides, plan):
+        packed = super().__new__(cls, sides)
+        packed.plan = plan
+        return packed
+
+
 # Keyword arguments that change what SDPA attention computes; with any of them set, transformers' own
 # function runs.
 _SPECIAL = ("position_bias", "softcap", "s_aux", "sinks", "output_attentions", "cache")
@@ -68,8 +79,30 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.reshape(out.shape[0], -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: Packed, value: Packed,
+                     dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """A packed forward's attention (kv/mixed.py): `query` [1, heads, rows + chunk tokens, dim]; the
+    decode rows attend as a decode step does, each chunk causally over its own row's K/V; the outputs
+    go back in packed order, [1, rows + chunk tokens, heads, dim]."""
+    plan = key.plan
+    sides = iter(zip(key, value))
+    outputs = []
+    if plan.rows:
+        keys, values = next(sides)
+        queries = query[0, :, :plan.rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        out, _ = parts_attention(module, queries, keys, values, plan.decode_mask, dropout, scaling, **kwargs)
+        outputs.append(out.reshape(1, plan.rows, *out.shape[2:]))
+    for (start, end), mask, (keys, values) in zip(plan.spans, plan.chunk_masks, sides):
+        out, _ = sdpa_attention_forward(module, query[:, :, start:end], keys, values, mask, dropout, scaling,
+                                        **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
 def parts_attention(module: torch.nn.Module, query: torch.Tensor, key: Any, value: Any,
                     attention_mask: torch.Tensor | None, *args, **kwargs) -> tuple[torch.Tensor, None]:
+    if isinstance(key, Packed):  # the model's mask is a placeholder: the plan holds each side's
+        return packed_attention(module, query, key, value, *args, **kwargs)
     if not isinstance(key, Parts):
         return decode_attention(module, query, key, value, attention_mask, *args, **kwargs)
     outputs, start = [], 0
