@@ -34,6 +34,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-ngram": {"kv_cache": "slots", "draft_model_id": "ngram"},
     # rolling less the decode attention kernel (engine/kv/decode_kernel.py): torch's SDPA in every step
     "rolling-sdpa": {"kv_cache": "slots", "decode_attention": "sdpa"},
+    # rolling less one forward per step (engine/kv/mixed.py): every joiner's prompt in a forward of its own
+    "rolling-separate": {"kv_cache": "slots", "mixed_steps": "false"},
 }
 
 

@@ -66,9 +66,11 @@ NOT_TAKEN: dict[str, dict[str, str]] = {
         "draft_model_id": "an encoder-decoder model's KV cache cannot verify draft tokens",
     },
     "text-embedding": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
-                          "draft_model_id": "text generation only", "decode_attention": "text generation only"},
+                       "draft_model_id": "text generation only", "decode_attention": "text generation only",
+                       "mixed_steps": "text generation only"},
     "text-classification": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
-                          "draft_model_id": "text generation only", "decode_attention": "text generation only"},
+                            "draft_model_id": "text generation only", "decode_attention": "text generation only",
+                            "mixed_steps": "text generation only"},
     "tensor": {},
 }
 KIND_NAMES = {"text2text-generation": "encoder-decoder", "text-embedding": "embedding",
@@ -340,6 +342,19 @@ class ModelConfig(BaseModel):
             "4.6–42x *slower* than fp32 (start-up warns): memory, not time. Refused, naming the option: "
             "`fp16` with `option.dtype` fp16/bf16, `q4` with fp16, either on a GPU, or `q4` for a model that "
             "is not a Q4 GGUF. No `int8` (see the fast-engine notes)"
+        ),
+    )
+    mixed_steps: bool = Field(
+        True,
+        description=(
+            "one forward per step: the prompts of requests joining the rolling batch (and the next chunk of a "
+            "long one) go through the model with the running rows' decode, packed into one sequence "
+            "(engine/kv/mixed.py), so the weights are read once for both and running streams are not stalled "
+            "by a prefill forward of its own. The same logits as separate forwards (held by the architecture "
+            "matrix); a joiner's first step gives it one token instead of two. Applies to decoder-only models of "
+            "full-attention layers of the families the matrix checks (Llama, Qwen2, Qwen3, Phi, GPT-NeoX); "
+            "others, steps with a LoRA adapter's row and prompts with images or prompt logprobs keep separate "
+            "forwards. `false`: separate forwards always"
         ),
     )
     decode_attention: DecodeAttention = Field(

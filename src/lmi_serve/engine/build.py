@@ -83,7 +83,7 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
                     predict_timeout=config.predict_timeout, max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
                     max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
                     adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None,
-                    speculation=_speculation(config, serving.kv_layout))
+                    speculation=_speculation(config, serving.kv_layout), mixed_steps=config.mixed_steps)
     if tp_group is not None:
         tp_group.on_failure(engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
     return engine

@@ -20,7 +20,10 @@ logprobs and prompts with images are prefilled whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from lmi_serve.engine.batch import Batch, Row
 from lmi_serve.engine.kv.prefix_cache import PrefixCache, resume_from_cache
@@ -101,6 +104,24 @@ class ChunkedPrefill:
         if self._kv is None and self._prefixes is not None:
             self._kv, self.done = resume_from_cache(self._prefixes, self._layout, self._model,
                                                     self.row.request.prompt_ids, self._device)
+
+    def next_chunk(self, budget: int | None) -> tuple[KVBatch, Sequence[int]]:
+        """For a mixed step (kv/mixed.py): the one-row batch the next chunk continues (from the prefix
+        cache's longest match, or holding nothing) and the chunk's tokens, as many as `budget` allows
+        (`advance`'s rule) or, with None, the rest of the prompt. `fed` then accounts them."""
+        self._resume()
+        if self._kv is None:
+            self._kv = self._layout.empty(self._model, self._device)
+        tokens = self.remaining if budget is None else chunk_tokens(budget, self.done, self._crossover)
+        return self._kv, self.row.request.prompt_ids[self.done:self.done + tokens]
+
+    def fed(self, tokens: int, logits: torch.Tensor) -> Batch | None:
+        """After a mixed forward cached `tokens` more of the prompt: the row's Batch, with `logits`
+        ([1, vocab], its last position's) to sample its first token from, once the prompt is all in."""
+        self.done += tokens
+        if self.remaining:
+            return None
+        return Batch.prefilled([self.row], Prefilled(self._kv, logits), self._device)
 
     def finish(self) -> Batch:
         """Prefill the rest of the prompt in one forward (a prefix-cache hit's rest, scheduler.py)."""

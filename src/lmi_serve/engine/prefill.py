@@ -11,6 +11,15 @@ of the running batch, with their first tokens sampled and sent.
 - the chunked prompt (chunked.py) is continued by one chunk; its row joins after its last chunk.
 Each forward runs under `guarded_forward` (guarded.py), as the decode does.
 
+With mixed steps (option.mixed_steps, kv/mixed.py: where the layout `mixes` the model and a batch is
+running) there is no prefill forward: the joiners' prompts (each from its prefix-cache match, if
+any) and the chunked prompt's next chunk go through the running rows' decode forward (`_mixed_step`),
+which reads the weights once for all of them. A step keeps its separate forwards when a row or
+joiner uses a LoRA adapter (`lora_rows` selects adapters per batch row, and a packed forward has
+one) or a joiner's prompt cannot be chunked (images, prompt logprobs); a mixed forward that raises
+leaves every batch as it was, and the step runs its parts separately, so that a prompt at fault
+fails alone.
+
 `PrefillSteps` is a part of Scheduler, not a class of its own: it uses the scheduler's state and
 the step's other halves, named below.
 """
@@ -21,6 +30,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from lmi_serve.engine.adapters import lora_rows
 from lmi_serve.engine.batch import Batch, Row, make_row
 from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
@@ -28,7 +39,7 @@ from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
 from lmi_serve.engine.kv.protocol import KVLayout
-from lmi_serve.engine.phases import EVICT, PREFILL, PhaseClock
+from lmi_serve.engine.phases import DECODE, EVICT, PREFILL, PhaseClock
 from lmi_serve.engine.types import GenerationRequest
 
 if TYPE_CHECKING:
@@ -39,7 +50,7 @@ log = logging.getLogger("lmi_serve.engine.scheduler")  # the scheduler's log, wh
 
 class PrefillSteps:
     """Scheduler's prefill methods. From the rest of Scheduler they call `_add` (merge rows into the
-    running batch), `_sample`, `_emit` and `_deliver`; the state they use is declared below."""
+    running batch), `_sample`, `_emit`, `_deliver` and `_evict`; the state they use is declared below."""
 
     model: object
     tokenizer: object
@@ -48,6 +59,7 @@ class PrefillSteps:
     prefixes: PrefixCache | None
     chunking: ChunkedPrefill | None  # set by admission, dropped here once its last chunk is in
     max_padding: float
+    mixed: bool  # prompts ride in the decode forward where they can (`_mixable`)
     phases: PhaseClock
     stats: SchedulerStats
 
@@ -153,6 +165,56 @@ class PrefillSteps:
             self.chunking = None
         elif batch is not None:
             self._add(self._admitted(batch))
+
+    # -- the mixed step ------------------------------------------------------------------------
+    def _mixable(self, joiners: list[RequestHandle]) -> bool:
+        """Whether this step's prompts can ride in the decode forward (the module docstring)."""
+        if not (self.mixed and self.batch and (joiners or self.chunking is not None)):
+            return False
+        rows = [*self.batch.rows, *((self.chunking.row,) if self.chunking is not None else ())]
+        return (all(row.adapter_slot is None for row in rows)
+                and all(handle.adapter_slot is None and chunkable(handle.request) for handle in joiners))
+
+    def _mixed_step(self, joiners: list[RequestHandle], chunk_budget: int) -> None:
+        """One forward: the running rows' decode, the chunked prompt's next chunk (`chunk_budget`) and
+        every joiner's whole prompt; then the running rows' step goes on as `_decode`'s, and the rows
+        whose prompts are all in sample their first tokens and join the batch."""
+        prefills = [self._start_prefill(handle) for handle in joiners]
+        chunks = ([(self.chunking, *self.chunking.next_chunk(chunk_budget))] if self.chunking is not None else [])
+        chunks += [(prefill, *prefill.next_chunk(None)) for prefill in prefills]
+        batch = self.batch
+        with guarded_forward([], self.stats, None) as forward:  # a failure fails no row here: see below
+            with self.phases.measure(DECODE):
+                batch.logits, last = batch.kv.decode_with([(kv, tokens) for _, kv, tokens in chunks])
+        if forward.failed:  # the batches are as they were (kv/protocol.py item 11): each part on its own
+            log.warning("A mixed step failed (%s); running its prefills and decode separately", forward.error)
+            self._separate_step(joiners, chunk_budget)
+            return
+        self.stats.mixed_steps += 1
+        with guarded_forward(batch.rows, self.stats,
+                             f"Decode step failed; failing its {len(batch)} running requests") as forward:
+            events = self._emit(batch, self._sample(batch))
+        if forward.failed:
+            self.batch = None
+        else:
+            self._deliver(events)
+            self._evict()
+        done = []
+        for i, (prefill, _, tokens) in enumerate(chunks):
+            joined = prefill.fed(len(tokens), last[i:i + 1])
+            if joined is not None:
+                done.append(joined)
+                if prefill is self.chunking:
+                    self.chunking = None
+        if not done:
+            return
+        logits = torch.cat([batch.logits for batch in done])  # `concatenate` joins rows, not pending logits
+        joined = self._merge(done)
+        joined.logits = logits
+        with guarded_forward(joined.rows, self.stats, "Sampling the first tokens failed") as forward:
+            self._first_tokens(joined)
+        if not forward.failed:
+            self._add(self._admitted(joined))
 
     # -- after a prefill -----------------------------------------------------------------------
     def _first_tokens(self, batch: Batch) -> None:

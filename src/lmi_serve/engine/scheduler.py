@@ -14,8 +14,9 @@ Order of operations in `Scheduler.step`:
    request also needs room for the tokens it may reach (prompt + max_new_tokens, capped at the
    context) beside those the running rows reserve; else it waits at the head until rows leave (a
    request that could not fit even alone is refused by `add`);
-3. continue the chunked prompt (its row joins the batch once its last chunk is in), then prefill
-   the joiners: one whose prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone,
+3. (with a running batch and mixed steps, prefill.py `_mixed_step`: steps 3-7 in one forward, the
+   prompts' tokens packed with the running rows' pending ones, kv/mixed.py) continue the chunked
+   prompt (its row joins the batch once its last chunk is in), then prefill the joiners: one whose prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone,
    from those blocks (its budget cost is only the rest); the others in groups of similar length
    (padding is wasted compute: prefill on a CPU is compute-bound, so a group only pays when it adds
    little padding); store the prompts' blocks and sample the first tokens;
@@ -71,6 +72,7 @@ class SchedulerStats:
     admitted: int = 0
     largest_batch: int = 0
     failed_steps: int = 0
+    mixed_steps: int = 0  # steps whose prompts rode in the decode forward (prefill.py `_mixed_step`)
 
 
 class Scheduler(PrefillSteps):
@@ -80,7 +82,8 @@ class Scheduler(PrefillSteps):
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
                  kv_layout: KVLayout | None = None, prefix_cache: PrefixCache | None = None,
                  adapters: Adapters | None = None, kv_tokens: int | None = None,
-                 max_model_len: int | None = None, speculation: NgramSpeculation | None = None):
+                 max_model_len: int | None = None, speculation: NgramSpeculation | None = None,
+                 mixed_steps: bool = True):
         """`kv_layout` prefills new rows into KV batches (kv/protocol.py) and says whether a prompt can
         be chunked; None picks the model's default (kv/select.py). `prefix_cache` (kv/prefix_cache.py)
         lets prompts reuse the K/V of a prefix prefilled before; the layout must declare
@@ -88,13 +91,15 @@ class Scheduler(PrefillSteps):
         slot; rows of adapters do not use the prefix cache (its K/V are the base model's). `kv_tokens`:
         the K/V tokens running rows may reserve together (kv/budget.py; None: no bound), each row
         what its request may reach, capped at `max_model_len`. `speculation` (speculation.py): drafts for
-        a batch of one row; the layout must declare `supports_speculation`."""
+        a batch of one row; the layout must declare `supports_speculation`. `mixed_steps`: joiners' prompts
+        go through the running rows' decode forward where the layout `mixes` the model (prefill.py)."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_layout = kv_layout or layout_for(model)
         # Idempotent: engine/build.py prepared it before the warm-up; an engine built directly (tests,
         # benchmarks) runs its model as the server would only if it is prepared here too.
         self.kv_layout.prepare(model)
         self.chunks = self.kv_layout.supports_chunks
+        self.mixed = mixed_steps and self.chunks and self.kv_layout.mixes(model)
         if prefix_cache is not None and not self.kv_layout.supports_prefixes:
             raise ValueError("this model's KV cache cannot start a row from a cached prefix")
         self.prefixes = prefix_cache
@@ -207,18 +212,28 @@ class Scheduler(PrefillSteps):
             self._admit_beams()
             chunk = self.chunking.cost(self.max_prefill_tokens) if self.chunking else 0
             joiners = self._admit(self.max_prefill_tokens - chunk)
-        if self.chunking is not None:  # steps 3-4 (prefill.py)
-            self._advance_chunk(chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners))
-        if joiners:
-            self._join(joiners)
+        chunk = chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners)
         decoded = len(self.batch) if self.batch else 0
-        if self.batch:  # steps 5-7
-            self._decode()
+        if self._mixable(joiners):  # steps 3-7 in one forward (prefill.py)
+            self._mixed_step(joiners, chunk)
+        else:
+            decoded = self._separate_step(joiners, chunk)
         if self.beams:
             self._step_beams()
         self.stats.steps += 1
         if self.observer is not None:
             self._report(decoded)
+
+    def _separate_step(self, joiners: list[RequestHandle], chunk: int) -> int:
+        """Steps 3-7 as forwards of their own; the number of rows decoded."""
+        if self.chunking is not None:  # steps 3-4 (prefill.py)
+            self._advance_chunk(chunk)
+        if joiners:
+            self._join(joiners)
+        decoded = len(self.batch) if self.batch else 0
+        if self.batch:  # steps 5-7
+            self._decode()
+        return decoded
 
     def _report(self, decoded: int) -> None:
         prefixes = self.prefixes.stats if self.prefixes is not None else PrefixStats()

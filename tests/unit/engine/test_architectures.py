@@ -28,6 +28,7 @@ import transformers as tf
 
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv.encdec import decoder_prompt
+from lmi_serve.engine.kv.mixed import MIXED_MODEL_TYPES
 from lmi_serve.engine.kv.select import KV_LAYOUTS, layout_for
 from lmi_serve.engine.kv.slots import SlotKV, SlotLayout
 from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
@@ -388,3 +389,13 @@ def test_rows_join_and_leave_at_different_times(served, smollm2_tokenizer):
         for (i, n), result in zip(rows, within(generation.results)):
             assert token_ids(result) == served.expected[i][:n], f"{served.name}, prompt {i} ({n} tokens)"
     assert scheduler.stats.admitted == 5 and scheduler.stats.largest_batch >= 3  # they did run together
+    # Joiners rode in the running rows' forward where the family mixes (kv/mixed.py), and only there.
+    assert (scheduler.stats.mixed_steps > 0) is scheduler.mixed
+    assert scheduler.mixed is (served.model.config.model_type in MIXED_MODEL_TYPES and not served.family.window
+                               and not served.model.config.is_encoder_decoder)
+
+
+def test_every_model_type_that_mixes_is_in_the_matrix(smollm2_tokenizer):
+    """kv/mixed.py packs only the model types this matrix holds to generate()."""
+    checked = {build(family, 64, WINDOW).config.model_type for family in FAMILIES.values() if not family.window}
+    assert MIXED_MODEL_TYPES <= checked

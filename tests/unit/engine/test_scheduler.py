@@ -122,11 +122,15 @@ def test_staggered_requests_equal_each_run_alone(make_engine, tiny_model, smollm
     assert stats.failed_steps == 0
 
 
-def test_rows_joining_and_leaving_step_by_step(make_engine, tiny_model, smollm2_tokenizer, prompt_ids):
-    """Deterministic rolling: the test drives Scheduler.step itself and submits between steps."""
+@pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed"])
+def test_rows_joining_and_leaving_step_by_step(make_engine, tiny_model, smollm2_tokenizer, prompt_ids, mixed):
+    """Deterministic rolling: the test drives Scheduler.step itself and submits between steps. With
+    separate forwards a joiner is prefilled and then decoded in its first step (two tokens); in a mixed
+    step its prompt rides in the decode forward (one token)."""
     tok = smollm2_tokenizer
-    engine = make_engine(start=False, max_batch_size=3)
+    engine = make_engine(start=False, max_batch_size=3, mixed_steps=mixed)
     scheduler = engine.scheduler
+    assert scheduler.mixed is mixed
     budgets = [6, 2, 9, 4, 7, 3, 5]
     requests = [greedy(prompt_ids[i], n) for i, n in enumerate(budgets)]
     expected = [alone(tiny_model, tok, r) for r in requests]
@@ -152,7 +156,7 @@ def test_rows_joining_and_leaving_step_by_step(make_engine, tiny_model, smollm2_
             break
         scheduler.step()
         assert scheduler.running <= 3
-    assert running[:2] == [1, 2]
+    assert running[:2] == ([1, 3] if mixed else [1, 2])  # mixed: 1 gets its second token a step later
     for i, handle in enumerate(handles):
         assert ids_of(result(handle)) == expected[i], f"request {i}"
         assert len(expected[i]) == budgets[i]
