@@ -52,6 +52,7 @@ class EngineStats:
     largest_batch: int
     failed_steps: int  # steps whose forward raised (their rows failed; the engine went on)
     max_batch_size: int
+    mixed_steps: int  # steps whose joiners' prompts rode in the decode forward (kv/mixed.py)
     phases: PhaseTimes  # where the steps' time went (phases.py): seconds and counts per phase
     prefix_cache: PrefixStats | None = None  # with prefix caching: lookups, hits, tokens reused, memory
     speculation: SpeculationStats | None = None  # with n-gram speculation: verifying steps, drafts, accepted
@@ -216,7 +217,7 @@ class Engine:
                            waiting=len(self.scheduler.waiting) + len(self.scheduler.beams.waiting), steps=s.steps,
                            prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
                            failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size,
-                           phases=self.scheduler.phases.snapshot(),
+                           mixed_steps=s.mixed_steps, phases=self.scheduler.phases.snapshot(),
                            prefix_cache=replace(prefixes.stats) if prefixes is not None else None,
                            speculation=replace(speculation.stats) if speculation is not None else None)
 

@@ -3,7 +3,8 @@
 The phases, in step order (scheduler.py's docstring):
 - admit: drop cancelled and expired requests, pick the joiners;
 - prefill: `Batch.prefill` (the prompts' forward);
-- decode: `Batch.decode` (one forward for every running row);
+- decode: `Batch.decode` (one forward for every running row; in a mixed step, prefill.py, the
+  joiners' prompts ride in it);
 - sample: `Batch.sample` (after a prefill and after a decode);
 - emit: `Batch.emit` (stop checks, detokenizing, events);
 - deliver: pushing the events to their requests;

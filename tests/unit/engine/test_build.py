@@ -107,6 +107,14 @@ def test_build_engine_is_the_handlers_engine(tiny_model, smollm2_tokenizer):
     assert not engine.alive  # the caller starts it
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_option_mixed_steps_reaches_the_scheduler(tiny_model, smollm2_tokenizer, on):
+    options = config(mixed_steps=on)
+    engine = build_engine(tiny_model, smollm2_tokenizer, CPU, options, prepare_serving(tiny_model, CPU, options,
+                                                                                       rolling=True))
+    assert engine.scheduler.mixed is on  # the tiny Llama mixes (kv/mixed.py) unless the option says no
+
+
 def test_build_engine_speculates_as_configured(tiny_model, smollm2_tokenizer, caplog):
     assert build_engine(tiny_model, smollm2_tokenizer, CPU, config(), prepare_serving(
         tiny_model, CPU, config(), rolling=True)).scheduler.speculation is None

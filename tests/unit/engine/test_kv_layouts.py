@@ -62,6 +62,8 @@ def test_each_layout_states_what_it_supports(tiny_model):
                                                                  ("slots", True, True, True),
                                                                  ("encoder-decoder", False, False, False)]
     assert KV_LAYOUTS == {"dynamic": DYNAMIC, "slots": SLOTS}
+    SLOTS.prepare(tiny_model)
+    assert DYNAMIC.mixes(tiny_model) and SLOTS.mixes(tiny_model) and not ENCODER_DECODER.mixes(tiny_model)
     assert SLOTS.memory_bytes(tiny_model, 4, 64) == slot_bytes(tiny_model, 4, 64) > 0
     assert DYNAMIC.memory_bytes(tiny_model, 4, 64) is None and ENCODER_DECODER.memory_bytes(tiny_model, 4, 64) is None
     with pytest.raises(NotImplementedError, match="encoder-decoder KV layout cannot start a row from a cached prefix"):
@@ -88,6 +90,7 @@ def test_the_replicator_declares_what_the_layout_it_wraps_does_except_prefixes(t
         assert replicator.memory_bytes(tiny_model, 2, 32) == inner.memory_bytes(tiny_model, 2, 32)
         assert not replicator.supports_prefixes  # resume / row_kv are not replicated
         assert not replicator.supports_speculation  # nor verify / discard (the config refuses both together)
+        assert not replicator.mixes(tiny_model)  # decode_with is not replicated: a step's forwards stay separate
         assert not hasattr(replicator, "prefill_more")  # declared, not faked
     recorded = Declared(chunks=False)
     replicator = Replicator(recorded, send=lambda op: None, heartbeat=None)

@@ -185,7 +185,7 @@ def _describe(service: ModelService) -> dict:
 def _engine_stats(stats: EngineStats) -> dict:
     return {"running": stats.running, "waiting": stats.waiting, "steps": stats.steps, "prefills": stats.prefills,
             "admitted": stats.admitted, "largestBatch": stats.largest_batch, "failedSteps": stats.failed_steps,
-            "maxBatchSize": stats.max_batch_size,
+            "maxBatchSize": stats.max_batch_size, "mixedSteps": stats.mixed_steps,
             # cumulative wall seconds and entries per phase of the engine's step (engine/phases.py)
             "phaseSeconds": {name: round(seconds, 6) for name, seconds in stats.phases.seconds.items()},
             "phaseCounts": dict(stats.phases.counts),

@@ -7,6 +7,8 @@ columns). Its layer `update` then returns `Parts` (one K or V tensor per part) i
 tensor, and `parts_attention` runs transformers' SDPA attention once per part, on that part's
 queries, K, V and the last `len_p` columns of the batch's mask. For a plain tensor it is exactly
 transformers' `sdpa_attention_forward`, except in a decode step without a mask (`decode_attention`).
+A packed forward (kv/mixed.py: decode rows and prompt chunks in one sequence) hands it `Packed` K/V
+instead, and `packed_attention` attends each side against its own cache.
 
 `use_parts(model)` (called by the decoder-only layouts' `prepare`, kv/dynamic.py, so every KV cache
 attends the same way) switches a model whose attention is SDPA, dispatched through transformers'
