@@ -353,8 +353,8 @@ class ModelConfig(BaseModel):
             "by a prefill forward of its own. The same logits as separate forwards (held by the architecture "
             "matrix); a joiner's first step gives it one token instead of two. Applies to decoder-only models of "
             "full-attention layers of the families the matrix checks (Llama, Qwen2, Qwen3, Phi, GPT-NeoX); "
-            "others, steps with a LoRA adapter's row and prompts with images or prompt logprobs keep separate "
-            "forwards. `false`: separate forwards always"
+            "others and prompts with images or prompt logprobs keep separate forwards (LoRA rows are packed "
+            "too, each token with its adapter). `false`: separate forwards always"
         ),
     )
     decode_attention: DecodeAttention = Field(

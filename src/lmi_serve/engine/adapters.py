@@ -260,16 +260,17 @@ class Adapters:
 
 
 @contextmanager
-def lora_rows(model: Any, slots: Sequence[int | None]) -> Iterator[None]:
+def lora_rows(model: Any, slots: Sequence[int | None], packed: bool = False) -> Iterator[None]:
     """Within the block, the model's forwards run row i with adapter slot `slots[i]` (None: the base
     model); nothing when the model has no LoRA layers or no row has an adapter. Each layer indexes
-    its rows on its own input's device (model/lora.py: `LoraRouter.index`)."""
+    its rows on its own input's device (model/lora.py: `LoraRouter.index`). `packed`: the forward is one
+    packed sequence (kv/mixed.py) and `slots` are its tokens' (a row's slot once per token it feeds)."""
     router = router_of(model)
     if router is None or all(slot is None for slot in slots):
         with nullcontext():
             yield
         return
-    with router.rows(slots):
+    with router.rows(slots, packed=packed):
         yield
 
 

@@ -14,9 +14,9 @@ Each forward runs under `guarded_forward` (guarded.py), as the decode does.
 With mixed steps (option.mixed_steps, kv/mixed.py: where the layout `mixes` the model and a batch is
 running) there is no prefill forward: the joiners' prompts (each from its prefix-cache match, if
 any) and the chunked prompt's next chunk go through the running rows' decode forward (`_mixed_step`),
-which reads the weights once for all of them. A step keeps its separate forwards when a row or
-joiner uses a LoRA adapter (`lora_rows` selects adapters per batch row, and a packed forward has
-one) or a joiner's prompt cannot be chunked (images, prompt logprobs); a mixed forward that raises
+which reads the weights once for all of them (rows of LoRA adapters too: `lora_rows` gets each
+token's slot). A step keeps its separate forwards when a joiner's prompt cannot be chunked (images,
+prompt logprobs); a mixed forward that raises
 leaves every batch as it was, and the step runs its parts separately, so that a prompt at fault
 fails alone.
 
@@ -171,9 +171,7 @@ class PrefillSteps:
         """Whether this step's prompts can ride in the decode forward (the module docstring)."""
         if not (self.mixed and self.batch and (joiners or self.chunking is not None)):
             return False
-        rows = [*self.batch.rows, *((self.chunking.row,) if self.chunking is not None else ())]
-        return (all(row.adapter_slot is None for row in rows)
-                and all(handle.adapter_slot is None and chunkable(handle.request) for handle in joiners))
+        return all(chunkable(handle.request) for handle in joiners)
 
     def _mixed_step(self, joiners: list[RequestHandle], chunk_budget: int) -> None:
         """One forward: the running rows' decode, the chunked prompt's next chunk (`chunk_budget`) and
@@ -183,8 +181,10 @@ class PrefillSteps:
         chunks = ([(self.chunking, *self.chunking.next_chunk(chunk_budget))] if self.chunking is not None else [])
         chunks += [(prefill, *prefill.next_chunk(None)) for prefill in prefills]
         batch = self.batch
+        slots = [*batch.adapter_slots, *(slot for prefill, _, tokens in chunks for slot in
+                                          [prefill.row.adapter_slot] * len(tokens))]  # each token's adapter
         with guarded_forward([], self.stats, None) as forward:  # a failure fails no row here: see below
-            with self.phases.measure(DECODE):
+            with self.phases.measure(DECODE), lora_rows(self.model, slots, packed=True):
                 batch.logits, last = batch.kv.decode_with([(kv, tokens) for _, kv, tokens in chunks])
         if forward.failed:  # the batches are as they were (kv/protocol.py item 11): each part on its own
             log.warning("A mixed step failed (%s); running its prefills and decode separately", forward.error)

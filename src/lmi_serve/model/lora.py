@@ -190,23 +190,25 @@ class LoraRouter:
         # (slot, row indices or None for every row), one entry per slot in the forward; empty: base only
         self.groups: list[tuple[int, list[int] | None]] = []
         self.batch = 0  # rows in the forward: a layer's input must be [batch, ...] to be split by row
+        self.packed = False  # the forward's input is [1, batch, ...]: a packed sequence's tokens are its rows
         # The groups' index tensors by (slot, device), made once per forward on each device that asks:
         # under device_map=auto the layers live on several GPUs, and an index must be on its input's.
         self._indexes: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @contextmanager
-    def rows(self, slots: Sequence[int | None]) -> Iterator[None]:
-        """Within the block, row i of every forward uses adapter slot `slots[i]` (None: the base model)."""
+    def rows(self, slots: Sequence[int | None], packed: bool = False) -> Iterator[None]:
+        """Within the block, row i of every forward uses adapter slot `slots[i]` (None: the base model).
+        `packed`: the forward is one packed sequence (engine/kv/mixed.py), and `slots` are its tokens'."""
         groups: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             if slot is not None:
                 groups.setdefault(slot, []).append(i)
         self.groups = [(slot, None if len(rows) == len(slots) else rows) for slot, rows in groups.items()]
-        self.batch = len(slots)
+        self.batch, self.packed = len(slots), packed
         try:
             yield
         finally:
-            self.groups, self.batch, self._indexes = [], 0, {}
+            self.groups, self.batch, self.packed, self._indexes = [], 0, False, {}
 
     def index(self, slot: int, rows: list[int], device: torch.device) -> torch.Tensor:
         """`rows` (slot `slot`'s group) as an index tensor on `device`, the device of the input it indexes."""
@@ -228,6 +230,9 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        packed = bool(self.router.packed and self.router.groups) and x.dim() == 3 and x.shape[0] == 1
+        if packed:  # one packed sequence (engine/kv/mixed.py): each token is a row, as [tokens, 1, features]
+            x, out = x.transpose(0, 1), out.transpose(0, 1)
         for slot, rows in self.router.groups:
             weights = self.slots.get(slot)
             if weights is None:  # this adapter leaves this layer alone
@@ -244,7 +249,7 @@ class LoraLinear(nn.Module):
                 out = out + delta
             else:
                 out = out.index_add(0, rows, delta)
-        return out
+        return out.transpose(0, 1) if packed else out
 
 
 def _adaptable(module: nn.Module) -> bool:

@@ -255,3 +255,70 @@ def test_mixed_steps_off_gives_each_prompt_its_own_forward(tiny_model, smollm2_t
     finally:
         forwards.handle.remove()
     assert scheduler.stats.mixed_steps == 0
+
+
+def test_a_joiner_with_a_cached_prefix_rides_from_its_blocks(tiny_model, smollm2_tokenizer, prompt_ids):
+    """A mixed step starts a joiner from the prefix cache's blocks (kv/prefix_cache.py) and packs only the
+    rest of its prompt; the output is the request's alone."""
+    from lmi_serve.engine.kv.prefix_cache import PrefixCache
+
+    shared = tuple(t for p in prompt_ids for t in p)[:24]
+    first, second = greedy((*shared, *prompt_ids[1]), 6), greedy((*shared, *prompt_ids[2]), 6)
+    expected = [alone(tiny_model, smollm2_tokenizer, r) for r in (first, second)]
+    engine = Engine(tiny_model, smollm2_tokenizer, CPU, max_batch_size=8, prefix_cache=PrefixCache(2**24, 8))
+    scheduler = engine.scheduler
+    forwards = Forwards(tiny_model)
+    try:
+        running = engine.generate([first])
+        scheduler.step()  # the first prompt alone (its blocks stored), then its decode
+        joiner = engine.generate([second])
+        before = len(forwards.fed)
+        scheduler.step()
+        assert len(forwards.fed) == before + 1 and scheduler.stats.mixed_steps == 1
+        # the one forward fed the running row's token and the part of the prompt no block holds
+        assert forwards.fed[-1] == 1 + len(second.prompt_ids) - 24
+        step_until_idle(scheduler)
+    finally:
+        forwards.handle.remove()
+    assert [[e.token_id for e in r.events] for r in (*within(running.results), *within(joiner.results))] == expected
+    assert scheduler.prefixes.stats.hit_tokens == 24
+
+
+def test_rows_of_lora_adapters_ride_each_token_with_its_adapter(tiny_model, smollm2_tokenizer, prompt_ids,
+                                                               tmp_path):
+    """A packed forward tells the LoRA layers each token's adapter slot (adapters.lora_rows, packed): running
+    rows and joiners of different adapters (and none) give the tokens each gives alone."""
+    from lmi_serve.engine.adapters import start_adapters
+
+    from lora_adapters import build_adapter  # noqa: E402
+
+    model = copy.deepcopy(tiny_model)
+    adapters = start_adapters(model, CPU, max_loras=4, max_rank=64, dtype="auto", folder=None)
+    for name in ("alpha", "beta"):
+        adapters.register(name, str(build_adapter(tiny_model, tmp_path, name, std=0.3)))
+
+    def request(prompt, adapter, n):
+        return GenerationRequest(tuple(prompt), SamplingParams(), StopParams(max_new_tokens=n, ignore_eos=True),
+                                 adapter=adapter)
+
+    running = [request(prompt_ids[1], "alpha", 8), request(prompt_ids[2], None, 8)]
+    joiners = [request(prompt_ids[3], "beta", 5), request(prompt_ids[4], None, 5), request(prompt_ids[2], "alpha", 5)]
+    expected = []
+    alone_engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, adapters=adapters).start()
+    try:
+        for r in (*running, *joiners):  # each alone: nothing to pack it with
+            [result] = within(lambda r=r: alone_engine.generate([r]).results())
+            expected.append([e.token_id for e in result.events])
+    finally:
+        alone_engine.stop()
+    assert expected[1][:5] != expected[4]  # premise: one prompt, with and without alpha, differs
+    engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, adapters=adapters)
+    scheduler = engine.scheduler
+    first = engine.generate(running)
+    scheduler.step()
+    later = [engine.submit(r) for r in joiners]
+    scheduler.step()
+    assert scheduler.stats.mixed_steps == 1
+    step_until_idle(scheduler)
+    got = [[e.token_id for e in r.events] for r in (*within(first.results), *(within(h.result) for h in later))]
+    assert got == expected
