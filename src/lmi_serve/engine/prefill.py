@@ -16,9 +16,9 @@ running) there is no prefill forward: the joiners' prompts (each from its prefix
 any) and the chunked prompt's next chunk go through the running rows' decode forward (`_mixed_step`),
 which reads the weights once for all of them (rows of LoRA adapters too: `lora_rows` gets each
 token's slot). A step keeps its separate forwards when a joiner's prompt cannot be chunked (images,
-prompt logprobs); a mixed forward that raises
-leaves every batch as it was, and the step runs its parts separately, so that a prompt at fault
-fails alone.
+prompt logprobs). A mixed forward that raises leaves every batch as it was, and the step runs its
+parts separately, so that a prompt at fault fails alone (the failed mixed forward counts as a failed
+step too).
 
 `PrefillSteps` is a part of Scheduler, not a class of its own: it uses the scheduler's state and
 the step's other halves, named below.

@@ -16,10 +16,11 @@ Order of operations in `Scheduler.step`:
    request that could not fit even alone is refused by `add`);
 3. (with a running batch and mixed steps, prefill.py `_mixed_step`: steps 3-7 in one forward, the
    prompts' tokens packed with the running rows' pending ones, kv/mixed.py) continue the chunked
-   prompt (its row joins the batch once its last chunk is in), then prefill the joiners: one whose prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone,
-   from those blocks (its budget cost is only the rest); the others in groups of similar length
-   (padding is wasted compute: prefill on a CPU is compute-bound, so a group only pays when it adds
-   little padding); store the prompts' blocks and sample the first tokens;
+   prompt (its row joins the batch once its last chunk is in), then prefill the joiners: one whose
+   prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone, from those blocks
+   (its budget cost is only the rest); the others in groups of similar length (padding is wasted
+   compute: prefill on a CPU is compute-bound, so a group only pays when it adds little padding);
+   store the prompts' blocks and sample the first tokens;
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample; with n-gram speculation (speculation.py) a
    batch of one row instead verifies its drafts in one forward and takes the tokens that match;
