@@ -114,12 +114,11 @@ class DynamicKV:
         self.next_pos = self.next_pos + 1
         self.lengths = [n + 1 for n in self.lengths]
         for kv, tokens in chunks:
-            kv._fed([tokens])
+            kv._fed(torch.tensor([list(tokens)], dtype=torch.long, device=kv.mask.device))
         return rows, last
 
-    def _fed(self, tokens: Sequence[Sequence[int]]) -> None:
-        """Account a one-row batch's chunk `tokens` after a forward cached them."""
-        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.mask.device)
+    def _fed(self, ids: torch.Tensor) -> None:
+        """Account a one-row batch's chunk `ids` ([1, tokens]) after a forward cached them."""
         self.mask = torch.cat([self.mask, torch.ones_like(ids, dtype=self.mask.dtype)], dim=1)
         self.next_pos = self.next_pos + ids.shape[1]
         self.lengths = [n + ids.shape[1] for n in self.lengths]
@@ -137,13 +136,11 @@ class DynamicKV:
         device = self.mask.device
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
         positions = self.next_pos[:, None] + torch.arange(len(tokens), device=device)[None, :]
-        self.mask = torch.cat([self.mask, torch.ones_like(ids, dtype=self.mask.dtype)], dim=1)
+        mask = torch.cat([self.mask, torch.ones_like(ids, dtype=self.mask.dtype)], dim=1)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        self.next_pos = self.next_pos + len(tokens)
-        self.lengths = [n + len(tokens) for n in self.lengths]
-        self.pending = ids[:, -1]
+        self._fed(ids)
         return out.logits[:, -1, :]
 
     def verify(self, drafts: Sequence[int]) -> torch.Tensor:
@@ -231,14 +228,14 @@ class DynamicLayout(KVLayout):
     supports_prefixes = True
     supports_speculation = True
 
+    def __init__(self, kv_class: type[DynamicKV] = DynamicKV):
+        self.kv_class = kv_class  # DynamicKV or a subclass (SlotKV; tests' recording ones)
+
     def mixes(self, model: Any) -> bool:
         return mixes(model)
 
     def empty(self, model: Any, device: torch.device) -> DynamicKV:
         return self.kv_class.empty(model, device)
-
-    def __init__(self, kv_class: type[DynamicKV] = DynamicKV):
-        self.kv_class = kv_class  # DynamicKV or a subclass (SlotKV; tests' recording ones)
 
     def prefill(self, model: Any, prompts: Sequence[Sequence[int]], *, pad_id: int, device: torch.device,
                 prompt_logits: bool = False, model_inputs: Mapping[str, Any] | None = None) -> Prefilled:
