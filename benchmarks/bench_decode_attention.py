@@ -26,7 +26,6 @@ from benchmark.common import cpu_summary  # noqa: E402
 from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 from lmi_serve.engine.kv import decode_kernel, slot_attention  # noqa: E402
-from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
 
 
 class Switch:
@@ -96,13 +95,7 @@ def greedy_gate(model, tokenizer, device, layout, switch: Switch, tokens: int = 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from lmi_serve.model.loader import load_generation_model
-
-    lm = load_generation_model(bench_step.MODEL_ID, gguf_file=bench_step.GGUF_FILE)
-    tokenizer, device = lm.tokenizer, lm.device
-    model, line = bench_step.load_variants(["onednn"])["onednn"]
-    layout = KV_LAYOUTS["slots"]
-    layout.prepare(model)
+    model, tokenizer, device, layout, line = bench_step.served_default()
     switch = Switch()
     print(f"cpu: {cpu_summary()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {line}")
     print(f"kernel available: {decode_kernel.kernel() is not None}")

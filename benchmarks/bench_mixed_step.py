@@ -27,8 +27,6 @@ import torch  # noqa: E402
 from benchmark.common import cpu_summary  # noqa: E402
 from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
-from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
-
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,15 +66,7 @@ def measure(model, tokenizer, device, layout, one, rows: int, prompt: list[int],
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from lmi_serve.model.loader import load_generation_model
-
-    lm = load_generation_model(bench_step.MODEL_ID, gguf_file=bench_step.GGUF_FILE)
-    tokenizer, device = lm.tokenizer, lm.device
-    model, line = bench_step.load_variants(["onednn"])["onednn"]
-    layout = KV_LAYOUTS["slots"]
-    layout.prepare(model)
-    from lmi_serve.engine.kv.slot_attention import use_decode_kernel
-    use_decode_kernel(model, True)
+    model, tokenizer, device, layout, line = bench_step.served_default()
     print(f"cpu: {cpu_summary()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {line}")
     print(f"mixes: {layout.mixes(model)}; running rows hold {args.context} tokens each")
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids

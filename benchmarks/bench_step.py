@@ -187,6 +187,20 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     return variants
 
 
+def served_default():
+    """The server's default model in-process: (model, tokenizer, device, slots layout, start-up line): fp32 Linear
+    layers on oneDNN, the slots KV cache prepared and the decode attention kernel compiled, as engine/build.py does."""
+    from lmi_serve.engine.kv.slot_attention import use_decode_kernel
+    from lmi_serve.model.loader import load_generation_model
+
+    lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)
+    model, line = load_variants(["onednn"])["onednn"]
+    layout = KV_LAYOUTS["slots"]
+    layout.prepare(model)
+    use_decode_kernel(model, True)
+    return model, lm.tokenizer, lm.device, layout, line
+
+
 def time_decode(batches: dict[str, Batch], rounds: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of `Batch.decode` per implementation, one step each in turn per round (A, B, A, B ...)."""
     times: dict[str, list[float]] = {name: [] for name in batches}
