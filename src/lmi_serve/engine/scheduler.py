@@ -5,8 +5,9 @@ Order of operations in `Scheduler.step`:
    their deadline; start waiting beam searches whose beams fit in the free rows (beams/jobs.py: the
    first one waiting holds the free rows until it fits);
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
-   tokens fit the per-step prefill budget: a prefill stalls every running row, so the budget
-   bounds the longest gap between two tokens of a stream. A prompt over what is left of it is
+   tokens fit the per-step prefill budget (less the prompts of beam searches starting this step):
+   a prefill stalls every running row, so the budget bounds the longest gap between two tokens of
+   a stream. A prompt over what is left of it is
    prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
    as the step's only prefill. A request of a LoRA adapter also needs its adapter's slot
    (adapters.py): when every slot is held by running rows of other adapters, it waits at the head.
@@ -211,9 +212,11 @@ class Scheduler(PrefillSteps):
         with self.phases.measure(ADMIT):  # steps 1-2
             self._drop_cancelled_and_expired()
             self._admit_beams()
-            chunk = self.chunking.cost(self.max_prefill_tokens) if self.chunking else 0
-            joiners = self._admit(self.max_prefill_tokens - chunk)
-        chunk = chunk or self.max_prefill_tokens - sum(self._prefill_cost(h.request) for h in joiners)
+            # A beam search's first step prefills its prompt in this step too: its share of the budget.
+            room = max(self.max_prefill_tokens - self.beams.prompt_tokens, 0)
+            chunk = self.chunking.cost(room) if self.chunking else 0
+            joiners = self._admit(room - chunk)
+        chunk = chunk or room - sum(self._prefill_cost(h.request) for h in joiners)
         decoded = len(self.batch) if self.batch else 0
         if self._mixable(joiners):  # steps 3-7 in one forward (prefill.py)
             self._mixed_step(joiners, chunk)

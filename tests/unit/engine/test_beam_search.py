@@ -292,3 +292,25 @@ def test_a_beam_search_whose_client_left_is_dropped(tiny_model, smollm2_tokenize
         assert engine.scheduler.stats.steps < 400
     finally:
         engine.stop()
+
+
+def test_a_starting_beam_search_takes_its_prompt_from_the_steps_prefill_budget(tiny_model, smollm2_tokenizer):
+    """Its first step prefills its prompt beside the step's joiners: together they stay within the budget
+    that bounds the longest gap, so a joiner that does not fit what the search leaves is prefilled a chunk
+    of that size now and the rest next step."""
+    tok = smollm2_tokenizer
+    search = beam_request(tok, PROMPTS[0], max_new_tokens=4)
+    row_request = greedy(tok, PROMPTS[2], 4)
+    beam_tokens, row_tokens = len(search.prompt_ids), len(row_request.prompt_ids)
+    budget = beam_tokens + row_tokens - 1  # one short of both
+    assert row_tokens <= budget
+    scheduler = Scheduler(tiny_model, tok, CPU, max_batch_size=8, max_queue=10, max_prefill_tokens=budget)
+    job = add_beams(scheduler, search, 2)
+    assert scheduler.beams.prompt_tokens == 0  # waiting, not running yet
+    handle, _ = add_request(scheduler, row_request)
+    scheduler.step()
+    assert scheduler.beams.prompt_tokens == 0 and job.prompt_pending == 0  # its prompt is in
+    # the row's first chunk took no more than what the search left (fewer: chunked.py counts its attention)
+    assert not scheduler.waiting and 0 < scheduler.chunking.done <= budget - beam_tokens < row_tokens
+    assert ids(finish(scheduler, handle)) == alone(tiny_model, tok, row_request)
+    assert job.future.result(timeout=60)

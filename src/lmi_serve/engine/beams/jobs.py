@@ -36,6 +36,11 @@ class BeamJobs:
         """Batch rows the running searches hold: k each."""
         return sum(job.rows for job in self.running)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the running searches prefill in their next step (those that have not started)."""
+        return sum(job.prompt_pending for job in self.running)
+
     def queue(self, job: BeamSearch) -> None:
         self.waiting.append(job)
 

@@ -176,6 +176,11 @@ class BeamSearch:
         self.future: Future = Future()
         self.cancelled = False
 
+    @property
+    def prompt_pending(self) -> int:
+        """Prompt tokens its next step prefills: all of them before its first step, then none."""
+        return len(self.request.prompt_ids) if self._state is None else 0
+
     def cancel(self) -> None:
         """Ask the scheduler to drop this job at its next step (its rows are freed then)."""
         self.cancelled = True
