@@ -18,6 +18,7 @@ import inspect
 from typing import Any
 
 from lmi_serve.engine.kv.encdec import DECODER_POSITIONS
+from lmi_serve.engine.layer_kinds import layer_types
 
 # Layer kinds (transformers' `config.layer_types` names) a left-padded DynamicCache serves exactly:
 # every layer keeps its whole KV; transformers' masks apply the window or the chunks per row.
@@ -30,26 +31,6 @@ ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 
 class UnsupportedModel(ValueError):
     """The engine cannot serve this model exactly; raised at load, so the model never serves."""
-
-
-def layer_types(config: Any) -> list[str]:
-    """Each decoder layer's kind, named as transformers names it (legacy names translated); where
-    the config lists none, inferred as transformers' cache does (sliding window, attention chunks)."""
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        if getattr(config, "sliding_window", None) is not None:
-            kind = "sliding_attention"
-        elif getattr(config, "attention_chunk_size", None) is not None:
-            kind = "chunked_attention"
-        else:
-            kind = "full_attention"
-        return [kind]
-    types = list(types)
-    try:
-        from transformers.configuration_utils import remap_legacy_layer_types
-    except ImportError:  # an older transformers: its names are the legacy ones we check anyway
-        return types
-    return remap_legacy_layer_types(types)
 
 
 def _forward_parameters(model: Any) -> set[str] | None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from lmi_serve.engine.kv.slot_attention import Packed, attends_by_parts
+from lmi_serve.engine.layer_kinds import layer_types
 
 # Model types whose decoder forward, given position ids and a 4D mask, uses neither for anything but
 # rotary positions and attention (checked: tests/unit/engine/test_architectures.py, every KV layout).
@@ -44,8 +45,6 @@ def mixes(model: Any) -> bool:
         return False
     if config.model_type not in MIXED_MODEL_TYPES:
         return False
-    from lmi_serve.engine.support import layer_types  # support.py imports the KV layouts, this one among them
-
     return set(layer_types(config)) == {"full_attention"}
 
 
