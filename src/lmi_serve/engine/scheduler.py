@@ -216,7 +216,8 @@ class Scheduler(PrefillSteps):
             room = max(self.max_prefill_tokens - self.beams.prompt_tokens, 0)
             chunk = self.chunking.cost(room) if self.chunking else 0
             joiners = self._admit(room - chunk)
-        chunk = chunk or room - sum(self._prefill_cost(h.request) for h in joiners)
+        if self.chunking is not None and not chunk:  # it started this step: the rest of the budget
+            chunk = room - sum(self._prefill_cost(h.request) for h in joiners)
         decoded = len(self.batch) if self.batch else 0
         if self._mixable(joiners):  # steps 3-7 in one forward (prefill.py)
             self._mixed_step(joiners, chunk)
