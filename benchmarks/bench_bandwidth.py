@@ -10,7 +10,8 @@ box and the engine's batch-1 step (`Batch.decode` on the slots cache, the schedu
 - `fp16`: option.quantize=fp16 (fp16 weights, fp32 arithmetic, fbgemm).
 
 Read bandwidth: a sum over a buffer far larger than the last-level cache (default 1 GiB), with torch's
-threads (the server's count: the cores), min of --repeats. The floor of a variant is the bytes its Linear
+threads (the server's count: the cores), the best of one sum before each round of steps (the box's bandwidth
+drifts: measured beside the steps, not once before them). The floor of a variant is the bytes its Linear
 layers hold (each read once per token; a tied lm_head counts once, as its own packed copy) / that
 bandwidth. The step's time / the floor is the figure issue 33 sets at 1.3x for the default path.
 
@@ -42,30 +43,46 @@ from benchmark.common import cpu_summary  # noqa: E402
 from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
+from lmi_serve.engine.kv.slot_attention import use_decode_kernel  # noqa: E402
+from lmi_serve.model.shared_input import SharedInputSlice  # noqa: E402
 
 VARIANTS = ("fp32", "bf16", "fp16")
 
 
-def read_bandwidth(buffer_mib: int, repeats: int) -> float:
-    """Bytes per second of a sum over a `buffer_mib` fp32 buffer (best of `repeats`, after one warm-up)."""
-    buffer = torch.ones(buffer_mib * 2**20 // 4, dtype=torch.float32)
+def read_seconds(buffer: torch.Tensor) -> float:
+    """Seconds of one sum over `buffer`: a read of all its bytes."""
+    start = time.perf_counter()
+    buffer.sum()
+    return time.perf_counter() - start
+
+
+def timed_rounds(buffer: torch.Tensor, batches: dict, rounds: int, warmup: int) -> tuple[float, dict[str, list[float]]]:
+    """The best read bandwidth (bytes/s) and each variant's decode step times, measured in turns (one sum, then
+    one step per variant, per round): this box's bandwidth moves by tens of percent from minute to minute
+    (47 to 77 GB/s in three runs a minute apart), so the floor is read while the steps run, not before."""
+    read_seconds(buffer)  # the first pass faults the pages in
     best = float("inf")
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        buffer.sum()
-        elapsed = time.perf_counter() - start
-        if i:  # the first pass faults the pages in
-            best = min(best, elapsed)
-    return buffer.numel() * 4 / best
+    times: dict[str, list[float]] = {name: [] for name in batches}
+    for round_ in range(warmup + rounds):
+        best = min(best, read_seconds(buffer))
+        step = time_decode(batches, 1, warmup=0)
+        if round_ >= warmup:
+            for name, seconds in step.items():
+                times[name].extend(seconds)
+    return buffer.numel() * buffer.element_size() / best, times
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's Linear layers read per token: parameters of every module that is a linear
-    layer (nn.Linear, or our swapped kinds, whose packed weights are opaque: counted from their shapes)."""
+    layer (nn.Linear, or our swapped kinds, whose packed weights are opaque: counted from their shapes).
+    A stacked layer (model/shared_input.py) counts once; its slices, which read its output, not weights,
+    count nothing."""
     total = 0
     for module in model.modules():
         in_f, out_f = getattr(module, "in_features", None), getattr(module, "out_features", None)
         if in_f is None or out_f is None or any(True for _ in module.children()):
+            continue
+        if isinstance(module, SharedInputSlice):  # columns of a stacked layer, which is counted whole
             continue
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor):
@@ -86,6 +103,8 @@ def load(variant: str):
     if variant == "fp16":
         quantize_model(lm.model, "fp16", lm.device)
     use_linear_kernel(lm.model, "auto", lm.device)
+    KV_LAYOUTS["slots"].prepare(lm.model)  # as engine/build.py does: the slots cache's attention, and the
+    use_decode_kernel(lm.model, True)      # decode kernel where it applies (fp32 on the CPU)
     return lm
 
 
@@ -104,16 +123,16 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     print(f"cpu: {cpu_summary()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}")
-    bandwidth = read_bandwidth(args.buffer_mib, args.repeats)
-    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (sum over {args.buffer_mib} MiB, best of {args.repeats})")
-
     models = {v: load(v) for v in variants}
     tokenizer = next(iter(models.values())).tokenizer
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
     prompt = context_tokens(text_ids, args.context)
     slots = KV_LAYOUTS["slots"]
     batches = {v: prefill_one(lm.model, tokenizer, lm.device, slots, prompt) for v, lm in models.items()}
-    times = time_decode(batches, args.repeats, warmup=3)
+    buffer = torch.ones(args.buffer_mib * 2**20 // 4, dtype=torch.float32)
+    bandwidth, times = timed_rounds(buffer, batches, args.repeats, warmup=3)
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (sum over {args.buffer_mib} MiB, best of {args.repeats + 3}, "
+          "each before a round of steps)")
     print(f"\nbatch-1 decode step (Batch.decode, slots cache, KV {args.context}), ms; floor = Linear weight bytes / "
           "read bandwidth")
     print(f"{'variant':<8}{'weights MB':>12}{'floor ms':>10}{'min ms':>9}{'median ms':>11}{'x floor (min)':>15}"
