@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lmi_serve.model.fused_norms import use_fused_norms
+from lmi_serve.model.lean_layers import use_lean_layers
 from lmi_serve.model.surgery import own_remaining_tensors, replace_module, return_freed_memory
 from lmi_serve.model.shared_input import SharedInputSlice, stack_shared_inputs
 
@@ -136,11 +137,13 @@ class LinearKernelReport:
     swapped: list[str] = field(default_factory=list)
     stacked: list[str] = field(default_factory=list)  # of `swapped`: siblings stacked into one matmul (shared_input.py)
     norms: list[str] = field(default_factory=list)  # RMSNorm layers on F.rms_norm, the same bits (fused_norms.py)
+    lean: list[str] = field(default_factory=list)  # decoder layers in fewer ops, the same bits (lean_layers.py)
     kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays an nn.Linear
     seconds: float = 0.0
 
     def describe(self) -> str:
         norms = f"; {len(self.norms)} RMSNorm layers on F.rms_norm" if self.norms else ""
+        norms += f"; {len(self.lean)} lean decoder layers" if self.lean else ""
         if self.kernel == "torch":
             return f"option.linear_kernel: torch's own nn.Linear (MKL sgemm in fp32){norms}"
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
@@ -163,14 +166,18 @@ def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
-                      stack_siblings: bool = True) -> LinearKernelReport:
+                      stack_siblings: bool = True, lean: bool = True) -> LinearKernelReport:
     """Swap `model`'s fp32 nn.Linear layers for OneDnnLinear in place when the kernel is onednn
     (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
     False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
-    their bits (fused_norms.py). Raises LinearKernelError for a request that cannot apply."""
+    their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
+    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). Raises
+    LinearKernelError for a request that cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
     report.norms = use_fused_norms(model)
+    if lean and torch.device(device).type == "cpu":  # measured on CPUs only so far: GPUs keep transformers' own
+        report.lean = use_lean_layers(model)
     if report.kernel == "torch":
         return report
     started = time.monotonic()

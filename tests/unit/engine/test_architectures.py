@@ -35,6 +35,7 @@ from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from lmi_serve.model.fused_norms import FusedRMSNorm, use_fused_norms
+from lmi_serve.model.lean_layers import LEAN_LAYERS, use_lean_layers
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 from waiting import within
 
@@ -224,7 +225,8 @@ class EveryLengthItsPart(SlotKV):
 
 KV_UNDER_TEST = {**KV_LAYOUTS, "slots-parts": SlotLayout(EveryLengthItsPart)}
 # Every family also runs with its fp32 Linear layers on oneDNN (option.linear_kernel, model/linear_kernels.py)
-# on its default KV cache: the references are then generate()'s on the swapped model.
+# on its default KV cache: the references are then generate()'s on the swapped model, before the families
+# that have them get their lean decoder layers (model/lean_layers.py), as the server runs them.
 ONEDNN = "onednn"
 CASES = [(name, kv) for name in FAMILIES for kv in ((None,) if name in SEQ2SEQ else sorted(KV_UNDER_TEST))]
 CASES += [(name, ONEDNN) for name in FAMILIES] if onednn_available() else []
@@ -240,11 +242,14 @@ def served(request, smollm2_tokenizer):
     model = build(family, vocab, WINDOW)
     weights = model.state_dict()
     if kv == ONEDNN:
-        assert use_linear_kernel(model, "onednn", CPU).swapped
+        assert use_linear_kernel(model, "onednn", CPU, lean=False).swapped
     generator = torch.Generator().manual_seed(1)
     first = len(smollm2_tokenizer.all_special_ids) + 1  # plain tokens: the detokenizer shows them all
     prompts = [tuple(torch.randint(first, vocab, (n,), generator=generator).tolist()) for n in PROMPT_LENGTHS]
     expected = [reference(model, p) for p in prompts]
+    if kv == ONEDNN:  # after the references: the engine's lean layers are held to transformers' own forward
+        lean_kind = {type(m).__name__ for m in model.modules()} & set(LEAN_LAYERS)
+        assert bool(use_lean_layers(model)) == bool(lean_kind), f"{name}: lean layers where {lean_kind}"
     layout = KV_UNDER_TEST[kv] if kv in KV_UNDER_TEST else None
     engine = Engine(model, smollm2_tokenizer, CPU, max_batch_size=8, name=name, kv_layout=layout).start()
     yield Served(name, family, model, prompts, expected, engine, layout, weights, kv == ONEDNN)

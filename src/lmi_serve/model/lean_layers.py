@@ -1,0 +1,191 @@
+"""Decoder layers of the Llama family in fewer operations, the same bits (model surgery, no engine).
+
+At one stream a SmolLM2 decode step spends ~4.5-6.5 ms of ~21 outside its Linear layers (benchmarks/RESULTS.md,
+"Lean decoder layers"): per layer about a dozen module calls, a copy per stacked projection's member, seven
+ops per rotary and transformers' keyword plumbing. A lean layer runs the same arithmetic in fewer calls (a
+decode step 0.97-0.99x the time):
+
+- the members of one stacked matmul (q/k/v, gate/up: shared_input.py) are views of its output, not copies;
+- rotary as `x * cos + roll(x, half) * sin'`, where sin' is sin with its first half negated (made once per
+  forward): the products and sums of transformers' `x * cos + rotate_half(x) * sin`, as IEEE products are
+  symmetric in sign; q and k rotate in one call when they are adjacent columns of one output;
+- the attention and MLP modules' forwards are inlined (the decoder layer itself stays a module call, so
+  hooks on it, such as transformers' hidden-state capture, still fire).
+
+Every other layer (a LoRA wrapper, a sharded or quantized Linear) is called as the module it is. A layer is
+made lean only where its classes are the ones written here for (LEAN_LAYERS); a forward it cannot take the
+short way (partial rotary, an unexpected rotary width) runs transformers' own.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from lmi_serve.model.shared_input import SharedInputSlice
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeanSpec:
+    """What a family's attention adds to Llama's: per-head norms of q and k before rotary (Qwen3), and a
+    `sliding_window` argument to the attention function (Qwen2, Qwen3)."""
+
+    qk_norms: bool = False
+    sliding_window: bool = False
+
+
+# Decoder layer class name -> its family's spec. Each was read against transformers' forward of that class;
+# tests/unit/model/test_lean_layers.py holds every one to its own forward's bits.
+LEAN_LAYERS = {
+    "LlamaDecoderLayer": LeanSpec(),
+    "Qwen2DecoderLayer": LeanSpec(sliding_window=True),
+    "Qwen3DecoderLayer": LeanSpec(qk_norms=True, sliding_window=True),
+}
+_ATTENTION = {"LlamaDecoderLayer": "LlamaAttention", "Qwen2DecoderLayer": "Qwen2Attention",
+              "Qwen3DecoderLayer": "Qwen3Attention"}
+_MLP = {"LlamaDecoderLayer": "LlamaMLP", "Qwen2DecoderLayer": "Qwen2MLP", "Qwen3DecoderLayer": "Qwen3MLP"}
+
+
+class SignedSin:
+    """sin with the first half of its last dimension negated, for the rotary's `roll` form; made once per
+    forward (every layer of one forward gets the same `sin` tensor) and kept with that tensor."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def of(self, sin: torch.Tensor) -> torch.Tensor:
+        kept = self._kept  # one read: a tuple swapped whole, never half-written
+        if kept is None or kept[0] is not sin:
+            signed = sin.clone()
+            signed[..., : sin.shape[-1] // 2].neg_()
+            kept = (sin, signed)
+            self._kept = kept
+        return kept[1]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin` for x [batch, heads, tokens, head_dim] and cos/sin [batch, tokens,
+    head_dim], bit for bit: rotate_half(x) * sin is roll(x, half) * sin' (see SignedSin)."""
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * signed_sin.unsqueeze(1)
+
+
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """Each layer's output for `x`: where they are the members of one stacked matmul in order, one call and
+    views of its columns; else each layer called."""
+    first = layers[0]
+    if isinstance(first, SharedInputSlice):
+        group = first._group
+        if (group.members == len(layers)
+                and all(isinstance(layer, SharedInputSlice) and layer._group is group and layer._member == i
+                        for i, layer in enumerate(layers))):
+            out = group.linear(x)
+            return tuple(out[..., layer._start:layer._stop] for layer in layers)
+    return tuple(layer(x) for layer in layers)
+
+
+class LeanLayer:
+    """The lean forward of one decoder layer (its `forward`, set on the instance)."""
+
+    def __init__(self, layer: nn.Module, spec: LeanSpec, signed_sin: SignedSin, eager: Any):
+        self.layer, self.spec, self.signed_sin = layer, spec, signed_sin
+        self.eager = eager  # the family's eager attention function, where the config asks for eager
+        self.original = type(layer).forward.__get__(layer)  # transformers' own, for what this one does not take
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
+                 past_key_values: Any = None, use_cache: bool | None = False,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
+        layer = self.layer
+        attn = layer.self_attn
+        if position_embeddings is None or position_embeddings[0].shape[-1] != attn.head_dim or layer.training:
+            return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+        attended = self._attention(layer.input_layernorm(hidden_states), attention_mask, position_ids,
+                                   past_key_values, use_cache, position_embeddings, kwargs)
+        hidden_states = hidden_states + attended
+        mlp = layer.mlp
+        gate, up = project(layer.post_attention_layernorm(hidden_states), (mlp.gate_proj, mlp.up_proj))
+        act = mlp.act_fn
+        gated = (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
+        return hidden_states + mlp.down_proj(gated)
+
+    def _attention(self, x: torch.Tensor, attention_mask: Any, position_ids: Any, past_key_values: Any,
+                   use_cache: bool | None, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                   kwargs: dict) -> torch.Tensor:
+        attn = self.layer.self_attn
+        input_shape = x.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
+        q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+        cos, sin = position_embeddings
+        signed = self.signed_sin.of(sin)
+        if self.spec.qk_norms:
+            q = rotate(attn.q_norm(q.view(hidden_shape)).transpose(1, 2), cos, signed)
+            k = rotate(attn.k_norm(k.view(hidden_shape)).transpose(1, 2), cos, signed)
+        elif _adjacent(q, k):  # one stacked output's columns: rotate q and k in one call
+            heads = q.shape[-1] // attn.head_dim
+            both = rotate(_joined(q, k).view(hidden_shape).transpose(1, 2), cos, signed)
+            q, k = both[:, :heads], both[:, heads:]
+        else:
+            q = rotate(q.view(hidden_shape).transpose(1, 2), cos, signed)
+            k = rotate(k.view(hidden_shape).transpose(1, 2), cos, signed)
+        v = v.view(hidden_shape).transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
+        if self.spec.sliding_window:
+            kwargs = {**kwargs, "sliding_window": attn.sliding_window}
+        out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
+                           position_ids=position_ids, use_cache=use_cache, **kwargs)
+        return attn.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k's columns follow q's in one buffer, rows strided alike (views of one stacked output)."""
+    return (q.stride() == k.stride() and q.stride(-1) == 1 and q.dtype == k.dtype
+            and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size())
+
+
+def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The view over q's and k's columns together (they are adjacent: _adjacent)."""
+    return q.as_strided((*q.shape[:-1], q.shape[-1] + k.shape[-1]), q.stride())
+
+
+def _family(layer: nn.Module) -> LeanSpec | None:
+    name = type(layer).__name__
+    spec = LEAN_LAYERS.get(name)
+    if spec is None or layer.training:
+        return None
+    if type(getattr(layer, "self_attn", None)).__name__ != _ATTENTION[name]:
+        return None
+    if type(getattr(layer, "mlp", None)).__name__ != _MLP[name]:
+        return None
+    if layer.self_attn._forward_hooks or layer.self_attn._forward_pre_hooks or layer.mlp._forward_hooks \
+            or layer.mlp._forward_pre_hooks:
+        return None
+    return spec
+
+
+def use_lean_layers(model: nn.Module) -> list[str]:
+    """Give every decoder layer of `model` that LEAN_LAYERS covers its lean forward, in place; returns
+    their names (logged)."""
+    signed_sin = SignedSin()
+    made = []
+    for name, module in model.named_modules():
+        spec = _family(module)
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if spec is None or eager is None:
+            continue
+        module.forward = LeanLayer(module, spec, signed_sin, eager)
+        made.append(name)
+    if made:
+        log.info("Lean decoder layers (fewer ops, the same bits): %d", len(made))
+    return made
