@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lmi_serve.config.models import DEFAULT_SPEC_LENGTH
 from lmi_serve.config.sources import ModelConfig
 from lmi_serve.engine.adapters import Adapters, model_adapters_folder, start_adapters
@@ -63,13 +65,28 @@ def prepare_serving(model: Any, device: Any, config: ModelConfig, *, rolling: bo
     return Serving(layout, length, adapters, _prefix_cache(config, layout, rolling))
 
 
+CPU_PREFILL_TOKENS = 256  # a step carrying 512 prompt tokens kept streams waiting ~0.6 s on a 2-core CPU
+GPU_PREFILL_TOKENS = 512  # a GPU's forward over 512 tokens takes milliseconds; fewer only splits prompts more
+
+
+def prefill_tokens(config: ModelConfig, device: Any) -> int:
+    """The step's prompt-token budget: option.max_rolling_batch_prefill_tokens, or the device's default where
+    it is unset (benchmarks/RESULTS.md, "The prefill budget per device": 256 met the CPU's gap target)."""
+    if config.max_rolling_batch_prefill_tokens is not None:
+        return config.max_rolling_batch_prefill_tokens
+    chosen = GPU_PREFILL_TOKENS if torch.device(device).type == "cuda" else CPU_PREFILL_TOKENS
+    log.info("option.max_rolling_batch_prefill_tokens unset: %d prompt tokens a step on %s", chosen, device)
+    return chosen
+
+
 def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, serving: Serving, *,
                  tp_group: Any = None) -> Engine:
     """The rolling-batch Engine (not started) for `model` as `serving` says, with the config's limits
     and the model's watermark. With `tp_group`, a rank that dies fails the engine. On a GPU, after the
     warm-up: the K/V budget of option.gpu_memory_utilization (kv/budget.py), logged once."""
+    prefill = prefill_tokens(config, device)
     budget = device_budget(model, device, serving.kv_layout, utilization=config.gpu_memory_utilization,
-                           prefill_tokens=config.max_rolling_batch_prefill_tokens, rows=config.max_rolling_batch_size)
+                           prefill_tokens=prefill, rows=config.max_rolling_batch_size)
     if budget is not None:
         log.info(budget.describe(serving.max_model_len, config.max_rolling_batch_size))
         if budget.tokens < serving.max_model_len:
@@ -80,7 +97,7 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
                           WatermarkSettings(config.watermark_gamma, config.watermark_delta))
     engine = Engine(model, tokenizer, device, kv_layout=serving.kv_layout, prefix_cache=serving.prefix_cache,
                     max_batch_size=config.max_rolling_batch_size, max_queue=config.job_queue_size,
-                    predict_timeout=config.predict_timeout, max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
+                    predict_timeout=config.predict_timeout, max_prefill_tokens=prefill,
                     max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
                     adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None,
                     speculation=_speculation(config, serving.kv_layout), mixed_steps=config.mixed_steps)

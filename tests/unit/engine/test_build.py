@@ -115,6 +115,17 @@ def test_option_mixed_steps_reaches_the_scheduler(tiny_model, smollm2_tokenizer,
     assert engine.scheduler.mixed is on  # the tiny Llama mixes (kv/mixed.py) unless the option says no
 
 
+def test_the_prefill_budget_is_the_option_or_the_devices_default(tiny_model, smollm2_tokenizer, caplog):
+    caplog.set_level("INFO")
+    unset = build_engine(tiny_model, smollm2_tokenizer, CPU, config(), prepare_serving(tiny_model, CPU, config(),
+                                                                                        rolling=True))
+    assert unset.scheduler.max_prefill_tokens == build.CPU_PREFILL_TOKENS == 256
+    assert "max_rolling_batch_prefill_tokens unset: 256 prompt tokens a step on cpu" in caplog.text
+    assert build.prefill_tokens(config(), torch.device("cuda", 0)) == build.GPU_PREFILL_TOKENS == 512
+    assert build.prefill_tokens(config(max_rolling_batch_prefill_tokens=700), torch.device("cuda", 0)) == 700
+    assert build.prefill_tokens(config(max_rolling_batch_prefill_tokens=700), CPU) == 700
+
+
 def test_build_engine_speculates_as_configured(tiny_model, smollm2_tokenizer, caplog):
     assert build_engine(tiny_model, smollm2_tokenizer, CPU, config(), prepare_serving(
         tiny_model, CPU, config(), rolling=True)).scheduler.speculation is None
