@@ -23,9 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step  # noqa: E402
-import torch  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 
 def parse_args(argv):
@@ -53,12 +50,11 @@ class Switch:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model, tokenizer, device, layout, line = bench_step.served_default()
+    served = bench_step.served_row(args.context)
+    model, tokenizer, one = served.model, served.tokenizer, served.one
     switch = Switch(model)
-    print(f"cpu: {cpu_summary()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {line}")
+    print(served.header)
     print(f"lean layers: {len(switch.lean)}; rows hold {args.context} tokens each")
-    text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
-    one = bench_step.prefill_one(model, tokenizer, device, layout, bench_step.context_tokens(text_ids, args.context))
     print(f"\n{'rows':>5} {'hf min':>8} {'lean min':>9} {'ratio':>6} {'hf med':>8} {'lean med':>9} {'ratio':>6} "
           f"{'tokens':>7}   (ms)")
     for rows in args.batch:

@@ -23,9 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step  # noqa: E402
-import torch  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 
 def parse_args(argv):
@@ -66,11 +63,11 @@ def measure(model, tokenizer, device, layout, one, rows: int, prompt: list[int],
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    model, tokenizer, device, layout, line = bench_step.served_default()
-    print(f"cpu: {cpu_summary()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {line}")
+    served = bench_step.served_row(args.context)
+    model, tokenizer, device, layout, one, text_ids = (served.model, served.tokenizer, served.device, served.layout,
+                                                       served.one, served.text_ids)
+    print(served.header)
     print(f"mixes: {layout.mixes(model)}; running rows hold {args.context} tokens each")
-    text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
-    one = bench_step.prefill_one(model, tokenizer, device, layout, bench_step.context_tokens(text_ids, args.context))
     print(f"\n{'rows':>5} {'prompt':>7} {'separate min':>13} {'mixed min':>10} {'ratio':>6} {'separate med':>13} "
           f"{'mixed med':>10} {'decode alone':>13} {'max |diff|':>11} {'argmax':>7}   (ms)")
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731

@@ -45,7 +45,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,6 +200,31 @@ def served_default():
     layout.prepare(model)
     use_decode_kernel(model, True)
     return model, lm.tokenizer, lm.device, layout, line
+
+
+@dataclass
+class ServedRow:
+    """The served default (served_default), one greedy row prefilled on it, the text it came from and the
+    run's header (CPU, torch, threads, start-up): what the in-process A/B benchmarks start from."""
+
+    model: object
+    tokenizer: object
+    device: object
+    layout: KVLayout
+    one: Batch
+    text_ids: list[int]
+    header: str
+
+
+def served_row(context: int) -> ServedRow:
+    """served_default() and one row whose cache holds `context` tokens of benchmark/perplexity.txt."""
+    from benchmark.step_quality import PERPLEXITY_TEXT
+
+    model, tokenizer, device, layout, line = served_default()
+    text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
+    one = prefill_one(model, tokenizer, device, layout, context_tokens(text_ids, context))
+    header = f"cpu: {cpu_summary()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {line}"
+    return ServedRow(model, tokenizer, device, layout, one, text_ids, header)
 
 
 def time_decode(batches: dict[str, Batch], rounds: int, warmup: int) -> dict[str, list[float]]:
