@@ -151,7 +151,8 @@ class LeanLayer:
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether k's columns follow q's in one buffer, rows strided alike (views of one stacked output)."""
     return (q.stride() == k.stride() and q.stride(-1) == 1 and q.dtype == k.dtype
-            and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size())
+            and k.data_ptr() == q.data_ptr() + q.shape[-1] * q.element_size()
+            and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr())
 
 
 def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -115,3 +115,11 @@ def test_use_linear_kernel_makes_layers_lean_on_the_cpu_unless_told_not_to():
         assert "forward" in vars(model.model.layers[0])
         assert use_linear_kernel(twin, kernel, CPU, lean=False).lean == []
         assert "forward" not in vars(twin.model.layers[0])
+
+
+def test_q_and_k_join_only_as_views_of_one_buffer():
+    stacked = torch.randn(2, 3, 10)
+    q, k = stacked[..., :4], stacked[..., 4:6]
+    assert lean_layers._adjacent(q, k) and torch.equal(lean_layers._joined(q, k), stacked[..., :6])
+    assert not lean_layers._adjacent(q, stacked[..., 5:7])  # a gap between them
+    assert not lean_layers._adjacent(q.clone(), k.clone())  # two buffers, wherever they lie
