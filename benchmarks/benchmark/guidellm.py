@@ -71,7 +71,8 @@ def run_guidellm(binary: Path, spec: dict, workdir: Path, name: str) -> dict:
 
 
 def summary(report: dict) -> dict:
-    """The figures of the report's one benchmark: requests, output tok/s, TTFT and ITL percentiles (ms)."""
+    """The figures of the report's one benchmark: requests, output tok/s, TTFT and ITL percentiles (ms), and
+    the distinct error messages of its errored requests (guidellm keeps each request's `info.error`)."""
     bench = report["benchmarks"][0]
     metrics = bench["metrics"]
 
@@ -83,7 +84,9 @@ def summary(report: dict) -> dict:
 
     totals = metrics.get("request_totals") or {}
     tokens = ((metrics.get("output_token_count") or {}).get("total") or {}).get("total_sum")
-    return {"requests": totals.get("successful"), "errored": totals.get("errored"),
+    errored = (bench.get("requests") or {}).get("errored") or []
+    errors = sorted({str((r.get("info") or {}).get("error") or "no message")[:300] for r in errored})
+    return {"requests": totals.get("successful"), "errored": totals.get("errored"), "errors": errors,
             "tok_s": tokens / bench["duration"] if tokens is not None and bench.get("duration") else None,
             "guidellm_tok_s": pick("output_tokens_per_second", "mean", "total"),
             "ttft_p50_ms": pick("time_to_first_token_ms", "median"), "ttft_p99_ms": pick("time_to_first_token_ms", "p99"),
@@ -176,6 +179,8 @@ def render(rows, notes, skipped, server_logs, source, args, seconds: float) -> s
                "ITL p50 against llama-server-f32: not measured")
         out.append(f"- {r['system']}: {tok}; {itl}")
     out += [f"- {n}" for n in notes]
+    out += [f"- {r['system']}: guidellm's errors for its errored requests: {'; '.join(r['errors'])}"
+            for r in rows if r.get("errors")]
     if any(s in LLAMA_SYSTEMS for s in server_logs):
         out.append("- llama-server: prompt cache off, as in the sweep")
     out += server_log_problems({n: t for n, t in server_logs.items() if n not in EXTERNAL_SYSTEMS})

@@ -120,9 +120,19 @@ REPORT = {"benchmarks": [{"duration": 60.0, "metrics": {
 
 
 def test_guidellm_summary_reads_the_figures_of_its_report():
-    assert guidellm.summary(REPORT) == {"requests": 120, "errored": 0, "tok_s": 7749.0 / 60.0,
+    assert guidellm.summary(REPORT) == {"requests": 120, "errored": 0, "errors": [], "tok_s": 7749.0 / 60.0,
                                         "guidellm_tok_s": 141.5, "ttft_p50_ms": 420.0,
                                         "ttft_p99_ms": 1900.0, "itl_p50_ms": 190.5, "itl_p99_ms": 480.0}
+
+
+def test_guidellm_errored_requests_bring_their_messages_to_the_report():
+    errored = [{"info": {"error": "ReadTimeout: 30 s"}}, {"info": {"error": "ReadTimeout: 30 s"}}, {"info": {}}]
+    report = {"benchmarks": [{**REPORT["benchmarks"][0], "requests": {"errored": errored}}]}
+    row = {"system": "rolling", "concurrency": 32, **guidellm.summary(report)}
+    assert row["errors"] == ["ReadTimeout: 30 s", "no message"]
+    args = type("Args", (), {"concurrency": [32], "duration": 60.0, "guidellm_prompt_tokens": 100})()
+    text = guidellm.render([row], [], {}, {}, guidellm.ModelSource(), args, 1.0)
+    assert "- rolling: guidellm's errors for its errored requests: ReadTimeout: 30 s; no message" in text
 
 
 def test_guidellm_scenario_is_one_concurrent_chat_benchmark_with_forced_lengths(tmp_path):
