@@ -13,7 +13,8 @@ decode step 0.97-0.99x the time):
   hooks on it, such as transformers' hidden-state capture, still fire).
 
 Every other layer (a LoRA wrapper, a sharded or quantized Linear) is called as the module it is. A layer is
-made lean only where its classes are the ones written here for (LEAN_LAYERS); a forward it cannot take the
+made lean only where its classes are transformers' own ones written here for (LEAN_LAYERS; remote code that
+reuses a class name keeps its forward); a forward it cannot take the
 short way (partial rotary, an unexpected rotary width) runs transformers' own.
 """
 
@@ -54,6 +55,14 @@ LEAN_LAYERS = {
 _ATTENTION = {"LlamaDecoderLayer": "LlamaAttention", "Qwen2DecoderLayer": "Qwen2Attention",
               "Qwen3DecoderLayer": "Qwen3Attention"}
 _MLP = {"LlamaDecoderLayer": "LlamaMLP", "Qwen2DecoderLayer": "Qwen2MLP", "Qwen3DecoderLayer": "Qwen3MLP"}
+_MODULE = {"LlamaDecoderLayer": "transformers.models.llama.modeling_llama",
+           "Qwen2DecoderLayer": "transformers.models.qwen2.modeling_qwen2",
+           "Qwen3DecoderLayer": "transformers.models.qwen3.modeling_qwen3"}
+
+
+def _is(module: Any, name: str, where: str) -> bool:
+    """`module` is transformers' own class `name` of the module `where` (not remote code that reuses the name)."""
+    return type(module).__name__ == name and type(module).__module__ == where
 
 
 class SignedSin:
@@ -163,11 +172,11 @@ def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def _family(layer: nn.Module) -> LeanSpec | None:
     name = type(layer).__name__
     spec = LEAN_LAYERS.get(name)
-    if spec is None or layer.training:
+    if spec is None or layer.training or type(layer).__module__ != _MODULE[name]:
         return None
-    if type(getattr(layer, "self_attn", None)).__name__ != _ATTENTION[name]:
+    if not _is(getattr(layer, "self_attn", None), _ATTENTION[name], _MODULE[name]):
         return None
-    if type(getattr(layer, "mlp", None)).__name__ != _MLP[name]:
+    if not _is(getattr(layer, "mlp", None), _MLP[name], _MODULE[name]):
         return None
     if layer.self_attn._forward_hooks or layer.self_attn._forward_pre_hooks or layer.mlp._forward_hooks \
             or layer.mlp._forward_pre_hooks:

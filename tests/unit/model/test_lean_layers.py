@@ -97,12 +97,18 @@ def test_the_roll_form_of_rotary_is_transformers_bit_for_bit():
     assert signed.of(sin) is signed.of(sin), "made once per sin tensor"
 
 
-def test_other_families_and_training_keep_their_forward():
+def test_other_families_remote_code_and_training_keep_their_forward():
     torch.manual_seed(0)
     gemma = GemmaForCausalLM(GemmaConfig(**SMALL)).eval()
     assert use_lean_layers(gemma) == []
     model = build("llama", "sdpa")
     model.train()
+    assert use_lean_layers(model) == []
+    model = build("llama", "sdpa")
+    # remote code that names its classes as transformers does (its own module): not ours to inline
+    remote = type("LlamaDecoderLayer", (type(model.model.layers[0]),), {"__module__": "transformers_modules.x"})
+    for layer in model.model.layers:
+        layer.__class__ = remote
     assert use_lean_layers(model) == []
 
 
