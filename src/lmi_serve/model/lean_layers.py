@@ -157,6 +157,7 @@ class LeanLayer:
                            position_ids=position_ids, use_cache=use_cache, **kwargs)
         return attn.o_proj(out.reshape(*input_shape, -1).contiguous())
 
+
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether k's columns follow q's in one buffer, rows strided alike (views of one stacked output)."""
     return (q.stride() == k.stride() and q.stride(-1) == 1 and q.dtype == k.dtype
