@@ -1,6 +1,7 @@
 """The rolling engine on CUDA in fp32 answers what transformers answers on the CPU in fp32, token for
 token (up to a near-tie in the reference: device_models.compare_greedy), with several rows in the
-batch at once, rows joining while others run and leaving when done; for both KV layouts."""
+batch at once, rows joining while others run (their prompts in the running rows' forward: mixed steps)
+and leaving when done; for both KV layouts."""
 
 from __future__ import annotations
 
@@ -51,5 +52,7 @@ def test_greedy_on_cuda_equals_cpu_fp32_through_the_rolling_engine(name, kv, mod
         assert equal, f"{name}/{kv} prompt {i}: {why}"
         compared += count
     assert stats.largest_batch > 1, "the rows never shared a step"
+    # Joiners' prompts rode in the running rows' decode forward (kv/mixed.py) on CUDA too.
+    assert stats.mixed_steps > 0, "no step was mixed: the joiners' prompts never shared the decode forward"
     # Near-ties stop a row's comparison early; most tokens must still have been compared.
     assert compared >= sum(NEW_TOKENS) // 2, f"only {compared} of {sum(NEW_TOKENS)} tokens compared (near-ties)"
