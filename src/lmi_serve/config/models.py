@@ -345,8 +345,8 @@ class ModelConfig(BaseModel):
             "is not a Q4 GGUF. No `int8` (see the fast-engine notes)"
         ),
     )
-    mixed_steps: bool = Field(
-        True,
+    mixed_steps: bool | None = Field(
+        None,
         description=(
             "one forward per step: the prompts of requests joining the rolling batch (and the next chunk of a "
             "long one) go through the model with the running rows' decode, packed into one sequence "
@@ -355,7 +355,9 @@ class ModelConfig(BaseModel):
             "matrix); a joiner's first step gives it one token instead of two. Applies to decoder-only models of "
             "full-attention layers of the families the matrix checks (Llama, Qwen2, Qwen3, Phi, GPT-NeoX); "
             "others and prompts with images or prompt logprobs keep separate forwards (LoRA rows are packed "
-            "too, each token with its adapter). `false`: separate forwards always"
+            "too, each token with its adapter). `false`: separate forwards always. Unset: true on a CPU, false "
+            "on a GPU, where mixed steps gained no throughput on an H100/H200 and took 2.3-3.9x the TTFT p50 at "
+            "32-128 clients (docs/gpu.md)"
         ),
     )
     decode_attention: DecodeAttention = Field(

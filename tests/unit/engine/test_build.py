@@ -115,6 +115,17 @@ def test_option_mixed_steps_reaches_the_scheduler(tiny_model, smollm2_tokenizer,
     assert engine.scheduler.mixed is on  # the tiny Llama mixes (kv/mixed.py) unless the option says no
 
 
+def test_mixed_steps_are_the_option_or_the_devices_default(tiny_model, smollm2_tokenizer, caplog):
+    caplog.set_level("INFO")
+    unset = build_engine(tiny_model, smollm2_tokenizer, CPU, config(), prepare_serving(tiny_model, CPU, config(),
+                                                                                        rolling=True))
+    assert unset.scheduler.mixed is True
+    assert "option.mixed_steps unset: mixed steps on cpu" in caplog.text
+    assert build.mixed_steps(config(), torch.device("cuda", 0)) is False  # measured: docs/gpu.md
+    assert build.mixed_steps(config(mixed_steps=True), torch.device("cuda", 0)) is True
+    assert build.mixed_steps(config(mixed_steps=False), CPU) is False
+
+
 def test_the_prefill_budget_is_the_option_or_the_devices_default(tiny_model, smollm2_tokenizer, caplog):
     caplog.set_level("INFO")
     unset = build_engine(tiny_model, smollm2_tokenizer, CPU, config(), prepare_serving(tiny_model, CPU, config(),
