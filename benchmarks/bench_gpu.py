@@ -6,7 +6,12 @@ concurrent clients (default 1, 32, 128), closed loop: each client sends its next
 one ended. Reports generated tok/s, TTFT p50, ITL p50, peak GPU memory (`max_memory_allocated`, reset
 per point) and the ratio to the rolling engine at the same C; plus the weight-bandwidth ceiling: weight
 bytes / the GPU's memory bandwidth (a table by GPU name) = the most tokens per second one sequence can
-decode at batch 1.
+decode at batch 1. "rolling" runs option.mixed_steps as served (unset: off on a GPU, on on a CPU); `--systems`
+may add rolling-mixed and rolling-separate, which set it on (joiners' prompts in the running rows' decode
+forward, kv/mixed.py) or off (each step's joiners prefill in a forward of their own); the rolling rows' note
+counts the steps that were mixed. Each system is warmed with one request of the workload's
+own prompt: warmed with 8 tokens, the first system at each concurrency paid the GPU's first 128-token prefills
+in its TTFT p50 (214-339 ms against 34-67 for the same engine run second; docs/gpu.md).
 
 The model is a random-weight Llama of Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads / 8 KV
 heads, intermediate 8192, vocab 128256, tied embeddings), built from a config on the GPU: nothing is
@@ -17,7 +22,8 @@ Without CUDA it runs a tiny fp32 model on the CPU ("cpu-tiny"), which checks the
 `scripts/device_check` runs it and puts its rows in its table.
 
     python benchmarks/bench_gpu.py [--concurrency 1,32,128] [--prompt-tokens 128] [--new-tokens 128]
-                                   [--requests-per-client 2] [--systems rolling,cb,static] [--json FILE]
+                                   [--requests-per-client 2] [--json FILE]
+                                   [--systems rolling,rolling-mixed,rolling-separate,cb,static]
 """
 
 from __future__ import annotations
@@ -113,14 +119,17 @@ def closed_loop(clients: int, requests: list[list[int]], one) -> tuple[Clock, fl
     return clock, time.perf_counter() - started
 
 
-def run_rolling(model, tokenizer, device, clients: int, requests, new_tokens: int):
+def run_rolling(model, tokenizer, device, clients: int, requests, new_tokens: int, mixed: bool | None = None):
+    """The rolling engine; `mixed`: option.mixed_steps (None: the served default on `device`, engine/build.py)."""
+    from lmi_serve.engine.build import default_mixed_steps
     from lmi_serve.engine.engine import Engine
     from lmi_serve.engine.kv.slots import SLOTS
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
     engine = Engine(model, tokenizer, device, kv_layout=SLOTS, max_batch_size=clients,
                     max_queue=len(requests) + 1, max_prefill_tokens=max(512, len(requests[0]) * 4),
-                    max_model_len=len(requests[0]) + new_tokens + 8, name="bench-gpu").start()
+                    max_model_len=len(requests[0]) + new_tokens + 8, name="bench-gpu",
+                    mixed_steps=default_mixed_steps(device) if mixed is None else mixed).start()
 
     def one(prompt, clock):
         started, stamps = time.perf_counter(), []
@@ -131,11 +140,22 @@ def run_rolling(model, tokenizer, device, clients: int, requests, new_tokens: in
         clock.request(started, stamps)
 
     try:
-        one(requests[0][:8], Clock())  # warm-up
+        one(requests[0], Clock())  # warm-up: the workload's prompt (the docstring)
         result = closed_loop(clients, requests, one)
+        stats = engine.stats()
     finally:
         engine.stop()
-    return result, ""
+    return result, f"mixed steps {stats.mixed_steps} of {stats.steps}"
+
+
+def run_rolling_mixed(model, tokenizer, device, clients: int, requests, new_tokens: int):
+    """The rolling engine with option.mixed_steps on: joiners' prompts ride in the running rows' decode forward."""
+    return run_rolling(model, tokenizer, device, clients, requests, new_tokens, mixed=True)
+
+
+def run_rolling_separate(model, tokenizer, device, clients: int, requests, new_tokens: int):
+    """The rolling engine with option.mixed_steps off: each step's joiners prefill in a forward of their own."""
+    return run_rolling(model, tokenizer, device, clients, requests, new_tokens, mixed=False)
 
 
 def run_cb(model, tokenizer, device, clients: int, requests, new_tokens: int):
@@ -188,7 +208,7 @@ def run_cb(model, tokenizer, device, clients: int, requests, new_tokens: int):
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
     try:
-        one(requests[0][:8], Clock())  # warm-up
+        one(requests[0], Clock())  # warm-up: the workload's prompt (the docstring)
         result = closed_loop(clients, requests, one)
     finally:
         stop.set()
@@ -210,7 +230,7 @@ def run_static(model, tokenizer, device, clients: int, requests, new_tokens: int
             model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, pad_token_id=0)
 
-    generate([requests[0][:8]])  # warm-up
+    generate([requests[0]])  # warm-up: the workload's prompt (the docstring)
     started = time.perf_counter()
     for first in range(0, len(requests), clients):
         rows = requests[first:first + clients]
@@ -225,7 +245,8 @@ def run_static(model, tokenizer, device, clients: int, requests, new_tokens: int
     return (clock, time.perf_counter() - started), "not streamed: TTFT = the batch's whole generate"
 
 
-RUNNERS = {"rolling": run_rolling, "cb": run_cb, "static": run_static}
+RUNNERS = {"rolling": run_rolling, "rolling-mixed": run_rolling_mixed, "rolling-separate": run_rolling_separate,
+           "cb": run_cb, "static": run_static}
 
 
 def plain_sdpa(model) -> None:
