@@ -497,3 +497,48 @@ def test_slot_kv_eviction_copies_only_the_rows_that_move(tiny_model, prompt_ids,
     kv.extend(SlotKV.prefill(tiny_model, [list(prompt_ids[1])], pad_id=0, device=CPU).kv)
     sequences.append(list(prompt_ids[1]))
     step()
+
+
+def test_slot_kv_a_join_writes_the_joiners_rows_only(tiny_model, prompt_ids, monkeypatch, slot_buffers):
+    """A joiner merging into a part whose window starts past column 0 (the longest row left) leaves the
+    rows here in place: a shorter joiner is written right-aligned in the window, a longer one takes
+    columns left of it (zeroed for the rows here), so neither copies a row already there; a joiner longer
+    than the room on the left moves the rows once. Every row's logits stay a fresh prefill's throughout."""
+    monkeypatch.setattr(SlotKV, "merge_slack", 10**9)  # one part
+    sequences = [list(prompt_ids[i % 5]) + [i] for i in range(6)]
+    sequences[1] = (list(prompt_ids[2]) * 10)[:40]  # the longest
+    kv = SlotKV.prefill(tiny_model, sequences, pad_id=0, device=CPU).kv
+    [part] = kv.cache.layers[0].parts
+    moved = []
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: moved.append(self.shape) or clone(self, *a, **k))
+
+    def step():
+        logits = decode_fed(kv, sequences, [40 + len(s) % 50 for s in sequences])
+        assert_fresh(tiny_model, sequences, logits)
+
+    step()
+    order = kv.eviction_order([0, 2, 3])  # the longest and two more leave: the window's start moves right
+    kv.keep(order)
+    sequences = [sequences[i] for i in order]
+    room = part.start
+    assert room > 2 and part.length == max(len(s) for s in sequences)
+    store = part.key_store
+    assert store.shape[0] >= 6  # room for the three joiners' rows: no buffer is remade for rows
+
+    def join(sequence):
+        joiner = SlotKV.prefill(tiny_model, [sequence], pad_id=0, device=CPU).kv
+        moved.clear()
+        kv.extend(joiner)
+        sequences.append(sequence)
+
+    join(list(prompt_ids[0])[:3])  # shorter than the window
+    assert part.start == room and part.key_store is store and moved == []  # written in place, nothing moved
+    step()
+    start = part.start
+    join((list(prompt_ids[3]) * 10)[:part.length + 2])  # two columns wider than the window
+    assert part.start == start - 2 and part.key_store is store and moved == []  # the window grew to the left
+    step()
+    join((list(prompt_ids[4]) * 20)[:part.length + part.start + 5])  # wider than the room on the left
+    assert len(moved) == 2 * len(kv._layers())  # K and V moved once per layer
+    step()

@@ -140,26 +140,37 @@ class SlotPart:
     @torch.inference_mode()
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Add rows whose K/V are `keys`/`values` ([rows, heads, length, dim]), right-aligned with the
-        rows here at the shared column cursor (the shorter side gains padding on the left)."""
+        rows here at the shared column cursor (the shorter side gains padding on the left). The rows here
+        stay where they are when the columns left of their window can take a longer joiner's extra
+        columns (or none are needed): a join then writes the joiners' rows only, where moving the rows
+        here to column 0 first copied every row's K/V at each join (a full cache copy per layer)."""
         width = max(self.length, keys.shape[2])
-        self.reserve(self.rows + keys.shape[0], width)
-        if self.start:  # the shift below works from column 0: move the columns in use there first
-            for store in (self.key_store, self.value_store):
-                store[:self.rows, :, :self.length] = store[:self.rows, :, self.start:self.end].clone()
-            self.start, self.end = 0, self.length
         shift = width - self.length
-        if shift:  # the rows here move right; the columns they free are padding (masked), zeroed
-            for store in (self.key_store, self.value_store):  # (past their old length they were never written)
-                store[:self.rows, :, shift:width] = store[:self.rows, :, :self.length].clone()
-                store[:self.rows, :, :shift] = 0
+        self.reserve(self.rows + keys.shape[0], self.length)  # rows only: may compact, which sets start 0
+        if shift > self.start:
+            self._append_from_column_0(width, shift)
+        if shift:  # the columns the window gains on the left are padding for the rows here: zeroed
+            for store in (self.key_store, self.value_store):
+                store[:self.rows, :, self.start - shift:self.start] = 0
+            self.start -= shift
         start, end, pad = self.rows, self.rows + keys.shape[0], width - keys.shape[2]
-        self.key_store[start:end, :, pad:width] = keys
-        self.value_store[start:end, :, pad:width] = values
+        first = self.start
+        self.key_store[start:end, :, first + pad:first + width] = keys
+        self.value_store[start:end, :, first + pad:first + width] = values
         if pad:  # the new rows' left padding is read (masked): it must hold finite values
-            self.key_store[start:end, :, :pad] = 0
-            self.value_store[start:end, :, :pad] = 0
-        self.rows, self.start, self.end = end, 0, width
+            self.key_store[start:end, :, first:first + pad] = 0
+            self.value_store[start:end, :, first:first + pad] = 0
+        self.rows = end
         self._refresh()
+
+    def _append_from_column_0(self, width: int, shift: int) -> None:
+        """A joiner longer than the window by more than the columns left of it: the rows here move to
+        column `shift` (the buffers made `width` wide), so that `append` finds `shift` columns at their left."""
+        self.reserve(self.rows, width)
+        length = self.length
+        for store in (self.key_store, self.value_store):
+            store[:self.rows, :, shift:shift + length] = store[:self.rows, :, self.start:self.end].clone()
+        self.start, self.end = shift, shift + length
 
 
 class SlotLayer(DynamicLayer):
