@@ -468,9 +468,10 @@ def test_slot_kv_eviction_copies_only_the_rows_that_move(tiny_model, prompt_ids,
     copied = []
     select = kv_slots.SlotPart.select
 
-    def counted(self, rows, targets, sources, first):
+    def counted(self, rows, targets, sources, first, pairs=()):
         copied.append(0 if targets is None else len(targets))
-        return select(self, rows, targets, sources, first)
+        assert len(pairs) == copied[-1]  # the same moves as ints: each row copied once, straight to its place
+        return select(self, rows, targets, sources, first, pairs)
 
     monkeypatch.setattr(kv_slots.SlotPart, "select", counted)
 
