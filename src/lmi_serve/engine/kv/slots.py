@@ -51,8 +51,6 @@ MIN_COLUMNS = 256  # column capacity: at least this, doubling as sequences grow
 # extra calls ~1 ms); and never more than MAX_PARTS parts: the pair that adds least padding merges.
 MERGE_SLACK = 256
 MAX_PARTS = 6
-
-
 DIRECT_MOVES = 4  # rows moved by a `select` one copy each (an eviction's few); more, or overlapping: gathered first
 
 
@@ -132,7 +130,8 @@ class SlotPart:
         (SlotKV.eviction_order), and a longest row leaving costs none. The caller makes `targets` and
         `sources` from Python lists: reading them from the device would be a host sync per layer on a GPU;
         `pairs`, the same moves as (target, source) ints, lets a few moves in which no row takes part twice
-        copy each row once, straight to its place (a row leaving 32: keep() 1.15 ms against the gather's 1.9)."""
+        copy each row once, straight to its place (a row leaving 32: keep() 1.13 ms against the gather's 1.66,
+        benchmarks/bench_slot_moves.py)."""
         self.start += first
         self.reserve(rows, self.length)
         if pairs and len(pairs) <= DIRECT_MOVES and not {t for t, _ in pairs} & {s for _, s in pairs}:
