@@ -8,9 +8,11 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -238,24 +240,37 @@ def install(env: dict) -> list[str]:
     return notes
 
 
-def run_logged(command: list[str], log: Path, env: dict, timeout: int) -> tuple[int | None, float]:
+def run_logged(command: list[str], log: Path, env: dict, timeout: float) -> tuple[int | None, float]:
+    """Run `command`, its output to `log` and to stdout; (exit code, seconds), or (None, seconds) when it was
+    killed at `timeout`. The deadline is a timer, not a check between lines: a child that prints nothing (a
+    hung test) is killed on time too, with its process group (a test's own subprocesses hold the pipe open)."""
     started = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = started + timeout
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout, expire)
+        timer.start()
         try:
             for line in proc.stdout:
                 out.write(line)
                 sys.stdout.write(line)
                 sys.stdout.flush()
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(command, timeout)
-            return proc.wait(timeout=max(1, deadline - time.monotonic())), time.monotonic() - started
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        if expired.is_set():
             out.write(f"\n[device_check] killed after {timeout} s\n")
             return None, time.monotonic() - started
+        return code, time.monotonic() - started
 
 
 def test_rows(junit: Path) -> list[list[str]]:
