@@ -363,10 +363,11 @@ class ModelConfig(BaseModel):
     decode_attention: DecodeAttention = Field(
         "auto",
         description=(
-            "the attention of a decode step. `auto`: for an fp32 model on the CPU, a kernel of its own "
-            "(engine/kv/decode_kernel.py, compiled by numba at start-up): each key and value read once, padding "
-            "skipped, a row's result independent of its batch; 0.90x / 0.78x / 0.72x the step time of torch's "
-            "SDPA at 32 rows of 200 / 800 / 2,000 tokens (2-core EPYC). Within float rounding of SDPA's result. "
+            "the attention of a decode step. `auto`: for an fp32 model on the CPU (a bf16 one from 4 rows), a "
+            "kernel of its own (engine/kv/decode_kernel.py, compiled by numba at start-up): each key and value "
+            "read once, padding skipped, a row's result independent of its batch; 0.90x / 0.78x / 0.72x the step "
+            "time of torch's SDPA at 32 rows of 200 / 800 / 2,000 tokens in fp32, 0.79-0.94x at 32 rows of 200 in "
+            "bf16 (2-core EPYC). Within float rounding of SDPA's result. "
             "Elsewhere, or where numba's OpenMP layer cannot load (logged at start-up), torch's SDPA. `sdpa`: "
             "torch's SDPA always"
         ),

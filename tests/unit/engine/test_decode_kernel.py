@@ -1,5 +1,6 @@
-"""kv/decode_kernel.py: the fp32 CPU decode attention equals torch's SDPA, is exactly batch-invariant,
-reads the slot cache's views in place, and leaves to SDPA what it does not take."""
+"""kv/decode_kernel.py: the CPU decode attention equals torch's SDPA (fp32; bf16 K/V to bf16's rounding of
+the output), is exactly batch-invariant, reads the slot cache's views in place, and leaves to SDPA what it
+does not take."""
 
 from __future__ import annotations
 
@@ -56,7 +57,28 @@ def test_the_kernel_equals_sdpa(query_heads, heads, mask_kind, in_buffer):
     torch.testing.assert_close(out, _sdpa(query, key, value, mask), rtol=1e-5, atol=1e-5)
 
 
-def test_a_row_is_bit_for_bit_the_same_alone_and_in_any_batch():
+@pytest.mark.parametrize("mask_kind", ["none", "padded"])
+def test_bf16_k_v_are_read_as_their_fp32_widening_and_the_output_rounded_once(mask_kind):
+    """bf16 in, bf16 out: the kernel's result is the fp32 attention of the bf16 values, rounded to bf16 once
+    (within one bf16 step of it; SDPA's own bf16 kernel is held to the same), and where the fp32 kernel
+    attends the widened tensors, the bf16 kernel rounds its very result."""
+    generator = torch.Generator().manual_seed(11)
+    rows, heads, query_heads, columns = 5, 3, 9, 41
+    key = _in_buffer(rows, heads, columns, 64, 9, generator).bfloat16()
+    value = _in_buffer(rows, heads, columns, 64, 9, generator).bfloat16()
+    query = (torch.randn(rows, query_heads, 1, DIM, generator=generator) * 3).bfloat16()
+    mask = None if mask_kind == "none" else _padded_mask([41, 2, 30, 17, 40], columns)
+    assert decode_kernel.eligible(query, key, value, mask)
+    out = decode_kernel.attend(query, key, value, mask, DIM ** -0.5)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (rows, 1, query_heads, DIM)
+    exact = _sdpa(query.float(), key.float(), value.float(), mask)
+    torch.testing.assert_close(out.float(), exact, rtol=2 ** -8, atol=1e-6)
+    widened = decode_kernel.attend(query.float(), key.float(), value.float(), mask, DIM ** -0.5)
+    assert torch.equal(out, widened.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bit_for_bit_the_same_alone_and_in_any_batch(dtype):
     """A row's result depends on its own query, columns and mask only: not on its neighbours, their
     number or the padding the batch gives it (SDPA's blocks move with the padding)."""
     generator = torch.Generator().manual_seed(7)
@@ -73,7 +95,8 @@ def test_a_row_is_bit_for_bit_the_same_alone_and_in_any_batch():
         key[place, :, padding:], value[place, :, padding:], query[place] = key_row[0], value_row[0], query_row[0]
         lengths = [length + padding] * rows
         lengths[place] = length
-        out = decode_kernel.attend(query, key, value, _padded_mask(lengths, length + padding), DIM ** -0.5)
+        out = decode_kernel.attend(query.to(dtype), key.to(dtype), value.to(dtype),
+                                   _padded_mask(lengths, length + padding), DIM ** -0.5)
         outputs.append(out[place])
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
@@ -84,7 +107,12 @@ def test_what_the_kernel_does_not_take_is_refused_or_left_to_sdpa():
     query = torch.randn(rows, 9, 1, DIM)
     assert decode_kernel.eligible(query, key, key, None)
     assert not decode_kernel.eligible(torch.randn(rows, 9, 2, DIM), key, key, None)  # a prefill
-    assert not decode_kernel.eligible(query.bfloat16(), key.bfloat16(), key.bfloat16(), None)
+    assert decode_kernel.eligible(query.bfloat16(), key.bfloat16(), key.bfloat16(), None)
+    few = decode_kernel.BF16_MIN_ROWS - 1  # fewer bf16 rows: SDPA (faster there)
+    assert not decode_kernel.eligible(query[:few].bfloat16(), key[:few].bfloat16(), key[:few].bfloat16(), None)
+    assert decode_kernel.eligible(query[:few], key[:few], key[:few], None)  # fp32: any number of rows
+    assert not decode_kernel.eligible(query.half(), key.half(), key.half(), None)  # fp16: SDPA
+    assert not decode_kernel.eligible(query.bfloat16(), key, key, None)  # mixed dtypes
     assert not decode_kernel.eligible(query, key, key, torch.zeros(rows, 1, 1, columns))  # an additive mask
     assert not decode_kernel.eligible(query, key, key, torch.ones(rows, 1, 2, columns, dtype=torch.bool))
     # K/V whose columns are not rows of a [.., capacity, dim] buffer: not read in place, SDPA attends

@@ -4,6 +4,7 @@
   Parameter (state_dict unchanged), and use_linear_kernel does the swap with either Linear kernel.
 - A norm of another formula (Gemma's `1 + weight`) fails the probe and keeps its own forward.
 - An input of another dtype than the weight takes the layer's own forward (only the weight's dtype was probed).
+- A bf16 Llama norm takes the upcast form (fp32 norm, rounded, times the weight), bit for bit.
 (Every architecture of the engine's matrix: tests/unit/engine/test_architectures.py.)
 """
 
@@ -76,3 +77,18 @@ def test_an_input_of_another_dtype_takes_the_layers_own_forward():
     assert isinstance(model.model.norm, FusedRMSNorm)
     out = model.model.norm(x)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+def test_a_bf16_llama_norm_takes_the_upcast_form_and_keeps_the_bits():
+    """In bf16 the layer rounds before its weight multiplies: `F.rms_norm` with the weight is not its
+    bits, the upcast form (fp32 norm, rounded, times the weight) is, and the probe picks that one."""
+    torch.manual_seed(0)
+    model = with_norm_weights(LlamaForCausalLM(LlamaConfig(**SMALL))).to(torch.bfloat16)
+    norm = model.model.norm
+    x = torch.randn(4, 5, 64).mul(3).to(torch.bfloat16)
+    with torch.no_grad():
+        assert not torch.equal(FusedRMSNorm(norm, norm.variance_epsilon, "direct")(x), norm(x))
+    before, one = logits(model, IDS), logits(model, IDS[:1, :1])
+    swapped = use_fused_norms(model)
+    assert len(swapped) == 5 and {model.get_submodule(n).form for n in swapped} == {"upcast"}
+    assert torch.equal(logits(model, IDS), before) and torch.equal(logits(model, IDS[:1, :1]), one)

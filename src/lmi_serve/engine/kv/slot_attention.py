@@ -64,7 +64,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     queries (transformers' `pack_gqa`), with or without a mask. transformers does this only when
     there is a mask; without one it asks SDPA to broadcast the K/V heads (`enable_gqa`), which took
     0.66 ms where this takes 0.36 (32 rows of 208 tokens, SmolLM2's 9 query and 3 K/V heads).
-    fp32 on the CPU, kv/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
+    fp32 or bf16 on the CPU, kv/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
     if query.shape[2] != 1 or _special(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if (not dropout and getattr(getattr(module, "config", None), KERNEL_FLAG, True)
@@ -154,9 +154,9 @@ def use_parts(model: Any) -> bool:
 
 def use_decode_kernel(model: Any, on: bool) -> None:
     """Whether `model`'s decode steps may attend with kv/decode_kernel.py where it applies (option.decode_attention);
-    when they may and the model is fp32 on the CPU, the kernel is compiled now, not in a request's step."""
+    when they may and the model is fp32 or bf16 on the CPU, the kernel is compiled now, not in a request's step."""
     for config in _attention_configs(model):
         setattr(config, KERNEL_FLAG, on)
     device = getattr(model, "device", None)
-    if on and getattr(model, "dtype", None) == torch.float32 and getattr(device, "type", None) == "cpu":
+    if on and getattr(model, "dtype", None) in decode_kernel.DTYPES and getattr(device, "type", None) == "cpu":
         decode_kernel.kernel()
