@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmi_serve.engine.handle import RequestHandle
-from lmi_serve.engine.kv import slots as kv_slots
+from lmi_serve.engine.kv import slot_part
 from lmi_serve.engine.kv.dynamic import DYNAMIC, DynamicKV
 from lmi_serve.engine.kv.encdec import EncoderDecoderKV, decoder_prompt
 from lmi_serve.engine.kv.protocol import KVBatch, KVLayout, Prefilled
@@ -282,7 +282,7 @@ def slot_buffers(request, monkeypatch):
         def poisoned(shape, like):
             return torch.full(tuple(shape), float("nan"), dtype=like.dtype, device=like.device)
 
-        monkeypatch.setattr(kv_slots, "_new_buffer", poisoned)
+        monkeypatch.setattr(slot_part, "new_buffer", poisoned)
     return request.param
 
 
@@ -316,7 +316,7 @@ def test_slot_kv_logits_are_bitwise_the_dynamic_caches(tiny_model, prompt_ids, m
 def test_slot_kv_reads_only_what_it_wrote(tiny_model, prompt_ids, monkeypatch, slack):
     """Buffers are left uninitialised (here: NaN): every row's logits stay finite and equal a fresh
     prefill of its sequence while shorter and over-twice-longer rows join, rows leave and buffers grow."""
-    monkeypatch.setattr(kv_slots, "_new_buffer", lambda shape, like: torch.full(
+    monkeypatch.setattr(slot_part, "new_buffer", lambda shape, like: torch.full(
         tuple(shape), float("nan"), dtype=like.dtype, device=like.device))
     monkeypatch.setattr(SlotKV, "merge_slack", slack)
     sequences = [list(prompt_ids[i]) for i in (0, 4)]
@@ -466,14 +466,14 @@ def test_slot_kv_eviction_copies_only_the_rows_that_move(tiny_model, prompt_ids,
     [part] = kv.cache.layers[0].parts
     store = part.key_store
     copied = []
-    select = kv_slots.SlotPart.select
+    select = slot_part.SlotPart.select
 
     def counted(self, rows, targets, sources, first, pairs=()):
         copied.append(0 if targets is None else len(targets))
         assert len(pairs) == copied[-1]  # the same moves as ints: each row copied once, straight to its place
         return select(self, rows, targets, sources, first, pairs)
 
-    monkeypatch.setattr(kv_slots.SlotPart, "select", counted)
+    monkeypatch.setattr(slot_part.SlotPart, "select", counted)
 
     def step(n=1):
         for _ in range(n):
@@ -493,7 +493,7 @@ def test_slot_kv_eviction_copies_only_the_rows_that_move(tiny_model, prompt_ids,
     kv.keep(order)
     sequences = [sequences[i] for i in order]
     assert copied == [0] * layers and part.start > 0 and part.key_store is store
-    step(kv_slots.MIN_COLUMNS - part.end + 2)  # past the buffer's end: compacted, not grown
+    step(slot_part.MIN_COLUMNS - part.end + 2)  # past the buffer's end: compacted, not grown
     assert part.start == 0 and part.key_store.shape[2] == store.shape[2]
     kv.extend(SlotKV.prefill(tiny_model, [list(prompt_ids[1])], pad_id=0, device=CPU).kv)
     sequences.append(list(prompt_ids[1]))
