@@ -28,6 +28,7 @@ from lmi_serve.server.drain import WorkerDrain
 from lmi_serve.server.error_routing import install_error_handlers, render_error
 from lmi_serve.server.metrics import ServingMetrics
 from lmi_serve.server.openapi import blueprint as openapi_blueprint
+from lmi_serve.serving import heap
 from lmi_serve.serving.multi_model import ModelLoader
 from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService
@@ -121,6 +122,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
         logs.route_library_logs()
         log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)
         registry = ModelRegistry.from_config(config, observer_for=metrics.for_model)
+        heap.freeze_after_loads()  # a serving worker: what loading makes is frozen out of the collector's walks
         registry.start_loading()
     for service in registry.services.values():
         service.on_request = note_requested_model

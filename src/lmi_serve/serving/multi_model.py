@@ -10,12 +10,11 @@ DJL's register API, on one machinery.
   that request's error (400, naming the folder and why) and is not kept: /ping stays healthy.
 - **Unload** (`unload`): the name leaves the registry first (new requests get the dialect's 404), the
   requests in flight get `grace` seconds to finish, the rest end with NotReady, the model's threads
-  stop, and the memory goes back (gc, then glibc's malloc_trim).
+  stop, and the memory goes back (gc, frozen objects included: heap.py; then glibc's malloc_trim).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from lmi_serve.config.sources import ConfigError, ModelConfig, ServerConfig, loa
 from lmi_serve.engine.memory import trim
 from lmi_serve.model.source import resolve_model_source
 from lmi_serve.errors import AlreadyExists, Forbidden, InvalidRequest, OutOfResources
+from lmi_serve.serving import heap
 from lmi_serve.serving.memory_budget import LIMIT_SHARE, MemoryBudget, container_memory, kv_bytes, weights_bytes
 from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService, ModelStatus
@@ -98,6 +98,7 @@ class ModelLoader:
             raise
         self.registry.add(service)
         self.urls[name] = url
+        heap.settle()
         log.info("Model %s loaded from %s in %.1f s (budget: %d of %d MiB held)", name, url,
                  time.monotonic() - started, self.budget.in_use >> 20, self.budget.limit >> 20)
         return service
@@ -151,6 +152,6 @@ def estimate(config: ModelConfig) -> int:
 
 
 def _give_memory_back() -> None:
-    """Collect what the model left in reference cycles, then hand glibc's freed pages to the OS."""
-    gc.collect()
+    """Collect what the model left in reference cycles (frozen ones too), then hand glibc's freed pages to the OS."""
+    heap.collect()
     trim()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from lmi_serve.config.sources import ServerConfig
 from lmi_serve.errors import InvalidRequest, NotFound
+from lmi_serve.serving import heap
 from lmi_serve.serving.service import ModelService, ModelStatus
 
 
@@ -47,6 +48,7 @@ class ModelRegistry:
         def load_all() -> None:
             for service in self.services.values():
                 service.load()
+            heap.settle()  # what loading made lives as long as the worker: out of the collector's walks
 
         threading.Thread(target=load_all, name="model-loader", daemon=True).start()
 
