@@ -193,6 +193,7 @@ def closed_loop(send, url: str, workload: Workload, concurrency: int, num_reques
     Request k always carries prompt/length k, whatever client takes it."""
     import requests
 
+    quiet_collector()
     counter = iter(range(num_requests))
     lock = threading.Lock()
     records: list[dict] = []
@@ -211,7 +212,6 @@ def closed_loop(send, url: str, workload: Workload, concurrency: int, num_reques
                     records.append(rec)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    quiet_collector()
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -227,6 +227,7 @@ def timed_loop(send, url: str, next_request, concurrency: int, duration: float) 
     the ones in flight finish. `next_request()` -> (prompt, max_new_tokens), thread-safe."""
     import requests
 
+    quiet_collector()  # before the deadline: its collection is not the loop's time
     deadline = time.perf_counter() + duration
     lock = threading.Lock()
     records: list[dict] = []
@@ -240,7 +241,6 @@ def timed_loop(send, url: str, next_request, concurrency: int, duration: float) 
                     records.append(rec)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    quiet_collector()
     started = time.perf_counter()
     for t in threads:
         t.start()
