@@ -229,10 +229,10 @@ def test_timed_loop_starts_no_request_after_the_duration():
         time.sleep(0.01)
         return {"ok": True, "prompt": prompt}
 
-    begin = time.perf_counter()
     records, wall = timed_loop(send, "u", lambda: ("p", 4), concurrency=3, duration=0.1)
     assert len(records) == len(starts) >= 3
-    assert max(starts) - begin < 0.1 <= wall
+    # the loop starts with its first requests (its clients' collection before it is not its time)
+    assert max(starts) - min(starts) < 0.1 <= wall
 
 
 def row(system, c, tok_s, tpot=None, ttft=None):
