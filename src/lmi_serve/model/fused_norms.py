@@ -44,11 +44,12 @@ class FusedRMSNorm(nn.Module):
         self._own = (norm,)  # a tuple: not a submodule, so its weight is not registered twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype:  # probed for the weight's dtype only: the layer's own casts decide
+        weight = self._parameters["weight"]  # a dict read, not nn.Module.__getattr__: 61 calls a step
+        if x.dtype != weight.dtype:  # probed for the weight's dtype only: the layer's own casts decide
             return self._own[0](x)
         if self.form == "upcast":
-            return F.rms_norm(x.float(), self._shape, None, self.variance_epsilon).to(x.dtype) * self.weight
-        return F.rms_norm(x, self._shape, self.weight, self.variance_epsilon)
+            return F.rms_norm(x.float(), self._shape, None, self.variance_epsilon).to(x.dtype) * weight
+        return F.rms_norm(x, self._shape, weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{self._shape[0]}, eps={self.variance_epsilon}, kernel=F.rms_norm ({self.form})"

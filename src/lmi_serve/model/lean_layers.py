@@ -67,25 +67,40 @@ def _is(module: Any, name: str, where: str) -> bool:
 
 class SignedSin:
     """sin with the first half of its last dimension negated, for the rotary's `roll` form; made once per
-    forward (every layer of one forward gets the same `sin` tensor) and kept with that tensor."""
+    forward (every layer of one forward gets the same `cos` and `sin` tensors) and kept with them, as are
+    both with a heads dimension (`terms`: two views a forward, not two a layer)."""
 
     def __init__(self) -> None:
-        self._kept: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kept: tuple[Any, ...] | None = None  # (cos, sin, cos [b, 1, t, d], sin' [b, 1, t, d], sin')
 
     def of(self, sin: torch.Tensor) -> torch.Tensor:
+        kept = self._kept
+        return kept[4] if kept is not None and kept[1] is sin else self._made(None, sin)[4]
+
+    def terms(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin' as [batch, 1, tokens, head_dim], for `rotate_heads`."""
         kept = self._kept  # one read: a tuple swapped whole, never half-written
-        if kept is None or kept[0] is not sin:
-            signed = sin.clone()
-            signed[..., : sin.shape[-1] // 2].neg_()
-            kept = (sin, signed)
-            self._kept = kept
-        return kept[1]
+        if kept is None or kept[0] is not cos or kept[1] is not sin:
+            kept = self._made(cos, sin)
+        return kept[2], kept[3]
+
+    def _made(self, cos: torch.Tensor | None, sin: torch.Tensor) -> tuple[Any, ...]:
+        signed = sin.clone()
+        signed[..., : sin.shape[-1] // 2].neg_()
+        kept = (cos, sin, None if cos is None else cos.unsqueeze(1), signed.unsqueeze(1), signed)
+        self._kept = kept
+        return kept
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """`x * cos + rotate_half(x) * sin` for x [batch, heads, tokens, head_dim] and cos/sin [batch, tokens,
     head_dim], bit for bit: rotate_half(x) * sin is roll(x, half) * sin' (see SignedSin)."""
-    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, -1) * signed_sin.unsqueeze(1)
+    return rotate_heads(x, cos.unsqueeze(1), signed_sin.unsqueeze(1))
+
+
+def rotate_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` with cos and sin' already [batch, 1, tokens, head_dim] (SignedSin.terms)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def project(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
@@ -114,39 +129,39 @@ class LeanLayer:
                  past_key_values: Any = None, use_cache: bool | None = False,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> torch.Tensor:
         layer = self.layer
-        attn = layer.self_attn
+        children = layer._modules  # dict reads, not nn.Module.__getattr__: ~20 a layer, 600 a step
+        attn = children["self_attn"]
         if position_embeddings is None or position_embeddings[0].shape[-1] != attn.head_dim or layer.training:
             return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, use_cache=use_cache,
                                  position_embeddings=position_embeddings, **kwargs)
-        attended = self._attention(layer.input_layernorm(hidden_states), attention_mask, position_ids,
+        attended = self._attention(attn, children["input_layernorm"](hidden_states), attention_mask, position_ids,
                                    past_key_values, use_cache, position_embeddings, kwargs)
         hidden_states = hidden_states + attended
-        mlp = layer.mlp
-        gate, up = project(layer.post_attention_layernorm(hidden_states), (mlp.gate_proj, mlp.up_proj))
-        act = mlp.act_fn
+        mlp = children["mlp"]._modules
+        gate, up = project(children["post_attention_layernorm"](hidden_states), (mlp["gate_proj"], mlp["up_proj"]))
+        act = mlp.get("act_fn") or children["mlp"].act_fn
         gated = (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
-        return hidden_states + mlp.down_proj(gated)
+        return hidden_states + mlp["down_proj"](gated)
 
-    def _attention(self, x: torch.Tensor, attention_mask: Any, position_ids: Any, past_key_values: Any,
-                   use_cache: bool | None, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                   kwargs: dict) -> torch.Tensor:
-        attn = self.layer.self_attn
+    def _attention(self, attn: nn.Module, x: torch.Tensor, attention_mask: Any, position_ids: Any,
+                   past_key_values: Any, use_cache: bool | None,
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], kwargs: dict) -> torch.Tensor:
+        children = attn._modules
         input_shape = x.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-        cos, sin = position_embeddings
-        signed = self.signed_sin.of(sin)
+        q, k, v = project(x, (children["q_proj"], children["k_proj"], children["v_proj"]))
+        cos, signed = self.signed_sin.terms(*position_embeddings)
         if self.spec.qk_norms:
-            q = rotate(attn.q_norm(q.view(hidden_shape)).transpose(1, 2), cos, signed)
-            k = rotate(attn.k_norm(k.view(hidden_shape)).transpose(1, 2), cos, signed)
+            q = rotate_heads(children["q_norm"](q.view(hidden_shape)).transpose(1, 2), cos, signed)
+            k = rotate_heads(children["k_norm"](k.view(hidden_shape)).transpose(1, 2), cos, signed)
         elif _adjacent(q, k):  # one stacked output's columns: rotate q and k in one call
             heads = q.shape[-1] // attn.head_dim
-            both = rotate(_joined(q, k).view(hidden_shape).transpose(1, 2), cos, signed)
+            both = rotate_heads(_joined(q, k).view(hidden_shape).transpose(1, 2), cos, signed)
             q, k = both[:, :heads], both[:, heads:]
         else:
-            q = rotate(q.view(hidden_shape).transpose(1, 2), cos, signed)
-            k = rotate(k.view(hidden_shape).transpose(1, 2), cos, signed)
+            q = rotate_heads(q.view(hidden_shape).transpose(1, 2), cos, signed)
+            k = rotate_heads(k.view(hidden_shape).transpose(1, 2), cos, signed)
         v = v.view(hidden_shape).transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, attn.layer_idx)
@@ -155,7 +170,7 @@ class LeanLayer:
             kwargs = {**kwargs, "sliding_window": attn.sliding_window}
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                            position_ids=position_ids, use_cache=use_cache, **kwargs)
-        return attn.o_proj(out.reshape(*input_shape, -1).contiguous())
+        return children["o_proj"](out.reshape(*input_shape, -1).contiguous())
 
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -168,10 +168,12 @@ class Q4Linear(nn.Module):
             flat = flat.contiguous()
         if self.dense is not None and flat.shape[0] > Q4_MAX_ROWS:
             out = self.dense(flat)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, Q4_GROUP, self.scale_zero)
-            if self.bias is not None:
-                out = out + self.bias
+        else:  # the buffers read from their dicts, not through nn.Module.__getattr__ (3 a call)
+            buffers = self._buffers
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, buffers["packed"], Q4_GROUP, buffers["scale_zero"])
+            bias = self._parameters.get("bias")
+            if bias is not None:
+                out = out + bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def stored_bytes(self) -> int:

@@ -20,7 +20,7 @@ from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM, LlamaConf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from lmi_serve.model import lean_layers
-from lmi_serve.model.lean_layers import SignedSin, rotate, use_lean_layers
+from lmi_serve.model.lean_layers import SignedSin, rotate, rotate_heads, use_lean_layers
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 
 CPU = torch.device("cpu")
@@ -79,7 +79,7 @@ def test_stacked_projections_on_onednn_keep_the_bits_and_rotate_q_and_k_together
     use_linear_kernel(model, "onednn", CPU, lean=False)
     expected = run(model, steps=2)
     calls = []
-    monkeypatch.setattr(lean_layers, "rotate", lambda *args: calls.append(1) or rotate(*args))
+    monkeypatch.setattr(lean_layers, "rotate_heads", lambda *args: calls.append(1) or rotate_heads(*args))
     assert len(use_lean_layers(model)) == SMALL["num_hidden_layers"]
     assert all(torch.equal(a, b) for a, b in zip(run(model, steps=2), expected, strict=True))
     per_forward = len(calls) // 3 // SMALL["num_hidden_layers"]  # a prefill and two decode steps
@@ -95,6 +95,11 @@ def test_the_roll_form_of_rotary_is_transformers_bit_for_bit():
     assert torch.equal(rotate(q, cos, signed.of(sin)), expected_q)
     assert torch.equal(rotate(k, cos, signed.of(sin)), expected_k)
     assert signed.of(sin) is signed.of(sin), "made once per sin tensor"
+    cos_heads, sin_heads = signed.terms(cos, sin)
+    again = signed.terms(cos, sin)
+    assert again[0] is cos_heads and again[1] is sin_heads, "kept for the forward's cos and sin"
+    assert torch.equal(rotate_heads(q, cos_heads, sin_heads), expected_q)
+    assert signed.terms(cos.clone(), sin)[0] is not cos_heads, "another forward's cos is not this one's"
 
 
 def test_other_families_remote_code_and_training_keep_their_forward():
