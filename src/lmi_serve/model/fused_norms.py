@@ -44,7 +44,9 @@ class FusedRMSNorm(nn.Module):
         self._own = (norm,)  # a tuple: not a submodule, so its weight is not registered twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self._parameters["weight"]  # a dict read, not nn.Module.__getattr__: 61 calls a step
+        weight = self._parameters.get("weight")  # a dict read, not nn.Module.__getattr__: 61 calls a step
+        if weight is None:  # the replaced norm held a plain tensor, not a Parameter: an attribute here too
+            weight = self.weight
         if x.dtype != weight.dtype:  # probed for the weight's dtype only: the layer's own casts decide
             return self._own[0](x)
         if self.form == "upcast":

@@ -49,6 +49,26 @@ def test_a_llama_norm_is_swapped_and_keeps_the_bits():
     assert set(model.state_dict()) == keys
 
 
+class PlainWeightRMSNorm(torch.nn.Module):
+    """Llama's formula with its weight a plain tensor, not a Parameter (as some remote code keeps it)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.variance_epsilon = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+def test_a_norm_whose_weight_is_a_plain_tensor_is_swapped_and_keeps_the_bits():
+    model = torch.nn.Sequential(PlainWeightRMSNorm(torch.randn(64, generator=torch.Generator().manual_seed(1))))
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2))
+    before = model(x)
+    assert use_fused_norms(model) == ["0"] and isinstance(model[0], FusedRMSNorm)
+    assert torch.equal(model(x), before)
+
+
 def test_the_linear_kernel_swap_brings_the_norms_with_either_kernel():
     for kernel in ("torch", "auto"):
         torch.manual_seed(0)
