@@ -71,35 +71,22 @@ class SignedSin:
     both with a heads dimension (`terms`: two views a forward, not two a layer)."""
 
     def __init__(self) -> None:
-        self._kept: tuple[Any, ...] | None = None  # (cos, sin, cos [b, 1, t, d], sin' [b, 1, t, d], sin')
-
-    def of(self, sin: torch.Tensor) -> torch.Tensor:
-        kept = self._kept
-        return kept[4] if kept is not None and kept[1] is sin else self._made(None, sin)[4]
+        self._kept: tuple[Any, ...] | None = None  # (cos, sin, cos [b, 1, t, d], sin' [b, 1, t, d])
 
     def terms(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin' as [batch, 1, tokens, head_dim], for `rotate_heads`."""
         kept = self._kept  # one read: a tuple swapped whole, never half-written
         if kept is None or kept[0] is not cos or kept[1] is not sin:
-            kept = self._made(cos, sin)
+            signed = sin.clone()
+            signed[..., : sin.shape[-1] // 2].neg_()
+            kept = (cos, sin, cos.unsqueeze(1), signed.unsqueeze(1))
+            self._kept = kept
         return kept[2], kept[3]
-
-    def _made(self, cos: torch.Tensor | None, sin: torch.Tensor) -> tuple[Any, ...]:
-        signed = sin.clone()
-        signed[..., : sin.shape[-1] // 2].neg_()
-        kept = (cos, sin, None if cos is None else cos.unsqueeze(1), signed.unsqueeze(1), signed)
-        self._kept = kept
-        return kept
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin` for x [batch, heads, tokens, head_dim] and cos/sin [batch, tokens,
-    head_dim], bit for bit: rotate_half(x) * sin is roll(x, half) * sin' (see SignedSin)."""
-    return rotate_heads(x, cos.unsqueeze(1), signed_sin.unsqueeze(1))
 
 
 def rotate_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """`rotate` with cos and sin' already [batch, 1, tokens, head_dim] (SignedSin.terms)."""
+    """`x * cos + rotate_half(x) * sin` for x [batch, heads, tokens, head_dim] and cos, sin' [batch, 1, tokens,
+    head_dim] (SignedSin.terms), bit for bit: rotate_half(x) * sin is roll(x, half) * sin'."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
