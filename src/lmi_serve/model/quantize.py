@@ -14,11 +14,13 @@ modules are replaced, so every KV implementation and both batching modes work un
   but the kernel has vector code for bf16 activations only, so fp32 is a slow scalar loop) or bf16
   (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
   kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
-  the CPU computes bf16, since the int4 kernel computes row by row). Linear layers the GGUF holds
-  in another type (SmolLM2's lm_head is tied to a Q8_0 embedding) keep their loaded weights. Each
-  packed layer is checked against the loaded weight (the dequantized GGUF, rounded to the model's
-  dtype) before it replaces it. The int4 kernel computes each row on its own: a row's output does
-  not depend on the others in the batch (the bf16 copy's does).
+  the CPU computes bf16, since the int4 kernel computes row by row). With bf16 activations on a CPU
+  with AVX-512 VNNI, layers the GGUF holds in Q8_0 (SmolLM2's lm_head, tied to a Q8_0 embedding) run
+  their own blocks at one or two rows (model/vnni_matmul.py); other types keep their loaded weights.
+  The layer classes are in model/gguf_linears.py. Each packed layer is checked against the loaded
+  weight (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row
+  kernels compute each row on its own: a row's output does not depend on the others in the batch
+  (the bf16 copy's does).
 
 Both run on CPU only (the kernels are CPU kernels).
 """
@@ -36,6 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmi_serve.model.gguf_linears import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, q8_fits, unpack_q4_blocks,
+                                          unpack_q8_blocks)
 from lmi_serve.model.linear_kernels import OneDnnLinear, packable_dtypes
 from lmi_serve.model.shared_input import concatenated_linear, stack_groups
 from lmi_serve.model.surgery import own_remaining_tensors, process_rss, replace_module, return_freed_memory
@@ -43,8 +47,6 @@ from lmi_serve.model.surgery import own_remaining_tensors, process_rss, replace_
 log = logging.getLogger(__name__)
 
 MODES = ("none", "fp16", "q4")
-Q4_GROUP = 32  # weights per GGUF Q4 block: one scale (and min) per 32 input columns
-Q4_MAX_ROWS = 8  # bf16 q4 layers: more rows than this go to their bf16 oneDNN copy (Q4Linear)
 _Q4_TYPES = ("Q4_0", "Q4_1")
 # max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
 _MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
@@ -99,93 +101,6 @@ class Fp16Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16"
-
-
-@dataclass(frozen=True)
-class Q4Blocks:
-    """One layer's GGUF Q4 blocks, unpacked: q in 0..15 and per-block scale and zero, so that
-    weight[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]."""
-
-    q: np.ndarray  # [N, K] uint8
-    scale: np.ndarray  # [N, K / 32] float32
-    zero: np.ndarray  # [N, K / 32] float32
-
-    @staticmethod
-    def concatenated(parts: list[Q4Blocks]) -> Q4Blocks:
-        """The blocks of one layer whose rows are `parts`' rows, one after the other."""
-        return Q4Blocks(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("q", "scale", "zero")))
-
-    def dequantize(self) -> torch.Tensor:
-        scale = torch.from_numpy(self.scale).repeat_interleave(Q4_GROUP, dim=1)
-        zero = torch.from_numpy(self.zero).repeat_interleave(Q4_GROUP, dim=1)
-        return (torch.from_numpy(self.q.astype(np.float32)) - 8) * scale + zero
-
-
-def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
-    """A GGUF Q4_0 / Q4_1 tensor's bytes ([N, K/32 * block bytes] uint8) as Q4Blocks.
-
-    Block layout (ggml): Q4_1 = d (fp16), m (fp16), 16 bytes of nibbles; Q4_0 = d (fp16), 16 bytes.
-    Byte j holds element j in its low nibble and element j + 16 in its high nibble."""
-    head = 4 if type_name == "Q4_1" else 2
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, head + Q4_GROUP // 2)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., head:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
-    if type_name == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return Q4Blocks(q, d, m + 8 * d)
-    return Q4Blocks(q, d, np.zeros_like(d))
-
-
-class Q4Linear(nn.Module):
-    """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16; the kernel takes its
-    scales and zeros in the activations' dtype): torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`,
-    group 32). With `dense` (the same layer on oneDNN's bf16 matmul), more than Q4_MAX_ROWS rows go there:
-    the int4 kernel computes row by row (a matrix-vector loop), fastest for a few rows, and a GEMM wins
-    above (SmolLM2's layer set at 1 / 8 / 32 rows: int4 66 / 180 / 671 µs, bf16 oneDNN 163 / 200 / 375 µs)."""
-
-    weight = None  # as Fp16Linear's
-
-    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
-                 dense: nn.Module | None = None):
-        super().__init__()
-        self.out_features, self.in_features = blocks.q.shape
-        self.dtype = dtype
-        self.dense = dense
-        q = torch.from_numpy(blocks.q.astype(np.int32))
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        scale_zero = np.stack([blocks.scale.T, blocks.zero.T], axis=-1)  # [K/32, N, 2]
-        self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # each call skipped where it would be a no-op: 120 of these a SmolLM2 step, ~1 µs a call at one row
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if flat.dtype != self.dtype:
-            flat = flat.to(self.dtype)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        if self.dense is not None and flat.shape[0] > Q4_MAX_ROWS:
-            out = self.dense(flat)
-        else:  # the buffers read from their dicts, not through nn.Module.__getattr__ (3 a call)
-            buffers = self._buffers
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, buffers["packed"], Q4_GROUP, buffers["scale_zero"])
-            bias = self._parameters.get("bias")
-            if bias is not None:
-                out = out + bias
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
-
-    def stored_bytes(self) -> int:
-        dense = 0 if self.dense is None else self.in_features * self.out_features * 2  # its packed bf16 copy
-        int4 = self.packed.numel() * self.packed.element_size()
-        return int4 + self.scale_zero.numel() * self.scale_zero.element_size() + dense
-
-    def extra_repr(self) -> str:
-        activations = str(self.dtype).removeprefix("torch.")
-        dense = f", above {Q4_MAX_ROWS} rows bf16 oneDNN" if self.dense is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, weights=int4 group {Q4_GROUP}, "
-                f"activations={activations}{dense}")
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -253,25 +168,28 @@ def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
 
 def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
     """Every Linear the GGUF holds in Q4 blocks that match its loaded weights is replaced (q/k/v and
-    gate/up by one stacked int4 layer each); the blocks are all read and checked before the first
+    gate/up by one stacked int4 layer each), and with bf16 activations on a VNNI CPU every one it holds
+    in Q8_0 blocks (a tied lm_head: the embedding's); the blocks are all read and checked before the first
     replacement goes in."""
     layers = _read_gguf_linears(model, gguf)
     checked: dict[str, tuple[Q4Blocks, nn.Linear]] = {}
+    checked8: dict[str, tuple[Q8Blocks, nn.Linear]] = {}
     dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
     with torch.no_grad():
         for name, linear in _linears(model):
             found = layers.tensors.get(name)
-            if found is None or found.tensor_type.name not in _Q4_TYPES:
-                report.kept[name] = _why_kept(model, linear, found, layers.embedding)
-            elif linear.out_features % 16:  # the kernel packs rows in blocks of 16 / 32 / 64
+            source = found if found is not None or not _tied(model, linear) else layers.embedding
+            kind = None if source is None else source.tensor_type.name
+            if kind in _Q4_TYPES and linear.out_features % 16 == 0:  # torch's kernel packs rows by 16 / 32 / 64
+                blocks = unpack_q4_blocks(np.asarray(source.data), kind)
+                checked[name] = (_checked(name, blocks, linear, layers, report), linear)
+            elif kind == "Q8_0" and q8_fits(linear.in_features, dtype):
+                checked8[name] = (_checked(name, unpack_q8_blocks(np.asarray(source.data)), linear, layers, report),
+                                  linear)
+            elif kind in _Q4_TYPES:
                 report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
             else:
-                blocks = unpack_q4_blocks(np.asarray(found.data), found.tensor_type.name)
-                if name in layers.permuted_heads:
-                    blocks = _permute_rows(blocks, layers.permuted_heads[name])
-                report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
-                checked[name] = (blocks, linear)
-                report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+                report.kept[name] = _why_kept(model, linear, found, layers.embedding)
     if not checked:
         raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
                             "layers; use option.quantize=fp16")
@@ -295,8 +213,11 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
         for name, (blocks, linear) in checked.items():
             if name not in report.stacked:
                 replace_module(model, name, q4_linear(blocks, linear))
-    report.swapped = list(checked)
-    report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules() if isinstance(module, Q4Linear))
+        for name, (blocks8, linear) in checked8.items():
+            replace_module(model, name, Q8Linear(blocks8, linear.bias, OneDnnLinear(linear) if dense else None))
+    report.swapped = list(checked) + list(checked8)
+    report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules()
+                                    if isinstance(module, (Q4Linear, Q8Linear)))
     if dtype == torch.float32:
         log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with "
                     "fp32 activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but "
@@ -304,11 +225,23 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
                     "EPYC); option.dtype=bf16 runs it on its vector code")
 
 
+def _tied(model: nn.Module, linear: nn.Linear) -> bool:
+    return getattr(model.config, "tie_word_embeddings", False) and linear is model.get_output_embeddings()
+
+
+def _checked(name: str, blocks: Any, linear: nn.Linear, layers: _GgufLinears, report: QuantizeReport) -> Any:
+    """`blocks` in the loaded layer's row order, once they match its weights (QuantizeError if not)."""
+    if name in layers.permuted_heads:
+        blocks = _permute_rows(blocks, layers.permuted_heads[name])
+    report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
+    report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+    return blocks
+
+
 def _why_kept(model: nn.Module, linear: nn.Linear, found: Any, embedding: Any) -> str:
     if found is not None:
         return f"GGUF {found.tensor_type.name}"
-    tied = getattr(model.config, "tie_word_embeddings", False) and linear is model.get_output_embeddings()
-    if tied and embedding is not None:
+    if _tied(model, linear) and embedding is not None:
         return f"tied to the input embedding, GGUF {embedding.tensor_type.name}"
     return "not in the GGUF"
 
@@ -345,16 +278,16 @@ def _read_gguf_linears(model: nn.Module, gguf: Path) -> _GgufLinears:
     return _GgufLinears(tensors, by_name.get("token_embd.weight"), permuted)
 
 
-def _permute_rows(blocks: Q4Blocks, heads: int) -> Q4Blocks:
+def _permute_rows(blocks: Any, heads: int) -> Any:
     """Undo llama.cpp's rotary row order for one head count (rows are whole blocks, so it is exact)."""
     def undo(a: np.ndarray) -> np.ndarray:
         half = a.shape[0] // heads // 2
         return a.reshape(heads, half, 2, *a.shape[1:]).swapaxes(2, 1).reshape(a.shape)
 
-    return Q4Blocks(undo(blocks.q), undo(blocks.scale), undo(blocks.zero))
+    return blocks.permuted(undo)
 
 
-def _check_match(name: str, blocks: Q4Blocks, weight: torch.Tensor) -> float:
+def _check_match(name: str, blocks: Q4Blocks | Q8Blocks, weight: torch.Tensor) -> float:
     """The packed weights must be the loaded ones (the GGUF dequantized) up to the loaded dtype's rounding."""
     diff = float((blocks.dequantize() - weight.detach().float()).abs().max())
     scale = float(weight.detach().abs().max()) or 1.0

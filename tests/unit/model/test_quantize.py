@@ -25,8 +25,10 @@ from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.model.linear_kernels import OneDnnLinear, packable_dtypes
-from lmi_serve.model.quantize import (Q4_MAX_ROWS, Fp16Linear, Q4Blocks, Q4Linear, QuantizeError, quantize_model,
-                                      unpack_q4_blocks)
+from lmi_serve.model import vnni_matmul
+from lmi_serve.model.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Linear, unpack_q4_blocks,
+                                          unpack_q8_blocks)
+from lmi_serve.model.quantize import Fp16Linear, QuantizeError, quantize_model
 from lmi_serve.model.shared_input import SharedInputSlice
 
 CPU = torch.device("cpu")
@@ -87,14 +89,21 @@ def _permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_q4_gguf(model: LlamaForCausalLM, path, qtype=gguf.GGMLQuantizationType.Q4_1, skip=(),
-                  embedding: bool = False) -> None:
+                  embedding: bool = False, embedding_type=gguf.GGMLQuantizationType.F32) -> None:
     """`model`'s Linear weights (but `skip`) as a Llama GGUF of 4-bit blocks (q / k rows permuted as
     llama.cpp does), then the model's weights replaced by those blocks dequantized, as the GGUF ->
-    safetensors cache holds them; with `embedding`, the input embedding too, in F32."""
+    safetensors cache holds them; with `embedding`, the input embedding too, in `embedding_type`."""
     writer = gguf.GGUFWriter(str(path), "llama")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
     if embedding:
-        writer.add_tensor("token_embd.weight", model.get_input_embeddings().weight.detach().numpy())
+        table = model.get_input_embeddings().weight
+        if embedding_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor("token_embd.weight", table.detach().numpy())
+        else:
+            blocks = gguf.quants.quantize(table.detach().numpy(), embedding_type)
+            writer.add_tensor("token_embd.weight", blocks, raw_dtype=embedding_type)
+            with torch.no_grad():
+                table.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, embedding_type)))
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, torch.nn.Linear) or name in skip:
@@ -186,11 +195,43 @@ def test_stacked_q4_slices_equal_the_separate_layers_and_rows_do_not_depend_on_t
 
 def test_unpacked_blocks_are_what_gguf_dequantizes():
     weight = np.random.default_rng(0).normal(size=(48, 96)).astype(np.float32)
-    for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0):
+    for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0):
         blocks = gguf.quants.quantize(weight, qtype)
-        ours = unpack_q4_blocks(blocks, qtype.name).dequantize()
+        unpacked = unpack_q8_blocks(blocks) if qtype.name == "Q8_0" else unpack_q4_blocks(blocks, qtype.name)
         theirs = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
-        assert torch.allclose(ours, theirs, atol=1e-6, rtol=0), qtype.name
+        assert torch.allclose(unpacked.dequantize(), theirs, atol=1e-6, rtol=0), qtype.name
+
+
+@pytest.mark.skipif(not vnni_matmul.available(), reason="no AVX-512 VNNI here")
+def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
+    model = tiny_llama(tied=True)
+    write_q4_gguf(model, tmp_path / "tiny.gguf", skip={"lm_head"}, embedding=True,
+                  embedding_type=gguf.GGMLQuantizationType.Q8_0)
+    model = model.to(torch.bfloat16)
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    before = logits(model, [IDS[0][:1]]).float()  # one row: the few-row kernels'
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert isinstance(model.lm_head, Q8Linear) and "lm_head" in report.swapped and not report.kept
+    assert torch.equal(model.get_input_embeddings().weight, embedding), "the input embedding keeps its table"
+    head = model.lm_head
+    table = embedding.float().numpy()  # the GGUF's Q8_0 weights rounded to bf16
+    assert np.allclose(vnni_matmul.unpacked(*head.vnni_weights), table, rtol=2**-8, atol=0), \
+        "the lm_head holds the GGUF's Q8_0 weights"
+    got = logits(model, [IDS[0][:1]]).float()  # bf16 rounding of both products apart: as close as two bf16 GEMVs
+    assert torch.allclose(got, before, rtol=2**-6, atol=2**-6 * float(before.abs().max())), (got - before).abs().max()
+    x = torch.randn(Q8_MAX_ROWS + 1, head.in_features).to(torch.bfloat16)
+    assert torch.equal(head(x[:Q8_MAX_ROWS]), vnni_matmul.matmul(x[:Q8_MAX_ROWS], *head.vnni_weights))
+    if head.dense is not None:  # more rows: the loaded table on oneDNN, as before the swap
+        assert torch.equal(head(x), head.dense(x))
+
+
+def test_q4_keeps_a_tied_q8_0_lm_head_where_activations_are_fp32(tmp_path):
+    model = tiny_llama(tied=True)
+    write_q4_gguf(model, tmp_path / "tiny.gguf", skip={"lm_head"}, embedding=True,
+                  embedding_type=gguf.GGMLQuantizationType.Q8_0)
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert report.kept == {"lm_head": "tied to the input embedding, GGUF Q8_0"}
+    assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
 def test_q4_keeps_a_tied_lm_head_in_fp32(tmp_path):

@@ -1,0 +1,304 @@
+"""A GGUF's Q8_0 weights times int16 activations on AVX-512 VNNI, for a few rows (model/gguf_linears.py).
+
+A one-row decode step of the q4-bf16 opt-in reads SmolLM2's tied lm_head (49,152 x 576, Q8_0 in its GGUF)
+as a bf16 copy: 57 MB, 1.3 ms at this box's ~47 GB/s, 15 % of the step. The GGUF's own blocks are 30 MB.
+This kernel reads them as they are: each row of activations is rounded to int16 per 32 columns (scale =
+max |x| / 32767, to nearest: ~15 bits against the bf16 input's 8), and a block's 32 weights (int8,
+sign-extended) times its 32 activations are one `vpdpwssd` (16 int32 lanes of two products), scaled by
+d (the block's fp16 scale) times the activations' scale in fp32:
+
+    sum_k w[n, k] x[k]  ~=  sum_blocks d[n, b] da[b] sum_j q[n, j] qa[j]
+
+exact up to the int16 rounding (a dot product of one block is exact in int32 and in its fp32 cast), fp32
+summation order and the bf16 output's rounding. Four rows share each block's widening; a row's arithmetic
+is the same at any row count, so its result depends on that row alone, never on the batch.
+
+Measured on a Zen 5 EPYC (2 cores; benchmarks/RESULTS.md): the lm_head at one row 0.4-0.5 ms warm against
+its bf16 oneDNN copy's 0.9, a whole q4-bf16 step ~0.7 ms shorter. (An int4 variant for the Q4 layers,
+int8 activations as llama.cpp's, ran 1.8-1.9 against torch's int4 kernel's 2.4-2.5 ms for SmolLM2's 120
+calls back to back, but level or slower inside a step and +1.8 % decode perplexity: not kept.)
+
+Where numba, its OpenMP layer or the CPU's VNNI is missing, `available()` is False and Q8_0 layers keep
+their loaded weights; compiled once per machine, cached by numba.
+
+Layout (`pack`): q [N, K] int8 (the GGUF's), d [N, K/32] as fp16 bits (uint16). K % 32 == 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # columns per scale (a GGUF Q8_0 block)
+_ROW_BLOCK = 4  # rows sharing one widening of a block's weights
+_INT16_MAX = 32767
+_state: dict[str, Any] = {}
+_lock = threading.Lock()
+
+try:
+    import numba
+    from llvmlite import binding as llvm_binding
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic, models, register_model
+except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
+    numba = None
+
+
+def pack(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8Blocks' (q int8 [N, K], scale [N, K/32]) as this kernel's (q, d as fp16 bits)."""
+    if q.shape[1] % GROUP or scale.shape != (q.shape[0], q.shape[1] // GROUP):
+        raise ValueError(f"q {q.shape} and scale {scale.shape}: the kernel takes blocks of {GROUP} columns")
+    return np.ascontiguousarray(q, dtype=np.int8), scale.astype(np.float16).view(np.uint16)
+
+
+def unpacked(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The fp32 weights [N, K] a packed layer holds (for tests and checks)."""
+    return q.astype(np.float32) * np.repeat(d.view(np.float16).astype(np.float32), GROUP, axis=1)
+
+
+def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's int16 activations and their per-block scales for fp32 rows `x` [M, K] (for tests)."""
+    blocks = x.reshape(x.shape[0], -1, GROUP).astype(np.float32)
+    scale = np.abs(blocks).max(axis=-1) / np.float32(_INT16_MAX)
+    inverse = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    return np.rint(blocks * inverse[..., None]).astype(np.int16).reshape(x.shape), scale.astype(np.float32)
+
+
+if numba is not None:
+    class _Vector(types.Type):
+        """An LLVM vector value in numba code: only the intrinsics below make or take one."""
+
+        def __init__(self, element: str, lanes: int):
+            self.element, self.lanes = element, lanes
+            super().__init__(name=f"vector_{element}x{lanes}")
+
+    _ELEMENTS = {"i16": ir.IntType(16), "i32": ir.IntType(32), "f32": ir.FloatType()}
+    _SHORTS32, _INT32x16, _FLOAT32x16 = _Vector("i16", 32), _Vector("i32", 16), _Vector("f32", 16)
+
+    @register_model(_Vector)
+    class _VectorModel(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            super().__init__(dmm, fe_type, ir.VectorType(_ELEMENTS[fe_type.element], fe_type.lanes))
+
+    _I32 = ir.IntType(32)
+    # a multiply and add may fuse, but no reassociation: a row's sums keep one order at any row count
+    _CONTRACT = ("contract",)
+
+    def _address(context, builder, array_type, array, offset, element):
+        data = context.make_array(array_type)(context, builder, array).data
+        return builder.bitcast(builder.gep(data, [offset]), element.as_pointer())
+
+    @intrinsic
+    def _weights32(typingctx, q, offset):
+        """A block's 32 int8 weights at q[offset], sign-extended to int16."""
+        def codegen(context, builder, signature, args):
+            raw = builder.load(_address(context, builder, signature.args[0], *args, ir.VectorType(ir.IntType(8), 32)),
+                               align=1)
+            return builder.sext(raw, ir.VectorType(ir.IntType(16), 32))
+        return _SHORTS32(q, offset), codegen
+
+    @intrinsic
+    def _activations32(typingctx, quantized, offset):
+        def codegen(context, builder, signature, args):
+            return builder.load(_address(context, builder, signature.args[0], *args, ir.VectorType(ir.IntType(16), 32)),
+                                align=2)
+        return _SHORTS32(quantized, offset), codegen
+
+    @intrinsic
+    def _scaled_dot(typingctx, total, weights, activations, scale):
+        """total + float(vpdpwssd(weights, activations)) * scale: one block's 32 products in 16 lanes."""
+        def codegen(context, builder, signature, args):
+            lanes = ir.VectorType(_I32, 16)
+            dot_function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+                                                          "llvm.x86.avx512.vpdpwssd.512")
+            dot = builder.call(dot_function, [ir.Constant(lanes, None), builder.bitcast(args[1], lanes),
+                                              builder.bitcast(args[2], lanes)])
+            floats = ir.VectorType(ir.FloatType(), 16)
+            spread = builder.insert_element(ir.Constant(floats, None), args[3], ir.Constant(_I32, 0))
+            spread = builder.shuffle_vector(spread, spread, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+            product = builder.fmul(builder.sitofp(dot, floats), spread, flags=_CONTRACT)
+            return builder.fadd(args[0], product, flags=_CONTRACT)
+        return _FLOAT32x16(total, weights, activations, types.float32), codegen
+
+    @intrinsic
+    def _zeros(typingctx):
+        return _FLOAT32x16(), lambda context, builder, signature, args: ir.Constant(ir.VectorType(ir.FloatType(), 16),
+                                                                                    None)
+
+    @intrinsic
+    def _sum(typingctx, vector):
+        """The lanes' sum as a fixed tree (halves added to halves): the same bits wherever it is used."""
+        def codegen(context, builder, signature, args):
+            value, lanes = args[0], signature.args[0].lanes
+            while lanes > 1:
+                lanes //= 2
+                low = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(_I32, lanes), list(range(lanes))))
+                high = builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(_I32, lanes),
+                                                                        list(range(lanes, 2 * lanes))))
+                value = builder.fadd(low, high)
+            return builder.extract_element(value, ir.Constant(_I32, 0))
+        return types.float32(vector), codegen
+
+    @intrinsic
+    def _half(typingctx, bits):
+        """fp16 bits (uint16) as fp32."""
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def _bf16_pointer(typingctx, address):
+        """A torch tensor's data_ptr() as a pointer to bf16 bits: no numpy view made per call (~1 µs each)."""
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], ir.IntType(16).as_pointer())
+        return types.CPointer(types.uint16)(address), codegen
+
+    @intrinsic
+    def _float_bits(typingctx, value):
+        return types.uint32(value), lambda context, builder, signature, args: builder.bitcast(args[0], _I32)
+
+    @intrinsic
+    def _bits_float(typingctx, bits):
+        """The fp32 whose bits are the low 32 of the integer `bits` (numba widens shifted integers)."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], _I32)
+            return builder.bitcast(low, ir.FloatType())
+        return types.float32(bits), codegen
+
+
+def _helper(function):
+    """A numba function the kernel calls (compiled with it, lazily); plain Python where numba is missing."""
+    return numba.njit(cache=True, inline="always")(function) if numba is not None else function
+
+
+@_helper
+def _bf16(value):  # pragma: no cover - numba compiles it
+    """fp32 -> bf16 bits, rounded to nearest even (torch's rounding); NaN stays NaN."""
+    bits = _float_bits(value)
+    if value != value:
+        return np.uint16((bits >> 16) | 0x40)
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
+
+
+@_helper
+def _quantize(x, quantized, scales):  # pragma: no cover - numba compiles it
+    """bf16 rows x (bits) -> int16 per 32 columns and the blocks' scales."""
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // GROUP):
+            largest = np.float32(0.0)
+            for j in range(GROUP):
+                largest = max(largest, abs(_bits_float(np.uint32(x[r, b * GROUP + j]) << 16)))
+            scale = largest / np.float32(_INT16_MAX)
+            inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            for j in range(GROUP):
+                quantized[r, b * GROUP + j] = np.int16(np.rint(_bits_float(np.uint32(x[r, b * GROUP + j]) << 16)
+                                                               * inverse))
+            scales[r, b] = scale
+
+
+def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba compiles it
+    """out [M, N] = x [M, K] times the packed weights' transpose, both bf16 and contiguous, given by address.
+    Rows go four at a time (one widening of a block for four dot products), the rest one at a time; each
+    row's arithmetic is the same either way."""
+    columns = q.shape[1]
+    x = numba.carray(_bf16_pointer(x_address), (rows, columns))
+    out = numba.carray(_bf16_pointer(out_address), (rows, q.shape[0]))
+    quantized = np.empty((rows, columns), dtype=np.int16)
+    scales = np.empty((rows, columns // GROUP), dtype=np.float32)
+    _quantize(x, quantized, scales)
+    blocks = columns // GROUP
+    fours = rows // _ROW_BLOCK * _ROW_BLOCK
+    for n in numba.prange(q.shape[0]):
+        q_row, d_row = q[n], d[n]
+        for r in range(0, fours, _ROW_BLOCK):
+            t0, t1, t2, t3 = _zeros(), _zeros(), _zeros(), _zeros()
+            for b in range(blocks):
+                w, scale = _weights32(q_row, GROUP * b), _half(d_row[b])
+                t0 = _scaled_dot(t0, w, _activations32(quantized[r], GROUP * b), scale * scales[r, b])
+                t1 = _scaled_dot(t1, w, _activations32(quantized[r + 1], GROUP * b), scale * scales[r + 1, b])
+                t2 = _scaled_dot(t2, w, _activations32(quantized[r + 2], GROUP * b), scale * scales[r + 2, b])
+                t3 = _scaled_dot(t3, w, _activations32(quantized[r + 3], GROUP * b), scale * scales[r + 3, b])
+            out[r, n] = _bf16(_sum(t0))
+            out[r + 1, n] = _bf16(_sum(t1))
+            out[r + 2, n] = _bf16(_sum(t2))
+            out[r + 3, n] = _bf16(_sum(t3))
+        for r in range(fours, rows):
+            total = _zeros()
+            for b in range(blocks):
+                total = _scaled_dot(total, _weights32(q_row, GROUP * b), _activations32(quantized[r], GROUP * b),
+                                    _half(d_row[b]) * scales[r, b])
+            out[r, n] = _bf16(_sum(total))
+
+
+def _host_has_vnni() -> bool:
+    features = llvm_binding.get_host_cpu_features()
+    return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni", "f16c"))
+
+
+def _compile() -> Any:
+    if numba is None:
+        raise RuntimeError("numba is not installed")
+    if not _host_has_vnni():
+        raise RuntimeError("the CPU has no AVX-512 VNNI")
+    numba.config.THREADING_LAYER = "omp"  # OpenMP threads, as the decode attention kernel's
+    compiled = numba.njit(parallel=True, cache=True, nogil=True)(_matmul)
+    # compile now (start-up) and check the result against numpy's reading of the same arithmetic
+    rng = np.random.default_rng(0)
+    packed = pack(rng.integers(-127, 128, (16, 128)).astype(np.int8), rng.uniform(0.01, 0.1, (16, 4)))
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    quantized, scales = quantized_rows(x.float().numpy())
+    got = _call(compiled, x, *packed).float().numpy()
+    want = (quantized.astype(np.float32) * np.repeat(scales, GROUP, axis=1)) @ unpacked(*packed).T
+    if not np.allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max()):
+        raise RuntimeError(f"its self-check failed (max difference {np.abs(got - want).max()})")
+    if numba.threading_layer() != "omp":
+        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
+    return compiled
+
+
+_threads = threading.local()  # numba's thread count is per calling thread; set when torch's changes (~1 µs a set)
+
+
+def _call(compiled: Any, x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch.Tensor:
+    # the kernel reads x by its address: its layout is checked here, ~0.3 µs
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != q.shape[1] or not x.is_contiguous():
+        raise ValueError(f"the VNNI kernel takes contiguous bf16 [M, {q.shape[1]}], not {x.dtype} {list(x.shape)}")
+    out = torch.empty((x.shape[0], q.shape[0]), dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    if getattr(_threads, "count", None) != threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _threads.count = threads
+    compiled(x.data_ptr(), x.shape[0], q, d, out.data_ptr())
+    return out
+
+
+def kernel() -> Any | None:
+    """The compiled kernel, or None where numba, its OpenMP layer or VNNI is missing (logged once)."""
+    with _lock:
+        if "kernel" not in _state:
+            try:
+                _state["kernel"] = _compile()
+            except Exception as error:  # noqa: BLE001 - any failure means the loaded weights, said once
+                log.info("VNNI kernel unavailable: Q8_0 layers keep their loaded weights: %s", error)
+                _state["kernel"] = None
+        return _state["kernel"]
+
+
+def available() -> bool:
+    return kernel() is not None
+
+
+def matmul(x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch.Tensor:
+    """x [M, K] bf16 (contiguous) times the packed layer's weights transposed: [M, N] bf16. Call only
+    where `available()`."""
+    return _call(_state["kernel"], x, q, d)
