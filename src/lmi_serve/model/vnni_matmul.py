@@ -10,8 +10,8 @@ d (the block's fp16 scale) times the activations' scale in fp32:
     sum_k w[n, k] x[k]  ~=  sum_blocks d[n, b] da[b] sum_j q[n, j] qa[j]
 
 exact up to the int16 rounding (a dot product of one block is exact in int32 and in its fp32 cast), fp32
-summation order and the bf16 output's rounding. Four rows share each block's widening; a row's arithmetic
-is the same at any row count, so its result depends on that row alone, never on the batch.
+summation order and the bf16 output's rounding. Each row is computed on its own, so its result depends on
+that row alone, never on the batch.
 
 Measured on a Zen 5 EPYC (2 cores; benchmarks/RESULTS.md): the lm_head at one row 0.4-0.5 ms warm against
 its bf16 oneDNN copy's 0.9, a whole q4-bf16 step ~0.7 ms shorter. (An int4 variant for the Q4 layers,
@@ -36,7 +36,6 @@ import torch
 log = logging.getLogger(__name__)
 
 GROUP = 32  # columns per scale (a GGUF Q8_0 block)
-_ROW_BLOCK = 4  # rows sharing one widening of a block's weights
 _INT16_MAX = 32767
 _state: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -208,33 +207,19 @@ def _quantize(x, quantized, scales):  # pragma: no cover - numba compiles it
 
 def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba compiles it
     """out [M, N] = x [M, K] times the packed weights' transpose, both bf16 and contiguous, given by address.
-    Rows go four at a time (one widening of a block for four dot products), the rest one at a time; each
-    row's arithmetic is the same either way."""
+    Each row on its own (layers call it with one or two rows: Q8_MAX_ROWS), its weights' row read once
+    from memory for all of them."""
     columns = q.shape[1]
     x = numba.carray(_bf16_pointer(x_address), (rows, columns))
     out = numba.carray(_bf16_pointer(out_address), (rows, q.shape[0]))
     quantized = np.empty((rows, columns), dtype=np.int16)
     scales = np.empty((rows, columns // GROUP), dtype=np.float32)
     _quantize(x, quantized, scales)
-    blocks = columns // GROUP
-    fours = rows // _ROW_BLOCK * _ROW_BLOCK
     for n in numba.prange(q.shape[0]):
         q_row, d_row = q[n], d[n]
-        for r in range(0, fours, _ROW_BLOCK):
-            t0, t1, t2, t3 = _zeros(), _zeros(), _zeros(), _zeros()
-            for b in range(blocks):
-                w, scale = _weights32(q_row, GROUP * b), _half(d_row[b])
-                t0 = _scaled_dot(t0, w, _activations32(quantized[r], GROUP * b), scale * scales[r, b])
-                t1 = _scaled_dot(t1, w, _activations32(quantized[r + 1], GROUP * b), scale * scales[r + 1, b])
-                t2 = _scaled_dot(t2, w, _activations32(quantized[r + 2], GROUP * b), scale * scales[r + 2, b])
-                t3 = _scaled_dot(t3, w, _activations32(quantized[r + 3], GROUP * b), scale * scales[r + 3, b])
-            out[r, n] = _bf16(_sum(t0))
-            out[r + 1, n] = _bf16(_sum(t1))
-            out[r + 2, n] = _bf16(_sum(t2))
-            out[r + 3, n] = _bf16(_sum(t3))
-        for r in range(fours, rows):
+        for r in range(rows):
             total = _zeros()
-            for b in range(blocks):
+            for b in range(columns // GROUP):
                 total = _scaled_dot(total, _weights32(q_row, GROUP * b), _activations32(quantized[r], GROUP * b),
                                     _half(d_row[b]) * scales[r, b])
             out[r, n] = _bf16(_sum(total))

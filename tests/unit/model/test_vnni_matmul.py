@@ -4,7 +4,7 @@
 - its product is the exact product of the int16-rounded activations and those weights, up to fp32
   summation order and the bf16 output's rounding, and as close to the bf16 input's exact product as a
   bf16 result can be;
-- a row's output is the same bits alone or in any batch (four-row blocks and single rows alike);
+- a row's output is the same bits alone or in any batch;
 - a tensor it cannot read is refused, not read out of bounds.
 Skipped where the CPU has no AVX-512 VNNI (Q8_0 layers then keep their loaded weights: test_quantize.py).
 """
@@ -54,7 +54,7 @@ def test_a_rows_output_does_not_depend_on_the_batch():
     packed, _ = packed_layer(64, 128, seed=1)
     x = torch.randn(11, 128).to(torch.bfloat16)
     alone = torch.cat([vnni_matmul.matmul(x[i:i + 1].contiguous(), *packed) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 8, 11):  # four-row blocks, single rows, and both
+    for rows in (2, 3, 4, 5, 8, 11):
         assert torch.equal(vnni_matmul.matmul(x[:rows], *packed), alone[:rows]), rows
 
 
