@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmi_serve.model.numba_bits import helper
+
 log = logging.getLogger(__name__)
 
 GROUP = 32  # columns per scale (a GGUF Q8_0 block)
@@ -46,6 +48,8 @@ try:
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic, models, register_model
+
+    from lmi_serve.model.numba_bits import bf16, bf16_pointer, bits_float
 except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
     numba = None
 
@@ -152,55 +156,19 @@ if numba is not None:
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
         return types.float32(bits), codegen
 
-    @intrinsic
-    def _bf16_pointer(typingctx, address):
-        """A torch tensor's data_ptr() as a pointer to bf16 bits: no numpy view made per call (~1 µs each)."""
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.IntType(16).as_pointer())
-        return types.CPointer(types.uint16)(address), codegen
 
-    @intrinsic
-    def _float_bits(typingctx, value):
-        return types.uint32(value), lambda context, builder, signature, args: builder.bitcast(args[0], _I32)
-
-    @intrinsic
-    def _bits_float(typingctx, bits):
-        """The fp32 whose bits are the low 32 of the integer `bits` (numba widens shifted integers)."""
-        if not isinstance(bits, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], _I32)
-            return builder.bitcast(low, ir.FloatType())
-        return types.float32(bits), codegen
-
-
-def _helper(function):
-    """A numba function the kernel calls (compiled with it, lazily); plain Python where numba is missing."""
-    return numba.njit(cache=True, inline="always")(function) if numba is not None else function
-
-
-@_helper
-def _bf16(value):  # pragma: no cover - numba compiles it
-    """fp32 -> bf16 bits, rounded to nearest even (torch's rounding); NaN stays NaN."""
-    bits = _float_bits(value)
-    if value != value:
-        return np.uint16((bits >> 16) | 0x40)
-    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
-
-
-@_helper
+@helper
 def _quantize(x, quantized, scales):  # pragma: no cover - numba compiles it
     """bf16 rows x (bits) -> int16 per 32 columns and the blocks' scales."""
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // GROUP):
             largest = np.float32(0.0)
             for j in range(GROUP):
-                largest = max(largest, abs(_bits_float(np.uint32(x[r, b * GROUP + j]) << 16)))
+                largest = max(largest, abs(bits_float(np.uint32(x[r, b * GROUP + j]) << 16)))
             scale = largest / np.float32(_INT16_MAX)
             inverse = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
             for j in range(GROUP):
-                quantized[r, b * GROUP + j] = np.int16(np.rint(_bits_float(np.uint32(x[r, b * GROUP + j]) << 16)
+                quantized[r, b * GROUP + j] = np.int16(np.rint(bits_float(np.uint32(x[r, b * GROUP + j]) << 16)
                                                                * inverse))
             scales[r, b] = scale
 
@@ -210,8 +178,8 @@ def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba com
     Each row on its own (layers call it with one or two rows: Q8_MAX_ROWS), its weights' row read once
     from memory for all of them."""
     columns = q.shape[1]
-    x = numba.carray(_bf16_pointer(x_address), (rows, columns))
-    out = numba.carray(_bf16_pointer(out_address), (rows, q.shape[0]))
+    x = numba.carray(bf16_pointer(x_address), (rows, columns))
+    out = numba.carray(bf16_pointer(out_address), (rows, q.shape[0]))
     quantized = np.empty((rows, columns), dtype=np.int16)
     scales = np.empty((rows, columns // GROUP), dtype=np.float32)
     _quantize(x, quantized, scales)
@@ -222,7 +190,7 @@ def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba com
             for b in range(columns // GROUP):
                 total = _scaled_dot(total, _weights32(q_row, GROUP * b), _activations32(quantized[r], GROUP * b),
                                     _half(d_row[b]) * scales[r, b])
-            out[r, n] = _bf16(_sum(total))
+            out[r, n] = bf16(_sum(total))
 
 
 def _host_has_vnni() -> bool:
