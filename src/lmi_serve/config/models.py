@@ -34,7 +34,7 @@ Quantize = Literal["none", "fp16", "q4"]
 # fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
 # (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
 LinearKernel = Literal["auto", "onednn", "torch"]
-# A decode step's attention (engine/kv/decode_kernel.py): auto = the fp32 CPU kernel where it applies, else
+# A decode step's attention (engine/kv/decode_kernel.py): auto = the CPU kernel (fp32, bf16) where it applies, else
 # torch's SDPA; sdpa = torch's SDPA everywhere.
 DecodeAttention = Literal["auto", "sdpa"]
 # The LoRA matrices' dtype (model/lora.py): auto = the model's.
@@ -365,11 +365,11 @@ class ModelConfig(BaseModel):
     decode_attention: DecodeAttention = Field(
         "auto",
         description=(
-            "the attention of a decode step. `auto`: for an fp32 model on the CPU (a bf16 one from 4 rows), a "
+            "the attention of a decode step. `auto`: for an fp32 or bf16 model on the CPU, a "
             "kernel of its own (engine/kv/decode_kernel.py, compiled by numba at start-up): each key and value "
             "read once, padding skipped, a row's result independent of its batch; 0.90x / 0.78x / 0.72x the step "
             "time of torch's SDPA at 32 rows of 200 / 800 / 2,000 tokens in fp32, 0.79-0.94x at 32 rows of 200 in "
-            "bf16 (2-core EPYC). Within float rounding of SDPA's result. "
+            "bf16, 0.75x its time a call at one row (2-core EPYC). Within float rounding of SDPA's result. "
             "Elsewhere, or where numba's OpenMP layer cannot load (logged at start-up), torch's SDPA. `sdpa`: "
             "torch's SDPA always"
         ),

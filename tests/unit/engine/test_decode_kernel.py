@@ -108,9 +108,10 @@ def test_what_the_kernel_does_not_take_is_refused_or_left_to_sdpa():
     assert decode_kernel.eligible(query, key, key, None)
     assert not decode_kernel.eligible(torch.randn(rows, 9, 2, DIM), key, key, None)  # a prefill
     assert decode_kernel.eligible(query.bfloat16(), key.bfloat16(), key.bfloat16(), None)
-    few = decode_kernel.BF16_MIN_ROWS - 1  # fewer bf16 rows: SDPA (faster there)
-    assert not decode_kernel.eligible(query[:few].bfloat16(), key[:few].bfloat16(), key[:few].bfloat16(), None)
-    assert decode_kernel.eligible(query[:few], key[:few], key[:few], None)  # fp32: any number of rows
+    for rows in (1, 2):  # any number of rows, fp32 and bf16
+        for dtype in (torch.float32, torch.bfloat16):
+            part = [x[:rows].to(dtype) for x in (query, key)]
+            assert decode_kernel.eligible(part[0], part[1], part[1], None)
     assert not decode_kernel.eligible(query.half(), key.half(), key.half(), None)  # fp16: SDPA
     assert not decode_kernel.eligible(query.bfloat16(), key, key, None)  # mixed dtypes
     assert not decode_kernel.eligible(query, key, key, torch.zeros(rows, 1, 1, columns))  # an additive mask

@@ -9,7 +9,7 @@ under an online softmax (running maximum and sums, rescaled when a column beats 
 each key and value is read once, the two as parallel streams, and masked columns are skipped (a
 left-padded row pays nothing for its padding). 12.5 against SDPA's 18.6 ms in that step.
 
-K/V in fp32 or bf16 (option.dtype=bf16, from BF16_MIN_ROWS rows): a bf16 column is widened to fp32 as it
+K/V in fp32 or bf16 (option.dtype=bf16): a bf16 column is widened to fp32 as it
 is read (its 16 bits are the top of an fp32's), and the arithmetic is fp32 either way; a bf16 model's
 query comes in widened and its output goes back rounded to bf16, as SDPA's bf16 kernel accumulates in
 fp32 too.
@@ -18,10 +18,11 @@ It is also exactly batch-invariant: a row's result depends on its own query, col
 never on its neighbours or on how much padding the batch gives it (SDPA's blocks shift with the padding).
 
 Used by kv/slot_attention.py's `decode_attention` when `eligible` (fp32 or bf16 on the CPU, one query per
-row, a boolean or no mask, K/V laid out as the slot and dynamic caches keep them; at one or two rows of a
-short context it is ~0.3-0.6 ms a SmolLM2 step slower than SDPA, at 4 level, at more rows and longer
-contexts faster) and the model's `option.decode_attention` is
-`auto`; everything else stays on SDPA. numba's parallel loops run on its OpenMP threading layer; where
+row, a boolean or no mask, K/V laid out as the slot and dynamic caches keep them: one row of 200 tokens,
+SmolLM2's 9 query heads, 18.5 µs a call against SDPA's 24 in fp32, 19 against 26 in bf16; 32 rows of 150,
+0.63-0.69x SDPA's time) and the model's `option.decode_attention` is `auto`; everything else stays on SDPA.
+Every tensor goes to the kernel by its address and layout in integers: a numpy view made per tensor and call
+cost ~10 µs a call (bf16, one row), more than SDPA's lead at one or two rows. numba's parallel loops run on its OpenMP threading layer; where
 that cannot load (no libgomp), or numba is missing, `kernel()` is None and SDPA runs. Compiled once per
 machine and K/V dtype (cached beside this file or in numba's cache directory)."""
 
@@ -42,16 +43,13 @@ _lock = threading.Lock()
 
 
 DTYPES = (torch.float32, torch.bfloat16)  # the K/V dtypes it reads; the arithmetic is fp32
-# bf16 steps of fewer rows stay on SDPA: there it was faster (1 / 2 rows of 200 tokens, SmolLM2 bf16: 14.1 /
-# 15.5 ms a step against the kernel's 15.4 / 16.0; level at 4; 36-41 against 42-46 at 32), and a bf16 row is
-# not batch-invariant anyway (oneDNN's bf16 matmuls are not). fp32 takes the kernel at every size: it is.
-BF16_MIN_ROWS = 4
 
 try:
     import numba
-    from llvmlite import ir
     from numba.core import types
-    from numba.extending import intrinsic, overload
+    from numba.extending import overload
+
+    from lmi_serve.model.numba_bits import bf16, bf16_pointer, byte_pointer, float32_pointer, widen
 except ImportError:  # pragma: no cover - a dependency; without it SDPA attends
     numba = None
 
@@ -63,50 +61,60 @@ def widened(column, into):  # pragma: no cover - numba compiles its overload bel
     raise NotImplementedError
 
 
+def as_float(element):  # pragma: no cover - numba compiles its overload below
+    """One element as fp32: itself, or a bf16 one's bits widened."""
+    raise NotImplementedError
+
+
+def stored(value, like):  # pragma: no cover - numba compiles its overload below
+    """An fp32 result as an element of the array `like`: itself, or rounded once to bf16 bits."""
+    raise NotImplementedError
+
+
 if numba is not None:
-    @intrinsic
-    def _float_from_bits(typingctx, bits):
-        """The fp32 whose bits are the low 32 of the integer `bits`, as a bitcast: numba has no scalar view."""
-        if not isinstance(bits, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
-            return builder.bitcast(low, ir.FloatType())
-
-        return types.float32(bits), codegen
-
     @overload(widened, inline="always")
     def _widened(column, into):
         if column.dtype == types.uint16:
             def widen_bf16(column, into):
                 for d in range(column.shape[0]):
-                    into[d] = _float_from_bits(np.uint32(column[d]) << 16)
+                    into[d] = widen(column[d])
                 return into
             return widen_bf16
         return lambda column, into: column
 
+    @overload(as_float, inline="always")
+    def _as_float(element):
+        return (lambda element: widen(element)) if element == types.uint16 else (lambda element: element)
 
-def _attend_kernel(q, keys, values, first, allowed, scale, out):  # pragma: no cover - numba compiles it
-    rows, heads, groups, dim = q.shape
-    columns = allowed.shape[1]
+    @overload(stored, inline="always")
+    def _stored(value, like):
+        return (lambda value, like: bf16(value)) if like.dtype == types.uint16 else (lambda value, like: value)
+
+
+def _attend_rows(q, q_row, q_head, keys, values, first, columns, mask, mask_row, mask_column, scale,
+                 out):  # pragma: no cover - numba compiles it
+    """Each (row b, K/V head h) one task: its queries q[b * q_row + query head * q_head + d], keys and values
+    [rows, heads, capacity, dim] from column `first`, mask[b * mask_row + t * mask_column] (empty: none),
+    out [rows, query heads, dim]."""
+    rows, heads, _, dim = keys.shape
+    groups = out.shape[1] // heads
+    masked = mask.shape[0] > 0
     for task in numba.prange(rows * heads):
         b = task // heads
         h = task % heads
-        m = b if allowed.shape[0] > 1 else 0
         # the scaled queries, then a bf16 key's and value's columns widened (unused for fp32 K/V): one allocation
         work = np.empty((groups + 2, dim), dtype=np.float32)
         scaled, key_in, value_in = work[:groups], work[groups], work[groups + 1]
         for g in range(groups):
             for d in range(dim):
-                scaled[g, d] = q[b, h, g, d] * scale
+                scaled[g, d] = as_float(q[b * q_row + (h * groups + g) * q_head + d]) * scale
         # one pass over the columns, each key read with its value (two streams from memory, not one after
         # the other): an online softmax, whose running sums are rescaled when a column beats the best score
         best = np.full(groups, -np.inf, dtype=np.float32)
         total = np.zeros(groups, dtype=np.float32)
         summed = np.zeros((groups, dim), dtype=np.float32)
         for t in range(columns):
-            if not allowed[m, t]:
+            if masked and not mask[b * mask_row + t * mask_column]:
                 continue
             key = widened(keys[b, h, first + t], key_in)
             value = widened(values[b, h, first + t], value_in)
@@ -130,7 +138,33 @@ def _attend_kernel(q, keys, values, first, allowed, scale, out):  # pragma: no c
         for g in range(groups):
             inverse = np.float32(1.0) / total[g] if total[g] > 0 else np.float32(0.0)
             for d in range(dim):
-                out[b, 0, h * groups + g, d] = summed[g, d] * inverse
+                out[b, h * groups + g, d] = stored(summed[g, d] * inverse, out)
+
+
+if numba is not None:  # compiled lazily, inlined into the entry points below
+    _attend_rows = numba.njit(fastmath=_FLAGS, cache=True, inline="always")(_attend_rows)
+
+
+# Entry points by dtype: every tensor given by its address and layout in integers, not as numpy views (a view
+# made and typed per call cost ~1 µs each, ~10 µs a call with the copies around it; 30 calls a step).
+def _float32_kernel(q_address, q_length, q_row, q_head, query_heads, k_address, v_address, rows, heads, capacity,
+                    dim, first, columns, mask_address, mask_length, mask_row, mask_column, scale,
+                    out_address):  # pragma: no cover - numba compiles it
+    shape = (rows, heads, capacity, dim)
+    _attend_rows(numba.carray(float32_pointer(q_address), (q_length,)), q_row, q_head,
+                 numba.carray(float32_pointer(k_address), shape), numba.carray(float32_pointer(v_address), shape),
+                 first, columns, numba.carray(byte_pointer(mask_address), (mask_length,)), mask_row, mask_column,
+                 scale, numba.carray(float32_pointer(out_address), (rows, query_heads, dim)))
+
+
+def _bfloat16_kernel(q_address, q_length, q_row, q_head, query_heads, k_address, v_address, rows, heads, capacity,
+                     dim, first, columns, mask_address, mask_length, mask_row, mask_column, scale,
+                     out_address):  # pragma: no cover - numba compiles it
+    shape = (rows, heads, capacity, dim)
+    _attend_rows(numba.carray(bf16_pointer(q_address), (q_length,)), q_row, q_head,
+                 numba.carray(bf16_pointer(k_address), shape), numba.carray(bf16_pointer(v_address), shape),
+                 first, columns, numba.carray(byte_pointer(mask_address), (mask_length,)), mask_row, mask_column,
+                 scale, numba.carray(bf16_pointer(out_address), (rows, query_heads, dim)))
 
 
 def _compile() -> Any:
@@ -138,19 +172,19 @@ def _compile() -> Any:
         raise RuntimeError("numba is not installed")
     # the workqueue layer's threads fight torch's OpenMP ones (a 32-row step 1.1-1.2x slower than SDPA's)
     numba.config.THREADING_LAYER = "omp"
-    compiled = numba.njit(parallel=True, fastmath=_FLAGS, cache=True, nogil=True)(_attend_kernel)
-    # compile both K/V dtypes now (start-up, not a request's step) and check that the OpenMP layer loaded
-    q = np.zeros((1, 1, 1, 8), np.float32)
-    for dtype in DTYPES:
-        kv = _numpy(torch.zeros((1, 1, 2, 8), dtype=dtype))
-        compiled(q, kv, kv, 0, np.ones((1, 2), np.bool_), np.float32(1.0), np.zeros((1, 1, 1, 8), np.float32))
+    compiled = {dtype: numba.njit(parallel=True, fastmath=_FLAGS, cache=True, nogil=True)(function)
+                for dtype, function in ((torch.float32, _float32_kernel), (torch.bfloat16, _bfloat16_kernel))}
+    for dtype in DTYPES:  # compile both now (start-up, not a request's step)
+        kv = torch.zeros((1, 1, 2, 8), dtype=dtype)
+        _attend(compiled, torch.zeros((1, 1, 1, 8), dtype=dtype), kv, kv, torch.ones((1, 1, 1, 2), dtype=torch.bool),
+                1.0)
     if numba.threading_layer() != "omp":
         raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
     return compiled
 
 
 def kernel() -> Any | None:
-    """The compiled kernel, or None where numba or its OpenMP layer is missing (logged once)."""
+    """The compiled kernels by dtype, or None where numba or its OpenMP layer is missing (logged once)."""
     with _lock:
         if "kernel" not in _state:
             try:
@@ -161,14 +195,10 @@ def kernel() -> Any | None:
         return _state["kernel"]
 
 
-def _numpy(x: torch.Tensor) -> np.ndarray:
-    """`x`'s memory as numpy: fp32 as it is, bf16 as its bits (uint16; numpy has no bf16)."""
-    return x.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
-
-
-def _buffer(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """`x` [rows, heads, T, dim] as a C-contiguous [rows, heads, capacity, dim] buffer and the column
-    where x starts in it (the slot cache's views of its stores; a plain tensor is its own buffer)."""
+def _buffer(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """`x` [rows, heads, T, dim] as a C-contiguous [rows, heads, capacity, dim] buffer: (its address, capacity,
+    the column where x starts in it), as the slot cache's views of its stores are (a plain tensor is its own
+    buffer); None for another layout."""
     rows, heads, columns, dim = x.shape
     s_row, s_head, s_column, s_dim = x.stride()
     if s_dim != 1 or s_column != dim or s_head % dim or s_row != heads * s_head or s_head // dim < columns:
@@ -177,14 +207,16 @@ def _buffer(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     first = (offset % s_head) // dim
     if first + columns > capacity or (offset - first * dim) % s_head:
         return None
-    return torch.as_strided(x, (rows, heads, capacity, dim), (s_row, s_head, dim, 1), offset - first * dim), first
+    return x.data_ptr() - first * dim * x.element_size(), capacity, first
+
+
+_threads = threading.local()  # numba's thread count is per calling thread; set when torch's changes (~1 µs a set)
 
 
 def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     rows, query_heads, queries, _ = query.shape
     return (queries == 1 and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype and key.dtype in DTYPES
-            and (key.dtype == torch.float32 or rows >= BF16_MIN_ROWS)
             and key.shape == value.shape and key.shape[0] == rows and query_heads % key.shape[1] == 0
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, rows)
                                   and mask.shape[1] == mask.shape[2] == 1 and mask.shape[3] == key.shape[2])))
@@ -198,18 +230,30 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     kernel is unavailable or the K/V are not laid out for it (the caller attends with SDPA). bf16 in, bf16
     out: the query widened, the output rounded once."""
     compiled = _state["kernel"] if "kernel" in _state else kernel()  # no lock once compiled: 30 calls a step
+    return None if compiled is None else _attend(compiled, query, key, value, mask, scale)
+
+
+def _attend(compiled: dict, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor | None:
     keys, values = _buffer(key), _buffer(value)
-    if compiled is None or keys is None or values is None or keys[1] != values[1]:
+    if keys is None or values is None or keys[1:] != values[1:]:
         return None
-    # numpy, not torch, for the small arrays around the call: ~1 against ~2 µs an op, 30 calls a step
     rows, query_heads, _, dim = query.shape
-    heads = key.shape[1]
-    q = (query if query.dtype == torch.float32 else query.float()).numpy()
-    q = np.ascontiguousarray(q.reshape(rows, heads, query_heads // heads, dim))
-    allowed = (np.ones((1, key.shape[2]), dtype=np.bool_) if mask is None
-               else np.ascontiguousarray(mask.numpy()[:, 0, 0, :]))
-    out = np.empty((rows, 1, query_heads, dim), dtype=np.float32)
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # per calling thread
-    compiled(q, _numpy(keys[0]), _numpy(values[0]), keys[1], allowed, np.float32(scale), out)
-    result = torch.from_numpy(out)
-    return result if query.dtype == torch.float32 else result.to(query.dtype)
+    heads, columns = key.shape[1], key.shape[2]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    q_row, q_head = query.stride(0), query.stride(1)
+    if mask is None:
+        mask_address = mask_length = mask_row = mask_column = 0
+    else:
+        mask_row, mask_column = (mask.stride(0) if mask.shape[0] > 1 else 0), mask.stride(3)
+        mask_address, mask_length = mask.data_ptr(), (mask.shape[0] - 1) * mask_row + (columns - 1) * mask_column + 1
+    out = torch.empty((rows, 1, query_heads, dim), dtype=query.dtype)
+    threads = torch.get_num_threads()
+    if getattr(_threads, "count", None) != threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _threads.count = threads
+    compiled[query.dtype](query.data_ptr(), (rows - 1) * q_row + (query_heads - 1) * q_head + dim, q_row, q_head,
+                          query_heads, keys[0], values[0], rows, heads, keys[1], dim, keys[2], columns, mask_address,
+                          mask_length, mask_row, mask_column, np.float32(scale), out.data_ptr())
+    return out
