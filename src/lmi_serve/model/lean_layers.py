@@ -8,7 +8,8 @@ decode step 0.97-0.99x the time):
 - the members of one stacked matmul (q/k/v, gate/up: shared_input.py) are views of its output, not copies;
 - rotary as `x * cos + roll(x, half) * sin'`, where sin' is sin with its first half negated (made once per
   forward): the products and sums of transformers' `x * cos + rotate_half(x) * sin`, as IEEE products are
-  symmetric in sign; q and k rotate in one call when they are adjacent columns of one output;
+  symmetric in sign; q and k rotate in one call when they are adjacent columns of one output, a numba one
+  where it applies (model/rotary_kernel.py: the same roundings, ~10 torch calls a layer fewer);
 - the attention and MLP modules' forwards are inlined (the decoder layer itself stays a module call, so
   hooks on it, such as transformers' hidden-state capture, still fire).
 
@@ -31,6 +32,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from lmi_serve.model import rotary_kernel
 from lmi_serve.model.shared_input import SharedInputSlice
 
 log = logging.getLogger(__name__)
@@ -144,7 +146,10 @@ class LeanLayer:
             k = rotate_heads(children["k_norm"](k.view(hidden_shape)).transpose(1, 2), cos, signed)
         elif _adjacent(q, k):  # one stacked output's columns: rotate q and k in one call
             heads = q.shape[-1] // attn.head_dim
-            both = rotate_heads(_joined(q, k).view(hidden_shape).transpose(1, 2), cos, signed)
+            joined = _joined(q, k)
+            both = rotary_kernel.rotate(joined, joined.shape[-1] // attn.head_dim, attn.head_dim, cos, signed)
+            if both is None:
+                both = rotate_heads(joined.view(hidden_shape).transpose(1, 2), cos, signed)
             q, k = both[:, :heads], both[:, heads:]
         else:
             q = rotate_heads(q.view(hidden_shape).transpose(1, 2), cos, signed)

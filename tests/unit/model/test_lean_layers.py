@@ -19,7 +19,7 @@ from transformers import (DynamicCache, GemmaConfig, GemmaForCausalLM, LlamaConf
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from lmi_serve.model import lean_layers
+from lmi_serve.model import lean_layers, rotary_kernel
 from lmi_serve.model.lean_layers import SignedSin, rotate_heads, use_lean_layers
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 
@@ -78,8 +78,17 @@ def test_stacked_projections_on_onednn_keep_the_bits_and_rotate_q_and_k_together
     model = build(family, "sdpa")
     use_linear_kernel(model, "onednn", CPU, lean=False)
     expected = run(model, steps=2)
-    calls = []
+    calls = []  # rotations: the numba kernel's (None where it does not apply) or torch's ops
     monkeypatch.setattr(lean_layers, "rotate_heads", lambda *args: calls.append(1) or rotate_heads(*args))
+    kernel = rotary_kernel.rotate
+
+    def counted(*args):
+        out = kernel(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(rotary_kernel, "rotate", counted)
     assert len(use_lean_layers(model)) == SMALL["num_hidden_layers"]
     assert all(torch.equal(a, b) for a, b in zip(run(model, steps=2), expected, strict=True))
     per_forward = len(calls) // 3 // SMALL["num_hidden_layers"]  # a prefill and two decode steps
