@@ -10,6 +10,9 @@ decode step 0.97-0.99x the time):
   forward): the products and sums of transformers' `x * cos + rotate_half(x) * sin`, as IEEE products are
   symmetric in sign; q and k rotate in one call when they are adjacent columns of one output, a numba one
   where it applies (model/rotary_kernel.py: the same roundings, ~10 torch calls a layer fewer);
+- a decode step on a cache that writes and attends in one call (`decode_attend`: engine/kv/slots.py, the slot
+  cache) goes there instead of through transformers' `update` and attention interface: the same write and
+  kernel, ~15 calls a layer fewer;
 - the attention and MLP modules' forwards are inlined (the decoder layer itself stays a module call, so
   hooks on it, such as transformers' hidden-state capture, still fire).
 
@@ -156,6 +159,11 @@ class LeanLayer:
             k = rotate_heads(k.view(hidden_shape).transpose(1, 2), cos, signed)
         v = v.view(hidden_shape).transpose(1, 2)
         if past_key_values is not None:
+            # a cache that writes and attends a decode step in one go (engine/kv/slots.py), the same bits
+            fused = getattr(past_key_values, "decode_attend", None)
+            out = None if fused is None else fused(attn, attn.layer_idx, q, k, v, attention_mask, attn.scaling, kwargs)
+            if out is not None:
+                return children["o_proj"](out.reshape(*input_shape, -1).contiguous())
             k, v = past_key_values.update(k, v, attn.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         if self.spec.sliding_window:

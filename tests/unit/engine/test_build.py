@@ -218,3 +218,46 @@ def test_a_bf16_models_decode_steps_take_the_kernel_and_agree_with_sdpa(
         assert bool(calls) is (choice == "auto")
         logits[choice] = batch.logits.float()
     torch.testing.assert_close(logits["auto"], logits["sdpa"], rtol=0.02, atol=0.02)
+
+
+def test_lean_decode_steps_write_and_attend_in_one_call_with_the_same_bits(tiny_model, smollm2_tokenizer,
+                                                                           monkeypatch):
+    """On the slot cache a lean layer's decode step writes its K/V column and attends in one call
+    (SlotCache.decode_attend), at every layer, and the logits are those of transformers' update and
+    attention interface, bit for bit (rows of different lengths: a masked step)."""
+    from lmi_serve.engine.batch import Batch, make_row
+    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.engine.kv.slots import SlotCache
+    from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
+    from lmi_serve.model.lean_layers import use_lean_layers
+
+    if decode_kernel.kernel() is None:
+        pytest.skip("numba's OpenMP layer is unavailable here")
+    model = unprepared(tiny_model)
+    assert use_lean_layers(model)
+    layout = prepare_serving(model, CPU, config(), rolling=True).kv_layout
+    fused, answered = SlotCache.decode_attend, []
+
+    def counted(self, *args):
+        out = fused(self, *args)
+        answered.append(out is not None)
+        return out
+
+    def steps() -> list[torch.Tensor]:
+        stop = StopParams(max_new_tokens=8, ignore_eos=True)
+        rows = [make_row(GenerationRequest(tuple(range(1, 3 + 4 * i)), SamplingParams(), stop), smollm2_tokenizer)
+                for i in range(3)]
+        batch = Batch.prefill(model, rows, smollm2_tokenizer.pad_token_id, CPU, layout)
+        batch.sample()
+        logits = []
+        for _ in range(3):
+            batch.decode()
+            logits.append(batch.logits.clone())
+            batch.sample()
+        return logits
+
+    monkeypatch.setattr(SlotCache, "decode_attend", counted)
+    one_call = steps()
+    assert len(answered) == 3 * model.config.num_hidden_layers and all(answered)
+    monkeypatch.setattr(SlotCache, "decode_attend", lambda self, *args: None)  # transformers' way
+    assert all(torch.equal(a, b) for a, b in zip(one_call, steps(), strict=True))

@@ -260,8 +260,13 @@ def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: 
     return (queries == 1 and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype and key.dtype in DTYPES
             and key.shape == value.shape and key.shape[0] == rows and query_heads % key.shape[1] == 0
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, rows)
-                                  and mask.shape[1] == mask.shape[2] == 1 and mask.shape[3] == key.shape[2])))
+            and (mask is None or eligible_mask(mask, rows, key.shape[2])))
+
+
+def eligible_mask(mask: torch.Tensor, rows: int, columns: int) -> bool:
+    """A mask the kernel reads: boolean [rows or 1, 1, 1, columns]."""
+    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, rows)
+            and mask.shape[1] == mask.shape[2] == 1 and mask.shape[3] == columns)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

@@ -53,8 +53,13 @@ class Packed(tuple):
 _SPECIAL = ("position_bias", "softcap", "s_aux", "sinks", "output_attentions", "cache")
 
 
-def _special(kwargs: dict) -> bool:
+def special_kwargs(kwargs: dict) -> bool:
     return any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _SPECIAL)
+
+
+def decode_kernel_applies(module: torch.nn.Module) -> bool:
+    """Whether `module`'s model lets its decode steps attend in kv/decode_kernel.py (option.decode_attention)."""
+    return getattr(getattr(module, "config", None), KERNEL_FLAG, True)
 
 
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -65,10 +70,9 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     there is a mask; without one it asks SDPA to broadcast the K/V heads (`enable_gqa`), which took
     0.66 ms where this takes 0.36 (32 rows of 208 tokens, SmolLM2's 9 query and 3 K/V heads).
     fp32 or bf16 on the CPU, kv/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
-    if query.shape[2] != 1 or _special(kwargs):
+    if query.shape[2] != 1 or special_kwargs(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if (not dropout and getattr(getattr(module, "config", None), KERNEL_FLAG, True)
-            and decode_kernel.eligible(query, key, value, attention_mask)):
+    if not dropout and decode_kernel_applies(module) and decode_kernel.eligible(query, key, value, attention_mask):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = decode_kernel.attend(query, key, value, attention_mask, scale)
         if out is not None:

@@ -42,7 +42,9 @@ from transformers.cache_utils import DynamicLayer
 
 from lmi_serve.engine.kv.dynamic import DynamicKV, DynamicLayout
 from lmi_serve.engine.kv.protocol import Prefilled
-from lmi_serve.engine.kv.slot_attention import Parts, attends_by_parts
+from lmi_serve.engine.kv import decode_kernel
+from lmi_serve.engine.kv.slot_attention import (ATTENTION, Parts, attends_by_parts, decode_attention,
+                                                decode_kernel_applies, special_kwargs)
 from lmi_serve.engine.kv.slot_part import SlotPart
 
 # Two neighbouring parts merge when that adds at most this many padded (row, column) cells, about
@@ -118,6 +120,30 @@ class SlotCache(DynamicCache):
     def __init__(self):
         super().__init__()
         self.layer_class_to_replicate = SlotLayer
+
+    def decode_attend(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                      kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+        """A decode step's layer: its K/V column written and attended in kv/decode_kernel.py, without
+        transformers' `update` and attention interface in between (model/lean_layers.py asks; ~15 calls a
+        layer fewer). The same write and the same kernel call as that way, so the same bits; returns the
+        attention's output [rows, 1, query heads, dim], or None, having written nothing, where this does not
+        apply (the caller then updates and attends as usual)."""
+        if layer_idx >= len(self.layers) or self.offloading or query.shape[2] != 1 or special_kwargs(kwargs):
+            return None
+        layer = self.layers[layer_idx]
+        config = getattr(module, "config", None)
+        if (not layer.is_initialized or len(layer.parts) != 1 or not decode_kernel_applies(module)
+                or getattr(config, "_attn_implementation", None) != ATTENTION):
+            return None
+        part = layer.parts[0]
+        if (key.shape[0] != part.rows or key.shape[2] != 1 or key.dtype != part.key_store.dtype
+                or not decode_kernel.eligible(query, key, value, None)
+                or (mask is not None and not decode_kernel.eligible_mask(mask, query.shape[0], part.length + 1))):
+            return None
+        keys, values = part.write(key, value)
+        out = decode_kernel.attend(query, keys, values, mask, scale)
+        return out if out is not None else decode_attention(module, query, keys, values, mask, scaling=scale)[0]
 
 
 def _adopt(source: DynamicCache) -> SlotCache:
