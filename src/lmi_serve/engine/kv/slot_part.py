@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lmi_serve.engine.kv.column_copy import copy_column
+
 ROW_STEP = 8  # row capacity grows in multiples of this
 MIN_COLUMNS = 256  # column capacity: at least this, doubling as sequences grow
 DIRECT_MOVES = 4  # rows moved by a `select` one copy each (an eviction's few); more, or overlapping: gathered first
@@ -65,6 +67,21 @@ class SlotPart:
             new[:self.rows, :, :length] = old[:self.rows, :, self.start:self.end]
             setattr(self, name, new)
         self.start, self.end = 0, length
+
+    def write_column(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` of a decode step's one column (key and value [rows, heads, 1, dim] on the CPU, rows the part's,
+        inside a forward's inference mode) by address where the buffers have room (kv/column_copy.py): ~3
+        against ~9 µs a layer; else `write`."""
+        end, store = self.end, self.key_store
+        if not self.rows or end >= store.shape[2] or not copy_column(store, self.value_store, key, value, end):
+            return self.write(key, value)
+        self.end = end + 1
+        # the views in use: as_strided is one call where slicing is two (~1 against ~2 µs each)
+        shape, stride, offset = (self.rows, store.shape[1], end + 1 - self.start, store.shape[3]), store.stride(), \
+            self.start * store.shape[3]
+        self.keys = store.as_strided(shape, stride, offset)
+        self.values = self.value_store.as_strided(shape, stride, offset)
+        return self.keys, self.values
 
     @torch.inference_mode()
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -137,11 +137,11 @@ class SlotCache(DynamicCache):
                 or getattr(config, "_attn_implementation", None) != ATTENTION):
             return None
         part = layer.parts[0]
-        if (key.shape[0] != part.rows or key.shape[2] != 1 or key.dtype != part.key_store.dtype
-                or not decode_kernel.eligible(query, key, value, None)
+        if (key.shape[0] != part.rows or key.shape[2] != 1 or key.dtype != part.key_store.dtype or not key.is_cpu
+                or not value.is_cpu or not decode_kernel.eligible(query, key, value, None)
                 or (mask is not None and not decode_kernel.eligible_mask(mask, query.shape[0], part.length + 1))):
             return None
-        keys, values = part.write(key, value)
+        keys, values = part.write_column(key, value)
         out = decode_kernel.attend(query, keys, values, mask, scale)
         return out if out is not None else decode_attention(module, query, keys, values, mask, scaling=scale)[0]
 
