@@ -95,17 +95,23 @@ def rotate_heads(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def project(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
-    """Each layer's output for `x`: where they are the members of one stacked matmul in order, one call and
-    views of its columns; else each layer called."""
+def stacked(layers: tuple[nn.Module, ...]) -> bool:
+    """Whether `layers` are the members of one stacked matmul, in order (their outputs adjacent columns)."""
     first = layers[0]
-    if isinstance(first, SharedInputSlice):
-        group = first._group
-        if (group.members == len(layers)
-                and all(isinstance(layer, SharedInputSlice) and layer._group is group and layer._member == i
-                        for i, layer in enumerate(layers))):
-            out = group.linear(x)
-            return tuple(out[..., layer._start:layer._stop] for layer in layers)
+    if not isinstance(first, SharedInputSlice):
+        return False
+    group = first._group
+    return group.members == len(layers) and all(
+        isinstance(layer, SharedInputSlice) and layer._group is group and layer._member == i
+        for i, layer in enumerate(layers))
+
+
+def project(x: torch.Tensor, layers: tuple[nn.Module, ...], is_stacked: bool | None = None) -> tuple[torch.Tensor, ...]:
+    """Each layer's output for `x`: where they are the members of one stacked matmul in order (`is_stacked`,
+    when the caller knows), one call and views of its columns; else each layer called."""
+    if is_stacked if is_stacked is not None else stacked(layers):
+        out = layers[0]._group.linear(x)
+        return tuple(out[..., layer._start:layer._stop] for layer in layers)
     return tuple(layer(x) for layer in layers)
 
 
@@ -116,6 +122,9 @@ class LeanLayer:
         self.layer, self.spec, self.signed_sin = layer, spec, signed_sin
         self.eager = eager  # the family's eager attention function, where the config asks for eager
         self.original = type(layer).forward.__get__(layer)  # transformers' own, for what this one does not take
+        # (q, k, v) or (gate, up) modules -> whether they are one stacked matmul's members: asked once per set of
+        # modules (a module swapped later, a LoRA wrapper, is another key)
+        self._stacked: dict[tuple[nn.Module, ...], bool] = {}
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                  past_key_values: Any = None, use_cache: bool | None = False,
@@ -131,10 +140,17 @@ class LeanLayer:
                                    past_key_values, use_cache, position_embeddings, kwargs)
         hidden_states = hidden_states + attended
         mlp = children["mlp"]._modules
-        gate, up = project(children["post_attention_layernorm"](hidden_states), (mlp["gate_proj"], mlp["up_proj"]))
+        members = (mlp["gate_proj"], mlp["up_proj"])
+        gate, up = project(children["post_attention_layernorm"](hidden_states), members, self._is_stacked(members))
         act = mlp.get("act_fn") or children["mlp"].act_fn
         gated = (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
         return hidden_states + mlp["down_proj"](gated)
+
+    def _is_stacked(self, members: tuple[nn.Module, ...]) -> bool:
+        known = self._stacked.get(members)
+        if known is None:
+            known = self._stacked[members] = stacked(members)
+        return known
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, attention_mask: Any, position_ids: Any,
                    past_key_values: Any, use_cache: bool | None,
@@ -142,12 +158,14 @@ class LeanLayer:
         children = attn._modules
         input_shape = x.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        q, k, v = project(x, (children["q_proj"], children["k_proj"], children["v_proj"]))
+        members = (children["q_proj"], children["k_proj"], children["v_proj"])
+        one_matmul = self._is_stacked(members)
+        q, k, v = project(x, members, one_matmul)
         cos, signed = self.signed_sin.terms(*position_embeddings)
         if self.spec.qk_norms:
             q = rotate_heads(children["q_norm"](q.view(hidden_shape)).transpose(1, 2), cos, signed)
             k = rotate_heads(children["k_norm"](k.view(hidden_shape)).transpose(1, 2), cos, signed)
-        elif _adjacent(q, k):  # one stacked output's columns: rotate q and k in one call
+        elif one_matmul or _adjacent(q, k):  # one stacked output's columns: rotate q and k in one call
             heads = q.shape[-1] // attn.head_dim
             joined = _joined(q, k)
             both = rotary_kernel.rotate(joined, joined.shape[-1] // attn.head_dim, attn.head_dim, cos, signed)
