@@ -29,26 +29,19 @@ def helper(function):
 if numba is not None:
     _I32 = ir.IntType(32)
 
-    @intrinsic
-    def bf16_pointer(typingctx, address):
-        """A torch tensor's data_ptr() as a pointer to bf16 bits: no numpy view made per call (~1 µs each)."""
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.IntType(16).as_pointer())
-        return types.CPointer(types.uint16)(address), codegen
+    def _pointer_to(element: ir.Type, element_type: types.Type):
+        """An intrinsic that reads an integer address (a torch tensor's data_ptr()) as a pointer to `element`:
+        no numpy view made per call (~1 µs each)."""
+        @intrinsic
+        def pointer(typingctx, address):
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], element.as_pointer())
+            return types.CPointer(element_type)(address), codegen
+        return pointer
 
-    @intrinsic
-    def float32_pointer(typingctx, address):
-        """A torch tensor's data_ptr() as a pointer to fp32."""
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.FloatType().as_pointer())
-        return types.CPointer(types.float32)(address), codegen
-
-    @intrinsic
-    def byte_pointer(typingctx, address):
-        """A torch bool tensor's data_ptr() as a pointer to its bytes."""
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
-        return types.CPointer(types.uint8)(address), codegen
+    bf16_pointer = _pointer_to(ir.IntType(16), types.uint16)  # bf16 (or fp16) as its bits
+    float32_pointer = _pointer_to(ir.FloatType(), types.float32)
+    byte_pointer = _pointer_to(ir.IntType(8), types.uint8)  # a bool tensor's bytes
 
     @intrinsic
     def float_bits(typingctx, value):
