@@ -27,46 +27,61 @@ _lock = threading.Lock()
 
 if NUMBA:
     import numba
+    from numba.core import types
+    from numba.extending import overload
 
     from lmi_serve.model.numba_bits import bf16, bf16_pointer, float32_pointer, widen
 
 
-def _rotate_float32(x_address, batch_stride, token_stride, cos_address, sin_address, cos_batch, batch, tokens, heads,
-                    dim, out_address):  # pragma: no cover - numba compiles it
-    x = numba.carray(float32_pointer(x_address), ((batch - 1) * batch_stride + (tokens - 1) * token_stride
-                                                  + heads * dim,))
-    cos = numba.carray(float32_pointer(cos_address), (cos_batch, tokens, dim))
-    sin = numba.carray(float32_pointer(sin_address), (cos_batch, tokens, dim))
-    out = numba.carray(float32_pointer(out_address), (batch, heads, tokens, dim))
+def rotated(x, cos, rolled, sin):  # pragma: no cover - numba compiles its overload below
+    """x * cos + rolled * sin with torch's roundings for the elements' dtype."""
+    raise NotImplementedError
+
+
+if NUMBA:
+    @overload(rotated, inline="always")
+    def _rotated(x, cos, rolled, sin):
+        if x == types.uint16:  # bf16 bits: each product, then the sum, rounded to bf16 as torch's bf16 ops do
+            return lambda x, cos, rolled, sin: bf16(widen(bf16(widen(x) * widen(cos)))
+                                                    + widen(bf16(widen(rolled) * widen(sin))))
+        return lambda x, cos, rolled, sin: x * cos + rolled * sin  # fp32: each rounded once, no fused multiply-add
+
+
+def _rotate(x, cos, sin, out, batch_stride, token_stride):  # pragma: no cover - numba compiles it
+    """out [batch, heads, tokens, dim] from x's first heads (row b, token t at b * batch_stride + t *
+    token_stride), cos and sin [batch or 1, tokens, dim]."""
+    batch, heads, tokens, dim = out.shape
     half = dim // 2
     for b in range(batch):
-        c = b if cos_batch > 1 else 0
+        c = b if cos.shape[0] > 1 else 0
         for t in range(tokens):
             row = b * batch_stride + t * token_stride
             for h in range(heads):
                 base = row + h * dim
                 for d in range(dim):
-                    out[b, h, t, d] = x[base + d] * cos[c, t, d] + x[base + (d + half) % dim] * sin[c, t, d]
+                    out[b, h, t, d] = rotated(x[base + d], cos[c, t, d], x[base + (d + half) % dim], sin[c, t, d])
+
+
+# The entry points by dtype, every tensor by its address: module functions, so numba caches them (a closure
+# over the pointer type would be compiled again in every process, ~0.8 s of start-up).
+def _rotate_float32(x_address, batch_stride, token_stride, cos_address, sin_address, cos_batch, batch, tokens, heads,
+                    dim, out_address):  # pragma: no cover - numba compiles it
+    x_length, table = (batch - 1) * batch_stride + (tokens - 1) * token_stride + heads * dim, (cos_batch, tokens, dim)
+    _rotate(numba.carray(float32_pointer(x_address), (x_length,)), numba.carray(float32_pointer(cos_address), table),
+            numba.carray(float32_pointer(sin_address), table),
+            numba.carray(float32_pointer(out_address), (batch, heads, tokens, dim)), batch_stride, token_stride)
 
 
 def _rotate_bfloat16(x_address, batch_stride, token_stride, cos_address, sin_address, cos_batch, batch, tokens, heads,
                      dim, out_address):  # pragma: no cover - numba compiles it
-    x = numba.carray(bf16_pointer(x_address), ((batch - 1) * batch_stride + (tokens - 1) * token_stride
-                                               + heads * dim,))
-    cos = numba.carray(bf16_pointer(cos_address), (cos_batch, tokens, dim))
-    sin = numba.carray(bf16_pointer(sin_address), (cos_batch, tokens, dim))
-    out = numba.carray(bf16_pointer(out_address), (batch, heads, tokens, dim))
-    half = dim // 2
-    for b in range(batch):
-        c = b if cos_batch > 1 else 0
-        for t in range(tokens):
-            row = b * batch_stride + t * token_stride
-            for h in range(heads):
-                base = row + h * dim
-                for d in range(dim):
-                    straight = widen(bf16(widen(x[base + d]) * widen(cos[c, t, d])))
-                    rolled = widen(bf16(widen(x[base + (d + half) % dim]) * widen(sin[c, t, d])))
-                    out[b, h, t, d] = bf16(straight + rolled)
+    x_length, table = (batch - 1) * batch_stride + (tokens - 1) * token_stride + heads * dim, (cos_batch, tokens, dim)
+    _rotate(numba.carray(bf16_pointer(x_address), (x_length,)), numba.carray(bf16_pointer(cos_address), table),
+            numba.carray(bf16_pointer(sin_address), table),
+            numba.carray(bf16_pointer(out_address), (batch, heads, tokens, dim)), batch_stride, token_stride)
+
+
+if NUMBA:
+    _rotate = numba.njit(cache=True, inline="always")(_rotate)
 
 
 def _compile() -> dict[torch.dtype, Any]:
