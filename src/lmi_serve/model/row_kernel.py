@@ -1,0 +1,252 @@
+"""fp32 Linear layers at one row at the weights' bandwidth, with the bits oneDNN gives that row in a batch.
+
+A one-row decode step of the default (SmolLM2 in fp32) reads 538 MB of weights; oneDNN's packed kernel
+(model/linear_kernels.py) streams them at 19 GB/s at one row where the box reads 33 GB/s, the small
+matrices worst (13-17 GB/s: its one-row path is built for blocks of rows). This kernel computes a single
+row from a second copy of the weights laid out [N/32, K, 32], so each of the threads streams one
+contiguous range, 32 outputs (two AVX-512 vectors) at a time.
+
+It must answer what oneDNN answers for the same row in a batch of 2 to 64 (a row decoding alone gets the
+bits it gets in company). oneDNN's fp32 kernel for several rows sums each output over K in blocks of B
+columns, each block a chain of fused multiply-adds from zero in ascending k, the blocks' sums added in
+order, then the bias (on a Zen 4 EPYC: B = 512 below 1,280 input features, 1,024 from there up). That is
+what this kernel computes, for a block size found per layer at start-up by comparing its answer with
+oneDNN's two-row one on random rows (`probe_block`): not assumed, since it is oneDNN's choice per CPU.
+A layer where no candidate matches keeps oneDNN.
+
+The price is the copy: the packed weights are oneDNN's and opaque. `option.one_row_kernel` (`auto`: where
+the copies take at most a quarter of the memory available; `on`; `off`). Measured (benchmarks/RESULTS.md):
+the default's one-row step 23.4 against 35.7 ms on a 2-core EPYC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("auto", "on", "off")
+TILE = 32  # outputs a thread computes together: two 16-lane vectors
+_BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
+_AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
+_state: dict[str, Any] = {}
+_lock = threading.Lock()
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    from lmi_serve.model.numba_bits import FLOAT32x16, FLOATS16, float32_pointer, match_torch_threads, zeros16
+except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
+    numba = None
+
+
+if numba is not None:
+    _I32 = ir.IntType(32)
+
+    def _vector_pointer(builder, address, offset):
+        return builder.bitcast(builder.gep(address, [offset]), FLOATS16.as_pointer())
+
+    @intrinsic
+    def _load16(typingctx, address, offset):
+        """16 fp32 at address[offset]."""
+        def codegen(context, builder, signature, args):
+            return builder.load(_vector_pointer(builder, *args), align=4)
+        return FLOAT32x16(address, offset), codegen
+
+    @intrinsic
+    def _store16(typingctx, address, offset, vector):
+        def codegen(context, builder, signature, args):
+            builder.store(args[2], _vector_pointer(builder, args[0], args[1]), align=4)
+            return context.get_dummy_value()
+        return types.void(address, offset, FLOAT32x16), codegen
+
+    @intrinsic
+    def _fma16(typingctx, total, weights, x):
+        """total + weights * x (x a scalar, spread), each lane one fused multiply-add: one rounding."""
+        def codegen(context, builder, signature, args):
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS16, [FLOATS16] * 3),
+                                                 "llvm.fma.v16f32")
+            spread = builder.insert_element(ir.Constant(FLOATS16, None), args[2], ir.Constant(_I32, 0))
+            spread = builder.shuffle_vector(spread, spread, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+            return builder.call(fma, [spread, args[1], args[0]])
+        return FLOAT32x16(total, weights, types.float32), codegen
+
+    @intrinsic
+    def _add16(typingctx, a, b):
+        return FLOAT32x16(a, b), lambda context, builder, signature, args: builder.fadd(args[0], args[1])
+
+
+def _one_row(x_address, weights_address, tiles, columns, block, bias_address, out_address):  # pragma: no cover
+    """out [tiles * 32] = x [columns] times the weights ([tiles, columns, 32], by address), oneDNN's order:
+    per block of `block` columns an fma chain from zero, the blocks' sums added in order, then the bias
+    (bias_address 0: none)."""
+    x, weights, out = float32_pointer(x_address), float32_pointer(weights_address), float32_pointer(out_address)
+    for tile in numba.prange(tiles):
+        base = tile * columns * TILE
+        low, high = zeros16(), zeros16()
+        for first in range(0, columns, block):
+            part_low, part_high = zeros16(), zeros16()
+            for k in range(first, min(columns, first + block)):
+                at = base + k * TILE
+                part_low, part_high = _fma16(part_low, _load16(weights, at), x[k]), \
+                    _fma16(part_high, _load16(weights, at + 16), x[k])
+            if first == 0:
+                low, high = part_low, part_high
+            else:
+                low, high = _add16(low, part_low), _add16(high, part_high)
+        if bias_address != 0:
+            bias = float32_pointer(bias_address)
+            low, high = _add16(low, _load16(bias, tile * TILE)), _add16(high, _load16(bias, tile * TILE + 16))
+        _store16(out, tile * TILE, low)
+        _store16(out, tile * TILE + 16, high)
+
+
+def _compile() -> Any:
+    if numba is None:
+        raise RuntimeError("numba is not installed")
+    numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (engine/kv/decode_kernel.py says why)
+    compiled = numba.njit(parallel=True, cache=True, nogil=True)(_one_row)
+    ones = OneRowWeights.pack(torch.ones(TILE + 1, 3), torch.ones(TILE + 1), 2)
+    if not torch.equal(_run(compiled, ones, torch.ones(1, 3)), torch.full((1, TILE + 1), 4.0)):  # compiles it now
+        raise RuntimeError("its self-check failed")
+    if numba.threading_layer() != "omp":
+        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
+    return compiled
+
+
+def kernel() -> Any | None:
+    """The compiled kernel, or None where numba or its OpenMP layer is missing (logged once)."""
+    with _lock:
+        if "kernel" not in _state:
+            try:
+                _state["kernel"] = _compile()
+            except Exception as error:  # noqa: BLE001 - any failure means oneDNN at one row too, said once
+                log.info("one-row kernel unavailable: fp32 Linear layers keep oneDNN at one row: %s", error)
+                _state["kernel"] = None
+        return _state["kernel"]
+
+
+def _run(compiled: Any, weights: "OneRowWeights", x: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    tiles, in_features = weights.weights.shape[:2]
+    if flat.dtype != torch.float32 or flat.numel() != in_features:
+        raise ValueError(f"the one-row kernel takes {in_features} fp32 values, not {x.dtype} {list(x.shape)}")
+    out = torch.empty(tiles * TILE, dtype=torch.float32)
+    match_torch_threads()
+    compiled(flat.data_ptr(), weights.weights.data_ptr(), tiles, in_features, weights.block,
+             0 if weights.bias is None else weights.bias.data_ptr(), out.data_ptr())
+    if tiles * TILE != weights.out_features:
+        out = out[:weights.out_features]
+    return out.reshape(*x.shape[:-1], weights.out_features)
+
+
+@dataclass
+class OneRowWeights:
+    """A layer's weights [N, K] (and bias) laid out for the one-row kernel, with oneDNN's block size."""
+
+    weights: torch.Tensor  # [ceil(N / 32), K, 32] fp32, contiguous; rows past N are zero
+    bias: torch.Tensor | None  # [ceil(N / 32) * 32]
+    out_features: int
+    block: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> "OneRowWeights":
+        out_features, in_features = weight.shape
+        tiles = -(-out_features // TILE)
+        padded = torch.zeros(tiles * TILE, in_features, dtype=torch.float32)
+        padded[:out_features] = weight
+        laid_out = padded.reshape(tiles, TILE, in_features).transpose(1, 2).contiguous()
+        if bias is not None:
+            bias = torch.cat([bias.detach().float(), torch.zeros(tiles * TILE - out_features)]).contiguous()
+        return cls(laid_out, bias, out_features, block)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weights.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: one row of K fp32 (any leading shape of one element) -> [..., N]. Call only where `kernel()` is not
+        None."""
+        return _run(_state["kernel"], self, x)
+
+
+def probe_block(weight: torch.Tensor, bias: torch.Tensor | None,
+                batched: Callable[[torch.Tensor], torch.Tensor]) -> OneRowWeights | None:
+    """The layer's one-row weights with the block size whose answers equal `batched`'s (the layer's kernel on
+    two rows) for random rows, or None where no candidate does."""
+    in_features = weight.shape[1]
+    rows = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = batched(rows)  # two rows: oneDNN's kernel for a batch
+    for block in dict.fromkeys(min(size, in_features) for size in (*_BLOCKS, in_features)):
+        candidate = OneRowWeights.pack(weight, bias, block)
+        if all(torch.equal(candidate(rows[i:i + 1])[0], want[i]) for i in range(2)):
+            return candidate
+    return None
+
+
+@dataclass
+class OneRowReport:
+    """What `use_one_row_kernel` did: for the start-up log."""
+
+    policy: str
+    layers: int = 0
+    nbytes: int = 0
+    why_not: str = ""  # when no layer got a copy: why
+    unmatched: list[str] | None = None  # layers whose block size no candidate matched: oneDNN at one row
+
+    def describe(self) -> str:
+        if not self.layers:
+            return f"option.one_row_kernel={self.policy}: not used ({self.why_not})"
+        unmatched = f"; {len(self.unmatched)} kept on oneDNN (no block size matched)" if self.unmatched else ""
+        return (f"option.one_row_kernel={self.policy}: {self.layers} fp32 Linear layers with a one-row copy "
+                f"({self.nbytes / 2**20:.0f} MiB){unmatched}")
+
+
+def use_one_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
+                       available_bytes: int | None = None) -> OneRowReport:
+    """Give fp32 `layers` (name, linear_kernels.OneDnnLinear) their one-row copy (`layer.use_one_row`) as
+    `policy` says: `on` all, `off` none, `auto` all where the copies fit in a quarter of `available_bytes`
+    (the memory available now when None). Raises ValueError for an unknown policy."""
+    if policy not in POLICIES:
+        raise ValueError(f"option.one_row_kernel: {policy!r} is not one of {', '.join(POLICIES)}")
+    report = OneRowReport(policy)
+    need = sum(-(-module.out_features // TILE) * TILE * module.in_features * 4 for _, module in layers)
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    if policy == "off":
+        report.why_not = "off"
+    elif not layers:
+        report.why_not = "no fp32 Linear layer on oneDNN"
+    elif policy == "auto" and need > _AUTO_SHARE * available:
+        report.why_not = (f"the copies would take {need / 2**30:.1f} GiB, more than a quarter of the "
+                          f"{available / 2**30:.1f} GiB available; `on` forces them")
+    elif kernel() is None:
+        report.why_not = "numba or its OpenMP layer is missing"
+    if report.why_not:
+        return report
+    report.unmatched = []
+    for name, module in layers:
+        weights = probe_block(module.dense_weight(), module.bias, module.batched)
+        if weights is None:
+            report.unmatched.append(name)
+            continue
+        module.use_one_row(weights)
+        report.layers += 1
+        report.nbytes += weights.nbytes
+    if report.unmatched:
+        log.info("one-row kernel: no block size gives oneDNN's bits for %s: they keep oneDNN at one row",
+                 ", ".join(report.unmatched))
+    return report
