@@ -14,8 +14,8 @@ With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model
 lighter weights (model/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with
 option.linear_kernel=onednn (model/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
 `onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, model/shared_input.py;
-`onednn-hf-layers` without the lean decoder layers, model/lean_layers.py; `onednn-no-row` without the one-row
-kernel, model/row_kernel.py: `onednn` is the server's default, option.one_row_kernel=auto)
+`onednn-hf-layers` without the lean decoder layers, model/lean_layers.py; `onednn-no-row` without the row
+kernel, model/row_kernel.py: `onednn` is the server's default, option.row_kernel=auto)
 or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where the CPU computes bf16), each on the `slots`
 KV cache, interleaved with the plain fp32 model (torch's nn.Linear, as loaded); their ratio column is then to
 that model's `slots`, and the start-up cost (load + swap) and the weights' memory are printed. Their gates:
@@ -177,7 +177,7 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
             before = process_rss()
             kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else "onednn", lm.device,
                                         stack_siblings=mode != "onednn-unstacked", lean=mode != "onednn-hf-layers",
-                                        one_row="off" if mode == "onednn-no-row" else "auto")
+                                        row_kernel="off" if mode == "onednn-no-row" else "auto")
             variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap "
                                         f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")

@@ -34,9 +34,9 @@ Quantize = Literal["none", "fp16", "q4"]
 # fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
 # (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
 LinearKernel = Literal["auto", "onednn", "torch"]
-# Single fp32 rows (a one-stream decode step) on a kernel of our own over a second copy of the weights, the bits
-# of oneDNN's batched kernel (model/row_kernel.py): auto = where the copies fit in a quarter of the memory available.
-OneRowKernel = Literal["auto", "on", "off"]
+# One or two fp32 rows (decode steps of one or two streams) on a kernel of our own over a second copy of the weights,
+# the bits of oneDNN's batched kernel (model/row_kernel.py): auto = where the copies fit in a quarter of the memory.
+RowKernel = Literal["auto", "on", "off"]
 # A decode step's attention (engine/kv/decode_kernel.py): auto = the CPU kernel (fp32, bf16) where it applies, else
 # torch's SDPA; sdpa = torch's SDPA everywhere.
 DecodeAttention = Literal["auto", "sdpa"]
@@ -53,7 +53,7 @@ ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": get_args(Dtype), "rolling_batch": get_args(RollingBatch), "task": get_args(Task),
     "kv_cache": get_args(KvCache), "quantize": get_args(Quantize), "linear_kernel": get_args(LinearKernel),
-    "one_row_kernel": get_args(OneRowKernel), "decode_attention": get_args(DecodeAttention),
+    "row_kernel": get_args(RowKernel), "decode_attention": get_args(DecodeAttention),
     "lora_dtype": get_args(LoraDtype), "reasoning_parser": get_args(ReasoningParser),
     "tool_call_parser": get_args(ToolCallParser),
 }
@@ -70,10 +70,10 @@ NOT_TAKEN: dict[str, dict[str, str]] = {
     },
     "text-embedding": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
                        "draft_model_id": "text generation only", "decode_attention": "text generation only",
-                       "mixed_steps": "text generation only", "one_row_kernel": "text generation only"},
+                       "mixed_steps": "text generation only", "row_kernel": "text generation only"},
     "text-classification": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
                             "draft_model_id": "text generation only", "decode_attention": "text generation only",
-                            "mixed_steps": "text generation only", "one_row_kernel": "text generation only"},
+                            "mixed_steps": "text generation only", "row_kernel": "text generation only"},
     "tensor": {},
 }
 KIND_NAMES = {"text2text-generation": "encoder-decoder", "text-embedding": "embedding",
@@ -133,7 +133,7 @@ def tensor_parallel_conflict(config: "ModelConfig", degree: int) -> str | None:
                ("option.draft_model_id", config.draft_model_id is not None),
                (f"option.quantize={config.quantize}", config.quantize != "none"),
                ("option.linear_kernel=onednn", config.linear_kernel == "onednn"),
-               ("option.one_row_kernel=on", config.one_row_kernel == "on"),
+               ("option.row_kernel=on", config.row_kernel == "on"),
                ("option.rolling_batch=disable", config.rolling_batch == "disable")]
     names = [name for name, on in refused if on]
     if not names:
@@ -395,16 +395,16 @@ class ModelConfig(BaseModel):
             "too"
         ),
     )
-    one_row_kernel: OneRowKernel = Field(
+    row_kernel: RowKernel = Field(
         "auto",
         description=(
-            "where option.linear_kernel puts fp32 Linear layers on oneDNN: single rows (a one-stream decode step) "
-            "on a kernel of our own (model/row_kernel.py) over a second copy of the weights laid out for one row, "
-            "with the bits oneDNN gives that row in a batch (its block size probed per layer at start-up; a layer "
-            "where none matches keeps oneDNN). `auto`: where the copies take at most a quarter of the memory "
-            "available at start-up (the default model: +538 MiB); `on`: always; `off`: no copy. A one-row step "
-            "of the default 0.66x its time on oneDNN alone (2-core EPYC, benchmarks/RESULTS.md). Text generation "
-            "only"
+            "where option.linear_kernel puts fp32 Linear layers on oneDNN: one or two rows (the decode steps of "
+            "one or two streams) on a kernel of our own (model/row_kernel.py) over a second copy of the weights "
+            "laid out for it, with the bits oneDNN gives those rows in any batch (its block size probed per layer "
+            "at start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a "
+            "quarter of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no "
+            "copy. A one-row step of the default 0.78x its time on oneDNN alone, the served one-stream TPOT 20.9 "
+            "against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text generation only"
         ),
     )
     # LoRA adapters (model/lora.py, engine/adapters.py): <model_dir>/adapters/* at start-up, the adapters API
@@ -512,7 +512,7 @@ class ModelConfig(BaseModel):
     # OPTION_* variables left out for this model: its kind does not take them (NOT_TAKEN)
     ignored_options: tuple[str, ...] = ()
 
-    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "one_row_kernel",
+    @field_validator("dtype", "rolling_batch", "task", "kv_cache", "quantize", "linear_kernel", "row_kernel",
                      "decode_attention",
                      "lora_dtype", "reasoning_parser", "tool_call_parser", mode="before")
     @classmethod

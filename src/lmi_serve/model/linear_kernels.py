@@ -31,7 +31,7 @@ from torch import nn
 
 from lmi_serve.model.fused_norms import use_fused_norms
 from lmi_serve.model.lean_layers import use_lean_layers
-from lmi_serve.model.row_kernel import OneRowReport, use_one_row_kernel
+from lmi_serve.model.row_kernel import MAX_ROWS, RowKernelReport, use_row_kernel
 from lmi_serve.model.surgery import own_remaining_tensors, replace_module, return_freed_memory
 from lmi_serve.model.shared_input import SharedInputSlice, stack_shared_inputs
 
@@ -79,28 +79,28 @@ class OneDnnLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self._row_alone_differs = row_alone_differs(self._linear, self.in_features, self.out_features, self.dtype,
                                                     self.bias is not None)
-        self._one_row = None  # the one-row kernel's copy of the weights (model/row_kernel.py), where it was given
+        self._row_weights = None  # the row kernel's copy of the weights (model/row_kernel.py), where it was given
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # a caller that up/down-casts around a layer: keep its contract
             x = x.to(self.dtype)
-        if x.numel() == x.shape[-1]:  # one row: the one-row kernel, else as two where oneDNN's differs
-            if self._one_row is not None:
-                return self._one_row(x)
-            if self._row_alone_differs:
-                return one_row_as_two(self._linear, x)
+        rows = x.numel() // x.shape[-1]
+        if rows <= MAX_ROWS and self._row_weights is not None:  # the row kernel: oneDNN's batched bits, faster
+            return self._row_weights(x)
+        if rows == 1 and self._row_alone_differs:  # oneDNN's one-row kernel sums otherwise: computed as two
+            return one_row_as_two(self._linear, x)
         return self._linear(x.contiguous())
 
-    def use_one_row(self, weights) -> None:
-        """Compute single rows with the one-row kernel on `weights` (row_kernel.OneRowWeights, probed to give
+    def use_row_kernel(self, weights) -> None:
+        """Compute one or two rows with the row kernel on `weights` (row_kernel.RowWeights, probed to give
         this layer's batched bits)."""
-        self._one_row = weights
+        self._row_weights = weights
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
-        """oneDNN's answer for contiguous rows `x`, whatever their count (the reference the one-row kernel matches)."""
+        """oneDNN's answer for contiguous rows `x`, whatever their count (the reference the row kernel matches)."""
         return self._linear(x)
 
     def dense_weight(self) -> torch.Tensor:
@@ -156,7 +156,7 @@ class LinearKernelReport:
     stacked: list[str] = field(default_factory=list)  # of `swapped`: siblings stacked into one matmul (shared_input.py)
     norms: list[str] = field(default_factory=list)  # RMSNorm layers on F.rms_norm, the same bits (fused_norms.py)
     lean: list[str] = field(default_factory=list)  # decoder layers in fewer ops, the same bits (lean_layers.py)
-    one_row: OneRowReport | None = None  # single rows on the one-row kernel, the same bits (row_kernel.py)
+    row_kernel: RowKernelReport | None = None  # 1-2 rows on the row kernel, the same bits (row_kernel.py)
     kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays an nn.Linear
     seconds: float = 0.0
 
@@ -166,10 +166,10 @@ class LinearKernelReport:
         if self.kernel == "torch":
             return f"option.linear_kernel: torch's own nn.Linear (MKL sgemm in fp32){norms}"
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
-        one_row = f"; {self.one_row.describe()}" if self.one_row is not None else ""
+        row_kernel = f"; {self.row_kernel.describe()}" if self.row_kernel is not None else ""
         return (f"option.linear_kernel=onednn: {len(self.swapped)} {self.dtype} Linear layers on oneDNN's packed weights "
                 f"({len(self.stacked)} of them stacked with siblings of the same input) in {self.seconds:.1f} s; "
-                f"kept: {kept}{norms}{one_row}")
+                f"kept: {kept}{norms}{row_kernel}")
 
 
 def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -185,21 +185,21 @@ def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> s
     return "onednn" if requested == "auto" and fits else ("torch" if requested == "auto" else requested)
 
 
-def attach_one_row_kernel(model: nn.Module, policy: str, available_bytes: int | None = None) -> OneRowReport:
-    """Give `model`'s fp32 OneDnnLinear layers a one-row copy as `policy` (option.one_row_kernel) says: row_kernel.py."""
+def attach_row_kernel(model: nn.Module, policy: str, available_bytes: int | None = None) -> RowKernelReport:
+    """Give `model`'s fp32 OneDnnLinear layers the row kernel's copy as `policy` (option.row_kernel) says (row_kernel.py)."""
     layers = [(name, module) for name, module in model.named_modules()
               if isinstance(module, OneDnnLinear) and module.dtype == torch.float32]
-    return use_one_row_kernel(layers, policy, available_bytes)
+    return use_row_kernel(layers, policy, available_bytes)
 
 
 def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
-                      stack_siblings: bool = True, lean: bool = True, one_row: str = "off") -> LinearKernelReport:
+                      stack_siblings: bool = True, lean: bool = True, row_kernel: str = "off") -> LinearKernelReport:
     """Swap `model`'s fp32 nn.Linear layers for OneDnnLinear in place when the kernel is onednn
     (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
     False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
     their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
-    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, single fp32
-    rows go on the one-row kernel as `one_row` (option.one_row_kernel) says (row_kernel.py). Raises
+    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one or two
+    fp32 rows go on the row kernel as `row_kernel` (option.row_kernel) says (row_kernel.py). Raises
     LinearKernelError for a request that cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
@@ -226,7 +226,7 @@ def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
     # The packed weights are copies: let go of the loaded file and the plain weights (model/quantize.py).
     own_remaining_tensors(model)
     return_freed_memory()
-    report.one_row = attach_one_row_kernel(model, one_row)
+    report.row_kernel = attach_row_kernel(model, row_kernel)
     report.seconds = time.monotonic() - started
     log.info("%s", report.describe())
     return report

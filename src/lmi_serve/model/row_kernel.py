@@ -1,10 +1,10 @@
-"""fp32 Linear layers at one row at the weights' bandwidth, with the bits oneDNN gives that row in a batch.
+"""fp32 Linear layers on one or two rows at the weights' bandwidth, with the bits oneDNN gives a row in a batch.
 
 A one-row decode step of the default (SmolLM2 in fp32) reads 538 MB of weights; oneDNN's packed kernel
 (model/linear_kernels.py) streams them at 19 GB/s at one row where the box reads 33 GB/s, the small
-matrices worst (13-17 GB/s: its one-row path is built for blocks of rows). This kernel computes a single
-row from a second copy of the weights laid out [N/32, K, 32], so each of the threads streams one
-contiguous range, 32 outputs (two AVX-512 vectors) at a time.
+matrices worst (13-17 GB/s: its few-row path is built for blocks of rows). This kernel computes one or two
+rows (MAX_ROWS: from 3-4 rows oneDNN is as fast) from a second copy of the weights laid out [N/32, K, 32],
+so each thread streams one contiguous range, 32 outputs (two AVX-512 vectors) at a time.
 
 It must answer what oneDNN answers for the same row in a batch of 2 to 64 (a row decoding alone gets the
 bits it gets in company). oneDNN's fp32 kernel for several rows sums each output over K in blocks of B
@@ -14,9 +14,10 @@ what this kernel computes, for a block size found per layer at start-up by compa
 oneDNN's two-row one on random rows (`probe_block`): not assumed, since it is oneDNN's choice per CPU.
 A layer where no candidate matches keeps oneDNN.
 
-The price is the copy: the packed weights are oneDNN's and opaque. `option.one_row_kernel` (`auto`: where
-the copies take at most a quarter of the memory available; `on`; `off`). Measured (benchmarks/RESULTS.md):
-the default's one-row step 23.4 against 35.7 ms on a 2-core EPYC.
+The price is the copy: the packed weights are oneDNN's and opaque. `option.row_kernel` (`auto`: where
+the copies take at most a quarter of the memory available; `on`; `off`). Measured (benchmarks/RESULTS.md,
+2-core EPYC): the default's one-row step 0.78x its time on oneDNN alone, served one-stream TPOT 20.9
+against 35.2 ms.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("auto", "on", "off")
 TILE = 32  # outputs a thread computes together: two 16-lane vectors
+MAX_ROWS = 2  # rows it takes: per layer 0.5-0.8x oneDNN's time at 1-2 rows, level at 3-4, slower from 6
 _BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
 _AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
 _state: dict[str, Any] = {}
@@ -87,38 +89,41 @@ if numba is not None:
         return FLOAT32x16(a, b), lambda context, builder, signature, args: builder.fadd(args[0], args[1])
 
 
-def _one_row(x_address, weights_address, tiles, columns, block, bias_address, out_address):  # pragma: no cover
-    """out [tiles * 32] = x [columns] times the weights ([tiles, columns, 32], by address), oneDNN's order:
-    per block of `block` columns an fma chain from zero, the blocks' sums added in order, then the bias
-    (bias_address 0: none)."""
+def _few_rows(x_address, rows, weights_address, tiles, columns, block, bias_address, out_address):  # pragma: no cover
+    """out [rows, tiles * 32] = x [rows, columns] times the weights ([tiles, columns, 32], by address), oneDNN's
+    order: per block of `block` columns an fma chain from zero, the blocks' sums added in order, then the bias
+    (bias_address 0: none). A tile's weights come from memory for the first row, from the core's L2 after."""
     x, weights, out = float32_pointer(x_address), float32_pointer(weights_address), float32_pointer(out_address)
+    width = tiles * TILE
     for tile in numba.prange(tiles):
         base = tile * columns * TILE
-        low, high = zeros16(), zeros16()
-        for first in range(0, columns, block):
-            part_low, part_high = zeros16(), zeros16()
-            for k in range(first, min(columns, first + block)):
-                at = base + k * TILE
-                part_low, part_high = _fma16(part_low, _load16(weights, at), x[k]), \
-                    _fma16(part_high, _load16(weights, at + 16), x[k])
-            if first == 0:
-                low, high = part_low, part_high
-            else:
-                low, high = _add16(low, part_low), _add16(high, part_high)
-        if bias_address != 0:
-            bias = float32_pointer(bias_address)
-            low, high = _add16(low, _load16(bias, tile * TILE)), _add16(high, _load16(bias, tile * TILE + 16))
-        _store16(out, tile * TILE, low)
-        _store16(out, tile * TILE + 16, high)
+        for row in range(rows):
+            x_row = row * columns
+            low, high = zeros16(), zeros16()
+            for first in range(0, columns, block):
+                part_low, part_high = zeros16(), zeros16()
+                for k in range(first, min(columns, first + block)):
+                    at, value = base + k * TILE, x[x_row + k]
+                    part_low = _fma16(part_low, _load16(weights, at), value)
+                    part_high = _fma16(part_high, _load16(weights, at + 16), value)
+                if first == 0:
+                    low, high = part_low, part_high
+                else:
+                    low, high = _add16(low, part_low), _add16(high, part_high)
+            if bias_address != 0:
+                bias = float32_pointer(bias_address)
+                low, high = _add16(low, _load16(bias, tile * TILE)), _add16(high, _load16(bias, tile * TILE + 16))
+            _store16(out, row * width + tile * TILE, low)
+            _store16(out, row * width + tile * TILE + 16, high)
 
 
 def _compile() -> Any:
     if numba is None:
         raise RuntimeError("numba is not installed")
     numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (engine/kv/decode_kernel.py says why)
-    compiled = numba.njit(parallel=True, cache=True, nogil=True)(_one_row)
-    ones = OneRowWeights.pack(torch.ones(TILE + 1, 3), torch.ones(TILE + 1), 2)
-    if not torch.equal(_run(compiled, ones, torch.ones(1, 3)), torch.full((1, TILE + 1), 4.0)):  # compiles it now
+    compiled = numba.njit(parallel=True, cache=True, nogil=True)(_few_rows)
+    ones = RowWeights.pack(torch.ones(TILE + 1, 3), torch.ones(TILE + 1), 2)
+    if not torch.equal(ones.compute(compiled, torch.ones(1, 3)), torch.full((1, TILE + 1), 4.0)):  # compiles it now
         raise RuntimeError("its self-check failed")
     if numba.threading_layer() != "omp":
         raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
@@ -131,39 +136,27 @@ def kernel() -> Any | None:
         if "kernel" not in _state:
             try:
                 _state["kernel"] = _compile()
-            except Exception as error:  # noqa: BLE001 - any failure means oneDNN at one row too, said once
-                log.info("one-row kernel unavailable: fp32 Linear layers keep oneDNN at one row: %s", error)
+            except Exception as error:  # noqa: BLE001 - any failure means oneDNN always, said once
+                log.info("row kernel unavailable: fp32 Linear layers keep oneDNN for every row count: %s", error)
                 _state["kernel"] = None
         return _state["kernel"]
 
 
-def _run(compiled: Any, weights: "OneRowWeights", x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    tiles, in_features = weights.weights.shape[:2]
-    if flat.dtype != torch.float32 or flat.numel() != in_features:
-        raise ValueError(f"the one-row kernel takes {in_features} fp32 values, not {x.dtype} {list(x.shape)}")
-    out = torch.empty(tiles * TILE, dtype=torch.float32)
-    match_torch_threads()
-    compiled(flat.data_ptr(), weights.weights.data_ptr(), tiles, in_features, weights.block,
-             0 if weights.bias is None else weights.bias.data_ptr(), out.data_ptr())
-    if tiles * TILE != weights.out_features:
-        out = out[:weights.out_features]
-    return out.reshape(*x.shape[:-1], weights.out_features)
+class RowWeights:
+    """A layer's weights [N, K] (and bias) laid out for the row kernel, with oneDNN's block size. Called on
+    one or two contiguous fp32 rows ([..., K]) it returns [..., N]; only where `kernel()` is not None."""
 
-
-@dataclass
-class OneRowWeights:
-    """A layer's weights [N, K] (and bias) laid out for the one-row kernel, with oneDNN's block size."""
-
-    weights: torch.Tensor  # [ceil(N / 32), K, 32] fp32, contiguous; rows past N are zero
-    bias: torch.Tensor | None  # [ceil(N / 32) * 32]
-    out_features: int
-    block: int
+    def __init__(self, laid_out: torch.Tensor, bias: torch.Tensor | None, out_features: int, block: int):
+        self.weights, self.bias = laid_out, bias  # [ceil(N / 32), K, 32] (rows past N zero); [ceil(N / 32) * 32]
+        self.out_features, self.block = out_features, block
+        self.tiles, self.in_features = laid_out.shape[:2]
+        self.width = self.tiles * TILE
+        # per call ~3 µs in the kernel's dispatch and threads' start: everything else is looked up once here
+        self._weights_address = laid_out.data_ptr()
+        self._bias_address = 0 if bias is None else bias.data_ptr()
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> "OneRowWeights":
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> "RowWeights":
         out_features, in_features = weight.shape
         tiles = -(-out_features // TILE)
         padded = torch.zeros(tiles * TILE, in_features, dtype=torch.float32)
@@ -178,52 +171,61 @@ class OneRowWeights:
         return self.weights.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: one row of K fp32 (any leading shape of one element) -> [..., N]. Call only where `kernel()` is not
-        None."""
-        return _run(_state["kernel"], self, x)
+        return self.compute(_state["kernel"], x)
+
+    def compute(self, compiled: Any, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"the row kernel takes fp32 rows of {self.in_features}, not {x.dtype} {list(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty(*x.shape[:-1], self.width, dtype=torch.float32)
+        match_torch_threads()
+        compiled(x.data_ptr(), x.numel() // self.in_features, self._weights_address, self.tiles, self.in_features,
+                 self.block, self._bias_address, out.data_ptr())
+        return out if self.width == self.out_features else out[..., :self.out_features]
 
 
 def probe_block(weight: torch.Tensor, bias: torch.Tensor | None,
-                batched: Callable[[torch.Tensor], torch.Tensor]) -> OneRowWeights | None:
-    """The layer's one-row weights with the block size whose answers equal `batched`'s (the layer's kernel on
+                batched: Callable[[torch.Tensor], torch.Tensor]) -> RowWeights | None:
+    """The layer's weights for the row kernel with the block size whose answers equal `batched`'s (the layer's kernel on
     two rows) for random rows, or None where no candidate does."""
     in_features = weight.shape[1]
     rows = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = batched(rows)  # two rows: oneDNN's kernel for a batch
     for block in dict.fromkeys(min(size, in_features) for size in (*_BLOCKS, in_features)):
-        candidate = OneRowWeights.pack(weight, bias, block)
+        candidate = RowWeights.pack(weight, bias, block)
         if all(torch.equal(candidate(rows[i:i + 1])[0], want[i]) for i in range(2)):
             return candidate
     return None
 
 
 @dataclass
-class OneRowReport:
-    """What `use_one_row_kernel` did: for the start-up log."""
+class RowKernelReport:
+    """What `use_row_kernel` did: for the start-up log."""
 
     policy: str
     layers: int = 0
     nbytes: int = 0
     why_not: str = ""  # when no layer got a copy: why
-    unmatched: list[str] | None = None  # layers whose block size no candidate matched: oneDNN at one row
+    unmatched: list[str] | None = None  # layers whose block size no candidate matched: oneDNN always
 
     def describe(self) -> str:
         if not self.layers:
-            return f"option.one_row_kernel={self.policy}: not used ({self.why_not})"
+            return f"option.row_kernel={self.policy}: not used ({self.why_not})"
         unmatched = f"; {len(self.unmatched)} kept on oneDNN (no block size matched)" if self.unmatched else ""
-        return (f"option.one_row_kernel={self.policy}: {self.layers} fp32 Linear layers with a one-row copy "
+        return (f"option.row_kernel={self.policy}: {self.layers} fp32 Linear layers with a copy for 1-{MAX_ROWS} rows "
                 f"({self.nbytes / 2**20:.0f} MiB){unmatched}")
 
 
-def use_one_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
-                       available_bytes: int | None = None) -> OneRowReport:
-    """Give fp32 `layers` (name, linear_kernels.OneDnnLinear) their one-row copy (`layer.use_one_row`) as
+def use_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
+                       available_bytes: int | None = None) -> RowKernelReport:
+    """Give fp32 `layers` (name, linear_kernels.OneDnnLinear) their row kernel's copy (`layer.use_row_kernel`) as
     `policy` says: `on` all, `off` none, `auto` all where the copies fit in a quarter of `available_bytes`
     (the memory available now when None). Raises ValueError for an unknown policy."""
     if policy not in POLICIES:
-        raise ValueError(f"option.one_row_kernel: {policy!r} is not one of {', '.join(POLICIES)}")
-    report = OneRowReport(policy)
+        raise ValueError(f"option.row_kernel: {policy!r} is not one of {', '.join(POLICIES)}")
+    report = RowKernelReport(policy)
     need = sum(-(-module.out_features // TILE) * TILE * module.in_features * 4 for _, module in layers)
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if policy == "off":
@@ -243,10 +245,10 @@ def use_one_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
         if weights is None:
             report.unmatched.append(name)
             continue
-        module.use_one_row(weights)
+        module.use_row_kernel(weights)
         report.layers += 1
         report.nbytes += weights.nbytes
     if report.unmatched:
-        log.info("one-row kernel: no block size gives oneDNN's bits for %s: they keep oneDNN at one row",
+        log.info("row kernel: no block size gives oneDNN's bits for %s: they keep oneDNN for every row count",
                  ", ".join(report.unmatched))
     return report

@@ -80,7 +80,7 @@ class TextGenerationService:
         # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are. A
         # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
         kernel = "torch" if self.tp_group is not None else config.linear_kernel
-        self.linear_kernel = use_linear_kernel(self.model, kernel, self.device, one_row=config.one_row_kernel)
+        self.linear_kernel = use_linear_kernel(self.model, kernel, self.device, row_kernel=config.row_kernel)
         # After the swaps above (LoRA wraps the layers as they will run) and before the warm-up: the
         # support check, LoRA, the context limit, the KV layout, tensor parallelism (engine/build.py).
         serving = prepare_serving(self.model, self.device, config, rolling=context.rolling_batch,
