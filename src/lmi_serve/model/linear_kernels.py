@@ -193,13 +193,14 @@ def attach_row_kernel(model: nn.Module, policy: str, available_bytes: int | None
 
 
 def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
-                      stack_siblings: bool = True, lean: bool = True, row_kernel: str = "off") -> LinearKernelReport:
+                      stack_siblings: bool = True, lean: bool = True, row_kernel: str = "auto") -> LinearKernelReport:
     """Swap `model`'s fp32 nn.Linear layers for OneDnnLinear in place when the kernel is onednn
     (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
     False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
     their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
     (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one or two
-    fp32 rows go on the row kernel as `row_kernel` (option.row_kernel) says (row_kernel.py). Raises
+    fp32 rows go on the row kernel as `row_kernel` (option.row_kernel; `auto`, as the server's default) says
+    (row_kernel.py). Raises
     LinearKernelError for a request that cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")

@@ -126,7 +126,8 @@ class ClassifierService:
                               revision=config.revision, trust_remote_code=config.trust_remote_code,
                               head="AutoModelForSequenceClassification")
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
-        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device)
+        # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel
+        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device, row_kernel="off")
         self.max_length = min(self.tokenizer.model_max_length, 512)
         self.head = head_from_config(self.model.config.to_dict())
         # count_tokens runs on request threads beside the batch's forward: a fast tokenizer called with

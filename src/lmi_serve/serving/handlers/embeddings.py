@@ -57,7 +57,8 @@ class EmbeddingService:
         loaded = load_encoder(config.model_id or config.model_dir, dtype=config.dtype, device_map=config.device_map,
                               revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
-        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device)
+        # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel
+        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device, row_kernel="off")
         self.max_length = min(self.tokenizer.model_max_length, 512)
         self.embed(["warm up"])
 
