@@ -90,7 +90,7 @@ def test_the_copy_is_laid_out_in_tiles_of_32_outputs_padded_with_zeros():
 def model_with_kernel(policy: str, available: int | None = None):
     model = tiny_llama(tied=True)
     reference = copy.deepcopy(model)
-    use_linear_kernel(model, "onednn", CPU)
+    use_linear_kernel(model, "onednn", CPU, row_kernel="off")
     return model, reference, attach_row_kernel(model, policy, available_bytes=available)
 
 
