@@ -16,7 +16,7 @@ layers hold (each read once per token; a tied lm_head counts once, as its own pa
 bandwidth. The step's time / the floor is the figure issue 33 sets at 1.3x for the default path.
 
     .venv/bin/python benchmarks/bench_bandwidth.py [--variants fp32,bf16,fp16] [--context 200]
-                                                   [--repeats 15] [--buffer-mib 1024] [--threads N]
+                                                   [--repeats 15] [--steps 4] [--buffer-mib 1024] [--threads N]
 
 Printed with the CPU model and its SIMD flags and the load average before and after: a shared box's
 figures move by tens of percent, the ratios within one run much less.
@@ -56,20 +56,25 @@ def read_seconds(buffer: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def timed_rounds(buffer: torch.Tensor, batches: dict, rounds: int, warmup: int) -> tuple[float, dict[str, list[float]]]:
+def timed_rounds(buffer: torch.Tensor, batches: dict, rounds: int, warmup: int, steps: int
+                 ) -> tuple[float, dict[str, list[float]], dict[str, list[float]]]:
     """The best read bandwidth (bytes/s) and each variant's decode step times, measured in turns (one sum, then
-    one step per variant, per round): this box's bandwidth moves by tens of percent from minute to minute
-    (47 to 77 GB/s in three runs a minute apart), so the floor is read while the steps run, not before."""
+    `steps` consecutive steps of each variant, per round): this box's bandwidth moves by tens of percent from
+    minute to minute (47 to 77 GB/s in three runs a minute apart), so the floor is read while the steps run,
+    not before. Returns the bandwidth, the first step of each variant's turn (after the sum or the other
+    variant's steps: caches and threads cold) and the steps after it (a stream's steady state, as served)."""
     read_seconds(buffer)  # the first pass faults the pages in
     best = float("inf")
-    times: dict[str, list[float]] = {name: [] for name in batches}
+    first: dict[str, list[float]] = {name: [] for name in batches}
+    after: dict[str, list[float]] = {name: [] for name in batches}
     for round_ in range(warmup + rounds):
         best = min(best, read_seconds(buffer))
-        step = time_decode(batches, 1, warmup=0)
-        if round_ >= warmup:
-            for name, seconds in step.items():
-                times[name].extend(seconds)
-    return buffer.numel() * buffer.element_size() / best, times
+        for name, batch in batches.items():
+            seconds = time_decode({name: batch}, steps, warmup=0)[name]
+            if round_ >= warmup:
+                first[name].append(seconds[0])
+                after[name].extend(seconds[1:])
+    return buffer.numel() * buffer.element_size() / best, first, after
 
 
 def linear_bytes(model: torch.nn.Module) -> int:
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--context", type=int, default=200, help="tokens already in the row's KV cache (default 200)")
-    p.add_argument("--repeats", type=int, default=15, help="timed steps per variant, interleaved (default 15)")
+    p.add_argument("--repeats", type=int, default=15, help="rounds: a bandwidth probe, then each variant's steps "
+                                                           "(default 15)")
+    p.add_argument("--steps", type=int, default=4, help="consecutive steps of a variant per round (default 4)")
     p.add_argument("--buffer-mib", type=int, default=1024, help="the bandwidth probe's buffer (default 1024)")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's, the server's)")
     args = p.parse_args(argv)
@@ -130,19 +137,22 @@ def main(argv: list[str] | None = None) -> None:
     slots = KV_LAYOUTS["slots"]
     batches = {v: prefill_one(lm.model, tokenizer, lm.device, slots, prompt) for v, lm in models.items()}
     buffer = torch.ones(args.buffer_mib * 2**20 // 4, dtype=torch.float32)
-    bandwidth, times = timed_rounds(buffer, batches, args.repeats, warmup=3)
+    bandwidth, first, after = timed_rounds(buffer, batches, args.repeats, warmup=3, steps=max(2, args.steps))
     print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s (sum over {args.buffer_mib} MiB, best of {args.repeats + 3}, "
           "each before a round of steps)")
     print(f"\nbatch-1 decode step (Batch.decode, slots cache, KV {args.context}), ms; floor = Linear weight bytes / "
           "read bandwidth")
-    print(f"{'variant':<8}{'weights MB':>12}{'floor ms':>10}{'min ms':>9}{'median ms':>11}{'x floor (min)':>15}"
-          f"{'x floor (median)':>18}")
+    print(f"{'variant':<8}{'steps':>7}{'weights MB':>12}{'floor ms':>10}{'min ms':>9}{'median ms':>11}"
+          f"{'x floor (min)':>15}{'x floor (median)':>18}")
     for variant, lm in models.items():
         weights = linear_bytes(lm.model)
         floor = weights / bandwidth
-        best, median = min(times[variant]), statistics.median(times[variant])
-        print(f"{variant:<8}{weights / 1e6:>12.0f}{floor * 1e3:>10.2f}{best * 1e3:>9.2f}{median * 1e3:>11.2f}"
-              f"{best / floor:>15.2f}{median / floor:>18.2f}")
+        for label, times in (("first", first[variant]), ("after", after[variant])):
+            best, median = min(times), statistics.median(times)
+            print(f"{variant:<8}{label:>7}{weights / 1e6:>12.0f}{floor * 1e3:>10.2f}{best * 1e3:>9.2f}"
+                  f"{median * 1e3:>11.2f}{best / floor:>15.2f}{median / floor:>18.2f}")
+    print("(first: a variant's first step of a round, after the probe or another variant's steps; after: the "
+          "steps that follow it, a stream's steady state)")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 

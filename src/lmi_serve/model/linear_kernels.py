@@ -186,7 +186,8 @@ def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 def attach_row_kernel(model: nn.Module, policy: str, available_bytes: int | None = None) -> RowKernelReport:
-    """Give `model`'s fp32 OneDnnLinear layers the row kernel's copy as `policy` (option.row_kernel) says (row_kernel.py)."""
+    """Give `model`'s fp32 OneDnnLinear layers their copy for the row kernel as `policy` (option.row_kernel)
+    says (row_kernel.py)."""
     layers = [(name, module) for name, module in model.named_modules()
               if isinstance(module, OneDnnLinear) and module.dtype == torch.float32]
     return use_row_kernel(layers, policy, available_bytes)

@@ -8,7 +8,9 @@ is defined but `helper`, which leaves a function as plain Python.
 
 from __future__ import annotations
 
+import logging
 import threading
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ except ImportError:  # pragma: no cover - a dependency; without it the kernels a
     numba = None
 
 NUMBA = numba is not None
+log = logging.getLogger(__name__)
 
 
 def helper(function):
@@ -107,3 +110,34 @@ def match_torch_threads() -> None:
     if getattr(_threads, "count", None) != threads:
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         _threads.count = threads
+
+
+class CompiledOnce:
+    """A kernel compiled on its first use, once, under a lock: `get()` returns it, or None where compiling
+    raised (logged once at `level`, after `unavailable`: what runs instead). `value` reads it without the lock
+    once compiled (kernels called many times a step)."""
+
+    def __init__(self, compile: Callable[[], Any], unavailable: str, level: int = logging.INFO):
+        self._compile, self._unavailable, self._level = compile, unavailable, level
+        self._lock = threading.Lock()
+        self.done, self.value = False, None
+
+    def get(self) -> Any | None:
+        if not self.done:
+            with self._lock:
+                if not self.done:
+                    try:
+                        if numba is None:
+                            raise RuntimeError("numba is not installed")
+                        self.value = self._compile()
+                    except Exception as error:  # noqa: BLE001 - any failure means the fallback, said once
+                        log.log(self._level, "%s: %s", self._unavailable, error)
+                    self.done = True
+        return self.value
+
+
+def require_omp_layer() -> None:
+    """Raise unless numba's parallel loops run on its OpenMP layer (the kernels set it before compiling: the
+    workqueue layer's threads fight torch's OpenMP ones)."""
+    if numba.threading_layer() != "omp":
+        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")

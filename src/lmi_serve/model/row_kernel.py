@@ -23,14 +23,14 @@ against 35.2 ms.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import psutil
 import torch
 from torch import nn
+
+from lmi_serve.model.numba_bits import CompiledOnce, require_omp_layer
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,6 @@ TILE = 32  # outputs a thread computes together: two 16-lane vectors
 MAX_ROWS = 2  # rows it takes: per layer 0.5-0.8x oneDNN's time at 1-2 rows, level at 3-4, slower from 6
 _BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
 _AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
-_state: dict[str, Any] = {}
-_lock = threading.Lock()
 
 try:
     import numba
@@ -49,7 +47,7 @@ try:
     from numba.extending import intrinsic
 
     from lmi_serve.model.numba_bits import FLOAT32x16, FLOATS16, float32_pointer, match_torch_threads, zeros16
-except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
+except ImportError:  # pragma: no cover - a dependency; without it `kernel()` is None
     numba = None
 
 
@@ -118,28 +116,21 @@ def _few_rows(x_address, rows, weights_address, tiles, columns, block, bias_addr
 
 
 def _compile() -> Any:
-    if numba is None:
-        raise RuntimeError("numba is not installed")
     numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (engine/kv/decode_kernel.py says why)
     compiled = numba.njit(parallel=True, cache=True, nogil=True)(_few_rows)
     ones = RowWeights.pack(torch.ones(TILE + 1, 3), torch.ones(TILE + 1), 2)
     if not torch.equal(ones.compute(compiled, torch.ones(1, 3)), torch.full((1, TILE + 1), 4.0)):  # compiles it now
         raise RuntimeError("its self-check failed")
-    if numba.threading_layer() != "omp":
-        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
+    require_omp_layer()
     return compiled
+
+
+_compiled = CompiledOnce(_compile, "row kernel unavailable: fp32 Linear layers keep oneDNN for every row count")
 
 
 def kernel() -> Any | None:
     """The compiled kernel, or None where numba or its OpenMP layer is missing (logged once)."""
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                _state["kernel"] = _compile()
-            except Exception as error:  # noqa: BLE001 - any failure means oneDNN always, said once
-                log.info("row kernel unavailable: fp32 Linear layers keep oneDNN for every row count: %s", error)
-                _state["kernel"] = None
-        return _state["kernel"]
+    return _compiled.get()
 
 
 class RowWeights:
@@ -171,7 +162,7 @@ class RowWeights:
         return self.weights.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.compute(_state["kernel"], x)
+        return self.compute(_compiled.value, x)
 
     def compute(self, compiled: Any, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
@@ -187,8 +178,8 @@ class RowWeights:
 
 def probe_block(weight: torch.Tensor, bias: torch.Tensor | None,
                 batched: Callable[[torch.Tensor], torch.Tensor]) -> RowWeights | None:
-    """The layer's weights for the row kernel with the block size whose answers equal `batched`'s (the layer's kernel on
-    two rows) for random rows, or None where no candidate does."""
+    """The layer's weights for the row kernel with the block size whose answers equal `batched`'s (the layer's
+    kernel on two rows) for random rows, or None where no candidate does."""
     in_features = weight.shape[1]
     rows = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -214,15 +205,15 @@ class RowKernelReport:
         if not self.layers:
             return f"option.row_kernel={self.policy}: not used ({self.why_not})"
         unmatched = f"; {len(self.unmatched)} kept on oneDNN (no block size matched)" if self.unmatched else ""
-        return (f"option.row_kernel={self.policy}: {self.layers} fp32 Linear layers with a copy for 1-{MAX_ROWS} rows "
-                f"({self.nbytes / 2**20:.0f} MiB){unmatched}")
+        return (f"option.row_kernel={self.policy}: {self.layers} fp32 Linear layers with a copy for 1-{MAX_ROWS} "
+                f"rows ({self.nbytes / 2**20:.0f} MiB){unmatched}")
 
 
 def use_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
-                       available_bytes: int | None = None) -> RowKernelReport:
-    """Give fp32 `layers` (name, linear_kernels.OneDnnLinear) their row kernel's copy (`layer.use_row_kernel`) as
-    `policy` says: `on` all, `off` none, `auto` all where the copies fit in a quarter of `available_bytes`
-    (the memory available now when None). Raises ValueError for an unknown policy."""
+                   available_bytes: int | None = None) -> RowKernelReport:
+    """Give fp32 `layers` (name, linear_kernels.OneDnnLinear) their copy for the row kernel
+    (`layer.use_row_kernel`) as `policy` says: `on` all, `off` none, `auto` all where the copies fit in a
+    quarter of `available_bytes` (the memory available now when None). Raises ValueError for an unknown policy."""
     if policy not in POLICIES:
         raise ValueError(f"option.row_kernel: {policy!r} is not one of {', '.join(POLICIES)}")
     report = RowKernelReport(policy)

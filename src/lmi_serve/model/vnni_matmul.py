@@ -26,21 +26,16 @@ Layout (`pack`): q [N, K] int8 (the GGUF's), d [N, K/32] as fp16 bits (uint16). 
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmi_serve.model.numba_bits import helper
+from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
 
-log = logging.getLogger(__name__)
 
 GROUP = 32  # columns per scale (a GGUF Q8_0 block)
 _INT16_MAX = 32767
-_state: dict[str, Any] = {}
-_lock = threading.Lock()
 
 try:
     import numba
@@ -182,8 +177,6 @@ def _host_has_vnni() -> bool:
 
 
 def _compile() -> Any:
-    if numba is None:
-        raise RuntimeError("numba is not installed")
     if not _host_has_vnni():
         raise RuntimeError("the CPU has no AVX-512 VNNI")
     numba.config.THREADING_LAYER = "omp"  # OpenMP threads, as the decode attention kernel's
@@ -197,8 +190,7 @@ def _compile() -> Any:
     want = (quantized.astype(np.float32) * np.repeat(scales, GROUP, axis=1)) @ unpacked(*packed).T
     if not np.allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max()):
         raise RuntimeError(f"its self-check failed (max difference {np.abs(got - want).max()})")
-    if numba.threading_layer() != "omp":
-        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
+    require_omp_layer()
     return compiled
 
 
@@ -212,16 +204,12 @@ def _call(compiled: Any, x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch
     return out
 
 
+_compiled = CompiledOnce(_compile, "VNNI kernel unavailable: Q8_0 layers keep their loaded weights")
+
+
 def kernel() -> Any | None:
     """The compiled kernel, or None where numba, its OpenMP layer or VNNI is missing (logged once)."""
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                _state["kernel"] = _compile()
-            except Exception as error:  # noqa: BLE001 - any failure means the loaded weights, said once
-                log.info("VNNI kernel unavailable: Q8_0 layers keep their loaded weights: %s", error)
-                _state["kernel"] = None
-        return _state["kernel"]
+    return _compiled.get()
 
 
 def available() -> bool:
@@ -231,4 +219,4 @@ def available() -> bool:
 def matmul(x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     """x [M, K] bf16 (contiguous) times the packed layer's weights transposed: [M, N] bf16. Call only
     where `available()`."""
-    return _call(_state["kernel"], x, q, d)
+    return _call(_compiled.value, x, q, d)

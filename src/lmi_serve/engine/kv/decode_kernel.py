@@ -31,18 +31,16 @@ machine and K/V dtype (cached beside this file or in numba's cache directory).""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-log = logging.getLogger(__name__)
+from lmi_serve.model.numba_bits import CompiledOnce, require_omp_layer
+
 
 _EXP_FLOOR = -87.0  # exp below this is a float32 denormal, whose products are slow: counted as 0
 BLOCK = 64  # columns scored, then weighted, then summed together: the exps of a block vectorise
-_state: dict[str, Any] = {}
-_lock = threading.Lock()
 
 
 DTYPES = (torch.float32, torch.bfloat16)  # the K/V dtypes it reads; the arithmetic is fp32
@@ -211,8 +209,6 @@ def _bfloat16_kernel(q_address, q_length, q_row, q_head, query_heads, k_address,
 
 
 def _compile() -> Any:
-    if numba is None:
-        raise RuntimeError("numba is not installed")
     # the workqueue layer's threads fight torch's OpenMP ones (a 32-row step 1.1-1.2x slower than SDPA's)
     numba.config.THREADING_LAYER = "omp"
     compiled = {dtype: numba.njit(parallel=True, fastmath=_FLAGS, cache=True, nogil=True)(function)
@@ -221,21 +217,16 @@ def _compile() -> Any:
         kv = torch.zeros((1, 1, 2, 8), dtype=dtype)
         _attend(compiled, torch.zeros((1, 1, 1, 8), dtype=dtype), kv, kv, torch.ones((1, 1, 1, 2), dtype=torch.bool),
                 1.0)
-    if numba.threading_layer() != "omp":
-        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")
+    require_omp_layer()
     return compiled
+
+
+_compiled = CompiledOnce(_compile, "decode attention kernel unavailable, SDPA attends instead", logging.WARNING)
 
 
 def kernel() -> Any | None:
     """The compiled kernels by dtype, or None where numba or its OpenMP layer is missing (logged once)."""
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                _state["kernel"] = _compile()
-            except Exception as error:  # noqa: BLE001 - any failure means SDPA, said once
-                log.warning("decode attention kernel unavailable, SDPA attends instead: %s", error)
-                _state["kernel"] = None
-        return _state["kernel"]
+    return _compiled.get()
 
 
 def _buffer(x: torch.Tensor) -> tuple[int, int, int] | None:
@@ -274,7 +265,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     returns [rows, 1, query heads, dim] (the layout attention functions return), or None when the
     kernel is unavailable or the K/V are not laid out for it (the caller attends with SDPA). bf16 in, bf16
     out: the query widened, the output rounded once."""
-    compiled = _state["kernel"] if "kernel" in _state else kernel()  # no lock once compiled: 30 calls a step
+    compiled = _compiled.value if _compiled.done else kernel()  # no lock once compiled: 30 calls a step
     return None if compiled is None else _attend(compiled, query, key, value, mask, scale)
 
 
