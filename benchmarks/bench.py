@@ -35,7 +35,7 @@ Systems:
               engine/kv/decode_kernel.py (the kernel's served baseline).
 - rolling-separate  rolling with option.mixed_steps=false: each joiner's prompt in a forward of its own
               instead of packed with the running rows' decode (engine/kv/mixed.py's served baseline).
-- rolling-no-row  rolling with option.row_kernel=off: one or two rows on oneDNN too (model/row_kernel.py's
+- rolling-no-row  rolling with option.row_kernel=off: one to eight rows on oneDNN too (model/row_kernel.py's
               served baseline).
 - dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;
               non-streaming POST /invocations, so TTFT = E2E and there is no TPOT/ITL.

@@ -36,7 +36,7 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-sdpa": {"kv_cache": "slots", "decode_attention": "sdpa"},
     # rolling less one forward per step (engine/kv/mixed.py): every joiner's prompt in a forward of its own
     "rolling-separate": {"kv_cache": "slots", "mixed_steps": "false"},
-    # rolling less the row kernel (model/row_kernel.py): one or two rows on oneDNN too, no second copy
+    # rolling less the row kernel (model/row_kernel.py): one to eight rows on oneDNN too, no second copy
     "rolling-no-row": {"kv_cache": "slots", "row_kernel": "off"},
 }
 

@@ -34,7 +34,7 @@ Quantize = Literal["none", "fp16", "q4"]
 # fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
 # (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
 LinearKernel = Literal["auto", "onednn", "torch"]
-# One or two fp32 rows (decode steps of one or two streams) on a kernel of our own over a second copy of the weights,
+# One to eight fp32 rows (decode steps of a few streams) on a kernel of our own over a second copy of the weights,
 # the bits of oneDNN's batched kernel (model/row_kernel.py): auto = where the copies fit in a quarter of the memory.
 RowKernel = Literal["auto", "on", "off"]
 # A decode step's attention (engine/kv/decode_kernel.py): auto = the CPU kernel (fp32, bf16) where it applies, else
@@ -398,13 +398,14 @@ class ModelConfig(BaseModel):
     row_kernel: RowKernel = Field(
         "auto",
         description=(
-            "where option.linear_kernel puts fp32 Linear layers on oneDNN: one or two rows (the decode steps of "
-            "one or two streams) on a kernel of our own (model/row_kernel.py) over a second copy of the weights "
-            "laid out for it, with the bits oneDNN gives those rows in any batch (its block size probed per layer "
-            "at start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a "
-            "quarter of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no "
-            "copy. A one-row step of the default 0.78x its time on oneDNN alone, the served one-stream TPOT 20.9 "
-            "against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text generation only"
+            "where option.linear_kernel puts fp32 Linear layers on oneDNN: one to eight rows (the decode steps of "
+            "a few streams) on a kernel of our own (model/row_kernel.py) over a second copy of the weights laid "
+            "out for it, with the bits oneDNN gives those rows in any batch (its block size probed per layer at "
+            "start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a quarter "
+            "of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no copy. "
+            "The default's decode step 0.70x / 0.71x / 0.79x its time on oneDNN alone at 1 / 4 / 8 rows, the "
+            "served one-stream TPOT 20.9 against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text generation "
+            "only"
         ),
     )
     # LoRA adapters (model/lora.py, engine/adapters.py): <model_dir>/adapters/* at start-up, the adapters API

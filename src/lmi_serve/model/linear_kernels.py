@@ -92,7 +92,7 @@ class OneDnnLinear(nn.Module):
         return self._linear(x.contiguous())
 
     def use_row_kernel(self, weights) -> None:
-        """Compute one or two rows with the row kernel on `weights` (row_kernel.RowWeights, probed to give
+        """Compute up to row_kernel.MAX_ROWS rows with the row kernel on `weights` (row_kernel.RowWeights, probed to give
         this layer's batched bits)."""
         self._row_weights = weights
 
@@ -156,7 +156,7 @@ class LinearKernelReport:
     stacked: list[str] = field(default_factory=list)  # of `swapped`: siblings stacked into one matmul (shared_input.py)
     norms: list[str] = field(default_factory=list)  # RMSNorm layers on F.rms_norm, the same bits (fused_norms.py)
     lean: list[str] = field(default_factory=list)  # decoder layers in fewer ops, the same bits (lean_layers.py)
-    row_kernel: RowKernelReport | None = None  # 1-2 rows on the row kernel, the same bits (row_kernel.py)
+    row_kernel: RowKernelReport | None = None  # 1-8 rows on the row kernel, the same bits (row_kernel.py)
     kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays an nn.Linear
     seconds: float = 0.0
 
@@ -199,7 +199,7 @@ def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
     (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
     False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
     their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
-    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one or two
+    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one to eight
     fp32 rows go on the row kernel as `row_kernel` (option.row_kernel; `auto`, as the server's default) says
     (row_kernel.py). Raises
     LinearKernelError for a request that cannot apply."""

@@ -1,10 +1,11 @@
-"""fp32 Linear layers on one or two rows at the weights' bandwidth, with the bits oneDNN gives a row in a batch.
+"""fp32 Linear layers on one to eight rows at the weights' bandwidth, with the bits oneDNN gives a row in a batch.
 
 A one-row decode step of the default (SmolLM2 in fp32) reads 538 MB of weights; oneDNN's packed kernel
 (model/linear_kernels.py) streams them at 19 GB/s at one row where the box reads 33 GB/s, the small
-matrices worst (13-17 GB/s: its few-row path is built for blocks of rows). This kernel computes one or two
-rows (MAX_ROWS: from 3-4 rows oneDNN is as fast) from a second copy of the weights laid out [N/32, K, 32],
-so each thread streams one contiguous range, 32 outputs (two AVX-512 vectors) at a time.
+matrices worst (13-17 GB/s: its few-row path is built for blocks of rows). This kernel computes one to eight
+rows (MAX_ROWS) from a second copy of the weights laid out [N/32, K, 32], so each thread streams one
+contiguous range, 32 outputs (two AVX-512 vectors) at a time, each weight vector loaded once for four rows
+(a layer at four rows costs about what it costs at one).
 
 It must answer what oneDNN answers for the same row in a batch of 2 to 64 (a row decoding alone gets the
 bits it gets in company). oneDNN's fp32 kernel for several rows sums each output over K in blocks of B
@@ -30,13 +31,13 @@ import psutil
 import torch
 from torch import nn
 
-from lmi_serve.model.numba_bits import CompiledOnce, require_omp_layer
+from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("auto", "on", "off")
 TILE = 32  # outputs a thread computes together: two 16-lane vectors
-MAX_ROWS = 2  # rows it takes: per layer 0.5-0.8x oneDNN's time at 1-2 rows, level at 3-4, slower from 6
+MAX_ROWS = 8  # rows it takes: a step 0.70x / 0.71x / 0.79x oneDNN's at 1 / 4 / 8 rows (RESULTS.md)
 _BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
 _AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
 
@@ -89,30 +90,89 @@ if numba is not None:
 
 def _few_rows(x_address, rows, weights_address, tiles, columns, block, bias_address, out_address):  # pragma: no cover
     """out [rows, tiles * 32] = x [rows, columns] times the weights ([tiles, columns, 32], by address), oneDNN's
-    order: per block of `block` columns an fma chain from zero, the blocks' sums added in order, then the bias
-    (bias_address 0: none). A tile's weights come from memory for the first row, from the core's L2 after."""
+    order for each row: per block of `block` columns an fma chain from zero, the blocks' sums added in order,
+    then the bias (bias_address 0: none). Rows go four at a time, each weight vector loaded once for the four
+    (a group of fewer repeats its first row, computed and not stored); a lone row on its own loop. Every row's
+    arithmetic is the same whichever way, so its bits do not depend on the others."""
     x, weights, out = float32_pointer(x_address), float32_pointer(weights_address), float32_pointer(out_address)
     width = tiles * TILE
     for tile in numba.prange(tiles):
         base = tile * columns * TILE
-        for row in range(rows):
-            x_row = row * columns
-            low, high = zeros16(), zeros16()
-            for first in range(0, columns, block):
-                part_low, part_high = zeros16(), zeros16()
-                for k in range(first, min(columns, first + block)):
-                    at, value = base + k * TILE, x[x_row + k]
-                    part_low = _fma16(part_low, _load16(weights, at), value)
-                    part_high = _fma16(part_high, _load16(weights, at + 16), value)
-                if first == 0:
-                    low, high = part_low, part_high
-                else:
-                    low, high = _add16(low, part_low), _add16(high, part_high)
-            if bias_address != 0:
-                bias = float32_pointer(bias_address)
-                low, high = _add16(low, _load16(bias, tile * TILE)), _add16(high, _load16(bias, tile * TILE + 16))
-            _store16(out, row * width + tile * TILE, low)
-            _store16(out, row * width + tile * TILE + 16, high)
+        for group in range(0, rows, 4):
+            if rows - group == 1:
+                _one_row_tile(x, group * columns, weights, base, columns, block, bias_address, tile, out,
+                              group * width)
+            else:
+                _four_rows_tile(x, group, rows, columns, weights, base, block, bias_address, tile, out, width)
+
+
+@helper
+def _one_row_tile(x, x_at, weights, base, columns, block, bias_address, tile, out, out_at):  # pragma: no cover
+    low, high = zeros16(), zeros16()
+    for first in range(0, columns, block):
+        part_low, part_high = zeros16(), zeros16()
+        for k in range(first, min(columns, first + block)):
+            at, value = base + k * TILE, x[x_at + k]
+            part_low = _fma16(part_low, _load16(weights, at), value)
+            part_high = _fma16(part_high, _load16(weights, at + 16), value)
+        if first == 0:
+            low, high = part_low, part_high
+        else:
+            low, high = _add16(low, part_low), _add16(high, part_high)
+    if bias_address != 0:
+        bias = float32_pointer(bias_address)
+        low, high = _add16(low, _load16(bias, tile * TILE)), _add16(high, _load16(bias, tile * TILE + 16))
+    _store16(out, out_at + tile * TILE, low)
+    _store16(out, out_at + tile * TILE + 16, high)
+
+
+@helper
+def _four_rows_tile(x, group, rows, columns, weights, base, block, bias_address, tile, out,
+                    width):  # pragma: no cover
+    # rows past the end read the group's first row: computed, never stored
+    x0 = group * columns
+    x1 = (group + 1) * columns if group + 1 < rows else x0
+    x2 = (group + 2) * columns if group + 2 < rows else x0
+    x3 = (group + 3) * columns if group + 3 < rows else x0
+    low0, high0, low1, high1 = zeros16(), zeros16(), zeros16(), zeros16()
+    low2, high2, low3, high3 = zeros16(), zeros16(), zeros16(), zeros16()
+    for first in range(0, columns, block):
+        part_low0, part_high0, part_low1, part_high1 = zeros16(), zeros16(), zeros16(), zeros16()
+        part_low2, part_high2, part_low3, part_high3 = zeros16(), zeros16(), zeros16(), zeros16()
+        for k in range(first, min(columns, first + block)):
+            at = base + k * TILE
+            w_low, w_high = _load16(weights, at), _load16(weights, at + 16)
+            part_low0, part_high0 = _fma16(part_low0, w_low, x[x0 + k]), _fma16(part_high0, w_high, x[x0 + k])
+            part_low1, part_high1 = _fma16(part_low1, w_low, x[x1 + k]), _fma16(part_high1, w_high, x[x1 + k])
+            part_low2, part_high2 = _fma16(part_low2, w_low, x[x2 + k]), _fma16(part_high2, w_high, x[x2 + k])
+            part_low3, part_high3 = _fma16(part_low3, w_low, x[x3 + k]), _fma16(part_high3, w_high, x[x3 + k])
+        if first == 0:
+            low0, high0, low1, high1 = part_low0, part_high0, part_low1, part_high1
+            low2, high2, low3, high3 = part_low2, part_high2, part_low3, part_high3
+        else:
+            low0, high0 = _add16(low0, part_low0), _add16(high0, part_high0)
+            low1, high1 = _add16(low1, part_low1), _add16(high1, part_high1)
+            low2, high2 = _add16(low2, part_low2), _add16(high2, part_high2)
+            low3, high3 = _add16(low3, part_low3), _add16(high3, part_high3)
+    if bias_address != 0:
+        bias = float32_pointer(bias_address)
+        bias_low, bias_high = _load16(bias, tile * TILE), _load16(bias, tile * TILE + 16)
+        low0, high0 = _add16(low0, bias_low), _add16(high0, bias_high)
+        low1, high1 = _add16(low1, bias_low), _add16(high1, bias_high)
+        low2, high2 = _add16(low2, bias_low), _add16(high2, bias_high)
+        low3, high3 = _add16(low3, bias_low), _add16(high3, bias_high)
+    at = group * width + tile * TILE
+    _store16(out, at, low0)
+    _store16(out, at + 16, high0)
+    if group + 1 < rows:
+        _store16(out, at + width, low1)
+        _store16(out, at + width + 16, high1)
+    if group + 2 < rows:
+        _store16(out, at + 2 * width, low2)
+        _store16(out, at + 2 * width + 16, high2)
+    if group + 3 < rows:
+        _store16(out, at + 3 * width, low3)
+        _store16(out, at + 3 * width + 16, high3)
 
 
 def _compile() -> Any:
@@ -135,7 +195,7 @@ def kernel() -> Any | None:
 
 class RowWeights:
     """A layer's weights [N, K] (and bias) laid out for the row kernel, with oneDNN's block size. Called on
-    one or two contiguous fp32 rows ([..., K]) it returns [..., N]; only where `kernel()` is not None."""
+    one to MAX_ROWS contiguous fp32 rows ([..., K]) it returns [..., N]; only where `kernel()` is not None."""
 
     def __init__(self, laid_out: torch.Tensor, bias: torch.Tensor | None, out_features: int, block: int):
         self.weights, self.bias = laid_out, bias  # [ceil(N / 32), K, 32] (rows past N zero); [ceil(N / 32) * 32]

@@ -1,6 +1,6 @@
-"""option.row_kernel (model/row_kernel.py): one or two fp32 rows on a kernel of our own, oneDNN's batched bits.
+"""option.row_kernel (model/row_kernel.py): one to eight fp32 rows on a kernel of our own, oneDNN's batched bits.
 
-- A row alone, and a pair, get bit for bit what the same rows get in any batch of 3 to 33 rows on oneDNN
+- One to MAX_ROWS rows get bit for bit what the same rows get in any larger batch (to 33 rows) on oneDNN
   (with and without bias, input widths on both sides of oneDNN's change of block size, output widths that
   are not a multiple of the kernel's 32), for 2-D and 3-D inputs, and the row kernel is what computed them.
 - Its results are F.linear's up to summation order.
@@ -23,7 +23,7 @@ from lmi_serve.config.models import options_not_taken
 from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.model import row_kernel
 from lmi_serve.model.linear_kernels import OneDnnLinear, attach_row_kernel, onednn_available, use_linear_kernel
-from lmi_serve.model.row_kernel import RowWeights, probe_block
+from lmi_serve.model.row_kernel import MAX_ROWS, RowWeights, probe_block
 
 from test_linear_kernels import IDS, close, greedy, logits, tiny_llama
 
@@ -50,14 +50,14 @@ def test_a_row_alone_gets_the_bits_it_gets_in_any_batch(in_features, out_feature
     calls = []
     layer._linear = lambda rows: calls.append(rows.shape[0]) or batched(rows)
     with torch.no_grad():
-        alone, pair = layer(x[:1]), layer(x[:2])
+        few = [layer(x[:rows]) for rows in range(1, MAX_ROWS + 1)]
         assert calls == []  # the row kernel computed them, not oneDNN
-        assert alone.shape == (1, out_features) and pair.shape == (2, out_features)
-        assert torch.equal(pair[:1], alone)
-        assert all(torch.equal(layer(x[:rows])[:2], pair) for rows in range(3, 34))
-        assert calls == list(range(3, 34))
-        assert torch.equal(layer(x[:1].reshape(1, 1, in_features)).reshape(1, out_features), alone)
-        assert torch.equal(layer(x[:2].reshape(2, 1, in_features)).reshape(2, out_features), pair)
+        assert [f.shape for f in few] == [(rows, out_features) for rows in range(1, MAX_ROWS + 1)]
+        assert all(torch.equal(few[-1][:rows], few[rows - 1]) for rows in range(1, MAX_ROWS))
+        assert all(torch.equal(layer(x[:rows])[:MAX_ROWS], few[-1]) for rows in range(MAX_ROWS + 1, 34))
+        assert calls == list(range(MAX_ROWS + 1, 34))
+        for rows in (1, MAX_ROWS):  # a decode step's shape
+            assert torch.equal(layer(x[:rows].reshape(rows, 1, in_features)).reshape(rows, out_features), few[rows - 1])
         layer._linear = batched
 
 
