@@ -92,8 +92,8 @@ class OneDnnLinear(nn.Module):
         return self._linear(x.contiguous())
 
     def use_row_kernel(self, weights) -> None:
-        """Compute up to row_kernel.MAX_ROWS rows with the row kernel on `weights` (row_kernel.RowWeights, probed to give
-        this layer's batched bits)."""
+        """Compute up to row_kernel.MAX_ROWS rows with the row kernel on `weights` (row_kernel.RowWeights, probed
+        to give this layer's batched bits)."""
         self._row_weights = weights
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,8 +201,7 @@ def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
     their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
     (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one to eight
     fp32 rows go on the row kernel as `row_kernel` (option.row_kernel; `auto`, as the server's default) says
-    (row_kernel.py). Raises
-    LinearKernelError for a request that cannot apply."""
+    (row_kernel.py). Raises LinearKernelError for a request that cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
     report.norms = use_fused_norms(model)
