@@ -236,8 +236,9 @@ def no_model(monkeypatch):
     class Watermark(Recorder):
         pass
 
-    def use_linear_kernel(model, requested, device):
+    def use_linear_kernel(model, requested, device, row_kernel="auto"):
         calls["use_linear_kernel"] = requested
+        calls["row_kernel"] = row_kernel
 
     monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
     monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
@@ -264,7 +265,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
                     reasoning_parser="qwen3", max_reasoning_tokens=64, tool_call_parser="llama3_json",
                     prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch",
-                    draft_model_id="ngram", spec_length=3, prompt_lookup_max=5, mixed_steps=False)
+                    draft_model_id="ngram", spec_length=3, prompt_lookup_max=5, mixed_steps=False, row_kernel="off")
 
 
 def engine_and_rolling(no_model) -> tuple[Recorder, Recorder]:
@@ -280,7 +281,7 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert model_id == "org/model"
     assert kwargs == {"gguf_file": "m.gguf", "dtype": "bf16", "device_map": "auto", "tensor_parallel_degree": "max",
                       "revision": "main", "trust_remote_code": True, "cache_dir": "/tmp/cache"}
-    assert no_model.calls["use_linear_kernel"] == "torch"
+    assert no_model.calls["use_linear_kernel"] == "torch" and no_model.calls["row_kernel"] == "off"
     engine, rolling = engine_and_rolling(no_model)
     prefix_cache = engine.kwargs.pop("prefix_cache")
     assert isinstance(prefix_cache, PrefixCache) and prefix_cache.budget_bytes == 3 * 2**20
