@@ -36,6 +36,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lmi_serve.model import rotary_kernel
+from lmi_serve.model import layer_chain  # a module: it imports linear_kernels, which imports this
 from lmi_serve.model.shared_input import SharedInputSlice
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class LeanLayer:
         # (q, k, v) or (gate, up) modules -> whether they are one stacked matmul's members: asked once per set of
         # modules (a module swapped later, a LoRA wrapper, is another key)
         self._stacked: dict[tuple[nn.Module, ...], bool] = {}
+        self._chains: dict[tuple[nn.Module, ...], layer_chain.LayerChain | None] = {}  # children -> chain (layer_chain.py)
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                  past_key_values: Any = None, use_cache: bool | None = False,
@@ -136,15 +138,40 @@ class LeanLayer:
             return self.original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=past_key_values, use_cache=use_cache,
                                  position_embeddings=position_embeddings, **kwargs)
-        attended = self._attention(attn, children["input_layernorm"](hidden_states), attention_mask, position_ids,
-                                   past_key_values, use_cache, position_embeddings, kwargs)
-        hidden_states = hidden_states + attended
         mlp = children["mlp"]._modules
+        chain = self._chain_of(children, attn._modules, mlp)
+        if chain is not None and chain.takes(hidden_states):  # a few fp32 rows: three numba calls (layer_chain.py)
+            qkv = chain.attention_in(hidden_states)
+            q, k, v = qkv.split(chain.qkv_sizes, -1)
+            attended = self._attention(attn, (q, k, v), True, attention_mask, position_ids, past_key_values,
+                                       use_cache, position_embeddings, kwargs)
+            hidden_states, gate_up = chain.attention_out(attended, hidden_states)
+            gate, up = gate_up.split(chain.gate_up_sizes, -1)
+            return chain.mlp_out(self._gated(mlp, children, gate, up), hidden_states)
+        members = (attn._modules["q_proj"], attn._modules["k_proj"], attn._modules["v_proj"])
+        one_matmul = self._is_stacked(members)
+        projected = project(children["input_layernorm"](hidden_states), members, one_matmul)
+        attended = self._attention(attn, projected, one_matmul, attention_mask, position_ids, past_key_values,
+                                   use_cache, position_embeddings, kwargs)
+        hidden_states = hidden_states + attn._modules["o_proj"](attended)
         members = (mlp["gate_proj"], mlp["up_proj"])
         gate, up = project(children["post_attention_layernorm"](hidden_states), members, self._is_stacked(members))
+        return hidden_states + mlp["down_proj"](self._gated(mlp, children, gate, up))
+
+    @staticmethod
+    def _gated(mlp: dict, children: dict, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         act = mlp.get("act_fn") or children["mlp"].act_fn
-        gated = (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
-        return hidden_states + mlp["down_proj"](gated)
+        return (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
+
+    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> layer_chain.LayerChain | None:
+        """The layer's chain for its children as they are now (made once per set: a child swapped later, a
+        LoRA wrapper, is another key, and may have none)."""
+        key = (children["input_layernorm"], attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"],
+               children["post_attention_layernorm"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+        chain = self._chains.get(key, False)
+        if chain is False:
+            chain = self._chains[key] = layer_chain.LayerChain.of(key[0], key[1:4], key[4], key[5], key[6:8], key[8])
+        return chain
 
     def _is_stacked(self, members: tuple[nn.Module, ...]) -> bool:
         known = self._stacked.get(members)
@@ -152,15 +179,15 @@ class LeanLayer:
             known = self._stacked[members] = stacked(members)
         return known
 
-    def _attention(self, attn: nn.Module, x: torch.Tensor, attention_mask: Any, position_ids: Any,
-                   past_key_values: Any, use_cache: bool | None,
+    def _attention(self, attn: nn.Module, projected: tuple[torch.Tensor, ...], one_matmul: bool, attention_mask: Any,
+                   position_ids: Any, past_key_values: Any, use_cache: bool | None,
                    position_embeddings: tuple[torch.Tensor, torch.Tensor], kwargs: dict) -> torch.Tensor:
+        """The attention's output before o_proj, [..., heads x head_dim], for q/k/v `projected` (`one_matmul`:
+        views of one stacked output)."""
         children = attn._modules
-        input_shape = x.shape[:-1]
+        q, k, v = projected
+        input_shape = q.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        members = (children["q_proj"], children["k_proj"], children["v_proj"])
-        one_matmul = self._is_stacked(members)
-        q, k, v = project(x, members, one_matmul)
         cos, signed = self.signed_sin.terms(*position_embeddings)
         if self.spec.qk_norms:
             q = rotate_heads(children["q_norm"](q.view(hidden_shape)).transpose(1, 2), cos, signed)
@@ -181,14 +208,14 @@ class LeanLayer:
             fused = getattr(past_key_values, "decode_attend", None)
             out = None if fused is None else fused(attn, attn.layer_idx, q, k, v, attention_mask, attn.scaling, kwargs)
             if out is not None:
-                return children["o_proj"](out.reshape(*input_shape, -1).contiguous())
+                return out.reshape(*input_shape, -1).contiguous()
             k, v = past_key_values.update(k, v, attn.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         if self.spec.sliding_window:
             kwargs = {**kwargs, "sliding_window": attn.sliding_window}
         out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                            position_ids=position_ids, use_cache=use_cache, **kwargs)
-        return children["o_proj"](out.reshape(*input_shape, -1).contiguous())
+        return out.reshape(*input_shape, -1).contiguous()
 
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -100,7 +100,7 @@ def _sum_of_squares(x, lanes):  # pragma: no cover - numba compiles it
 
 
 @helper
-def _inverse_rms(x, eps, lanes):  # pragma: no cover - numba compiles it
+def inverse_rms(x, eps, lanes):  # pragma: no cover - numba compiles it
     return np.float32(1.0) / np.sqrt(_sum_of_squares(x, lanes) / np.float32(x.shape[0]) + eps)
 
 
@@ -109,7 +109,7 @@ def _direct(x_address, rows, width, weight_address, eps, out_address, lanes):  #
     weight = numba.carray(float32_pointer(weight_address), (width,))
     out = numba.carray(float32_pointer(out_address), (rows, width))
     for r in range(rows):
-        inverse = _inverse_rms(x[r], eps, lanes)
+        inverse = inverse_rms(x[r], eps, lanes)
         for d in range(width):
             out[r, d] = (x[r, d] * inverse) * weight[d]
 
@@ -122,7 +122,7 @@ def _upcast(x_address, rows, width, weight_address, eps, out_address, lanes):  #
     for r in range(rows):
         for d in range(width):
             row[d] = widen(x[r, d])
-        inverse = _inverse_rms(row, eps, lanes)
+        inverse = inverse_rms(row, eps, lanes)
         for d in range(width):
             out[r, d] = bf16(widen(bf16(row[d] * inverse)) * widen(weight[d]))
 

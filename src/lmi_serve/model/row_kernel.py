@@ -95,15 +95,20 @@ def _few_rows(x_address, rows, weights_address, tiles, columns, block, bias_addr
     (a group of fewer repeats its first row, computed and not stored); a lone row on its own loop. Every row's
     arithmetic is the same whichever way, so its bits do not depend on the others."""
     x, weights, out = float32_pointer(x_address), float32_pointer(weights_address), float32_pointer(out_address)
-    width = tiles * TILE
     for tile in numba.prange(tiles):
-        base = tile * columns * TILE
-        for group in range(0, rows, 4):
-            if rows - group == 1:
-                _one_row_tile(x, group * columns, weights, base, columns, block, bias_address, tile, out,
-                              group * width)
-            else:
-                _four_rows_tile(x, group, rows, columns, weights, base, block, bias_address, tile, out, width)
+        rows_tile(x, rows, columns, weights, tiles, block, bias_address, tile, out)
+
+
+@helper
+def rows_tile(x, rows, columns, weights, tiles, block, bias_address, tile, out):  # pragma: no cover
+    """One tile's 32 outputs of every row (`_few_rows`' loop body; model/layer_chain.py's too): x and out
+    pointers or 1-D arrays, weights a pointer."""
+    base, width = tile * columns * TILE, tiles * TILE
+    for group in range(0, rows, 4):
+        if rows - group == 1:
+            _one_row_tile(x, group * columns, weights, base, columns, block, bias_address, tile, out, group * width)
+        else:
+            _four_rows_tile(x, group, rows, columns, weights, base, block, bias_address, tile, out, width)
 
 
 @helper
