@@ -15,8 +15,10 @@ what this kernel computes, for a block size found per layer at start-up by compa
 oneDNN's two-row one on random rows (`probe_block`): not assumed, since it is oneDNN's choice per CPU.
 A layer where no candidate matches keeps oneDNN.
 
-The price is the copy: the packed weights are oneDNN's and opaque. `option.row_kernel` (`auto`: where
-the copies take at most a quarter of the memory available; `on`; `off`). Measured (benchmarks/RESULTS.md,
+The copies of all layers share one mapping on transparent huge pages (model/huge_pages.py: a step 0.92-0.94x
+its time on 4 KiB pages at one and four rows). The price is the copy: the packed weights are oneDNN's and
+opaque. `option.row_kernel` (`auto`: where the copies take at most a quarter of the memory available; `on`;
+`off`). Measured (benchmarks/RESULTS.md,
 2-core EPYC): the default's one-row step 0.78x its time on oneDNN alone, served one-stream TPOT 20.9
 against 35.2 ms.
 """
@@ -31,6 +33,7 @@ import psutil
 import torch
 from torch import nn
 
+from lmi_serve.model import huge_pages
 from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
 
 log = logging.getLogger(__name__)
@@ -212,15 +215,23 @@ class RowWeights:
         self._bias_address = 0 if bias is None else bias.data_ptr()
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> "RowWeights":
+    def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None, block: int,
+             into: torch.Tensor | None = None) -> "RowWeights":
+        """The copy of `weight` [N, K] laid out for the kernel (in `into`, `laid_out_size(N, K)` floats, where
+        given), with `bias` padded alike."""
         out_features, in_features = weight.shape
         tiles = -(-out_features // TILE)
         padded = torch.zeros(tiles * TILE, in_features, dtype=torch.float32)
         padded[:out_features] = weight
-        laid_out = padded.reshape(tiles, TILE, in_features).transpose(1, 2).contiguous()
+        source = padded.reshape(tiles, TILE, in_features).transpose(1, 2)
+        laid_out = source.contiguous() if into is None else into.view(tiles, in_features, TILE).copy_(source)
         if bias is not None:
             bias = torch.cat([bias.detach().float(), torch.zeros(tiles * TILE - out_features)]).contiguous()
         return cls(laid_out, bias, out_features, block)
+
+    def with_block(self, block: int) -> "RowWeights":
+        """The same copy read with another block size."""
+        return RowWeights(self.weights, self.bias, self.out_features, block)
 
     @property
     def nbytes(self) -> int:
@@ -241,16 +252,23 @@ class RowWeights:
         return out if self.width == self.out_features else out[..., :self.out_features]
 
 
-def probe_block(weight: torch.Tensor, bias: torch.Tensor | None,
-                batched: Callable[[torch.Tensor], torch.Tensor]) -> RowWeights | None:
-    """The layer's weights for the row kernel with the block size whose answers equal `batched`'s (the layer's
-    kernel on two rows) for random rows, or None where no candidate does."""
+def laid_out_size(out_features: int, in_features: int) -> int:
+    """Floats a layer's copy takes (its outputs padded to whole tiles)."""
+    return -(-out_features // TILE) * TILE * in_features
+
+
+def probe_block(weight: torch.Tensor, bias: torch.Tensor | None, batched: Callable[[torch.Tensor], torch.Tensor],
+                into: torch.Tensor | None = None) -> RowWeights | None:
+    """The layer's weights for the row kernel (copied into `into` where given: `RowWeights.pack`) with the block
+    size whose answers equal `batched`'s (the layer's kernel on two rows) for random rows, or None where no
+    candidate does."""
     in_features = weight.shape[1]
     rows = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = batched(rows)  # two rows: oneDNN's kernel for a batch
+    packed = RowWeights.pack(weight, bias, _BLOCKS[0], into)
     for block in dict.fromkeys(min(size, in_features) for size in (*_BLOCKS, in_features)):
-        candidate = RowWeights.pack(weight, bias, block)
+        candidate = packed.with_block(block)
         if all(torch.equal(candidate(rows[i:i + 1])[0], want[i]) for i in range(2)):
             return candidate
     return None
@@ -282,7 +300,8 @@ def use_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
     if policy not in POLICIES:
         raise ValueError(f"option.row_kernel: {policy!r} is not one of {', '.join(POLICIES)}")
     report = RowKernelReport(policy)
-    need = sum(-(-module.out_features // TILE) * TILE * module.in_features * 4 for _, module in layers)
+    sizes = [laid_out_size(module.out_features, module.in_features) for _, module in layers]
+    need = 4 * sum(sizes)
     available = psutil.virtual_memory().available if available_bytes is None else available_bytes
     if policy == "off":
         report.why_not = "off"
@@ -296,8 +315,10 @@ def use_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
     if report.why_not:
         return report
     report.unmatched = []
-    for name, module in layers:
-        weights = probe_block(module.dense_weight(), module.bias, module.batched)
+    arena, at = huge_pages.floats(sum(sizes)), 0  # every copy in one mapping on huge pages (huge_pages.py)
+    for (name, module), size in zip(layers, sizes):
+        weights = probe_block(module.dense_weight(), module.bias, module.batched, arena[at:at + size])
+        at += size
         if weights is None:
             report.unmatched.append(name)
             continue
