@@ -5,14 +5,15 @@ and ~5 ms of a ~19 ms SmolLM2 step is the rest: per layer about a dozen Python-l
 kernels (module calls, the norm's and the projections' wrappers, two residual adds), each a few µs. Where a
 Llama-family lean layer (lean_layers.py) has every piece on our kernels, its few-row forward runs as
 
-    attention_in:   RMSNorm, then q/k/v (one stacked matmul)                      -> qkv
-    (rotary, the K/V write and attention as before)
+    attention_in:   RMSNorm, q/k/v (one stacked matmul), q and k rotated          -> qkv, rotated q/k
+    (the K/V write and attention as before)
     attention_out:  o_proj, + the residual, RMSNorm, then gate/up (stacked)       -> hidden, gate_up
     (SiLU(gate) * up in torch: its exp is not ours to reproduce)
     mlp_out:        down_proj, + the residual                                     -> hidden
 
 each one numba call: the row kernel's tiles (`row_kernel.rows_tile`) in a parallel loop, the norm kernel's
-arithmetic (`norm_kernel.normalize_rows`) and the residual add between, on one thread. Every piece is the
+arithmetic (`norm_kernel.inverse_rms`), the rotary kernel's (`rotary_kernel.rotate_heads`; not where per-head
+q/k norms come first, Qwen3) and the residual add between, on one thread. Every piece is the
 code the separate calls run, in the same order, so the same bits: the residual add is one IEEE sum, as
 torch's `a + b`; tests/unit/model/test_layer_chain.py holds a model's logits to the unchained layers' bits.
 
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.model import linear_kernels, norm_kernel, row_kernel  # linear_kernels imports us (via lean_layers)
+from lmi_serve.model import linear_kernels, norm_kernel, rotary_kernel, row_kernel  # linear_kernels imports us (via lean_layers)
 from lmi_serve.model.fused_norms import FusedRMSNorm
 from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
 from lmi_serve.model.shared_input import SharedInputSlice
@@ -66,12 +67,21 @@ def _add_rows(residual, out, length):  # pragma: no cover - numba compiles it
 
 
 def _attention_in(x_address, rows, width, norm_address, eps, lanes, normed_address, weights_address, tiles, block,
-                  bias_address, out_address):  # pragma: no cover - numba compiles it
+                  bias_address, out_address, cos_address, sin_address, cos_batch, batch, tokens, heads, dim,
+                  rotated_address):  # pragma: no cover - numba compiles it
     x, normed, out = float32_pointer(x_address), float32_pointer(normed_address), float32_pointer(out_address)
     _norm_rows(x, rows, width, float32_pointer(norm_address), eps, lanes, normed)
     weights = float32_pointer(weights_address)
     for tile in numba.prange(tiles):
         row_kernel.rows_tile(normed, rows, width, weights, tiles, block, bias_address, tile, out)
+    if rotated_address != 0:  # q's and k's heads rotated, rotary_kernel.py's arithmetic
+        out_width = tiles * row_kernel.TILE
+        table = (cos_batch, tokens, dim)
+        rotary_kernel.rotate_heads(numba.carray(out, (rows * out_width,)),
+                                   numba.carray(float32_pointer(cos_address), table),
+                                   numba.carray(float32_pointer(sin_address), table),
+                                   numba.carray(float32_pointer(rotated_address), (batch, heads, tokens, dim)),
+                                   tokens * out_width, out_width)
 
 
 def _attention_out(a_address, rows, a_width, o_address, o_tiles, o_block, o_bias, residual_address, hidden_address,
@@ -155,6 +165,9 @@ def _sizes(members: tuple[SharedInputSlice, ...]) -> list[int]:
         else []
 
 
+_NO_ROTATION = (0, 0, 1, 1, 1, 1, 2)  # attention_in's rotary arguments when it does not rotate
+
+
 class LayerChain:
     """One decoder layer's three calls (module docstring), made by `LayerChain.of`; each method takes
     contiguous fp32 rows [..., width] (at most row_kernel.MAX_ROWS of them: `takes`)."""
@@ -171,6 +184,7 @@ class LayerChain:
         self._o_in, self._down_in = o.in_features, down.in_features
         self.qkv_sizes: list[int] = []  # each member's columns of the stacked outputs, in order (`split`)
         self.gate_up_sizes: list[int] = []
+        self.qk_width = 0  # q's and k's columns: the ones rotary turns
         self._lanes = norm_kernel.kernel()["lanes"]
 
     @classmethod
@@ -190,6 +204,7 @@ class LayerChain:
             return None
         chain = cls(norm1, qkv_w, o_w, norm2, gate_up_w, down_w)
         chain.qkv_sizes, chain.gate_up_sizes = _sizes(qkv), _sizes(gate_up)
+        chain.qk_width = sum(chain.qkv_sizes[:2])
         return chain if chain.qkv_sizes and chain.gate_up_sizes else None
 
     def takes(self, x: torch.Tensor) -> bool:
@@ -197,15 +212,39 @@ class LayerChain:
         return (x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu and x.shape[-1] == self.width
                 and x.numel() <= row_kernel.MAX_ROWS * self.width)
 
-    def attention_in(self, hidden: torch.Tensor) -> torch.Tensor:
-        """q/k/v's stacked output [..., qkv width] for the layer's input `hidden` (its input norm first)."""
+    def attention_in(self, hidden: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                     head_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q/k/v's stacked output [..., qkv width] for the layer's input `hidden` (its input norm first), and
+        with `cos` and `sin` (rotary_kernel.rotate's tables for `hidden` [batch, tokens, width]) q's and k's
+        heads rotated as rotary_kernel.rotate would: [batch, q and k heads, tokens, head_dim]; None where
+        not asked or the tables are not laid out for it."""
         rows = hidden.numel() // self.width
         normed = torch.empty_like(hidden)
         out = torch.empty(*hidden.shape[:-1], self.qkv_width, dtype=torch.float32)
+        rotation = self._rotation(hidden, cos, sin, head_dim) if cos is not None else None
+        rotated = None if rotation is None else torch.empty((rotation[3], rotation[5], rotation[4], rotation[6]),
+                                                            dtype=torch.float32)  # batch, heads, tokens, dim
         match_torch_threads()
         _compiled.value["attention_in"](hidden.data_ptr(), rows, self.width, *self._input_norm, self._lanes,
-                                        normed.data_ptr(), *self._qkv, out.data_ptr())
-        return out
+                                        normed.data_ptr(), *self._qkv, out.data_ptr(),
+                                        *(rotation or _NO_ROTATION), 0 if rotated is None else rotated.data_ptr())
+        return out, rotated
+
+    def _rotation(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  head_dim: int) -> tuple[int, ...] | None:
+        """The kernel's rotary arguments (cos, sin, cos batch, batch, tokens, heads, dim), or None where
+        rotary_kernel.rotate would not take these tables."""
+        if hidden.dim() != 3 or not head_dim or head_dim % 2 or self.qk_width % head_dim:
+            return None
+        batch, tokens = hidden.shape[:2]
+        heads = self.qk_width // head_dim
+        if batch * tokens * heads * head_dim > rotary_kernel.MAX_ELEMENTS:
+            return None
+        for table in (cos, sin):
+            if (table.dtype != torch.float32 or table.shape[1:] != (1, tokens, head_dim)
+                    or table.shape[0] not in (1, batch) or not table.is_contiguous() or not table.is_cpu):
+                return None
+        return cos.data_ptr(), sin.data_ptr(), cos.shape[0], batch, tokens, heads, head_dim
 
     def attention_out(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + o_proj(attended), gate/up's stacked output for that after the post-attention norm)."""

@@ -141,10 +141,10 @@ class LeanLayer:
         mlp = children["mlp"]._modules
         chain = self._chain_of(children, attn._modules, mlp)
         if chain is not None and chain.takes(hidden_states):  # a few fp32 rows: three numba calls (layer_chain.py)
-            qkv = chain.attention_in(hidden_states)
-            q, k, v = qkv.split(chain.qkv_sizes, -1)
-            attended = self._attention(attn, (q, k, v), True, attention_mask, position_ids, past_key_values,
-                                       use_cache, position_embeddings, kwargs)
+            tables = (None, None) if self.spec.qk_norms else self.signed_sin.terms(*position_embeddings)
+            qkv, rotated = chain.attention_in(hidden_states, *tables, attn.head_dim)  # q and k rotated too
+            attended = self._attention(attn, qkv.split(chain.qkv_sizes, -1), True, attention_mask, position_ids,
+                                       past_key_values, use_cache, position_embeddings, kwargs, rotated)
             hidden_states, gate_up = chain.attention_out(attended, hidden_states)
             gate, up = gate_up.split(chain.gate_up_sizes, -1)
             return chain.mlp_out(self._gated(mlp, children, gate, up), hidden_states)
@@ -181,15 +181,19 @@ class LeanLayer:
 
     def _attention(self, attn: nn.Module, projected: tuple[torch.Tensor, ...], one_matmul: bool, attention_mask: Any,
                    position_ids: Any, past_key_values: Any, use_cache: bool | None,
-                   position_embeddings: tuple[torch.Tensor, torch.Tensor], kwargs: dict) -> torch.Tensor:
+                   position_embeddings: tuple[torch.Tensor, torch.Tensor], kwargs: dict,
+                   rotated: torch.Tensor | None = None) -> torch.Tensor:
         """The attention's output before o_proj, [..., heads x head_dim], for q/k/v `projected` (`one_matmul`:
-        views of one stacked output)."""
+        views of one stacked output; `rotated`: q's and k's heads already rotated, layer_chain.py)."""
         children = attn._modules
         q, k, v = projected
         input_shape = q.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
         cos, signed = self.signed_sin.terms(*position_embeddings)
-        if self.spec.qk_norms:
+        if rotated is not None:
+            heads = q.shape[-1] // attn.head_dim
+            q, k = rotated[:, :heads], rotated[:, heads:]
+        elif self.spec.qk_norms:
             q = rotate_heads(children["q_norm"](q.view(hidden_shape)).transpose(1, 2), cos, signed)
             k = rotate_heads(children["k_norm"](k.view(hidden_shape)).transpose(1, 2), cos, signed)
         elif one_matmul or _adjacent(q, k):  # one stacked output's columns: rotate q and k in one call

@@ -82,6 +82,7 @@ def _rotate_bfloat16(x_address, batch_stride, token_stride, cos_address, sin_add
 
 if NUMBA:
     _rotate = numba.njit(cache=True, inline="always")(_rotate)
+rotate_heads = _rotate  # for other kernels that rotate inside their call (model/layer_chain.py)
 
 
 def _compile() -> dict[torch.dtype, Any]:

@@ -3,7 +3,7 @@
 - Llama and Qwen2 (biased q/k/v) and Qwen3 (per-head q/k norms), swapped as the server swaps them (oneDNN,
   stacked siblings, the row kernel, fused norms, lean layers): a padded prefill and decode steps of one to
   eight rows give the logits of the same model with no chain, bit for bit, and the chain ran every decode
-  layer (the prefill's 9+ rows took the usual path).
+  layer (the prefill's 9+ rows took the usual path), rotating q and k inside its first call (not Qwen3's).
 - A layer keeps the usual path where a piece is not on our kernels (no row kernel copy, a norm on
   F.rms_norm, a module swapped after the first call) and for more than MAX_ROWS rows or another dtype.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmi_serve.model import layer_chain, row_kernel
+from lmi_serve.model import layer_chain, rotary_kernel, row_kernel
 from lmi_serve.model.layer_chain import LayerChain
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 
@@ -59,7 +59,8 @@ def unchained(monkeypatch) -> None:
 def counting(monkeypatch) -> list[int]:
     calls = []
     attention_in = LayerChain.attention_in
-    monkeypatch.setattr(LayerChain, "attention_in", lambda self, x: calls.append(x.shape[0]) or attention_in(self, x))
+    monkeypatch.setattr(LayerChain, "attention_in",
+                        lambda self, x, *args: calls.append(x.shape[0]) or attention_in(self, x, *args))
     return calls
 
 
@@ -70,12 +71,17 @@ def test_chained_layers_give_the_unchained_bits(family, rows, monkeypatch):
         unchained(patch)
         expected = decode(swapped(family), rows)
     calls = counting(monkeypatch)
+    rotations = []  # rotary_kernel.rotate's, outside the chain
+    rotate = rotary_kernel.rotate
+    monkeypatch.setattr(rotary_kernel, "rotate", lambda *args: rotations.append(1) or rotate(*args))
     got = decode(swapped(family), rows)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     steps = len(got) - 1
     prefill_rows = rows * 9  # more than MAX_ROWS rows: the prefill takes the usual path
     assert prefill_rows > row_kernel.MAX_ROWS
     assert calls == [rows] * (steps * SMALL["num_hidden_layers"])
+    # the chain rotates q and k inside its first call; Qwen3's per-head norms come between: torch's ops there
+    assert len(rotations) == (0 if family == "qwen3" else SMALL["num_hidden_layers"])  # the prefill's
 
 
 def test_a_layer_off_our_kernels_keeps_the_usual_path(monkeypatch):
