@@ -17,7 +17,7 @@ from lmi_serve.model import layer_chain, rotary_kernel, row_kernel
 from lmi_serve.model.layer_chain import LayerChain
 from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
 
-from test_lean_layers import FAMILIES, SMALL, build
+from test_lean_layers import FAMILIES, SMALL, build, run
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_available() or layer_chain.kernel() is None,
@@ -26,23 +26,11 @@ pytestmark = pytest.mark.skipif(not onednn_available() or layer_chain.kernel() i
 
 def decode(model, rows: int, steps: int = 3) -> list[torch.Tensor]:
     """A prefill of `rows` prompts of different lengths (left-padded) and `steps` greedy decode steps."""
-    from transformers import DynamicCache
-
     generator = torch.Generator().manual_seed(rows)
     lengths = [9 - row % 4 for row in range(rows)]
     ids = torch.randint(3, SMALL["vocab_size"], (rows, max(lengths)), generator=generator)
     mask = torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
-    with torch.inference_mode():
-        cache, positions = DynamicCache(config=model.config), (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
-        logits = [out.logits]
-        for _ in range(steps):
-            ids = out.logits[:, -1:].argmax(-1)
-            mask = torch.cat([mask, torch.ones_like(ids)], dim=-1)
-            positions = positions[:, -1:] + 1
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
-            logits.append(out.logits)
-    return logits
+    return run(model, steps, ids, mask)
 
 
 def swapped(family: str) -> torch.nn.Module:

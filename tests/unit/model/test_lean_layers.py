@@ -47,12 +47,13 @@ def build(family: str, attention: str) -> torch.nn.Module:
     return model
 
 
-def run(model, steps: int = 3) -> list[torch.Tensor]:
-    """A padded prefill and `steps` greedy decode steps: every step's logits."""
+def run(model, steps: int = 3, ids: torch.Tensor = IDS, mask: torch.Tensor = MASK) -> list[torch.Tensor]:
+    """A padded prefill of `ids` (left padding where `mask` is 0) and `steps` greedy decode steps: every step's
+    logits."""
     with torch.inference_mode():
-        cache, mask = DynamicCache(config=model.config), MASK
-        positions = (MASK.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=IDS, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        cache = DynamicCache(config=model.config)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
         logits = [out.logits]
         for _ in range(steps):
             ids = out.logits[:, -1:].argmax(-1)
