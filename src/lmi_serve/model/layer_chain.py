@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.model import linear_kernels, norm_kernel, rotary_kernel, row_kernel  # linear_kernels imports us (via lean_layers)
+from lmi_serve.model import norm_kernel, rotary_kernel, row_kernel
 from lmi_serve.model.fused_norms import FusedRMSNorm
 from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
 from lmi_serve.model.shared_input import SharedInputSlice
@@ -128,7 +128,9 @@ def kernel() -> dict[str, Any] | None:
 
 def _row_weights(linear: nn.Module) -> row_kernel.RowWeights | None:
     """`linear`'s row-kernel copy where it is an OneDnnLinear with one unpadded (width = its outputs)."""
-    if type(linear) is not linear_kernels.OneDnnLinear or linear._forward_hooks or linear._forward_pre_hooks:
+    from lmi_serve.model.linear_kernels import OneDnnLinear  # here: linear_kernels imports lean_layers, and it us
+
+    if type(linear) is not OneDnnLinear or linear._forward_hooks or linear._forward_pre_hooks:
         return None
     weights = linear._row_weights
     return weights if weights is not None and weights.width == weights.out_features else None

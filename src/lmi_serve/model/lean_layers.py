@@ -14,7 +14,9 @@ decode step 0.97-0.99x the time):
   cache) goes there instead of through transformers' `update` and attention interface: the same write and
   kernel, ~15 calls a layer fewer;
 - the attention and MLP modules' forwards are inlined (the decoder layer itself stays a module call, so
-  hooks on it, such as transformers' hidden-state capture, still fire).
+  hooks on it, such as transformers' hidden-state capture, still fire);
+- a few fp32 rows whose layers are all on our kernels (the row kernel's copies, the norm kernel) go through
+  model/layer_chain.py: norms, matmuls, rotary and residual adds in three numba calls, the same bits.
 
 Every other layer (a LoRA wrapper, a sharded or quantized Linear) is called as the module it is. A layer is
 made lean only where its classes are transformers' own ones written here for (LEAN_LAYERS; remote code that
@@ -36,7 +38,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lmi_serve.model import rotary_kernel
-from lmi_serve.model import layer_chain  # a module: it imports linear_kernels, which imports this
+from lmi_serve.model.layer_chain import LayerChain
 from lmi_serve.model.shared_input import SharedInputSlice
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,8 @@ class LeanLayer:
         # (q, k, v) or (gate, up) modules -> whether they are one stacked matmul's members: asked once per set of
         # modules (a module swapped later, a LoRA wrapper, is another key)
         self._stacked: dict[tuple[nn.Module, ...], bool] = {}
-        self._chains: dict[tuple[nn.Module, ...], layer_chain.LayerChain | None] = {}  # children -> chain (layer_chain.py)
+        # the layer's children -> their chain (layer_chain.py) or None; made once per set, as _stacked
+        self._chains: dict[tuple[nn.Module, ...], LayerChain | None] = {}
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                  past_key_values: Any = None, use_cache: bool | None = False,
@@ -163,14 +166,14 @@ class LeanLayer:
         act = mlp.get("act_fn") or children["mlp"].act_fn
         return (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
 
-    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> layer_chain.LayerChain | None:
+    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> LayerChain | None:
         """The layer's chain for its children as they are now (made once per set: a child swapped later, a
         LoRA wrapper, is another key, and may have none)."""
         key = (children["input_layernorm"], attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"],
                children["post_attention_layernorm"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
         chain = self._chains.get(key, False)
         if chain is False:
-            chain = self._chains[key] = layer_chain.LayerChain.of(key[0], key[1:4], key[4], key[5], key[6:8], key[8])
+            chain = self._chains[key] = LayerChain.of(key[0], key[1:4], key[4], key[5], key[6:8], key[8])
         return chain
 
     def _is_stacked(self, members: tuple[nn.Module, ...]) -> bool:
