@@ -18,9 +18,9 @@ code the separate calls run, in the same order, so the same bits: the residual a
 torch's `a + b`; tests/unit/model/test_layer_chain.py holds a model's logits to the unchained layers' bits.
 
 A chain is made per layer where: both norms are FusedRMSNorm on norm_kernel.py's `direct` form (fp32),
-q/k/v and gate/up are stacked (shared_input.py) and those two and o_proj / down_proj are OneDnnLinear with a
-row-kernel copy whose width is its output's (no padding). Anything else, more than row_kernel.MAX_ROWS rows,
-or another dtype keeps the layer's usual path.
+q/k/v and gate/up are stacked (shared_input.py) and those two and o_proj / down_proj compute few rows on a
+row-kernel copy (OneDnnLinear: row_kernel.copy_of) whose width is its output's (no padding). Anything else,
+more than row_kernel.MAX_ROWS rows, or another dtype keeps the layer's usual path.
 """
 
 from __future__ import annotations
@@ -127,12 +127,11 @@ def kernel() -> dict[str, Any] | None:
 
 
 def _row_weights(linear: nn.Module) -> row_kernel.RowWeights | None:
-    """`linear`'s row-kernel copy where it is an OneDnnLinear with one unpadded (width = its outputs)."""
-    from lmi_serve.model.linear_kernels import OneDnnLinear  # here: linear_kernels imports lean_layers, and it us
-
-    if type(linear) is not OneDnnLinear or linear._forward_hooks or linear._forward_pre_hooks:
+    """`linear`'s row-kernel copy where its forward of a few rows is that copy's (an OneDnnLinear:
+    row_kernel.copy_of) and the copy is unpadded (width = its outputs)."""
+    if linear._forward_hooks or linear._forward_pre_hooks:
         return None
-    weights = linear._row_weights
+    weights = row_kernel.copy_of(linear)
     return weights if weights is not None and weights.width == weights.out_features else None
 
 

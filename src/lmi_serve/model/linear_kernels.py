@@ -31,7 +31,7 @@ from torch import nn
 
 from lmi_serve.model.fused_norms import use_fused_norms
 from lmi_serve.model.lean_layers import use_lean_layers
-from lmi_serve.model.row_kernel import MAX_ROWS, RowKernelReport, use_row_kernel
+from lmi_serve.model.row_kernel import MAX_ROWS, RowKernelReport, computes_rows_on_copy, use_row_kernel
 from lmi_serve.model.surgery import own_remaining_tensors, replace_module, return_freed_memory
 from lmi_serve.model.shared_input import SharedInputSlice, stack_shared_inputs
 
@@ -65,6 +65,7 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16_native() else (torch.float32,)
 
 
+@computes_rows_on_copy  # its forward of 1 to MAX_ROWS rows is its row-kernel copy's, where it has one
 class OneDnnLinear(nn.Module):
     """`nn.Linear` in fp32 (or bf16) with its weight reordered once into oneDNN's blocked layout. Holds no
     plain weight (the packed one is opaque), so a tied output embedding keeps its own weight."""

@@ -252,6 +252,22 @@ class RowWeights:
         return out if self.width == self.out_features else out[..., :self.out_features]
 
 
+_COMPUTED_ON_THEIR_COPY: set[type] = set()  # see computes_rows_on_copy
+
+
+def computes_rows_on_copy(cls: type) -> type:
+    """Mark a Linear class whose forward of 1 to MAX_ROWS fp32 rows is its copy's answer (`_row_weights`, a
+    RowWeights, or None), and nothing else: code that calls the copy directly (model/layer_chain.py) then
+    gets the layer's bits. A class decorator (linear_kernels.OneDnnLinear)."""
+    _COMPUTED_ON_THEIR_COPY.add(cls)
+    return cls
+
+
+def copy_of(module: nn.Module) -> "RowWeights | None":
+    """`module`'s copy where its class computes few rows on it (computes_rows_on_copy) and it has one."""
+    return module._row_weights if type(module) in _COMPUTED_ON_THEIR_COPY else None
+
+
 def laid_out_size(out_features: int, in_features: int) -> int:
     """Floats a layer's copy takes (its outputs padded to whole tiles)."""
     return -(-out_features // TILE) * TILE * in_features
