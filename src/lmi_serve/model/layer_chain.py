@@ -208,6 +208,11 @@ class LayerChain:
         chain.qk_width = sum(chain.qkv_sizes[:2])
         return chain if chain.qkv_sizes and chain.gate_up_sizes else None
 
+    @staticmethod
+    def few_fp32_rows(x: torch.Tensor) -> bool:
+        """Whether `x` is fp32 and at most row_kernel.MAX_ROWS rows: the cheap half of `takes`, asked first."""
+        return x.dtype == torch.float32 and x.numel() <= row_kernel.MAX_ROWS * x.shape[-1]
+
     def takes(self, x: torch.Tensor) -> bool:
         """Whether `x` (a layer's hidden states) goes this way: fp32, contiguous, a few rows, on the CPU."""
         return (x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu and x.shape[-1] == self.width

@@ -142,7 +142,8 @@ class LeanLayer:
                                  past_key_values=past_key_values, use_cache=use_cache,
                                  position_embeddings=position_embeddings, **kwargs)
         mlp = children["mlp"]._modules
-        chain = self._chain_of(children, attn._modules, mlp)
+        # the chain's key only where a chain could take these rows: not bf16 / int4 steps, not 9+ rows
+        chain = self._chain_of(children, attn._modules, mlp) if LayerChain.few_fp32_rows(hidden_states) else None
         if chain is not None and chain.takes(hidden_states):  # a few fp32 rows: three numba calls (layer_chain.py)
             tables = (None, None) if self.spec.qk_norms else self.signed_sin.terms(*position_embeddings)
             qkv, rotated = chain.attention_in(hidden_states, *tables, attn.head_dim)  # q and k rotated too
