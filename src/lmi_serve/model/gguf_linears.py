@@ -1,10 +1,10 @@
 """Linear layers on a GGUF's own quantized blocks (option.quantize=q4; model/quantize.py swaps them in).
 
-- Q4Linear: Q4_0 / Q4_1 blocks (w = d q + m per 32 weights, q in 0..15). Q4_1 is group-wise asymmetric
-  int4 with group 32, which torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`) computes as
-  (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: w = d (q - 8), zero = 0), its scales and
-  zeros in the activations' dtype: fp32 (exact relative to the GGUF; a scalar loop, slow) or bf16
-  (option.dtype=bf16: its vector code).
+- Q4Linear: Q4_0 / Q4_1 blocks (w = d q + m per 32 weights, q in 0..15). With bf16 activations
+  (option.dtype=bf16) on CPUs with AVX-512 BF16: model/q4_kernel.py, the GGUF's scales kept exactly, ~0.7x
+  torch's int4 kernel's time. Otherwise torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`, group 32),
+  which computes (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: w = d (q - 8), zero = 0), its
+  scales and zeros in the activations' dtype: fp32 (exact relative to the GGUF; a scalar loop, slow) or bf16.
 - Q8Linear: Q8_0 blocks (w = d q, q int8, per 32 weights) with bf16 activations, on model/vnni_matmul.py's
   kernel (CPUs with AVX-512 VNNI only): SmolLM2's tied lm_head is Q8_0 in its GGUF, and a one-row step reads
   it as 30 MB instead of a bf16 copy's 57 MB.
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.model import vnni_matmul
+from lmi_serve.model import q4_kernel, vnni_matmul
 
 GROUP = 32  # weights per GGUF Q4 / Q8 block: one scale (and min) per 32 input columns
 Q4_MAX_ROWS = 8  # bf16 q4 layers with a dense copy: more rows than this go to it
@@ -141,9 +141,10 @@ _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 class Q4Linear(_BlockLinear):
-    """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16) on torch's x86 int4 kernel
-    (group 32); with `dense`, more than Q4_MAX_ROWS rows there (SmolLM2's layer set at 1 / 8 / 32 rows: int4
-    66 / 180 / 671 µs, bf16 oneDNN 163 / 200 / 375 µs)."""
+    """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16): bf16 on model/q4_kernel.py
+    where it runs (`kernel_weights`), else on torch's x86 int4 kernel (group 32); with `dense`, more than
+    Q4_MAX_ROWS rows there (SmolLM2's layer set at 1 / 8 / 32 rows: torch's int4 66 / 180 / 671 µs, bf16 oneDNN
+    163 / 200 / 375 µs)."""
 
     max_rows = Q4_MAX_ROWS
 
@@ -151,16 +152,25 @@ class Q4Linear(_BlockLinear):
                  dense: nn.Module | None = None):
         super().__init__()
         self._setup(blocks.q.shape, bias, dtype, dense)
+        self.kernel_weights = None
+        if dtype == torch.bfloat16 and q4_kernel.available():
+            self.kernel_weights = q4_kernel.pack(blocks.q, blocks.scale, blocks.zero)
+            self.register_buffer("blocks", self.kernel_weights.packed)  # for accounting; the kernel reads it
+            return
         q = torch.from_numpy(blocks.q.astype(np.int32))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         scale_zero = np.stack([blocks.scale.T, blocks.zero.T], axis=-1)  # [K/32, N, 2]
         self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(dtype))
 
     def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weights is not None:
+            return self.kernel_weights(flat)
         buffers = self._buffers  # the dict, not nn.Module.__getattr__ (2 lookups a call)
         return _INT4_MM(flat, buffers["packed"], GROUP, buffers["scale_zero"])
 
     def extra_repr(self) -> str:
+        if self.kernel_weights is not None:
+            return self._describe("int4") + ", fp16 scales on the AVX-512 BF16 kernel"
         return self._describe("int4")
 
 

@@ -25,7 +25,7 @@ from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.model.linear_kernels import OneDnnLinear, packable_dtypes
-from lmi_serve.model import vnni_matmul
+from lmi_serve.model import q4_kernel, vnni_matmul
 from lmi_serve.model.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Linear, unpack_q4_blocks,
                                           unpack_q8_blocks)
 from lmi_serve.model.quantize import Fp16Linear, QuantizeError, quantize_model
@@ -149,7 +149,9 @@ def test_q4_in_bf16_computes_in_bf16_about_as_close_to_fp32_as_the_bf16_model(tm
     bf16_error = (logits(model, IDS).float() - fp32).abs().max()
     report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
     assert len(report.swapped) == 2 * 7 + 1 and report.max_abs_diff > 0, "bf16 loaded weights are rounded"
-    assert model.lm_head.scale_zero.dtype == torch.bfloat16
+    kernel = model.lm_head.kernel_weights  # the Q4 kernel where the CPU has AVX-512 BF16, else torch's int4
+    assert (kernel is not None) == q4_kernel.available()
+    assert kernel is not None or model.lm_head.scale_zero.dtype == torch.bfloat16
     got = logits(model, IDS)
     assert got.dtype == torch.bfloat16
     # the int4 layers hold the GGUF's own weights; bf16 activations and scales round as the bf16 model does
@@ -168,10 +170,16 @@ def test_q4_in_bf16_sends_more_than_a_few_rows_to_its_bf16_onednn_copy(tmp_path)
         return
     assert isinstance(layer.dense, OneDnnLinear) and model.model.layers[0].mlp.gate_proj.stacked.dense is not None
     x = torch.randn(Q4_MAX_ROWS + 1, layer.in_features).to(torch.bfloat16)
-    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scale_zero)
-    assert torch.equal(layer(x[:Q4_MAX_ROWS]), int4[:Q4_MAX_ROWS])
+    few = layer(x[:Q4_MAX_ROWS])
+    if layer.kernel_weights is not None:
+        exact = x[:Q4_MAX_ROWS].double() @ torch.from_numpy(q4_kernel.unpacked(layer.kernel_weights)).double().T
+        assert ((few.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6 * exact.abs().max()).all(), \
+            "a few rows: the GGUF's blocks, rounded once to bf16"
+    else:
+        int4 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scale_zero)
+        assert torch.equal(few, int4[:Q4_MAX_ROWS])
     assert torch.equal(layer(x), OneDnnLinear(loaded)(x)), "more rows: the loaded bf16 weights on oneDNN"
-    assert not torch.equal(layer(x), int4), "premise: the two paths round differently"
+    assert not torch.equal(layer(x)[:Q4_MAX_ROWS], few), "premise: the two paths round differently"
 
 
 def random_blocks(rows: int, columns: int, seed: int) -> Q4Blocks:
