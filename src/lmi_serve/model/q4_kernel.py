@@ -2,10 +2,11 @@
 
 The q4-bf16 opt-in's one-row step spent ~4 ms of ~12 in torch's int4 kernel (`_weight_int4pack_mm_for_cpu`:
 120 calls a SmolLM2 step at ~13 GB/s, much of it in its threads' barrier). This kernel reads each weight
-once as a 16-bit word that is exactly the bf16 of 128 + q (0x4300 | q: bf16 steps by 1 between 128 and
-256), so no integer-to-float conversion: per 32 input columns and 16 outputs, a load, a widen, a mask or a
-shift, an or, and `vdpbf16ps` (16 lanes of two bf16 products added to fp32). The block's scale d and
-minimum m (w = d q + m, the GGUF's fp16, kept exactly) are applied per 32 columns in fp32:
+once as a 16-bit word that is exactly the bf16 of 128 + q (0x43 above the nibble: bf16 steps by 1 between
+128 and 256), so no integer-to-float conversion: per 64 bytes (128 weights) one load, a mask, a shift and a
+mask, four byte interleaves with 0x43 (`vpunpck[lh]bw`) and four `vdpbf16ps` (16 lanes of two bf16 products
+added to fp32). The block's scale d and minimum m (w = d q + m, the GGUF's fp16, kept exactly) are applied
+per 32 columns in fp32:
 
     sum_k w[n, k] x[k] = sum_blocks d[n, b] sum_j (128 + q[n, j]) x[j] + (m[n, b] - 128 d[n, b]) sum_j x[j]
 
@@ -15,11 +16,15 @@ weights its error is ~1e-6 before that rounding; torch's kernel rounds the scale
 
 Rows go four at a time (each weight word made once for the four), a lone row on its own loop, with the same
 arithmetic for every row either way: a row's bits do not depend on the batch. Measured (benchmarks/RESULTS.md,
-2-core EPYC): SmolLM2's 120 Q4 calls at one row 2.7-2.9 ms cold against torch's 4.3.
+2-core EPYC): SmolLM2's 120 Q4 calls at one row 0.65-0.80x torch's time cold, a one-row step 0.875-0.91x.
+Cold, it reads ~20 GB/s where the box's plain sum reads ~30: the interleaves (against a widen and an or a
+word) made it 0.91x hot and level cold; a software prefetch 512-4096 bytes ahead did not pay.
 
-Layout (`pack`): per tile of 32 outputs and per block of 32 input columns, 640 bytes: 16 column pairs of
-32 bytes (byte i: low nibble output i // 2, high nibble output 16 + i // 2, column 2 p + i % 2), then d for
-the 32 outputs (fp16), then m (fp16): the GGUF's 20 bytes per 32 weights.
+Layout (`pack`): per tile of 32 outputs and per block of 32 input columns, 640 bytes: 8 chunks of 64 bytes,
+chunk c holding column pairs 2c (low nibbles) and 2c + 1 (high nibbles); its byte 16 L + j (L in 0..3, j in
+0..15) is output 4 L + (j % 8) // 2, plus 16 where j >= 8, column j % 2 of the pair: the order in which the
+interleaves within 128-bit lanes put the words. Then d for the 32 outputs (fp16), then m (fp16): the GGUF's
+20 bytes per 32 weights.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
 
 GROUP = 32  # input columns per block (a GGUF Q4 block)
 TILE = 32  # outputs per tile: two 16-lane vectors
-_PAIRS = GROUP // 2
-_NIBBLE_BYTES = _PAIRS * TILE  # 512
+_CHUNK = 64  # bytes: two column pairs of a tile
+_CHUNKS = GROUP // 4  # per block: 8
+_NIBBLE_BYTES = _CHUNKS * _CHUNK  # 512
 _BLOCK_BYTES = _NIBBLE_BYTES + 2 * TILE * 2  # + d and m, fp16 each: 640
 _D_AT, _M_AT = _NIBBLE_BYTES, _NIBBLE_BYTES + TILE * 2
 _OFFSET = 128  # the words hold 128 + q
@@ -65,31 +71,35 @@ if numba is not None:
 
     _BFloat._create_instance()
     _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    _WORDS = ir.VectorType(_I16, 32)
+    _BYTES = ir.VectorType(_I8, _CHUNK)
     _BFLOATS = ir.VectorType(_BFloat(), 32)
     _SHORTS32 = Vector("i16", 32)
 
-    def _word_vector(value: int):
-        return ir.Constant(_WORDS, [value] * 32)
+    def _interleaved(builder, nibbles, upper: bool):
+        """Words 0x43 << 8 | nibble from the low (or upper) 8 bytes of each 128-bit lane: `vpunpck[lh]bw`."""
+        first = 8 if upper else 0
+        order = [index for lane in range(4) for j in range(first, first + 8)
+                 for index in (16 * lane + j, _CHUNK + 16 * lane + j)]
+        words = builder.shuffle_vector(nibbles, ir.Constant(_BYTES, [0x43] * _CHUNK),
+                                       ir.Constant(ir.VectorType(_I32, _CHUNK), order))
+        return builder.bitcast(words, ir.VectorType(_I16, 32))
 
-    def _widened(builder, address, offset):
-        raw = builder.load(builder.bitcast(builder.gep(address, [offset]), ir.VectorType(_I8, 32).as_pointer()),
-                           align=1)
-        return builder.zext(raw, _WORDS)
+    def _words(high_nibbles: bool, upper: bool):
+        """An intrinsic: 32 bf16 words of 128 + q from the chunk at a byte address[offset]: its low (or high)
+        nibbles, the outputs 0-15 (or 16-31) of the chunk's first (or second) column pair."""
+        @intrinsic
+        def words(typingctx, address, offset):
+            def codegen(context, builder, signature, args):
+                target = builder.bitcast(builder.gep(args[0], [args[1]]), _BYTES.as_pointer())
+                raw = builder.load(target, align=1)
+                if high_nibbles:
+                    raw = builder.lshr(raw, ir.Constant(_BYTES, [4] * _CHUNK))
+                return _interleaved(builder, builder.and_(raw, ir.Constant(_BYTES, [15] * _CHUNK)), upper)
+            return _SHORTS32(address, offset), codegen
+        return words
 
-    @intrinsic
-    def _low_words(typingctx, address, offset):
-        """The low nibbles of the 32 bytes at address[offset] as bf16 words of 128 + q."""
-        def codegen(context, builder, signature, args):
-            return builder.or_(builder.and_(_widened(builder, *args), _word_vector(15)), _word_vector(0x4300))
-        return _SHORTS32(address, offset), codegen
-
-    @intrinsic
-    def _high_words(typingctx, address, offset):
-        """The high nibbles of the 32 bytes at address[offset] as bf16 words of 128 + q."""
-        def codegen(context, builder, signature, args):
-            return builder.or_(builder.lshr(_widened(builder, *args), _word_vector(4)), _word_vector(0x4300))
-        return _SHORTS32(address, offset), codegen
+    _even_low, _even_high = _words(False, False), _words(False, True)  # pair 2c: outputs 0-15, 16-31
+    _odd_low, _odd_high = _words(True, False), _words(True, True)  # pair 2c + 1
 
     @intrinsic
     def _pair(typingctx, address, offset):
@@ -183,13 +193,13 @@ def _one_row(x, sums, weights, tile, blocks, row, out, width):  # pragma: no cov
     for b in range(blocks):
         at, xa = (tile * blocks + b) * _BLOCK_BYTES, row * columns + b * GROUP
         even_low, even_high, odd_low, odd_high = zeros16(), zeros16(), zeros16(), zeros16()
-        for p in range(0, _PAIRS, 2):  # even and odd pairs in two chains each: fewer waits on vdpbf16ps
-            at_pair, pair = at + p * TILE, _pair(x, xa + 2 * p)
-            even_low = _dot(even_low, _low_words(weights, at_pair), pair)
-            even_high = _dot(even_high, _high_words(weights, at_pair), pair)
-            pair = _pair(x, xa + 2 * p + 2)
-            odd_low = _dot(odd_low, _low_words(weights, at_pair + TILE), pair)
-            odd_high = _dot(odd_high, _high_words(weights, at_pair + TILE), pair)
+        for c in range(_CHUNKS):  # even and odd pairs in two chains each: fewer waits on vdpbf16ps
+            chunk, pair = at + c * _CHUNK, _pair(x, xa + 4 * c)
+            even_low = _dot(even_low, _even_low(weights, chunk), pair)
+            even_high = _dot(even_high, _even_high(weights, chunk), pair)
+            pair = _pair(x, xa + 4 * c + 2)
+            odd_low = _dot(odd_low, _odd_low(weights, chunk), pair)
+            odd_high = _dot(odd_high, _odd_high(weights, chunk), pair)
         x_sum = sums[row * blocks + b]
         low = _scaled(low, weights, at, 0, even_low, odd_low, x_sum)
         high = _scaled(high, weights, at, 1, even_high, odd_high, x_sum)
@@ -215,9 +225,9 @@ def _four_rows(x, sums, weights, tile, blocks, first, rows, out, width):  # prag
         el1, eh1, ol1, oh1 = zeros16(), zeros16(), zeros16(), zeros16()
         el2, eh2, ol2, oh2 = zeros16(), zeros16(), zeros16(), zeros16()
         el3, eh3, ol3, oh3 = zeros16(), zeros16(), zeros16(), zeros16()
-        for p in range(0, _PAIRS, 2):
-            at_pair = at + p * TILE
-            words_low, words_high = _low_words(weights, at_pair), _high_words(weights, at_pair)
+        for c in range(_CHUNKS):
+            chunk, p = at + c * _CHUNK, 2 * c
+            words_low, words_high = _even_low(weights, chunk), _even_high(weights, chunk)
             pair = _pair(x, x0 + 2 * p)
             el0, eh0 = _dot(el0, words_low, pair), _dot(eh0, words_high, pair)
             pair = _pair(x, x1 + 2 * p)
@@ -226,7 +236,7 @@ def _four_rows(x, sums, weights, tile, blocks, first, rows, out, width):  # prag
             el2, eh2 = _dot(el2, words_low, pair), _dot(eh2, words_high, pair)
             pair = _pair(x, x3 + 2 * p)
             el3, eh3 = _dot(el3, words_low, pair), _dot(eh3, words_high, pair)
-            words_low, words_high = _low_words(weights, at_pair + TILE), _high_words(weights, at_pair + TILE)
+            words_low, words_high = _odd_low(weights, chunk), _odd_high(weights, chunk)
             pair = _pair(x, x0 + 2 * p + 2)
             ol0, oh0 = _dot(ol0, words_low, pair), _dot(oh0, words_high, pair)
             pair = _pair(x, x1 + 2 * p + 2)
@@ -300,9 +310,11 @@ def pack(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Weights:
     tiles, blocks = -(-out_features // TILE), in_features // GROUP
     padded = np.zeros((tiles * TILE, in_features), np.uint8)
     padded[:out_features] = q
-    # [tile, half, output, block, pair, column of the pair] -> [tile, block, pair, half, output, column]
-    nibbles = padded.reshape(tiles, 2, 16, blocks, _PAIRS, 2).transpose(0, 3, 4, 1, 2, 5)
-    nibbles = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).reshape(tiles, blocks, _NIBBLE_BYTES)
+    # output 16 half + 4 lane + i, column 4 c + 2 parity + col of block b -> chunk byte 16 lane + 8 half + 2 i + col,
+    # parity 0 in the low nibble: [tile, half, lane, i, block, c, parity, col] -> [tile, block, c, lane, half, i,
+    # col, parity]
+    nibbles = padded.reshape(tiles, 2, 4, 4, blocks, _CHUNKS, 2, 2).transpose(0, 4, 5, 2, 1, 3, 7, 6)
+    nibbles = (nibbles[..., 0] | (nibbles[..., 1] << 4)).reshape(tiles, blocks, _NIBBLE_BYTES)
 
     def per_tile(values: np.ndarray) -> np.ndarray:
         out = np.zeros((tiles * TILE, blocks), np.float16)
@@ -318,9 +330,9 @@ def unpacked(weights: Q4Weights) -> np.ndarray:
     """The fp32 weights [N, K] a packed layer holds (for tests)."""
     laid_out = weights.packed.numpy()
     tiles, blocks = laid_out.shape[:2]
-    nibbles = laid_out[..., :_NIBBLE_BYTES].reshape(tiles, blocks, _PAIRS, 16, 2)
-    q = np.stack([nibbles & 15, nibbles >> 4], axis=3)  # tile, block, pair, half, output, column
-    q = q.transpose(0, 3, 4, 1, 2, 5).reshape(tiles * TILE, blocks * GROUP).astype(np.float32)
+    nibbles = laid_out[..., :_NIBBLE_BYTES].reshape(tiles, blocks, _CHUNKS, 4, 2, 4, 2)
+    q = np.stack([nibbles & 15, nibbles >> 4], axis=-1)  # tile, block, c, lane, half, i, col, parity (pack's)
+    q = q.transpose(0, 4, 3, 5, 1, 2, 7, 6).reshape(tiles * TILE, blocks * GROUP).astype(np.float32)
 
     def per_output(at: int) -> np.ndarray:
         values = laid_out[..., at:at + TILE * 2].copy().view(np.float16).astype(np.float32)  # tile, block, 32
@@ -343,13 +355,16 @@ def _call(compiled: Any, weights: Q4Weights, x: torch.Tensor) -> torch.Tensor:
     return out if width == weights.out_features else out[:, :weights.out_features]
 
 
-def _host_has_bf16() -> bool:
+def cpu_fits() -> bool:
+    """Whether this CPU has what the kernel needs (AVX-512 with BF16, F16C) and numba is installed."""
+    if numba is None:
+        return False
     features = llvm_binding.get_host_cpu_features()
     return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512bf16", "f16c"))
 
 
 def _compile() -> Any:
-    if not _host_has_bf16():
+    if not cpu_fits():
         raise RuntimeError("the CPU has no AVX-512 BF16")
     numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (engine/kv/decode_kernel.py says why)
     compiled = numba.njit(parallel=True, cache=True, nogil=True)(_q4_rows)
