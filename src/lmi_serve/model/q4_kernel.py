@@ -29,7 +29,6 @@ interleaves within 128-bit lanes put the words. Then d for the 32 outputs (fp16)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -281,21 +280,15 @@ def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address):  # p
                 _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
 
 
-@dataclass(frozen=True)
 class Q4Weights:
     """A layer's Q4 weights in the kernel's layout; called on contiguous bf16 rows [M, K] it returns [M, N]
     bf16. Only where `available()`."""
 
-    packed: torch.Tensor  # uint8 [tiles, blocks, 640]
-    out_features: int
-
-    @property
-    def tiles(self) -> int:
-        return self.packed.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.packed.shape[1] * GROUP
+    def __init__(self, packed: torch.Tensor, out_features: int):
+        self.packed, self.out_features = packed, out_features  # uint8 [tiles, blocks, 640]
+        self.tiles, self.blocks = packed.shape[:2]
+        # looked up once: a call took ~8 µs where each was looked up every time, ~2.5 of it numba's dispatch
+        self.in_features, self.width = self.blocks * GROUP, self.tiles * TILE
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _call(_compiled.value, self, x)
@@ -342,17 +335,17 @@ def unpacked(weights: Q4Weights) -> np.ndarray:
 
 
 def _call(compiled: Any, weights: Q4Weights, x: torch.Tensor) -> torch.Tensor:
-    # the kernel reads x by its address: its layout is checked here
-    rows = x.shape[0]
-    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weights.in_features or not x.is_contiguous()
-            or rows == 0):
+    # the kernel reads x by its address: its layout is checked here. The weights' address is read each call:
+    # a module's buffer may be given new storage (model/surgery.py's own_remaining_tensors does)
+    shape = x.shape
+    if x.dtype != torch.bfloat16 or len(shape) != 2 or shape[1] != weights.in_features or not shape[0] \
+            or not x.is_contiguous():
         raise ValueError(f"the Q4 kernel takes contiguous bf16 rows of {weights.in_features}, not {x.dtype} "
-                         f"{list(x.shape)}")
-    width = weights.tiles * TILE
-    out = torch.empty((rows, width), dtype=torch.bfloat16)
+                         f"{list(shape)}")
+    out = torch.empty((shape[0], weights.width), dtype=torch.bfloat16)
     match_torch_threads()
-    compiled(x.data_ptr(), rows, weights.packed.data_ptr(), weights.tiles, weights.packed.shape[1], out.data_ptr())
-    return out if width == weights.out_features else out[:, :weights.out_features]
+    compiled(x.data_ptr(), shape[0], weights.packed.data_ptr(), weights.tiles, weights.blocks, out.data_ptr())
+    return out if weights.width == weights.out_features else out[:, :weights.out_features]
 
 
 def cpu_fits() -> bool:
