@@ -125,9 +125,15 @@ class _BlockLinear(nn.Module):
                 out = out + bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
+    def _held_bytes(self) -> int:
+        """Bytes its few-row kernel's weights take. They are not buffers: model/surgery.py's
+        own_remaining_tensors gives every buffer new storage, which would leave the kernel's as a second copy."""
+        return 0
+
     def stored_bytes(self) -> int:
         dense = 0 if self.dense is None else self.in_features * self.out_features * 2  # its packed bf16 copy
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values()) + dense
+        buffers = sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+        return buffers + self._held_bytes() + dense
 
     def _describe(self, weights: str) -> str:
         activations = str(self.dtype).removeprefix("torch.")
@@ -155,12 +161,14 @@ class Q4Linear(_BlockLinear):
         self.kernel_weights = None
         if dtype == torch.bfloat16 and q4_kernel.available():
             self.kernel_weights = q4_kernel.pack(blocks.q, blocks.scale, blocks.zero)
-            self.register_buffer("blocks", self.kernel_weights.packed)  # for accounting; the kernel reads it
             return
         q = torch.from_numpy(blocks.q.astype(np.int32))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         scale_zero = np.stack([blocks.scale.T, blocks.zero.T], axis=-1)  # [K/32, N, 2]
         self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(dtype))
+
+    def _held_bytes(self) -> int:
+        return 0 if self.kernel_weights is None else self.kernel_weights.packed.nbytes
 
     def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel_weights is not None:
@@ -191,9 +199,10 @@ class Q8Linear(_BlockLinear):
         if not q8_fits(self.in_features, torch.bfloat16):
             raise ValueError(f"a Q8_0 layer needs the VNNI kernel: in_features a multiple of {GROUP} and a CPU "
                              "with AVX-512 VNNI")
-        self.vnni_weights = vnni_matmul.pack(blocks.q, blocks.scale)  # read by the kernel; buffers for accounting
-        self.register_buffer("q", torch.from_numpy(self.vnni_weights[0]))
-        self.register_buffer("d", torch.from_numpy(self.vnni_weights[1].view(np.int16)))
+        self.vnni_weights = vnni_matmul.pack(blocks.q, blocks.scale)  # (q, d): read by the kernel
+
+    def _held_bytes(self) -> int:
+        return sum(array.nbytes for array in self.vnni_weights)
 
     def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         return vnni_matmul.matmul(flat, *self.vnni_weights)

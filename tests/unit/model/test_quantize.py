@@ -152,6 +152,8 @@ def test_q4_in_bf16_computes_in_bf16_about_as_close_to_fp32_as_the_bf16_model(tm
     kernel = model.lm_head.kernel_weights  # the Q4 kernel where the CPU has AVX-512 BF16, else torch's int4
     assert (kernel is not None) == q4_kernel.available()
     assert kernel is not None or model.lm_head.scale_zero.dtype == torch.bfloat16
+    if kernel is not None:  # held once, not as a buffer (surgery.own_remaining_tensors would copy it)
+        assert not list(model.lm_head.buffers(recurse=False)) and model.lm_head.stored_bytes() >= kernel.packed.nbytes
     got = logits(model, IDS)
     assert got.dtype == torch.bfloat16
     # the int4 layers hold the GGUF's own weights; bf16 activations and scales round as the bf16 model does
@@ -229,6 +231,8 @@ def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
     assert torch.allclose(got, before, rtol=2**-6, atol=2**-6 * float(before.abs().max())), (got - before).abs().max()
     x = torch.randn(Q8_MAX_ROWS + 1, head.in_features).to(torch.bfloat16)
     assert torch.equal(head(x[:Q8_MAX_ROWS]), vnni_matmul.matmul(x[:Q8_MAX_ROWS], *head.vnni_weights))
+    # held once: a buffer would be given a second copy by surgery.own_remaining_tensors
+    assert not list(head.buffers(recurse=False)) and head.stored_bytes() >= sum(a.nbytes for a in head.vnni_weights)
     if head.dense is not None:  # more rows: the loaded table on oneDNN, as before the swap
         assert torch.equal(head(x), head.dense(x))
 
