@@ -26,7 +26,7 @@ more than row_kernel.MAX_ROWS rows, or another dtype keeps the layer's usual pat
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -143,8 +143,9 @@ def _norm(norm: nn.Module) -> FusedRMSNorm | None:
     return norm if weight is not None and weight.dtype == torch.float32 and weight.is_contiguous() else None
 
 
-def _stacked(members: tuple[nn.Module, ...]) -> row_kernel.RowWeights | None:
-    """The row-kernel copy of the one stacked layer `members` are the slices of, in order, or None."""
+def stacked_weights(members: tuple[nn.Module, ...], weights_of: Callable[[nn.Module], Any] = _row_weights) -> Any:
+    """`weights_of` the one stacked layer `members` are the slices of, in order (its row-kernel copy by
+    default), or None."""
     first = members[0]
     if not all(isinstance(m, SharedInputSlice) and not m._forward_hooks and not m._forward_pre_hooks
                for m in members):
@@ -152,10 +153,10 @@ def _stacked(members: tuple[nn.Module, ...]) -> row_kernel.RowWeights | None:
     group = first._group
     if group.members != len(members) or any(m._group is not group or m._member != i for i, m in enumerate(members)):
         return None
-    return _row_weights(group.linear)
+    return weights_of(group.linear)
 
 
-def _sizes(members: tuple[SharedInputSlice, ...]) -> list[int]:
+def stacked_sizes(members: tuple[SharedInputSlice, ...]) -> list[int]:
     """The members' widths where their columns tile the stacked output in order from 0, else []."""
     at = 0
     for member in members:
@@ -166,7 +167,7 @@ def _sizes(members: tuple[SharedInputSlice, ...]) -> list[int]:
         else []
 
 
-_NO_ROTATION = (0, 0, 1, 1, 1, 1, 2)  # attention_in's rotary arguments when it does not rotate
+NO_ROTATION = (0, 0, 1, 1, 1, 1, 2)  # attention_in's rotary arguments when it does not rotate
 
 
 class LayerChain:
@@ -194,8 +195,8 @@ class LayerChain:
         """The chain of a layer with these children, or None where one of them is not on our kernels."""
         if kernel() is None:
             return None
-        pieces = (_norm(input_norm), _stacked(qkv), _row_weights(o), _norm(post_norm), _stacked(gate_up),
-                  _row_weights(down))
+        pieces = (_norm(input_norm), stacked_weights(qkv), _row_weights(o), _norm(post_norm),
+                  stacked_weights(gate_up), _row_weights(down))
         if any(piece is None for piece in pieces):
             return None
         norm1, qkv_w, o_w, norm2, gate_up_w, down_w = pieces
@@ -204,7 +205,7 @@ class LayerChain:
                 == norm1.weight.shape[0] == norm2.weight.shape[0]):
             return None
         chain = cls(norm1, qkv_w, o_w, norm2, gate_up_w, down_w)
-        chain.qkv_sizes, chain.gate_up_sizes = _sizes(qkv), _sizes(gate_up)
+        chain.qkv_sizes, chain.gate_up_sizes = stacked_sizes(qkv), stacked_sizes(gate_up)
         chain.qk_width = sum(chain.qkv_sizes[:2])
         return chain if chain.qkv_sizes and chain.gate_up_sizes else None
 
@@ -233,7 +234,7 @@ class LayerChain:
         match_torch_threads()
         _compiled.value["attention_in"](hidden.data_ptr(), rows, self.width, *self._input_norm, self._lanes,
                                         normed.data_ptr(), *self._qkv, out.data_ptr(),
-                                        *(rotation or _NO_ROTATION), 0 if rotated is None else rotated.data_ptr())
+                                        *(rotation or NO_ROTATION), 0 if rotated is None else rotated.data_ptr())
         return out, rotated
 
     def _rotation(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -16,7 +16,8 @@ decode step 0.97-0.99x the time):
 - the attention and MLP modules' forwards are inlined (the decoder layer itself stays a module call, so
   hooks on it, such as transformers' hidden-state capture, still fire);
 - a few fp32 rows whose layers are all on our kernels (the row kernel's copies, the norm kernel) go through
-  model/layer_chain.py: norms, matmuls, rotary and residual adds in three numba calls, the same bits.
+  model/layer_chain.py: norms, matmuls, rotary and residual adds in three numba calls, the same bits; a few
+  q4-bf16 rows on the Q4 kernel through model/q4_chain.py alike.
 
 Every other layer (a LoRA wrapper, a sharded or quantized Linear) is called as the module it is. A layer is
 made lean only where its classes are transformers' own ones written here for (LEAN_LAYERS; remote code that
@@ -39,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from lmi_serve.model import rotary_kernel
 from lmi_serve.model.layer_chain import LayerChain
+from lmi_serve.model.q4_chain import Q4LayerChain
 from lmi_serve.model.shared_input import SharedInputSlice
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ class LeanLayer:
         # modules (a module swapped later, a LoRA wrapper, is another key)
         self._stacked: dict[tuple[nn.Module, ...], bool] = {}
         # the layer's children -> their chain (layer_chain.py) or None; made once per set, as _stacked
-        self._chains: dict[tuple[nn.Module, ...], LayerChain | None] = {}
+        self._chains: dict[tuple[nn.Module, ...], LayerChain | Q4LayerChain | None] = {}
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                  past_key_values: Any = None, use_cache: bool | None = False,
@@ -142,9 +144,10 @@ class LeanLayer:
                                  past_key_values=past_key_values, use_cache=use_cache,
                                  position_embeddings=position_embeddings, **kwargs)
         mlp = children["mlp"]._modules
-        # the chain's key only where a chain could take these rows: not bf16 / int4 steps, not 9+ rows
-        chain = self._chain_of(children, attn._modules, mlp) if LayerChain.few_fp32_rows(hidden_states) else None
-        if chain is not None and chain.takes(hidden_states):  # a few fp32 rows: three numba calls (layer_chain.py)
+        # the chain's key only where a chain could take these rows: a few fp32 or bf16 rows
+        few = LayerChain.few_fp32_rows(hidden_states) or Q4LayerChain.few_bf16_rows(hidden_states)
+        chain = self._chain_of(children, attn._modules, mlp) if few else None
+        if chain is not None and chain.takes(hidden_states):  # three numba calls (layer_chain.py, q4_chain.py)
             tables = (None, None) if self.spec.qk_norms else self.signed_sin.terms(*position_embeddings)
             qkv, rotated = chain.attention_in(hidden_states, *tables, attn.head_dim)  # q and k rotated too
             attended = self._attention(attn, qkv.split(chain.qkv_sizes, -1), True, attention_mask, position_ids,
@@ -167,14 +170,15 @@ class LeanLayer:
         act = mlp.get("act_fn") or children["mlp"].act_fn
         return (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
 
-    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> LayerChain | None:
+    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> LayerChain | Q4LayerChain | None:
         """The layer's chain for its children as they are now (made once per set: a child swapped later, a
-        LoRA wrapper, is another key, and may have none)."""
+        LoRA wrapper, is another key, and may have none): fp32 on the row kernel, or q4-bf16 on the Q4 kernel."""
         key = (children["input_layernorm"], attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"],
                children["post_attention_layernorm"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
         chain = self._chains.get(key, False)
         if chain is False:
-            chain = self._chains[key] = LayerChain.of(key[0], key[1:4], key[4], key[5], key[6:8], key[8])
+            pieces = (key[0], key[1:4], key[4], key[5], key[6:8], key[8])
+            chain = self._chains[key] = LayerChain.of(*pieces) or Q4LayerChain.of(*pieces)
         return chain
 
     def _is_stacked(self, members: tuple[nn.Module, ...]) -> bool:

@@ -114,17 +114,21 @@ def _direct(x_address, rows, width, weight_address, eps, out_address, lanes):  #
             out[r, d] = (x[r, d] * inverse) * weight[d]
 
 
-def _upcast(x_address, rows, width, weight_address, eps, out_address, lanes):  # pragma: no cover - numba
-    x = numba.carray(bf16_pointer(x_address), (rows, width))
-    weight = numba.carray(bf16_pointer(weight_address), (width,))
-    out = numba.carray(bf16_pointer(out_address), (rows, width))
+@helper
+def upcast_rows(x, rows, width, weight, eps, lanes, out):  # pragma: no cover - numba compiles it
+    """out = the bf16 form's RMSNorm of rows x (bf16 bits, pointers or 1-D arrays; model/layer_chain.py's too)."""
     row = np.empty(width, dtype=np.float32)
     for r in range(rows):
         for d in range(width):
-            row[d] = widen(x[r, d])
+            row[d] = widen(x[r * width + d])
         inverse = inverse_rms(row, eps, lanes)
         for d in range(width):
-            out[r, d] = bf16(widen(bf16(row[d] * inverse)) * widen(weight[d]))
+            out[r * width + d] = bf16(widen(bf16(row[d] * inverse)) * widen(weight[d]))
+
+
+def _upcast(x_address, rows, width, weight_address, eps, out_address, lanes):  # pragma: no cover - numba
+    upcast_rows(bf16_pointer(x_address), rows, width, bf16_pointer(weight_address), eps, lanes,
+                bf16_pointer(out_address))
 
 
 def _torch_lanes(compiled: Any) -> int | None:

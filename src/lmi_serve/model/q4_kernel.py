@@ -166,7 +166,7 @@ if numba is not None:
 
 
 @helper
-def _block_sums(x, rows, columns, sums):  # pragma: no cover - numba compiles it
+def block_sums(x, rows, columns, sums):  # pragma: no cover - numba compiles it
     """sums[r, b]: row r's 32 columns of block b added in fp32, in order (the m term's factor)."""
     blocks = columns // GROUP
     for r in range(rows):
@@ -266,18 +266,24 @@ def _four_rows(x, sums, weights, tile, blocks, first, rows, out, width):  # prag
         _store_bf16(out, at + 3 * width + 16, high3)
 
 
+@helper
+def rows_tile(x, sums, weights, tile, blocks, rows, out, width):  # pragma: no cover - numba compiles it
+    """One tile's 32 outputs of every row (`_q4_rows`' loop body; model/layer_chain.py's too): x and out bf16
+    pointers (out rows `width` apart), sums the rows' `block_sums`, weights a byte pointer."""
+    for first in range(0, rows, 4):
+        if rows - first == 1:
+            _one_row(x, sums, weights, tile, blocks, first, out, width)
+        else:
+            _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
+
+
 def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address):  # pragma: no cover - numba compiles it
     """out [rows, tiles * 32] (bf16) = x [rows, blocks * 32] (bf16) times the packed weights' transpose."""
     x, out, weights = bf16_pointer(x_address), bf16_pointer(out_address), byte_pointer(weights_address)
     sums = np.empty(rows * blocks, dtype=np.float32)
-    _block_sums(x, rows, blocks * GROUP, sums)
-    width = tiles * TILE
+    block_sums(x, rows, blocks * GROUP, sums)
     for tile in numba.prange(tiles):
-        for first in range(0, rows, 4):
-            if rows - first == 1:
-                _one_row(x, sums, weights, tile, blocks, first, out, width)
-            else:
-                _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
+        rows_tile(x, sums, weights, tile, blocks, rows, out, tiles * TILE)
 
 
 class Q4Weights:
