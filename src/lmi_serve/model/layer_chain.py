@@ -107,15 +107,20 @@ def _mlp_out(g_address, rows, g_width, weights_address, tiles, block, bias_addre
     _add_rows(float32_pointer(residual_address), out, rows * width)
 
 
+def compiled_calls(attention_in: Any, attention_out: Any, mlp_out: Any) -> dict[str, Any]:
+    """A chain kind's three numba functions compiled, by the names LayerChain calls them."""
+    numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (engine/kv/decode_kernel.py says why)
+    compiled = {name: numba.njit(parallel=True, cache=True, nogil=True)(function)
+                for name, function in (("attention_in", attention_in), ("attention_out", attention_out),
+                                       ("mlp_out", mlp_out))}
+    require_omp_layer()
+    return compiled
+
+
 def _compile() -> dict[str, Any]:
     if row_kernel.kernel() is None or norm_kernel.kernel() is None:
         raise RuntimeError("the row kernel or the norm kernel is unavailable")
-    numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (engine/kv/decode_kernel.py says why)
-    compiled = {name: numba.njit(parallel=True, cache=True, nogil=True)(function)
-                for name, function in (("attention_in", _attention_in), ("attention_out", _attention_out),
-                                       ("mlp_out", _mlp_out))}
-    require_omp_layer()
-    return compiled
+    return compiled_calls(_attention_in, _attention_out, _mlp_out)
 
 
 _compiled = CompiledOnce(_compile, "layer chain unavailable: decoder layers call their kernels one by one")
@@ -133,14 +138,6 @@ def _row_weights(linear: nn.Module) -> row_kernel.RowWeights | None:
         return None
     weights = row_kernel.copy_of(linear)
     return weights if weights is not None and weights.width == weights.out_features else None
-
-
-def _norm(norm: nn.Module) -> FusedRMSNorm | None:
-    if (type(norm) is not FusedRMSNorm or not norm.kernel or norm.form != "direct" or norm._forward_hooks
-            or norm._forward_pre_hooks):
-        return None
-    weight = norm._parameters.get("weight")
-    return norm if weight is not None and weight.dtype == torch.float32 and weight.is_contiguous() else None
 
 
 def stacked_weights(members: tuple[nn.Module, ...], weights_of: Callable[[nn.Module], Any] = _row_weights) -> Any:
@@ -172,31 +169,52 @@ NO_ROTATION = (0, 0, 1, 1, 1, 1, 2)  # attention_in's rotary arguments when it d
 
 class LayerChain:
     """One decoder layer's three calls (module docstring), made by `LayerChain.of`; each method takes
-    contiguous fp32 rows [..., width] (at most row_kernel.MAX_ROWS of them: `takes`)."""
+    contiguous rows [..., width] of `dtype` (at most `max_rows` of them: `takes`). The fp32 kind on the row
+    kernel; model/q4_chain.py's Q4LayerChain is the bf16 kind on the Q4 kernel, the class attributes and
+    static methods below its own."""
 
-    def __init__(self, input_norm: FusedRMSNorm, qkv: row_kernel.RowWeights, o: row_kernel.RowWeights,
-                 post_norm: FusedRMSNorm, gate_up: row_kernel.RowWeights, down: row_kernel.RowWeights):
+    dtype = torch.float32
+    norm_form = "direct"  # the FusedRMSNorm form (fused_norms.py) whose arithmetic its calls run
+    max_rows = row_kernel.MAX_ROWS
+
+    @staticmethod
+    def calls() -> dict[str, Any] | None:
+        """The compiled calls, or None where they do not run here."""
+        return kernel()
+
+    @staticmethod
+    def weights_of(linear: nn.Module) -> Any | None:
+        """`linear`'s weights for the calls where its forward of a few rows is theirs alone, or None."""
+        return _row_weights(linear)
+
+    @staticmethod
+    def weight_arguments(weights: Any) -> tuple:
+        """A layer's weights as the calls take them."""
+        return weights._weights_address, weights.tiles, weights.block, weights._bias_address
+
+    def __init__(self, input_norm: FusedRMSNorm, qkv: Any, o: Any, post_norm: FusedRMSNorm, gate_up: Any,
+                 down: Any):
         self.width = qkv.in_features
         self.qkv_width, self.gate_up_width = qkv.out_features, gate_up.out_features
         self._input_norm = (input_norm.weight.data_ptr(), np.float32(input_norm.variance_epsilon))
         self._post_norm = (post_norm.weight.data_ptr(), np.float32(post_norm.variance_epsilon))
-        self._weights = (input_norm.weight, post_norm.weight)  # kept alive with the addresses above
-        self._qkv, self._o, self._gate_up, self._down = (
-            (w._weights_address, w.tiles, w.block, w._bias_address) for w in (qkv, o, gate_up, down))
+        self._kept = (input_norm.weight, post_norm.weight, qkv, o, gate_up, down)  # alive with their addresses
+        self._qkv, self._o, self._gate_up, self._down = map(self.weight_arguments, (qkv, o, gate_up, down))
         self._o_in, self._down_in = o.in_features, down.in_features
         self.qkv_sizes: list[int] = []  # each member's columns of the stacked outputs, in order (`split`)
         self.gate_up_sizes: list[int] = []
         self.qk_width = 0  # q's and k's columns: the ones rotary turns
         self._lanes = norm_kernel.kernel()["lanes"]
+        self._calls = self.calls()
 
     @classmethod
     def of(cls, input_norm: nn.Module, qkv: tuple[nn.Module, ...], o: nn.Module, post_norm: nn.Module,
            gate_up: tuple[nn.Module, ...], down: nn.Module) -> "LayerChain | None":
         """The chain of a layer with these children, or None where one of them is not on our kernels."""
-        if kernel() is None:
+        if cls.calls() is None:
             return None
-        pieces = (_norm(input_norm), stacked_weights(qkv), _row_weights(o), _norm(post_norm),
-                  stacked_weights(gate_up), _row_weights(down))
+        pieces = (cls._norm(input_norm), stacked_weights(qkv, cls.weights_of), cls.weights_of(o),
+                  cls._norm(post_norm), stacked_weights(gate_up, cls.weights_of), cls.weights_of(down))
         if any(piece is None for piece in pieces):
             return None
         norm1, qkv_w, o_w, norm2, gate_up_w, down_w = pieces
@@ -209,15 +227,23 @@ class LayerChain:
         chain.qk_width = sum(chain.qkv_sizes[:2])
         return chain if chain.qkv_sizes and chain.gate_up_sizes else None
 
-    @staticmethod
-    def few_fp32_rows(x: torch.Tensor) -> bool:
-        """Whether `x` is fp32 and at most row_kernel.MAX_ROWS rows: the cheap half of `takes`, asked first."""
-        return x.dtype == torch.float32 and x.numel() <= row_kernel.MAX_ROWS * x.shape[-1]
+    @classmethod
+    def _norm(cls, norm: nn.Module) -> FusedRMSNorm | None:
+        if (type(norm) is not FusedRMSNorm or not norm.kernel or norm.form != cls.norm_form or norm._forward_hooks
+                or norm._forward_pre_hooks):
+            return None
+        weight = norm._parameters.get("weight")
+        return norm if weight is not None and weight.dtype == cls.dtype and weight.is_contiguous() else None
+
+    @classmethod
+    def few_rows(cls, x: torch.Tensor) -> bool:
+        """Whether `x` is of this kind's dtype and at most max_rows rows: the cheap half of `takes`, asked first."""
+        return x.dtype == cls.dtype and x.numel() <= cls.max_rows * x.shape[-1]
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether `x` (a layer's hidden states) goes this way: fp32, contiguous, a few rows, on the CPU."""
-        return (x.dtype == torch.float32 and x.is_contiguous() and x.is_cpu and x.shape[-1] == self.width
-                and x.numel() <= row_kernel.MAX_ROWS * self.width)
+        """Whether `x` (a layer's hidden states) goes this way: its dtype, contiguous, a few rows, on the CPU."""
+        return (x.dtype == self.dtype and x.is_contiguous() and x.is_cpu and x.shape[-1] == self.width
+                and x.numel() <= self.max_rows * self.width)
 
     def attention_in(self, hidden: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                      head_dim: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -227,14 +253,14 @@ class LayerChain:
         not asked or the tables are not laid out for it."""
         rows = hidden.numel() // self.width
         normed = torch.empty_like(hidden)
-        out = torch.empty(*hidden.shape[:-1], self.qkv_width, dtype=torch.float32)
+        out = torch.empty(*hidden.shape[:-1], self.qkv_width, dtype=self.dtype)
         rotation = self._rotation(hidden, cos, sin, head_dim) if cos is not None else None
         rotated = None if rotation is None else torch.empty((rotation[3], rotation[5], rotation[4], rotation[6]),
-                                                            dtype=torch.float32)  # batch, heads, tokens, dim
+                                                            dtype=self.dtype)  # batch, heads, tokens, dim
         match_torch_threads()
-        _compiled.value["attention_in"](hidden.data_ptr(), rows, self.width, *self._input_norm, self._lanes,
-                                        normed.data_ptr(), *self._qkv, out.data_ptr(),
-                                        *(rotation or NO_ROTATION), 0 if rotated is None else rotated.data_ptr())
+        self._calls["attention_in"](hidden.data_ptr(), rows, self.width, *self._input_norm, self._lanes,
+                                    normed.data_ptr(), *self._qkv, out.data_ptr(), *(rotation or NO_ROTATION),
+                                    0 if rotated is None else rotated.data_ptr())
         return out, rotated
 
     def _rotation(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -248,7 +274,7 @@ class LayerChain:
         if batch * tokens * heads * head_dim > rotary_kernel.MAX_ELEMENTS:
             return None
         for table in (cos, sin):
-            if (table.dtype != torch.float32 or table.shape[1:] != (1, tokens, head_dim)
+            if (table.dtype != self.dtype or table.shape[1:] != (1, tokens, head_dim)
                     or table.shape[0] not in (1, batch) or not table.is_contiguous() or not table.is_cpu):
                 return None
         return cos.data_ptr(), sin.data_ptr(), cos.shape[0], batch, tokens, heads, head_dim
@@ -259,11 +285,11 @@ class LayerChain:
         if not attended.is_contiguous():
             attended = attended.contiguous()
         hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
-        out = torch.empty(*residual.shape[:-1], self.gate_up_width, dtype=torch.float32)
+        out = torch.empty(*residual.shape[:-1], self.gate_up_width, dtype=self.dtype)
         match_torch_threads()
-        _compiled.value["attention_out"](attended.data_ptr(), rows, self._o_in, *self._o, residual.data_ptr(),
-                                         hidden.data_ptr(), self.width, *self._post_norm, self._lanes,
-                                         normed.data_ptr(), *self._gate_up, out.data_ptr())
+        self._calls["attention_out"](attended.data_ptr(), rows, self._o_in, *self._o, residual.data_ptr(),
+                                     hidden.data_ptr(), self.width, *self._post_norm, self._lanes,
+                                     normed.data_ptr(), *self._gate_up, out.data_ptr())
         return hidden, out
 
     def mlp_out(self, gated: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -273,6 +299,6 @@ class LayerChain:
             gated = gated.contiguous()
         out = torch.empty_like(residual)
         match_torch_threads()
-        _compiled.value["mlp_out"](gated.data_ptr(), rows, self._down_in, *self._down, residual.data_ptr(),
-                                   self.width, out.data_ptr())
+        self._calls["mlp_out"](gated.data_ptr(), rows, self._down_in, *self._down, residual.data_ptr(), self.width,
+                               out.data_ptr())
         return out

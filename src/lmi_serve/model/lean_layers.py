@@ -145,7 +145,7 @@ class LeanLayer:
                                  position_embeddings=position_embeddings, **kwargs)
         mlp = children["mlp"]._modules
         # the chain's key only where a chain could take these rows: a few fp32 or bf16 rows
-        few = LayerChain.few_fp32_rows(hidden_states) or Q4LayerChain.few_bf16_rows(hidden_states)
+        few = LayerChain.few_rows(hidden_states) or Q4LayerChain.few_rows(hidden_states)
         chain = self._chain_of(children, attn._modules, mlp) if few else None
         if chain is not None and chain.takes(hidden_states):  # three numba calls (layer_chain.py, q4_chain.py)
             tables = (None, None) if self.spec.qk_norms else self.signed_sin.terms(*position_embeddings)
