@@ -131,7 +131,7 @@ class LeanLayer:
         # modules (a module swapped later, a LoRA wrapper, is another key)
         self._stacked: dict[tuple[nn.Module, ...], bool] = {}
         # the layer's children -> their chain (layer_chain.py) or None; made once per set, as _stacked
-        self._chains: dict[tuple[nn.Module, ...], LayerChain | Q4LayerChain | None] = {}
+        self._chains: dict[tuple[nn.Module, ...], LayerChain | None] = {}  # Q4LayerChain is one too
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                  past_key_values: Any = None, use_cache: bool | None = False,
@@ -170,7 +170,7 @@ class LeanLayer:
         act = mlp.get("act_fn") or children["mlp"].act_fn
         return (F.silu(gate) if type(act) in (SiLUActivation, nn.SiLU) else act(gate)).mul_(up)
 
-    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> LayerChain | Q4LayerChain | None:
+    def _chain_of(self, children: dict, attn: dict, mlp: dict) -> LayerChain | None:
         """The layer's chain for its children as they are now (made once per set: a child swapped later, a
         LoRA wrapper, is another key, and may have none): fp32 on the row kernel, or q4-bf16 on the Q4 kernel."""
         key = (children["input_layernorm"], attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"],
