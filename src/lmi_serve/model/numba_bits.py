@@ -8,6 +8,7 @@ is defined but `helper`, which leaves a function as plain Python.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from typing import Any, Callable
@@ -115,12 +116,12 @@ def match_torch_threads() -> None:
 class CompiledOnce:
     """A kernel compiled on its first use, once, under a lock: `get()` returns it, or None where compiling
     raised (logged once at `level`, after `unavailable`: what runs instead). `value` reads it without the lock
-    once compiled (kernels called many times a step)."""
+    once compiled (kernels called many times a step); `error` says why compiling failed, where it did."""
 
     def __init__(self, compile: Callable[[], Any], unavailable: str, level: int = logging.INFO):
         self._compile, self._unavailable, self._level = compile, unavailable, level
         self._lock = threading.Lock()
-        self.done, self.value = False, None
+        self.done, self.value, self.error = False, None, None
 
     def get(self) -> Any | None:
         if not self.done:
@@ -131,9 +132,21 @@ class CompiledOnce:
                             raise RuntimeError("numba is not installed")
                         self.value = self._compile()
                     except Exception as error:  # noqa: BLE001 - any failure means the fallback, said once
+                        self.error = f"{type(error).__name__}: {error}"
                         log.log(self._level, "%s: %s", self._unavailable, error)
                     self.done = True
         return self.value
+
+
+def omp_layer_loads() -> bool:
+    """Whether numba's OpenMP layer can load here (numba installed, its library found), without compiling."""
+    if numba is None:
+        return False
+    try:
+        importlib.import_module("numba.np.ufunc.omppool")
+    except ImportError:  # its OpenMP library (libgomp) is missing
+        return False
+    return True
 
 
 def require_omp_layer() -> None:

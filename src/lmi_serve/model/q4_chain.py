@@ -99,6 +99,11 @@ def _compile() -> dict[str, Any]:
 _compiled = CompiledOnce(_compile, "q4 layer chain unavailable: q4-bf16 decoder layers call their kernels one by one")
 
 
+def kernel() -> dict[str, Any] | None:
+    """The compiled chain calls, or None where numba, the Q4 kernel or the norm kernel is missing."""
+    return _compiled.get()
+
+
 def _q4_weights(linear: nn.Module) -> q4_kernel.Q4Weights | None:
     """`linear`'s Q4 kernel weights where its few rows are theirs alone: a Q4Linear with no bias or hook whose
     outputs fill whole tiles."""

@@ -171,13 +171,16 @@ def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba com
             out[r, n] = bf16(_sum(total))
 
 
-def _host_has_vnni() -> bool:
+def cpu_fits() -> bool:
+    """Whether this CPU has what the kernel needs (AVX-512 with VNNI, F16C) and numba is installed."""
+    if numba is None:
+        return False
     features = llvm_binding.get_host_cpu_features()
     return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni", "f16c"))
 
 
 def _compile() -> Any:
-    if not _host_has_vnni():
+    if not cpu_fits():
         raise RuntimeError("the CPU has no AVX-512 VNNI")
     numba.config.THREADING_LAYER = "omp"  # OpenMP threads, as the decode attention kernel's
     compiled = numba.njit(parallel=True, cache=True, nogil=True)(_matmul)

@@ -14,14 +14,15 @@ import torch
 
 from lmi_serve.model import q4_chain, q4_kernel
 from lmi_serve.model.linear_kernels import packable_dtypes, use_linear_kernel
+from lmi_serve.model.numba_bits import omp_layer_loads
 from lmi_serve.model.q4_chain import Q4LayerChain
 from lmi_serve.model.quantize import quantize_model
 
 from test_lean_layers import run
 from test_quantize import CPU, tiny_llama, write_q4_gguf
 
-pytestmark = pytest.mark.skipif(not q4_kernel.cpu_fits() or torch.bfloat16 not in packable_dtypes(),
-                                reason="no AVX-512 BF16 here")
+pytestmark = pytest.mark.skipif(not (q4_kernel.cpu_fits() and omp_layer_loads()) or torch.bfloat16 not in packable_dtypes(),
+                                reason="no AVX-512 BF16 (or numba's OpenMP layer) here")
 LAYERS = 2
 
 

@@ -18,8 +18,10 @@ import torch
 
 from lmi_serve.model import q4_kernel
 from lmi_serve.model.gguf_linears import unpack_q4_blocks
+from lmi_serve.model.numba_bits import omp_layer_loads
 
-pytestmark = pytest.mark.skipif(not q4_kernel.cpu_fits(), reason="no AVX-512 BF16 here")
+pytestmark = pytest.mark.skipif(not (q4_kernel.cpu_fits() and omp_layer_loads()),
+                                reason="no AVX-512 BF16 (or numba's OpenMP layer) here")
 
 
 def test_it_compiles_and_passes_its_self_check_on_a_cpu_with_avx512_bf16():

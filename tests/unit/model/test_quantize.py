@@ -25,6 +25,7 @@ from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.model.linear_kernels import OneDnnLinear, packable_dtypes
+from lmi_serve.model.numba_bits import omp_layer_loads
 from lmi_serve.model import q4_kernel, vnni_matmul
 from lmi_serve.model.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Linear, unpack_q4_blocks,
                                           unpack_q8_blocks)
@@ -212,7 +213,7 @@ def test_unpacked_blocks_are_what_gguf_dequantizes():
         assert torch.allclose(unpacked.dequantize(), theirs, atol=1e-6, rtol=0), qtype.name
 
 
-@pytest.mark.skipif(not vnni_matmul.available(), reason="no AVX-512 VNNI here")
+@pytest.mark.skipif(not (vnni_matmul.cpu_fits() and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
 def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
     model = tiny_llama(tied=True)
     write_q4_gguf(model, tmp_path / "tiny.gguf", skip={"lm_head"}, embedding=True,

@@ -18,8 +18,9 @@ import torch
 
 from lmi_serve.model import vnni_matmul
 from lmi_serve.model.gguf_linears import unpack_q8_blocks
+from lmi_serve.model.numba_bits import omp_layer_loads
 
-pytestmark = pytest.mark.skipif(not vnni_matmul.available(), reason="no AVX-512 VNNI (or numba's OpenMP) here")
+pytestmark = pytest.mark.skipif(not (vnni_matmul.cpu_fits() and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
