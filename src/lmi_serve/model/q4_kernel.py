@@ -14,8 +14,9 @@ The activations are the bf16 rows as they are (the products are exact in fp32; `
 subnormal inputs and outputs to zero), the result rounded to bf16 (nearest even). Against fp64 of the same
 weights its error is ~1e-6 before that rounding; torch's kernel rounds the scales to bf16 first (~1e-2).
 
-Rows go four at a time (each weight word made once for the four), a lone row on its own loop, with the same
-arithmetic for every row either way: a row's bits do not depend on the batch. Measured (benchmarks/RESULTS.md,
+Rows go four at a time (each weight word made once for the four), a last two or one on loops of their own
+(two rows through the four-row loop took 1.3x their own loop's time), with the same arithmetic for every row
+either way: a row's bits do not depend on the batch. Measured (benchmarks/RESULTS.md,
 2-core EPYC): SmolLM2's 120 Q4 calls at one row 0.65-0.80x torch's time cold, a one-row step 0.875-0.91x.
 Cold, it reads ~20 GB/s where the box's plain sum reads ~30: the interleaves (against a widen and an or a
 word) made it 0.91x hot and level cold; a software prefetch 512-4096 bytes ahead did not pay.
@@ -267,12 +268,47 @@ def _four_rows(x, sums, weights, tile, blocks, first, rows, out, width):  # prag
 
 
 @helper
+def _two_rows(x, sums, weights, tile, blocks, first, out, width):  # pragma: no cover - numba compiles it
+    """Rows first and first + 1, each row's arithmetic `_one_row`'s."""
+    columns = blocks * GROUP
+    low0, high0, low1, high1 = zeros16(), zeros16(), zeros16(), zeros16()
+    for b in range(blocks):
+        at = (tile * blocks + b) * _BLOCK_BYTES
+        x0, x1 = first * columns + b * GROUP, (first + 1) * columns + b * GROUP
+        el0, eh0, ol0, oh0 = zeros16(), zeros16(), zeros16(), zeros16()
+        el1, eh1, ol1, oh1 = zeros16(), zeros16(), zeros16(), zeros16()
+        for c in range(_CHUNKS):
+            chunk, p = at + c * _CHUNK, 2 * c
+            words_low, words_high = _even_low(weights, chunk), _even_high(weights, chunk)
+            pair = _pair(x, x0 + 2 * p)
+            el0, eh0 = _dot(el0, words_low, pair), _dot(eh0, words_high, pair)
+            pair = _pair(x, x1 + 2 * p)
+            el1, eh1 = _dot(el1, words_low, pair), _dot(eh1, words_high, pair)
+            words_low, words_high = _odd_low(weights, chunk), _odd_high(weights, chunk)
+            pair = _pair(x, x0 + 2 * p + 2)
+            ol0, oh0 = _dot(ol0, words_low, pair), _dot(oh0, words_high, pair)
+            pair = _pair(x, x1 + 2 * p + 2)
+            ol1, oh1 = _dot(ol1, words_low, pair), _dot(oh1, words_high, pair)
+        low0 = _scaled(low0, weights, at, 0, el0, ol0, sums[first * blocks + b])
+        high0 = _scaled(high0, weights, at, 1, eh0, oh0, sums[first * blocks + b])
+        low1 = _scaled(low1, weights, at, 0, el1, ol1, sums[(first + 1) * blocks + b])
+        high1 = _scaled(high1, weights, at, 1, eh1, oh1, sums[(first + 1) * blocks + b])
+    at = first * width + tile * TILE
+    _store_bf16(out, at, low0)
+    _store_bf16(out, at + 16, high0)
+    _store_bf16(out, at + width, low1)
+    _store_bf16(out, at + width + 16, high1)
+
+
+@helper
 def rows_tile(x, sums, weights, tile, blocks, rows, out, width):  # pragma: no cover - numba compiles it
     """One tile's 32 outputs of every row (`_q4_rows`' loop body; model/layer_chain.py's too): x and out bf16
     pointers (out rows `width` apart), sums the rows' `block_sums`, weights a byte pointer."""
     for first in range(0, rows, 4):
         if rows - first == 1:
             _one_row(x, sums, weights, tile, blocks, first, out, width)
+        elif rows - first == 2:
+            _two_rows(x, sums, weights, tile, blocks, first, out, width)
         else:
             _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
 

@@ -4,7 +4,8 @@
   reference), outputs past a whole tile included;
 - its product is the bf16 input's exact product (fp64) with those weights, rounded once to bf16: within
   half a bf16 step, where torch's int4 kernel (bf16 scales) is not;
-- a row's output is the same bits alone or in any batch (rows go four at a time, a lone row on its own loop);
+- a row's output is the same bits alone or in any batch (rows go four at a time, a last
+  two or one on their own loops);
 - a tensor it cannot read is refused, not read out of bounds.
 Skipped where the CPU has no AVX-512 BF16 (bf16 Q4 layers then keep torch's int4 kernel: test_quantize.py).
 """
