@@ -399,12 +399,13 @@ class ModelConfig(BaseModel):
     row_kernel: RowKernel = Field(
         "auto",
         description=(
-            "where option.linear_kernel puts fp32 Linear layers on oneDNN: one to eight rows (the decode steps of "
-            "a few streams) on a kernel of our own (model/row_kernel.py) over a second copy of the weights laid "
+            "where option.linear_kernel puts fp32 Linear layers on oneDNN: one to 64 rows (decode steps of up "
+            "to 64 streams) on a kernel of our own (model/row_kernel.py) over a second copy of the weights laid "
             "out for it, with the bits oneDNN gives those rows in any batch (its block size probed per layer at "
             "start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a quarter "
             "of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no copy. "
-            "The default's decode step 0.70x / 0.71x / 0.79x its time on oneDNN alone at 1 / 4 / 8 rows, the "
+            "The default's decode step 0.70x / 0.71x / 0.79x / 0.92x its time on oneDNN alone at 1 / 4 / 8 / 32 "
+            "rows, the "
             "served one-stream TPOT 20.9 against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text generation "
             "only"
         ),

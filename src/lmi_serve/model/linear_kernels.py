@@ -157,7 +157,7 @@ class LinearKernelReport:
     stacked: list[str] = field(default_factory=list)  # of `swapped`: siblings stacked into one matmul (shared_input.py)
     norms: list[str] = field(default_factory=list)  # RMSNorm layers on F.rms_norm, the same bits (fused_norms.py)
     lean: list[str] = field(default_factory=list)  # decoder layers in fewer ops, the same bits (lean_layers.py)
-    row_kernel: RowKernelReport | None = None  # 1-8 rows on the row kernel, the same bits (row_kernel.py)
+    row_kernel: RowKernelReport | None = None  # 1-64 rows on the row kernel, the same bits (row_kernel.py)
     kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it stays an nn.Linear
     seconds: float = 0.0
 
@@ -200,7 +200,7 @@ def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
     (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
     False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
     their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
-    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one to eight
+    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one to 64
     fp32 rows go on the row kernel as `row_kernel` (option.row_kernel; `auto`, as the server's default) says
     (row_kernel.py). Raises LinearKernelError for a request that cannot apply."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

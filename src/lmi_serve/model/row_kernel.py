@@ -1,11 +1,14 @@
-"""fp32 Linear layers on one to eight rows at the weights' bandwidth, with the bits oneDNN gives a row in a batch.
+"""fp32 Linear layers on one to 64 rows, faster than oneDNN, with the bits oneDNN gives a row in a batch.
 
 A one-row decode step of the default (SmolLM2 in fp32) reads 538 MB of weights; oneDNN's packed kernel
 (model/linear_kernels.py) streams them at 19 GB/s at one row where the box reads 33 GB/s, the small
-matrices worst (13-17 GB/s: its few-row path is built for blocks of rows). This kernel computes one to eight
-rows (MAX_ROWS) from a second copy of the weights laid out [N/32, K, 32], so each thread streams one
+matrices worst (13-17 GB/s: its few-row path is built for blocks of rows). This kernel computes one to
+MAX_ROWS rows from a second copy of the weights laid out [N/32, K, 32], so each thread streams one
 contiguous range, 32 outputs (two AVX-512 vectors) at a time, each weight vector loaded once for four rows
-(a layer at four rows costs about what it costs at one).
+(a layer at four rows costs about what it costs at one). Past a few rows it is compute-bound, and still
+ahead of oneDNN, whose kernel for a few dozen rows splits the work less evenly: SmolLM2's layer set at 16 /
+32 / 48 / 64 rows 0.86 / 0.91-0.93 / 0.76-0.89 / 0.88-0.96x oneDNN's time, level from ~256 (and the 49,152-wide
+lm_head level from 32); a 32-row decode step 0.92x.
 
 It must answer what oneDNN answers for the same row in a batch of 2 to 64 (a row decoding alone gets the
 bits it gets in company). oneDNN's fp32 kernel for several rows sums each output over K in blocks of B
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("auto", "on", "off")
 TILE = 32  # outputs a thread computes together: two 16-lane vectors
-MAX_ROWS = 8  # rows it takes: a step 0.70x / 0.71x / 0.79x oneDNN's at 1 / 4 / 8 rows (RESULTS.md)
+MAX_ROWS = 64  # rows it takes: a step 0.70x / 0.71x / 0.79x / 0.84x / 0.92x oneDNN's at 1 / 4 / 8 / 12 / 32 rows
 _BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
 _AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
 

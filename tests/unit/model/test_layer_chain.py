@@ -53,7 +53,7 @@ def counting(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("rows", [1, 3, row_kernel.MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, layer_chain.MAX_ROWS])
 def test_chained_layers_give_the_unchained_bits(family, rows, monkeypatch):
     with monkeypatch.context() as patch:
         unchained(patch)
@@ -66,7 +66,7 @@ def test_chained_layers_give_the_unchained_bits(family, rows, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     steps = len(got) - 1
     prefill_rows = rows * 9  # more than MAX_ROWS rows: the prefill takes the usual path
-    assert prefill_rows > row_kernel.MAX_ROWS
+    assert prefill_rows > layer_chain.MAX_ROWS
     assert calls == [rows] * (steps * SMALL["num_hidden_layers"])
     # the chain rotates q and k inside its first call; Qwen3's per-head norms come between: torch's ops there
     assert len(rotations) == (0 if family == "qwen3" else SMALL["num_hidden_layers"])  # the prefill's
@@ -111,7 +111,7 @@ def test_more_rows_or_another_dtype_take_the_usual_path():
     chain = LayerChain.of(layer.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj,
                           layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.down_proj)
     width = SMALL["hidden_size"]
-    assert chain.takes(torch.zeros(row_kernel.MAX_ROWS, 1, width))
-    assert not chain.takes(torch.zeros(row_kernel.MAX_ROWS + 1, 1, width))
+    assert chain.takes(torch.zeros(layer_chain.MAX_ROWS, 1, width))
+    assert not chain.takes(torch.zeros(layer_chain.MAX_ROWS + 1, 1, width))
     assert not chain.takes(torch.zeros(1, 1, width, dtype=torch.bfloat16))
     assert not chain.takes(torch.zeros(1, 2 * width)[:, ::2])  # not contiguous

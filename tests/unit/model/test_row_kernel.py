@@ -1,6 +1,7 @@
-"""option.row_kernel (model/row_kernel.py): one to eight fp32 rows on a kernel of our own, oneDNN's batched bits.
+"""option.row_kernel (model/row_kernel.py): one to MAX_ROWS fp32 rows on a kernel of our own, oneDNN's batched bits.
 
-- One to MAX_ROWS rows get bit for bit what the same rows get in any larger batch (to 33 rows) on oneDNN
+- One to MAX_ROWS rows get bit for bit what each row gets alone, and what the same rows get in larger batches
+  (to 300 rows) on oneDNN
   (with and without bias, input widths on both sides of oneDNN's change of block size, output widths that
   are not a multiple of the kernel's 32), for 2-D and 3-D inputs, and the row kernel is what computed them.
 - Its results are F.linear's up to summation order.
@@ -45,17 +46,19 @@ def with_row_weights(linear: torch.nn.Linear) -> OneDnnLinear:
 def test_a_row_alone_gets_the_bits_it_gets_in_any_batch(in_features, out_features, bias):
     torch.manual_seed(0)
     layer = with_row_weights(torch.nn.Linear(in_features, out_features, bias=bias))
-    x = torch.randn(33, in_features)
+    larger = [MAX_ROWS + 1, MAX_ROWS + 2, MAX_ROWS + 15, 2 * MAX_ROWS + 1, 300]  # oneDNN's, its kernels for many rows
+    x = torch.randn(larger[-1], in_features)
     batched = layer._linear
     calls = []
     layer._linear = lambda rows: calls.append(rows.shape[0]) or batched(rows)
     with torch.no_grad():
         few = [layer(x[:rows]) for rows in range(1, MAX_ROWS + 1)]
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
         assert calls == []  # the row kernel computed them, not oneDNN
         assert [f.shape for f in few] == [(rows, out_features) for rows in range(1, MAX_ROWS + 1)]
-        assert all(torch.equal(few[-1][:rows], few[rows - 1]) for rows in range(1, MAX_ROWS))
-        assert all(torch.equal(layer(x[:rows])[:MAX_ROWS], few[-1]) for rows in range(MAX_ROWS + 1, 34))
-        assert calls == list(range(MAX_ROWS + 1, 34))
+        assert all(torch.equal(few[rows - 1], alone[:rows]) for rows in range(1, MAX_ROWS + 1))
+        assert all(torch.equal(layer(x[:rows]), alone[:rows]) for rows in larger)
+        assert calls == larger
         for rows in (1, MAX_ROWS):  # a decode step's shape
             assert torch.equal(layer(x[:rows].reshape(rows, 1, in_features)).reshape(rows, out_features), few[rows - 1])
         layer._linear = batched
