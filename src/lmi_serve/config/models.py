@@ -405,9 +405,8 @@ class ModelConfig(BaseModel):
             "start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a quarter "
             "of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no copy. "
             "The default's decode step 0.70x / 0.71x / 0.79x / 0.92x its time on oneDNN alone at 1 / 4 / 8 / 32 "
-            "rows, the "
-            "served one-stream TPOT 20.9 against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text generation "
-            "only"
+            "rows, the served one-stream TPOT 20.9 against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text "
+            "generation only"
         ),
     )
     # LoRA adapters (model/lora.py, engine/adapters.py): <model_dir>/adapters/* at start-up, the adapters API

@@ -8,10 +8,10 @@ contiguous range, 32 outputs (two AVX-512 vectors) at a time, each weight vector
 (a layer at four rows costs about what it costs at one). Past a few rows it is compute-bound, and still
 ahead of oneDNN, whose kernel for a few dozen rows splits the work less evenly: SmolLM2's layer set at 16 /
 32 / 48 / 64 rows 0.86 / 0.91-0.93 / 0.76-0.89 / 0.88-0.96x oneDNN's time, level from ~256 (and the 49,152-wide
-lm_head level from 32); a 32-row decode step 0.92x.
+lm_head level from 32); a 32-row decode step 0.92x. (Measured on a Zen 4 EPYC only.)
 
-It must answer what oneDNN answers for the same row in a batch of 2 to 64 (a row decoding alone gets the
-bits it gets in company). oneDNN's fp32 kernel for several rows sums each output over K in blocks of B
+It must answer what oneDNN answers for the same row in a batch of any size (a row decoding alone gets the
+bits it gets in company; more than MAX_ROWS rows go to oneDNN). oneDNN's fp32 kernel for several rows sums each output over K in blocks of B
 columns, each block a chain of fused multiply-adds from zero in ascending k, the blocks' sums added in
 order, then the bias (on a Zen 4 EPYC: B = 512 below 1,280 input features, 1,024 from there up). That is
 what this kernel computes, for a block size found per layer at start-up by comparing its answer with
