@@ -125,7 +125,7 @@ class Q4LayerChain(LayerChain):
 
     @staticmethod
     def calls() -> dict[str, Any] | None:
-        return _compiled.get()
+        return kernel()
 
     @staticmethod
     def weights_of(linear: nn.Module) -> q4_kernel.Q4Weights | None:
