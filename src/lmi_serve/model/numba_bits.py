@@ -18,6 +18,7 @@ import torch
 
 try:
     import numba
+    from llvmlite import binding as llvm_binding
     from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic, models, register_model
@@ -136,6 +137,14 @@ class CompiledOnce:
                         log.log(self._level, "%s: %s", self._unavailable, error)
                     self.done = True
         return self.value
+
+
+def host_cpu_has(*features: str) -> bool:
+    """Whether numba is installed and this CPU has every one of `features` (LLVM's names: "avx512bf16")."""
+    if numba is None:
+        return False
+    found = llvm_binding.get_host_cpu_features()
+    return all(found.get(name, False) for name in features)
 
 
 def omp_layer_loads() -> bool:

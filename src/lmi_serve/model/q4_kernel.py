@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
+from lmi_serve.model.numba_bits import CompiledOnce, helper, host_cpu_has, require_omp_layer
 
 GROUP = 32  # input columns per block (a GGUF Q4 block)
 TILE = 32  # outputs per tile: two 16-lane vectors
@@ -48,7 +48,6 @@ _OFFSET = 128  # the words hold 128 + q
 
 try:
     import numba
-    from llvmlite import binding as llvm_binding
     from llvmlite import ir
     from llvmlite.ir.types import _BaseFloatType
     from numba.core import cgutils, types
@@ -392,10 +391,7 @@ def _call(compiled: Any, weights: Q4Weights, x: torch.Tensor) -> torch.Tensor:
 
 def cpu_fits() -> bool:
     """Whether this CPU has what the kernel needs (AVX-512 with BF16, F16C) and numba is installed."""
-    if numba is None:
-        return False
-    features = llvm_binding.get_host_cpu_features()
-    return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512bf16", "f16c"))
+    return host_cpu_has("avx512f", "avx512bw", "avx512bf16", "f16c")
 
 
 def _compile() -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmi_serve.model.numba_bits import CompiledOnce, helper, require_omp_layer
+from lmi_serve.model.numba_bits import CompiledOnce, helper, host_cpu_has, require_omp_layer
 
 
 GROUP = 32  # columns per scale (a GGUF Q8_0 block)
@@ -39,7 +39,6 @@ _INT16_MAX = 32767
 
 try:
     import numba
-    from llvmlite import binding as llvm_binding
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
@@ -173,10 +172,7 @@ def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba com
 
 def cpu_fits() -> bool:
     """Whether this CPU has what the kernel needs (AVX-512 with VNNI, F16C) and numba is installed."""
-    if numba is None:
-        return False
-    features = llvm_binding.get_host_cpu_features()
-    return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni", "f16c"))
+    return host_cpu_has("avx512f", "avx512bw", "avx512vnni", "f16c")
 
 
 def _compile() -> Any:
