@@ -242,6 +242,18 @@ class ModelConfig(BaseModel):
             "whole); larger admits bursts faster"
         ),
     )
+    max_rolling_batch_step_seconds: float | None = Field(
+        None, ge=0,
+        description=(
+            "the seconds a step that prefills may take (unset: 0.4 on a CPU, off on a GPU; 0: off): the "
+            "scheduler fits what its steps cost on this machine (the running rows' decode, a prompt token, its "
+            "attention) from its last steps and admits no more prompt tokens a step than fit in what the decode "
+            "leaves (never more than `max_rolling_batch_prefill_tokens`, never fewer than 16), so the longest gap "
+            "between tokens holds on a slower CPU too (256 prompt tokens took ~0.2 s on one 2-core EPYC, ~0.4 s on "
+            "another); the fitted context at which a prompt token's attention costs what its linear layers do "
+            "sizes the chunks of a long prompt. The log shows the fit once made (`Step pace:`)"
+        ),
+    )
     kv_cache: KvCache = Field(
         DEFAULT_KV_CACHE,
         description=(

@@ -79,6 +79,21 @@ def prefill_tokens(config: ModelConfig, device: Any) -> int:
     return chosen
 
 
+CPU_STEP_SECONDS = 0.4  # the longest gap's target is 0.5 s: room for a beam search's step and the delivery
+
+
+def step_seconds(config: ModelConfig, device: Any) -> float | None:
+    """The seconds a step that prefills may take (engine/pace.py): option.max_rolling_batch_step_seconds (0:
+    none), or where it is unset the CPU's default, and none on a GPU (512 prompt tokens take milliseconds)."""
+    if config.max_rolling_batch_step_seconds is not None:
+        return config.max_rolling_batch_step_seconds or None
+    if torch.device(device).type == "cuda":
+        return None
+    log.info("option.max_rolling_batch_step_seconds unset: steps that prefill paced to %.2f s on %s",
+             CPU_STEP_SECONDS, device)
+    return CPU_STEP_SECONDS
+
+
 def default_mixed_steps(device: Any) -> bool:
     """option.mixed_steps where it is unset (`mixed_steps`)."""
     return torch.device(device).type != "cuda"
@@ -116,7 +131,8 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
                     predict_timeout=config.predict_timeout, max_prefill_tokens=prefill,
                     max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
                     adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None,
-                    speculation=_speculation(config, serving.kv_layout), mixed_steps=mixed_steps(config, device))
+                    speculation=_speculation(config, serving.kv_layout), mixed_steps=mixed_steps(config, device),
+                    step_seconds=step_seconds(config, device))
     if tp_group is not None:
         tp_group.on_failure(engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
     return engine

@@ -78,9 +78,10 @@ class ChunkedPrefill:
         self.row = row
         self._model, self._layout, self._pad_id, self._device = model, layout, pad_id, device
         self._prefixes = prefixes
-        self._crossover = attention_crossover(model)
+        self.crossover = attention_crossover(model)  # the scheduler's step pace may set a measured one
         self._kv: KVBatch | None = None
         self.done = 0  # prompt tokens prefilled (or taken from the prefix cache) so far
+        self.cached = 0  # of them, those taken from the prefix cache
 
     @property
     def remaining(self) -> int:
@@ -89,7 +90,7 @@ class ChunkedPrefill:
     def cost(self, budget: int) -> int:
         """What of `budget` the next `advance(budget)` spends: all of it, or what the rest of the
         prompt costs with its attention counted, when that is less."""
-        rest = self.remaining * (1 + (self.done + self.remaining / 2) / self._crossover)
+        rest = self.remaining * (1 + (self.done + self.remaining / 2) / self.crossover)
         return min(budget, math.ceil(rest))
 
     def advance(self, budget: int) -> Batch | None:
@@ -97,13 +98,14 @@ class ChunkedPrefill:
         (`chunk_tokens`); once the prompt is all in, the row's Batch with the logits its first token
         is sampled from; before that, None."""
         self._resume()
-        return self._prefill(chunk_tokens(budget, self.done, self._crossover))
+        return self._prefill(chunk_tokens(budget, self.done, self.crossover))
 
     def _resume(self) -> None:
         """Before the first chunk: start from the prefix cache's longest match, if any."""
         if self._kv is None and self._prefixes is not None:
             self._kv, self.done = resume_from_cache(self._prefixes, self._layout, self._model,
                                                     self.row.request.prompt_ids, self._device)
+            self.cached = self.done
 
     def next_chunk(self, budget: int | None) -> tuple[KVBatch, Sequence[int]]:
         """For a mixed step (kv/mixed.py): the one-row batch the next chunk continues (from the prefix
@@ -112,7 +114,7 @@ class ChunkedPrefill:
         self._resume()
         if self._kv is None:
             self._kv = self._layout.empty(self._model, self._device)
-        tokens = self.remaining if budget is None else chunk_tokens(budget, self.done, self._crossover)
+        tokens = self.remaining if budget is None else chunk_tokens(budget, self.done, self.crossover)
         return self._kv, self.row.request.prompt_ids[self.done:self.done + tokens]
 
     def fed(self, tokens: int, logits: torch.Tensor) -> Batch | None:

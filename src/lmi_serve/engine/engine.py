@@ -64,12 +64,15 @@ class Engine:
                  max_prefill_tokens: int = 512, name: str = "model", kv_layout: KVLayout | None = None,
                  prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None,
                  adapters: Adapters | None = None, kv_tokens: int | None = None,
-                 speculation: NgramSpeculation | None = None, mixed_steps: bool = True):
+                 speculation: NgramSpeculation | None = None, mixed_steps: bool = True,
+                 step_seconds: float | None = None):
         """`adapters`: the model's LoRA adapters (adapters.py; the model wrapped by model/lora.py), which
         requests name in `GenerationRequest.adapter`; None: LoRA is off and such requests are refused.
         `kv_tokens`: the K/V budget in tokens (kv/budget.py, on a GPU); None: no bound. `speculation`:
         n-gram drafts for a batch of one row (speculation.py); None: off. `mixed_steps`: joiners' prompts go
-        through the running rows' decode forward where the KV layout can pack them (kv/mixed.py)."""
+        through the running rows' decode forward where the KV layout can pack them (kv/mixed.py).
+        `step_seconds`: what a step that prefills may take, its prompt-token budget paced to it (pace.py);
+        None: tokens alone."""
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
@@ -85,7 +88,7 @@ class Engine:
                                    max_prefill_tokens=max_prefill_tokens, kv_layout=kv_layout,
                                    prefix_cache=prefix_cache, adapters=adapters, kv_tokens=kv_tokens,
                                    max_model_len=self.max_model_len, speculation=speculation,
-                                   mixed_steps=mixed_steps)
+                                   mixed_steps=mixed_steps, step_seconds=step_seconds)
         self.adapters = adapters
         self.observer: EngineObserver | None = None  # observe() sets it (metrics)
         self.failure: str | None = None  # set by fail(): the model cannot serve any more

@@ -9,6 +9,7 @@ of the running batch, with their first tokens sampled and sent.
   compute, and prefill on a CPU is compute-bound, so a group only pays when it adds little padding);
   a group that fails is retried a row at a time, so only the request at fault fails;
 - the chunked prompt (chunked.py) is continued by one chunk; its row joins after its last chunk.
+With a step pace (pace.py), `_paced` times steps 3-7 and tells it what they ran.
 Each forward runs under `guarded_forward` (guarded.py), as the decode does.
 
 With mixed steps (option.mixed_steps, kv/mixed.py: where the layout `mixes` the model and a batch is
@@ -26,6 +27,7 @@ the step's other halves, named below.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import TYPE_CHECKING
@@ -39,6 +41,7 @@ from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
 from lmi_serve.engine.kv.protocol import KVLayout
+from lmi_serve.engine.pace import StepPace, StepWork, decode_context, prompt_work
 from lmi_serve.engine.phases import DECODE, EVICT, PREFILL, PhaseClock
 from lmi_serve.engine.types import GenerationRequest
 
@@ -58,6 +61,7 @@ class PrefillSteps:
     kv_layout: KVLayout
     prefixes: PrefixCache | None
     chunking: ChunkedPrefill | None  # set by admission, dropped here once its last chunk is in
+    pace: StepPace | None  # learns from each step's work and time (`_paced`); sizes the step's budget
     max_padding: float
     mixed: bool  # prompts ride in the decode forward where they can (`_mixable`)
     phases: PhaseClock
@@ -78,6 +82,29 @@ class PrefillSteps:
 
     def _prefill_cost(self, request: GenerationRequest) -> int:
         return len(request.prompt_ids) - self._cached_tokens(request)
+
+    @contextlib.contextmanager
+    def _paced(self, joiners: list[RequestHandle]):
+        """Steps 3-7, timed for the step pace (pace.py) with the work they are about to do."""
+        if self.pace is None:
+            yield
+            return
+        rows = self.batch.rows if self.batch else []
+        context = decode_context(rows)
+        tokens, pairs = 0, 0.0
+        for handle in joiners:
+            cached = self._cached_tokens(handle.request)
+            rest = len(handle.request.prompt_ids) - cached
+            tokens, pairs = tokens + rest, pairs + prompt_work(cached, rest)
+        chunking, done = self.chunking, self.chunking.done if self.chunking is not None else 0
+        start = self.pace.clock()
+        yield
+        seconds = self.pace.clock() - start
+        if chunking is not None:  # its chunk is known once it ran (the first may start from the prefix cache)
+            start_at = max(done, chunking.cached)
+            fed = chunking.done - start_at
+            tokens, pairs = tokens + fed, pairs + prompt_work(start_at, fed)
+        self.pace.observe(StepWork(len(rows), context, tokens, pairs), seconds)
 
     # -- the joiners ---------------------------------------------------------------------------
     def _join(self, handles: list[RequestHandle]) -> None:
@@ -148,7 +175,10 @@ class PrefillSteps:
         row = make_row(handle.request, self.tokenizer, owner=handle, constraint=handle.constraint,
                        watermark=handle.watermark, adapter_slot=handle.adapter_slot)
         prefixes = self.prefixes if self._uses_prefixes(handle.request) else None
-        return ChunkedPrefill(row, self.model, self.kv_layout, self.tokenizer.pad_token_id, self.device, prefixes)
+        prefill = ChunkedPrefill(row, self.model, self.kv_layout, self.tokenizer.pad_token_id, self.device, prefixes)
+        if self.pace is not None:
+            prefill.crossover = self.pace.crossover  # measured on this machine: sizes its chunks
+        return prefill
 
     def _advance_chunk(self, budget: int) -> None:
         """The next chunk of the chunked prompt; its row joins the batch after the last one."""

@@ -7,7 +7,9 @@ Order of operations in `Scheduler.step`:
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
    tokens fit the per-step prefill budget (less the prompts of beam searches starting this step):
    a prefill stalls every running row, so the budget bounds the longest gap between two tokens of
-   a stream. A prompt over what is left of it is
+   a stream. With a step pace (pace.py) the budget is what the running rows' decode leaves of the
+   step's seconds at the costs measured on the last steps, within the token budget. A prompt over
+   what is left of it is
    prefilled a chunk per step (chunked.py; one at a time), or, where it cannot be chunked, whole
    as the step's only prefill. A request of a LoRA adapter also needs its adapter's slot
    (adapters.py): when every slot is held by running rows of other adapters, it waits at the head.
@@ -49,7 +51,7 @@ from lmi_serve.engine.adapters import Adapters, lora_rows
 from lmi_serve.engine.batch import Batch, Row
 from lmi_serve.engine.beams.jobs import BeamJobs, settle
 from lmi_serve.engine.beams.rows import BeamSearch
-from lmi_serve.engine.chunked import ChunkedPrefill, chunkable
+from lmi_serve.engine.chunked import ChunkedPrefill, attention_crossover, chunkable
 from lmi_serve.engine.guarded import guarded_forward
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.budget import request_tokens
@@ -57,6 +59,7 @@ from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
 from lmi_serve.engine.kv.protocol import KVLayout, held_bytes
 from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.observer import EngineObserver, StepReport
+from lmi_serve.engine.pace import StepPace, decode_context
 from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, for_device
 from lmi_serve.engine.prefill import PrefillSteps
 from lmi_serve.engine.speculation import NgramSpeculation, SpeculationStats
@@ -85,7 +88,7 @@ class Scheduler(PrefillSteps):
                  kv_layout: KVLayout | None = None, prefix_cache: PrefixCache | None = None,
                  adapters: Adapters | None = None, kv_tokens: int | None = None,
                  max_model_len: int | None = None, speculation: NgramSpeculation | None = None,
-                 mixed_steps: bool = True):
+                 mixed_steps: bool = True, step_seconds: float | None = None):
         """`kv_layout` prefills new rows into KV batches (kv/protocol.py) and says whether a prompt can
         be chunked; None picks the model's default (kv/select.py). `prefix_cache` (kv/prefix_cache.py)
         lets prompts reuse the K/V of a prefix prefilled before; the layout must declare
@@ -94,7 +97,9 @@ class Scheduler(PrefillSteps):
         the K/V tokens running rows may reserve together (kv/budget.py; None: no bound), each row
         what its request may reach, capped at `max_model_len`. `speculation` (speculation.py): drafts for
         a batch of one row; the layout must declare `supports_speculation`. `mixed_steps`: joiners' prompts
-        go through the running rows' decode forward where the layout `mixes` the model (prefill.py)."""
+        go through the running rows' decode forward where the layout `mixes` the model (prefill.py).
+        `step_seconds`: the seconds a step that prefills may take (pace.py: its prompt tokens are paced to
+        them, within `max_prefill_tokens`); None: tokens alone."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.kv_layout = kv_layout or layout_for(model)
         # Idempotent: engine/build.py prepared it before the warm-up; an engine built directly (tests,
@@ -113,6 +118,8 @@ class Scheduler(PrefillSteps):
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.pace = (StepPace(step_seconds, prior_crossover=attention_crossover(model))
+                     if step_seconds else None)
         self.max_padding = max_padding
         self.kv_tokens = kv_tokens
         self.max_model_len = max_model_len
@@ -212,22 +219,33 @@ class Scheduler(PrefillSteps):
         with self.phases.measure(ADMIT):  # steps 1-2
             self._drop_cancelled_and_expired()
             self._admit_beams()
+            whole = self._step_budget()
             # A beam search's first step prefills its prompt in this step too: its share of the budget.
-            room = max(self.max_prefill_tokens - self.beams.prompt_tokens, 0)
+            room = max(whole - self.beams.prompt_tokens, 0)
+            if self.chunking is not None and self.pace is not None:
+                self.chunking.crossover = self.pace.crossover
             chunk = self.chunking.cost(room) if self.chunking else 0
-            joiners = self._admit(room - chunk)
+            joiners = self._admit(room - chunk, whole)
         if self.chunking is not None and not chunk:  # it started this step: the rest of the budget
             chunk = room - sum(self._prefill_cost(h.request) for h in joiners)
         decoded = len(self.batch) if self.batch else 0
-        if self._mixable(joiners):  # steps 3-7 in one forward (prefill.py)
-            self._mixed_step(joiners, chunk)
-        else:
-            decoded = self._separate_step(joiners, chunk)
+        with self._paced(joiners):
+            if self._mixable(joiners):  # steps 3-7 in one forward (prefill.py)
+                self._mixed_step(joiners, chunk)
+            else:
+                decoded = self._separate_step(joiners, chunk)
         if self.beams:
             self._step_beams()
         self.stats.steps += 1
         if self.observer is not None:
             self._report(decoded)
+
+    def _step_budget(self) -> int:
+        """The step's prompt tokens: max_prefill_tokens, or with a pace what fits beside the decode."""
+        if self.pace is None:
+            return self.max_prefill_tokens
+        rows = self.batch.rows if self.batch else []
+        return self.pace.tokens(self.max_prefill_tokens, len(rows), decode_context(rows))
 
     def _separate_step(self, joiners: list[RequestHandle], chunk: int) -> int:
         """Steps 3-7 as forwards of their own; the number of rows decoded."""
@@ -283,15 +301,16 @@ class Scheduler(PrefillSteps):
                     row.owner.push(TokenEvent.cancelled())
             self._evict()
 
-    def _admit(self, budget: int | None = None) -> list[RequestHandle]:
-        """Joiners whose prompts fit `budget` tokens (by default the step's whole budget); a prompt
-        over what is left starts the chunked prefill when none runs (it takes the rest of this
-        step's budget), or, if it cannot be chunked, goes whole when it would be the step's only
-        prefill."""
-        budget = self.max_prefill_tokens if budget is None else budget
+    def _admit(self, budget: int | None = None, whole: int | None = None) -> list[RequestHandle]:
+        """Joiners whose prompts fit `budget` tokens (by default the step's `whole` budget, by default
+        max_prefill_tokens); a prompt over what is left starts the chunked prefill when none runs (it
+        takes the rest of this step's budget), or, if it cannot be chunked, goes whole when it would be
+        the step's only prefill."""
+        whole = self.max_prefill_tokens if whole is None else whole
+        budget = whole if budget is None else budget
         free = self.max_batch_size - self.running - self.beams.held(self.max_batch_size)
         joiners: list[RequestHandle] = []
-        alone = budget == self.max_prefill_tokens  # no chunk is being continued this step
+        alone = budget == whole  # no chunk is being continued this step
         room = None if self.kv_tokens is None else self.kv_tokens - self.reserved_tokens
         with self.work:
             while self.waiting and len(joiners) < free:

@@ -261,3 +261,17 @@ def test_lean_decode_steps_write_and_attend_in_one_call_with_the_same_bits(tiny_
     assert len(answered) == 3 * model.config.num_hidden_layers and all(answered)
     monkeypatch.setattr(SlotCache, "decode_attend", lambda self, *args: None)  # transformers' way
     assert all(torch.equal(a, b) for a, b in zip(one_call, steps(), strict=True))
+
+
+def test_the_step_pace_is_the_option_or_the_devices_default(tiny_model, smollm2_tokenizer, caplog):
+    caplog.set_level("INFO")
+    serving = prepare_serving(tiny_model, CPU, config(), rolling=True)
+    unset = build_engine(tiny_model, smollm2_tokenizer, CPU, config(), serving)
+    assert unset.scheduler.pace.seconds == build.CPU_STEP_SECONDS == 0.4
+    assert "max_rolling_batch_step_seconds unset: steps that prefill paced to 0.40 s on cpu" in caplog.text
+    off = build_engine(tiny_model, smollm2_tokenizer, CPU, config(max_rolling_batch_step_seconds=0), serving)
+    assert off.scheduler.pace is None
+    chosen = build_engine(tiny_model, smollm2_tokenizer, CPU, config(max_rolling_batch_step_seconds=0.2), serving)
+    assert chosen.scheduler.pace.seconds == 0.2
+    assert build.step_seconds(config(), torch.device("cuda", 0)) is None  # 512 prompt tokens take milliseconds
+    assert build.step_seconds(config(max_rolling_batch_step_seconds=0.3), torch.device("cuda", 0)) == 0.3
