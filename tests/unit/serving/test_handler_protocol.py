@@ -261,9 +261,10 @@ def built_in_text_handler():
 TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf", dtype="bf16", device_map="auto",
                     tensor_parallel_degree="max", trust_remote_code=True, revision="main", task="text-generation",
                     rolling_batch="auto", max_rolling_batch_size=5, max_rolling_batch_prefill_tokens=64,
-                    job_queue_size=9, predict_timeout=3.5, max_model_len=4096, max_input_len=200,
-                    tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic", enable_prefix_caching=True,
-                    reasoning_parser="qwen3", max_reasoning_tokens=64, tool_call_parser="llama3_json",
+                    max_rolling_batch_step_seconds=0.3, job_queue_size=9, predict_timeout=3.5, max_model_len=4096,
+                    max_input_len=200, tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic",
+                    enable_prefix_caching=True, reasoning_parser="qwen3", max_reasoning_tokens=64,
+                    tool_call_parser="llama3_json",
                     prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch",
                     draft_model_id="ngram", spec_length=3, prompt_lookup_max=5, mixed_steps=False, row_kernel="off")
 
@@ -292,7 +293,8 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert engine.kwargs == {"max_batch_size": 5, "max_queue": 9, "predict_timeout": 3.5, "max_prefill_tokens": 64,
                              "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
                              "kv_layout": DYNAMIC, "adapters": None,  # no LoRA
-                             "kv_tokens": None, "mixed_steps": False}  # a CPU: no GPU memory budget
+                             "kv_tokens": None, "mixed_steps": False,  # a CPU: no GPU memory budget
+                             "step_seconds": 0.3}
     assert type(engine.kwargs["max_batch_size"]) is int and type(engine.kwargs["predict_timeout"]) is float
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
