@@ -224,8 +224,8 @@ class RowWeights:
         given), with `bias` padded alike."""
         out_features, in_features = weight.shape
         tiles = -(-out_features // TILE)
-        padded = torch.zeros(tiles * TILE, in_features, dtype=torch.float32)
-        padded[:out_features] = weight
+        padding = tiles * TILE - out_features  # zero rows only where the outputs are not whole tiles
+        padded = weight.float() if not padding else torch.nn.functional.pad(weight.float(), (0, 0, 0, padding))
         source = padded.reshape(tiles, TILE, in_features).transpose(1, 2)
         laid_out = source.contiguous() if into is None else into.view(tiles, in_features, TILE).copy_(source)
         if bias is not None:

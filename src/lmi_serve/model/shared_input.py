@@ -153,8 +153,11 @@ def stack_shared_inputs(model: nn.Module, packable: tuple[torch.dtype, ...],
 def concatenated_linear(layers: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose output is the layers' outputs side by side."""
     weight = torch.cat([layer.weight.detach() for layer in layers])
-    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, dtype=weight.dtype)
-    stacked.weight.copy_(weight)
+    # Made on the meta device and given the stacked tensors: no random initialisation to overwrite (~0.4 s a
+    # SmolLM2 start) and no second copy.
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=layers[0].bias is not None, dtype=weight.dtype,
+                        device="meta")
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
     if stacked.bias is not None:
-        stacked.bias.copy_(torch.cat([layer.bias.detach() for layer in layers]))
+        stacked.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
     return stacked
