@@ -179,8 +179,12 @@ def _speculation(config: ModelConfig, layout: KVLayout) -> NgramSpeculation | No
 
 def _prefix_cache(config: ModelConfig, layout: KVLayout, rolling: bool) -> PrefixCache | None:
     """The prefix cache option.enable_prefix_caching asks for; a start-up error where it cannot work
-    (no rolling batch, or a layout that does not declare `supports_prefixes`)."""
-    if not config.enable_prefix_caching:
+    (no rolling batch, or a layout that does not declare `supports_prefixes`). Unset: on where it can work."""
+    if config.enable_prefix_caching is None:
+        if not (rolling and layout.supports_prefixes):
+            return None
+        log.info("option.enable_prefix_caching unset: on for this rolling batch")
+    elif not config.enable_prefix_caching:
         return None
     if not rolling:
         raise ValueError("option.enable_prefix_caching: prefix caching needs the rolling batch, and this model "

@@ -213,8 +213,10 @@ def test_kv_cache_is_slots_by_default_and_checked() -> None:
         synth(OPTION_KV_CACHE="paged")
 
 
-def test_prefix_caching_is_off_by_default_and_checked(tmp_path: Path) -> None:
-    assert synth().enable_prefix_caching is False and synth().prefix_cache_mb == 512
+def test_prefix_caching_is_unset_by_default_and_checked(tmp_path: Path) -> None:
+    # unset: on wherever the model can take it (engine/build.py; tests/unit/engine/test_build.py)
+    assert synth().enable_prefix_caching is None and synth().prefix_cache_mb == 512
+    assert synth(OPTION_ENABLE_PREFIX_CACHING="false").enable_prefix_caching is False
     config = synth(OPTION_ENABLE_PREFIX_CACHING="true", OPTION_PREFIX_CACHE_MB="64")
     assert config.enable_prefix_caching is True and config.prefix_cache_mb == 64
     with pytest.raises(ConfigError, match=r"^OPTION_PREFIX_CACHE_MB: '0' must be >= 1"):

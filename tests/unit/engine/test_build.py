@@ -61,7 +61,20 @@ def test_prepare_serving_chooses_prepares_and_caps(tiny_model):
     assert serving.adapters is None
     assert isinstance(serving.prefix_cache, PrefixCache) and serving.prefix_cache.budget_bytes == 3 * 2**20
     default = prepare_serving(model, CPU, config(), rolling=False)
-    assert default == Serving(SLOTS, 512, None, None)
+    assert default == Serving(SLOTS, 512, None, None)  # dynamic batching: no prefix cache, and no error
+
+
+def test_prefix_caching_unset_is_on_wherever_it_can_work(tiny_model, smollm2_tokenizer, caplog):
+    caplog.set_level("INFO", logger="lmi_serve.engine.build")
+    rolling = prepare_serving(unprepared(tiny_model), CPU, config(), rolling=True)
+    assert isinstance(rolling.prefix_cache, PrefixCache) and rolling.prefix_cache.budget_bytes == 512 * 2**20
+    assert "option.enable_prefix_caching unset: on" in caplog.text
+    assert prepare_serving(unprepared(tiny_model), CPU, config(enable_prefix_caching=False),
+                           rolling=True).prefix_cache is None
+    # Where it cannot work, unset means off (set, each of these is a start-up error: the test below)
+    assert prepare_serving(unprepared(tiny_model), CPU, config(), rolling=False).prefix_cache is None
+    seq2seq = tiny_seq2seq("t5", len(smollm2_tokenizer))
+    assert prepare_serving(seq2seq, CPU, config(), rolling=True).prefix_cache is None
 
 
 def test_prepare_serving_refuses_what_cannot_work(tiny_model, smollm2_tokenizer):
@@ -86,6 +99,7 @@ def test_with_tensor_parallelism_the_layout_is_replicated(tiny_model, monkeypatc
     serving = prepare_serving(tiny_model, CPU, config(), rolling=True, tp_group=group)
     replicator = serving.kv_layout
     assert isinstance(replicator, Replicator) and replicator.inner is SLOTS
+    assert serving.prefix_cache is None  # unset: the followers cannot replay a row resumed from cached blocks
     assert registered == [(group.stop, replicator.stop)]  # the worker exits: so do the followers
     replicator._on_error("gone")
     assert group.failures == ["gone"]
