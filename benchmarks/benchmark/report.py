@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 OURS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4", "rolling-bf16",
-        "rolling-q4-bf16", "rolling-prefix", "rolling-ngram", "rolling-sdpa",
+        "rolling-q4-bf16", "rolling-no-prefix", "rolling-ngram", "rolling-sdpa",
         "rolling-separate", "rolling-no-row", "dynamic")
 LIGHTER = ("rolling-fp16", "rolling-q4", "rolling-bf16", "rolling-q4-bf16")  # our opt-in lighter weights
 LLAMAS = (("llama-server", "Q4_1"), ("llama-server-f32", "F32"))

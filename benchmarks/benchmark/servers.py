@@ -29,7 +29,7 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-bf16": {"kv_cache": "slots", "dtype": "bf16"},
     # the GGUF's own 4-bit blocks on torch's int4 kernel, bf16 activations (its vector path); lm_head bf16 oneDNN
     "rolling-q4-bf16": {"kv_cache": "slots", "quantize": "q4", "dtype": "bf16"},
-    "rolling-prefix": {"kv_cache": "slots", "enable_prefix_caching": "true"},
+    "rolling-no-prefix": {"kv_cache": "slots", "enable_prefix_caching": "false"},
     # n-gram speculation (engine/speculation.py): a batch of one row verifies prompt-lookup drafts
     "rolling-ngram": {"kv_cache": "slots", "draft_model_id": "ngram"},
     # rolling less the decode attention kernel (engine/kv/decode_kernel.py): torch's SDPA in every step
@@ -40,6 +40,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-no-row": {"kv_cache": "slots", "row_kernel": "off"},
     # rolling less the step pace (engine/pace.py): the prompt-token budget alone bounds a step
     "rolling-unpaced": {"kv_cache": "slots", "max_rolling_batch_step_seconds": 0},
+    # rolling with fewer rows than clients (at 32): joiners wait for a row, each step decodes fewer
+    "rolling-24-rows": {"kv_cache": "slots", "max_rolling_batch_size": 24},
 }
 
 

@@ -3,7 +3,7 @@ prompt and per-request user messages, the gap workload's long prompts), and the 
 
 No two requests of a run share a prompt prefix unless the workload means them to (the chat
 workload's system prompt): each sweep prompt starts with its own number, and each point of a run
-takes its own window of prompts (`Workload.window`), so a prefix cache (rolling-prefix, llama-server)
+takes its own window of prompts (`Workload.window`), so a prefix cache (rolling, llama-server)
 hits only where the workload shares on purpose."""
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ UNKNOWN_WARNING = ("2026-11-24 01:00:00 WARNING lmi_serve: Model m: options enab
 
 
 def test_a_system_that_needs_an_unknown_option_is_recognised_from_the_log():
-    options = our_options("rolling-prefix", ServerSettings())
-    assert options["enable_prefix_caching"] == "true" and options["kv_cache"] == "slots"
+    options = our_options("rolling-no-prefix", ServerSettings())
+    assert options["enable_prefix_caching"] == "false" and options["kv_cache"] == "slots"
     assert ignored_options("starting\n" + UNKNOWN_WARNING, options) == ["enable_prefix_caching"]
     assert ignored_options("starting\nall good", options) == []
     # rolling itself asks for nothing new, so the same warning (about another option) does not skip it
@@ -50,6 +50,8 @@ def test_rolling_options_carry_the_prefill_budget_and_the_quantization():
         {"quantize": "q4", "dtype": "bf16"}
     assert "max_rolling_batch_prefill_tokens" not in our_options("rolling-dynamic", ServerSettings())
     assert our_options("dynamic", ServerSettings())["rolling_batch"] == "disable"
+    # the system's own row count wins over the workload's (the largest concurrency it drives)
+    assert our_options("rolling-24-rows", ServerSettings(max_rolling=32))["max_rolling_batch_size"] == 24
 
 
 def test_llama_server_without_a_build_is_unavailable_with_the_build_hint(tmp_path, monkeypatch):
@@ -272,6 +274,6 @@ def test_ratio_lines_against_vllm_cpu_divide_every_system_at_each_point():
 
 
 def test_chat_ttft_ratio_line():
-    rows = [row("rolling", 16, 50, ttft=1.5), row("rolling-prefix", 16, 60, ttft=0.3)]
+    rows = [row("rolling-no-prefix", 16, 50, ttft=1.5), row("rolling", 16, 60, ttft=0.3)]
     assert ttft_ratio(rows, 16).endswith("1.50 / 0.30 s = **5.00x** (target >= 3x) PASS")
     assert ttft_ratio(rows[:1], 16).endswith("not measured")
