@@ -19,6 +19,7 @@ logprobs and prompts with images are prefilled whole.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -122,8 +123,16 @@ class ChunkedPrefill:
         ([1, vocab], its last position's) to sample its first token from, once the prompt is all in."""
         self.done += tokens
         if self.remaining:
+            self._store_so_far()
             return None
         return Batch.prefilled([self.row], Prefilled(self._kv, logits), self._device)
+
+    def _store_so_far(self) -> None:
+        """Between chunks: give the prefix cache the prompt's blocks prefilled so far. The scheduler stores
+        the whole prompt's once it is in; stored here chunk by chunk, a long prompt's copies (~50 ms for
+        2,000 tokens of SmolLM2 on a 2-core EPYC) are spread over its steps instead of lengthening its last."""
+        if self._prefixes is not None:
+            self._prefixes.store(self.row.request.prompt_ids[:self.done], functools.partial(self._kv.row_kv, 0))
 
     def finish(self) -> Batch:
         """Prefill the rest of the prompt in one forward (a prefix-cache hit's rest, scheduler.py)."""
@@ -139,5 +148,6 @@ class ChunkedPrefill:
             logits = self._kv.prefill_more(chunk)
         self.done += len(chunk)
         if self.remaining:
+            self._store_so_far()
             return None
         return Batch.prefilled([self.row], Prefilled(self._kv, logits), self._device)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmi_serve.engine.batch import make_row
+from lmi_serve.engine.chunked import ChunkedPrefill
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.kv.encdec import ENCODER_DECODER
 from lmi_serve.engine.kv.prefix_cache import PrefixCache
@@ -247,3 +249,34 @@ def test_steps_report_the_prefix_caches_token_totals_to_an_observer(tiny_model, 
     assert (last.prefix_query_tokens, last.prefix_hit_tokens, last.prefix_cache_bytes) == \
         (stats.prompt_tokens, stats.hit_tokens, stats.bytes)
     assert last.prefix_query_tokens == sum(len(p) for p in shared_prompts[:2])
+
+
+@pytest.mark.parametrize("kv", sorted(KV_LAYOUTS))
+def test_a_chunked_prompt_stores_its_blocks_chunk_by_chunk_and_a_hit_on_them_is_exact(kv, tiny_model,
+                                                                                     smollm2_tokenizer, shared_prompts):
+    """A long prompt's block copies are spread over its chunks (not all in its last step), each block once."""
+    prompt = shared_prompts[2] + shared_prompts[4]
+    layout = KV_LAYOUTS[kv]
+    model = tiny_model
+    layout.prepare(model)
+    cache = PrefixCache(64 * 2**20)
+    prefill = ChunkedPrefill(make_row(greedy(prompt), smollm2_tokenizer), model, layout,
+                             smollm2_tokenizer.pad_token_id, CPU, cache)
+    held = []
+    with torch.no_grad():
+        while prefill.advance(20) is None:
+            held.append((prefill.done, cache.stats.blocks))
+    assert len(held) >= 3 and all(blocks == done // 16 for done, blocks in held), held  # stored as chunks end
+    assert cache.stats.blocks == held[-1][1]  # the last chunk's blocks: the scheduler stores those after it
+    baseline = engine_for(tiny_model, smollm2_tokenizer, kv, cache=False)
+    cached = engine_for(tiny_model, smollm2_tokenizer, kv, cache=True, budget=20)
+    try:
+        expected = [run(baseline, [greedy(p)])[0] for p in (prompt, prompt[:-3])]
+        assert run(cached, [greedy(prompt)])[0] == expected[0]  # chunked: stored chunk by chunk
+        assert run(cached, [greedy(prompt[:-3])])[0] == expected[1]  # a hit on those blocks
+        stats = cached.stats().prefix_cache
+        assert stats.hits == 1 and stats.hit_tokens == (len(prompt) - 4) // 16 * 16
+        assert stats.blocks == len(prompt) // 16  # each block stored once, whether by a chunk or at the end
+    finally:
+        baseline.stop()
+        cached.stop()
