@@ -41,6 +41,8 @@ MIN_STEPS = 24  # steps seen before the fit is trusted
 MIN_PREFILL_STEPS = 8  # of them, steps that prefilled something (k cannot be fitted from decodes alone)
 REFIT_EVERY = 8  # steps between fits (a fit takes ~0.1 ms; a CPU step, ~0.1 s)
 LOG_RATIO = 1.5  # a fitted token cost this far from the last one logged is logged again
+CROSSOVER_RANGE = 4  # a fitted crossover is kept above the model's shapes' / 4 (measured: 0.37-0.75x of it)
+MAX_MEDIAN_ERROR = 0.5  # a fit whose median step is off by more than this share is not used
 
 
 @dataclass(frozen=True)
@@ -125,11 +127,26 @@ class StepPace:
         weight = 1 / np.maximum(y, 1e-4)[:, None]
         coef = np.linalg.lstsq(x / scale * weight, y * weight[:, 0], rcond=None)[0] / scale
         k, a = float(coef[3]), float(coef[4])
+        crossover = k / a if a > 0 and math.isfinite(a) else self.prior_crossover
+        if crossover < self.prior_crossover / CROSSOVER_RANGE:
+            # Prompts of one length move their tokens and their attention pairs together, and the fit cannot
+            # tell the two apart (guidellm's 130-token chat prompts fitted crossovers of 4 to 590 tokens and a
+            # 32-row decode of ~1 s, which starved joiners): fit again with the attention at the lowest
+            # crossover believed, a prompt token counting 1 + its context / crossover.
+            crossover = self.prior_crossover / CROSSOVER_RANGE
+            x = np.column_stack([x[:, :3], x[:, 3] + x[:, 4] / crossover])
+            scale = scale[:4].copy()
+            scale[3] = np.abs(x[:, 3]).max() or 1.0
+            coef = np.linalg.lstsq(x / scale * weight, y * weight[:, 0], rcond=None)[0] / scale
+            k = float(coef[3])
         if not (math.isfinite(k) and k > 0):
             return  # noise swamped the prefills' cost: keep what was fitted before
+        predicted = x @ coef
+        if np.median(np.abs(predicted - y) / np.maximum(y, 1e-4)) > MAX_MEDIAN_ERROR:
+            return  # the steps do not follow this model (a machine changing speed under it): keep the last fit
         self.token_seconds = k
         self._decode = (float(coef[0]), float(coef[1]), float(coef[2]))
-        self.crossover = k / a if a > 0 and math.isfinite(a) else self.prior_crossover
+        self.crossover = crossover
         settled = len(self._steps) == WINDOW and not self._settled  # the first fit over a whole window
         self._settled = self._settled or settled
         if settled or self._logged_k is None or not 1 / LOG_RATIO < k / self._logged_k < LOG_RATIO:

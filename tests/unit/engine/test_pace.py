@@ -94,6 +94,27 @@ def test_a_fit_without_attention_cost_keeps_the_models_crossover():
     assert pace.token_seconds == pytest.approx(1e-3, rel=0.05) and pace.crossover == 3072
 
 
+@pytest.mark.parametrize("seed", [1, 3])
+def test_prompts_of_one_length_on_a_noisy_machine_still_fit_a_step_to_its_seconds(seed):
+    """Chat prompts of one length (guidellm's): their tokens and attention pairs move together, so a noisy
+    machine's steps (+-30 %, one in ten stalled to twice its time) can fit any split of the two; the crossover
+    stays where it is believed and a step still lands near its bound (unbounded: crossovers of ~200 tokens
+    and steps 1.23-1.28x the bound with these seeds)."""
+    k, a = 1.6e-3, 1.6e-3 / 1500
+    exact, rng = machine(k, a), random.Random(seed)
+    pace = StepPace(0.25, prior_crossover=3072)
+    for _ in range(200):
+        rows = rng.randint(20, 32)
+        context = rows * rng.randint(130, 200)
+        done, n = rng.choice([(0, 130), (16, 114), (0, 0)])  # a miss, a prefix-cache hit, a decode
+        work = StepWork(rows, context, n, prompt_work(done, n))
+        pace.observe(work, exact(work) * rng.uniform(0.7, 1.3) * (2 if rng.random() < 0.1 else 1))
+    assert pace.crossover >= 3072 / pace_module.CROSSOVER_RANGE
+    budget = pace.tokens(256, 28, 28 * 160)
+    step = exact(StepWork(28, 28 * 160, budget, prompt_work(16, budget)))
+    assert budget < 256 and 0.8 * 0.25 <= step <= 1.15 * 0.25, (budget, step)
+
+
 def test_what_ran_since_the_last_delivery_counts_against_the_step():
     now = [0.0]
     pace = StepPace(0.25, prior_crossover=3072, clock=lambda: now[0])
