@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -188,3 +189,16 @@ def test_the_scheduler_admits_the_paced_budget_and_reports_each_steps_work(mixed
     assert sum(work.attention_pairs for work, _ in pace.seen) == sum(len(p) ** 2 / 2 for p in prompts)
     assert all(seconds == 1.0 for _, seconds in pace.seen)  # timed by the pace's clock
     assert all((work.context > 0) == (work.rows > 0) for work, _ in pace.seen)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_nonnegative_fit_meets_the_optimality_conditions(seed):
+    """x >= 0, and the squared error's gradient is 0 where x > 0 and >= 0 where x = 0 (so no x may move)."""
+    rng = np.random.default_rng(seed)
+    base = rng.random((64, 1))
+    a = np.hstack([base, base * 1.01 + 0.01 * rng.random((64, 1)), rng.random((64, 3))])  # two near-collinear
+    b = a @ np.array([1.0, -0.5, 0.3, 0.0, 2.0]) + 0.01 * rng.standard_normal(64)
+    x = pace_module.nonnegative_lstsq(a, b)
+    gradient = a.T @ (a @ x - b)
+    assert (x >= 0).all() and (x == 0).any()  # the unconstrained fit would take a negative here
+    assert np.allclose(gradient[x > 0], 0, atol=1e-8) and (gradient[x == 0] >= -1e-8).all()
