@@ -9,9 +9,9 @@ on a slower one, where the longest gap passed 0.5 s. With a bound in seconds
     seconds = d0 + d1 x rows + d2 x context + k x prompt tokens + a x attention pairs
 
 (rows: the decode rows; context: the tokens they attend over; a prompt token's attention pairs: the
-tokens before it, prompt and prefix) by least squares with every cost >= 0 over its last steps, and admits no more prompt
-tokens a step than the time its decode rows leave, `(seconds - decode) / k` (never more than the
-token budget, never fewer than `MIN_TOKENS`, so a prompt always advances). `k / a` is the context at
+tokens before it, prompt and prefix) by least squares with every cost >= 0 over its last steps, and
+admits no more prompt tokens a step than the time its decode rows leave, `(seconds - decode) / k` (never
+more than the token budget, never fewer than `MIN_TOKENS`, so a prompt always advances). `k / a` is the context at
 which a prompt token's attention costs what its linear layers do: measured, it replaces the crossover
 chunked.py counts from the model's shapes, which is too long on CPUs whose attention runs below their
 matmuls' rate (~1,400-2,200 measured against 3,072 for SmolLM2 on a 2-core EPYC).
