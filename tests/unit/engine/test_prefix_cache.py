@@ -280,3 +280,23 @@ def test_a_chunked_prompt_stores_its_blocks_chunk_by_chunk_and_a_hit_on_them_is_
     finally:
         baseline.stop()
         cached.stop()
+
+
+@pytest.mark.parametrize("kv", sorted(KV_LAYOUTS))
+def test_chunks_that_ride_in_mixed_steps_store_their_blocks_and_stay_exact(kv, tiny_model, smollm2_tokenizer,
+                                                                           shared_prompts):
+    """A long prompt chunked beside a running row (its chunks in the decode forward, kv/mixed.py) stores its
+    blocks as they end too, and both rows generate what they do alone without the cache."""
+    prompt = shared_prompts[2] + shared_prompts[4]
+    running = greedy(shared_prompts[1], n=40)
+    baseline = engine_for(tiny_model, smollm2_tokenizer, kv, cache=False)
+    cached = engine_for(tiny_model, smollm2_tokenizer, kv, cache=True, budget=20)
+    try:
+        expected = [run(baseline, [request])[0] for request in (running, greedy(prompt))]
+        assert run(cached, [running, greedy(prompt)]) == expected
+        stats = cached.stats()
+        assert stats.mixed_steps > 0  # the chunks rode in decode forwards, storing blocks after each
+        assert stats.prefix_cache.blocks == len(prompt) // 16  # the running row's blocks are the shared start
+    finally:
+        baseline.stop()
+        cached.stop()
