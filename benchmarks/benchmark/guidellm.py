@@ -178,6 +178,9 @@ def render(rows, notes, skipped, server_logs, source, args, seconds: float) -> s
                if llama_f32 and llama_f32.get("itl_p50_ms") and r.get("itl_p50_ms") else
                "ITL p50 against llama-server-f32: not measured")
         out.append(f"- {r['system']}: {tok}; {itl}")
+    out.append("- output tok/s: every token streamed in the window (guidellm's total, unfinished requests too) / the "
+               "window; a server whose clients fall into cohorts (TTFT p50 near half its p99) reads by where the "
+               "window cuts a cohort: give the targets' figures from windows of 150 s or more")
     out += [f"- {n}" for n in notes]
     out += [f"- {r['system']}: guidellm's errors for its errored requests: {'; '.join(r['errors'])}"
             for r in rows if r.get("errors")]
