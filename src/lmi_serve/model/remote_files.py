@@ -2,7 +2,7 @@
 source a `model_id` names. Pure and torch-free: hub.py and s3.py list the remote files, this picks.
 
 Picked: the top-level metadata (config, generation config, tokenizer files, chat template, weight
-indexes, sentence-transformers module configs) and the weights of one format. Safetensors win; pickled
+indexes, sentence-transformers module configs and Dense weights) and the weights of one format. Safetensors win; pickled
 weights (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`: unpickling can run code) only with
 `option.allow_pickled_weights`; a GGUF when `option.gguf_file` names it
 (or it is the only weights file). ONNX, Flax, TensorFlow,
@@ -61,6 +61,19 @@ def _is_metadata(path: PurePosixPath, trust_remote_code: bool) -> bool:
     return len(path.parts) == 2 and bool(_MODULE_FOLDER.match(path.parts[0])) and path.suffix == ".json"
 
 
+def _module_weights(paths: list[str], allow_pickled: bool) -> list[str]:
+    """A sentence-transformers module folder's own weights (`2_Dense/model.safetensors`): the embedding
+    handler applies them after pooling. Pickled ones only where pickled weights are allowed."""
+    chosen = []
+    for p in paths:
+        parts = PurePosixPath(p).parts
+        if len(parts) == 2 and _MODULE_FOLDER.match(parts[0]):
+            if parts[1] == "model.safetensors" or (allow_pickled and parts[1] == "pytorch_model.bin"
+                                                   and f"{parts[0]}/model.safetensors" not in paths):
+                chosen.append(p)
+    return chosen
+
+
 def _prefer_model_prefix(names: list[str], prefix: str) -> list[str]:
     """`model*.safetensors` (one file or its shards) over every other top-level file of that format
     (Mistral's duplicate `consolidated.safetensors`), when the repo has them."""
@@ -76,6 +89,7 @@ def choose_files(paths: Iterable[str], *, source: str, allow_pickled: bool, gguf
     or only pickled ones are and `allow_pickled` is off."""
     all_paths = sorted(set(paths))
     metadata = [p for p in all_paths if _is_metadata(PurePosixPath(p), trust_remote_code)]
+    metadata += _module_weights(all_paths, allow_pickled)
     top_level = [p for p in all_paths if "/" not in p]
     if gguf_file:
         if gguf_file not in all_paths:

@@ -16,6 +16,7 @@ capability                  Protocol              used by
 ``OUTPUT_TENSORS``          `TensorModel`         KServe v2 / Triton tensor routes
 ``count_tokens(texts)``     `EmbeddingModel`      OpenAI ``/v1/embeddings`` (usage, limits)
 ``embedding_limits()``      `EmbeddingModel`      OpenAI ``/v1/embeddings`` (dimensions, limits)
+``embedding_prompt(name)``  `EmbeddingModel`      OpenAI ``/v1/embeddings`` prompts, ``normalize``, ``dimensions``
 ``vocabulary_size()``       `TokenIdInputs`       OpenAI ``/v1/embeddings`` token-id inputs
 ``truncated_token_ids()``   `TokenIdInputs`       OpenAI ``/v1/embeddings`` ``truncate_prompt_tokens``
 ``classifier_head()``       `ClassifierModel`     ``/score``, ``/rerank``, ``/classify``, Triton infer
@@ -142,6 +143,13 @@ class EmbeddingModel(Protocol):
         """(vector dimension, most tokens one input may have): checks ``dimensions`` and refuses
         over-long inputs with ``context_length_exceeded``."""
 
+    def embedding_prompt(self, name: str | None) -> tuple[str, bool]:
+        """Optional: (the text of the model's prompt `name`, or of its default prompt for None; whether
+        pooling reads the prompt's tokens); a ValueError for an unknown name. Declaring it says that
+        ``handle`` takes ``prompt`` (a text put before each text input), ``normalize`` and
+        ``dimensions`` (Matryoshka truncation) beside ``inputs``: ``/v1/embeddings`` then honours
+        ``prompt_name``, ``normalize`` and ``dimensions`` below the model's width."""
+
 
 class TokenIdInputs(Protocol):
     """An embedding handler that accepts token-id lists in ``inputs``, embedded as given."""
@@ -186,6 +194,7 @@ class HandlerCapabilities:
     output_tensors: tuple[TensorSpec, ...] | None = None
     count_tokens: Callable[[list[str]], list[int]] | None = None
     embedding_limits: Callable[[], tuple[int, int]] | None = None
+    embedding_prompt: Callable[[str | None], tuple[str, bool]] | None = None
     vocabulary_size: Callable[[], int] | None = None
     truncated_token_ids: Callable[[list[str], int, str], list[list[int]]] | None = None
     classifier_head: Callable[[], ClassifierHead] | None = None
@@ -221,6 +230,7 @@ class HandlerCapabilities:
             input_tensors=inputs, output_tensors=outputs,
             count_tokens=_function(module, "count_tokens", where),
             embedding_limits=_function(module, "embedding_limits", where),
+            embedding_prompt=_function(module, "embedding_prompt", where),
             vocabulary_size=_function(module, "vocabulary_size", where),
             truncated_token_ids=_function(module, "truncated_token_ids", where),
             classifier_head=_function(module, "classifier_head", where),

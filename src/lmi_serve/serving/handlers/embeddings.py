@@ -1,7 +1,12 @@
 """Built-in text-embedding handler: `{"inputs": str | [str | [token id]]}` -> a JSON list of vectors.
 
-Mean pooling over the attention mask, then L2 normalisation: the same vectors as the
-sentence-transformers pipeline of all-MiniLM-L6-v2, without needing that package. The inputs of a
+Each checkpoint's vectors are the ones its sentence-transformers files declare (model/sentence_config.py:
+pooling mode, Dense layers, normalisation, `max_seq_length`, lower-casing, named prompts), computed by
+model/pooling.py; a folder without those files gets mean pooling and L2 normalisation. Optional fields:
+`prompt_name` (one of the model's prompts; unset: its default prompt) or `prompt` (a text put before each
+text input, as sentence-transformers' `encode(prompt=...)`), `normalize` (true or false: overrides
+the checkpoint's Normalize module) and `dimensions` (the first N components, renormalised where the
+vectors are normalised: Matryoshka truncation). The inputs of a
 dynamic batch (the requests that queued while the last forward ran, serving/service.py ENCODER_BATCHING)
 share forwards: sorted by length, and cut where a forward would read more than MAX_BATCH_TOKENS padded
 tokens (TEI's max_batch_tokens), so a long input does not pad a forward of short ones past the budget.
@@ -15,6 +20,9 @@ first `handle()` call with string properties still loads it too, validated back 
 
 from __future__ import annotations
 
+import logging
+from typing import NamedTuple
+
 import torch
 
 from lmi_serve.config.sources import ModelConfig, options_not_taken
@@ -22,10 +30,26 @@ from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import load_encoder
+from lmi_serve.model.pooling import SentenceHead, finish
+from lmi_serve.model.sentence_config import SentenceConfig, read_sentence_config
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
 
+log = logging.getLogger(__name__)
 EmbeddingInput = str | list[int]  # a text, or the token ids the model reads
+Row = tuple[list[int], int]  # (token ids, leading prompt tokens that pooling leaves out)
 MAX_BATCH_TOKENS = 16384  # padded tokens (rows x longest row) in one forward: TEI's default max_batch_tokens
+_FIELDS = {"inputs", "prompt_name", "prompt", "normalize", "dimensions"}
+
+
+class Request(NamedTuple):
+    """One request's inputs and how its vectors are prepared and finished. A NamedTuple: handler files
+    load outside sys.modules, which dataclasses need."""
+
+    inputs: list[EmbeddingInput]
+    prompt_name: str | None = None
+    prompt: str | None = None  # a literal prompt; None: `prompt_name`'s, or the model's default
+    normalize: bool | None = None  # None: as the checkpoint declares
+    dimensions: int | None = None
 
 
 def _is_token_ids(value) -> bool:
@@ -33,19 +57,32 @@ def _is_token_ids(value) -> bool:
                                                             for t in value)
 
 
-def _parse(item: Input) -> list[EmbeddingInput]:
+def _parse(item: Input) -> Request:
     payload = read_payload(item)
+    fields = {}
     if isinstance(payload, dict):
-        unknown = sorted(set(payload) - {"inputs"})
+        unknown = sorted(set(payload) - _FIELDS)
         if unknown:
-            raise ValueError(f"Unsupported field(s) {unknown}: the embedding schema has only 'inputs'")
+            raise ValueError(f"Unsupported field(s) {unknown}: the embedding schema has {sorted(_FIELDS)}")
         if "inputs" not in payload:
             raise ValueError("Missing required field 'inputs'")
+        fields = {k: v for k, v in payload.items() if k != "inputs" and v is not None}
         payload = payload["inputs"]
     inputs = [payload] if isinstance(payload, str) else payload
     if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) or _is_token_ids(x) for x in inputs):
         raise ValueError("'inputs' must be a string or a non-empty list of strings and non-empty token-id lists")
-    return inputs
+    for name, kind in (("prompt_name", str), ("prompt", str), ("normalize", bool)):
+        if name in fields and not isinstance(fields[name], kind):
+            raise ValueError(f"'{name}' must be a {kind.__name__}")
+    dimensions = fields.get("dimensions")
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1):
+        raise ValueError("'dimensions' must be a positive integer")
+    if "prompt" in fields and "prompt_name" in fields:
+        raise ValueError("'prompt' and 'prompt_name' both name a prompt: send one")
+    if ("prompt" in fields or "prompt_name" in fields) and any(isinstance(x, list) for x in inputs):
+        raise ValueError("a prompt is put before text inputs; token-id inputs are the whole input (put the "
+                         "prompt's tokens in the ids)")
+    return Request(inputs, **fields)
 
 
 class EmbeddingService:
@@ -57,9 +94,18 @@ class EmbeddingService:
         loaded = load_encoder(config.model_id or config.model_dir, dtype=config.dtype, device_map=config.device_map,
                               revision=config.revision, trust_remote_code=config.trust_remote_code)
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        self.sentence: SentenceConfig = read_sentence_config(loaded.source)
+        self.head = SentenceHead(self.sentence, self.device)
+        if self.sentence.do_lower_case:
+            lowercase_tokenizer(self.tokenizer)
         # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel
         self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device, row_kernel="off")
-        self.max_length = min(self.tokenizer.model_max_length, 512)
+        self.max_length = self.sentence.max_seq_length or min(
+            self.tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", 512) or 512)
+        self.dimension = self.sentence.dimension(self.model.config.hidden_size)
+        log.info("Embedding pipeline of %s: %s; at most %d tokens an input, %d dimensions", loaded.source,
+                 self.sentence.describe(), self.max_length, self.dimension)
+        self._prompt_lengths: dict[str, int] = {}
         self.embed(["warm up"])
 
     @property
@@ -75,11 +121,30 @@ class EmbeddingService:
             raise ValueError(f"{len(ids)} token ids; this model reads at most {self.max_length}")
         return ids
 
-    def input_ids(self, inputs: list[EmbeddingInput]) -> list[list[int]]:
-        """Token ids per input: texts tokenized (special tokens added, truncated), ids as given."""
-        texts = [x for x in inputs if isinstance(x, str)]
+    def prompt_text(self, request: Request) -> str:
+        """The text put before each of the request's texts: its own, its named one, or the model's default."""
+        return request.prompt if request.prompt is not None else self.sentence.prompt(request.prompt_name)
+
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens of `prompt` at the start of a prompted input that pooling leaves out (include_prompt:
+        false): its tokens alone, less a trailing special token, as sentence-transformers counts them."""
+        if not prompt or self.sentence.include_prompt:
+            return 0
+        if prompt not in self._prompt_lengths:
+            ids = self.tokenizer(prompt).input_ids
+            special = set(self.tokenizer.all_special_ids)
+            self._prompt_lengths[prompt] = len(ids) - (1 if ids and ids[-1] in special else 0)
+        return self._prompt_lengths[prompt]
+
+    def rows(self, request: Request) -> list[Row]:
+        """(token ids, prompt tokens not pooled) per input: texts prompted, tokenized (special tokens
+        added, truncated to the model's limit); ids as given."""
+        prompt = self.prompt_text(request)
+        texts = [prompt + x for x in request.inputs if isinstance(x, str)]
         encoded = iter(self.tokenizer(texts, truncation=True, max_length=self.max_length).input_ids if texts else ())
-        return [next(encoded) if isinstance(x, str) else self.checked_token_ids(x) for x in inputs]
+        skip = self.prompt_length(prompt)
+        return [(next(encoded), skip) if isinstance(x, str) else (self.checked_token_ids(x), 0)
+                for x in request.inputs]
 
     def truncated_token_ids(self, texts: list[str], keep: int, side: str) -> list[list[int]]:
         """Each text's ids cut to `keep` tokens as `tokenizer(truncation=True, max_length=keep)`
@@ -103,8 +168,9 @@ class EmbeddingService:
         return rows
 
     def right_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input ids, attention mask) padded on the right, as the tokenizer pads: every row keeps
-        the positions of an unpadded forward, so a batch gives each input its own vector."""
+        """(input ids, attention mask) padded on the right: every row keeps the positions of an
+        unpadded forward, and a causal model's states for its tokens, so a batch gives each input its
+        own vector (model/pooling.py picks each row's own first and last tokens)."""
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         input_ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
@@ -113,38 +179,67 @@ class EmbeddingService:
             mask[i, :len(ids)] = 1
         return input_ids.to(self.device), mask.to(self.device)
 
-    def embed(self, inputs: list[EmbeddingInput]) -> list[list[float]]:
-        """One vector per input, in order; forwards of rows of similar length within the token budget."""
-        rows = self.input_ids(inputs)
-        vectors: list[list[float] | None] = [None] * len(rows)
-        for chunk in token_budget_chunks([len(r) for r in rows], MAX_BATCH_TOKENS):
+    def embed(self, inputs: list[EmbeddingInput], **fields) -> list[list[float]]:
+        """One request's vectors, in order (`fields`: Request's other fields)."""
+        return self.embed_requests([Request(list(inputs), **fields)])[0]
+
+    def embed_requests(self, requests: list[Request]) -> list[list[list[float]]]:
+        """Each request's vectors; the rows of all of them share forwards of rows of similar length
+        within the token budget, and each request's vectors are finished as it asks."""
+        owners, rows = [], []
+        for r, request in enumerate(requests):
+            for row in self.rows(request):
+                owners.append(r)
+                rows.append(row)
+        vectors: list[torch.Tensor | None] = [None] * len(rows)
+        for chunk in token_budget_chunks([len(ids) for ids, _ in rows], MAX_BATCH_TOKENS):
             for i, vector in zip(chunk, self.forward([rows[i] for i in chunk])):
                 vectors[i] = vector
-        return vectors
+        out: list[list[list[float]]] = [[] for _ in requests]
+        for owner, vector in zip(owners, vectors):
+            request = requests[owner]
+            normalize = self.sentence.normalize if request.normalize is None else request.normalize
+            out[owner].append(finish(vector, normalize, request.dimensions).tolist())
+        return out
 
-    def forward(self, rows: list[list[int]]) -> list[list[float]]:
-        input_ids, mask = self.right_padded(rows)
+    def forward(self, rows: list[Row]) -> torch.Tensor:
+        """The head's vectors (before `finish`) of `rows`, one padded forward."""
+        input_ids, mask = self.right_padded([ids for ids, _ in rows])
+        skip = torch.tensor([n for _, n in rows], device=mask.device) if any(n for _, n in rows) else None
         with torch.inference_mode():
             hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).tolist()
+            return self.head(hidden, mask, skip)
 
     def inference(self, inputs: Input) -> Output:
-        output, inputs_by_item = parse_batch(inputs, self._parse_and_check)
-        flat = [x for item_inputs in inputs_by_item.values() for x in item_inputs]
-        vectors = iter(self.embed(flat)) if flat else iter(())
-        for index, item_inputs in inputs_by_item.items():
-            output.add([next(vectors) for _ in item_inputs], batch_index=index if inputs.is_batch() else None)
+        output, requests = parse_batch(inputs, self._parse_and_check)
+        vectors = iter(self.embed_requests(list(requests.values()))) if requests else iter(())
+        for index in requests:
+            output.add(next(vectors), batch_index=index if inputs.is_batch() else None)
         return output
 
-    def _parse_and_check(self, item: Input) -> list[EmbeddingInput]:
-        """Parsed inputs; bad token ids fail their own request, not the dynamic batch they joined."""
-        inputs = _parse(item)
-        for x in inputs:
+    def _parse_and_check(self, item: Input) -> Request:
+        """A parsed request; bad token ids, prompt names or dimensions fail their own request, not the
+        dynamic batch it joined."""
+        request = _parse(item)
+        for x in request.inputs:
             if isinstance(x, list):
                 self.checked_token_ids(x)
-        return inputs
+        self.prompt_text(request)
+        if request.dimensions is not None and request.dimensions > self.dimension:
+            raise ValueError(f"dimensions {request.dimensions} exceeds this model's {self.dimension}")
+        return request
+
+
+def lowercase_tokenizer(tokenizer) -> None:
+    """Lower-case every text before tokenizing (sentence_bert_config's `do_lower_case`), as
+    sentence-transformers does: a Lowercase normalizer first in the fast tokenizer's pipeline."""
+    from tokenizers.normalizers import Lowercase, Sequence
+
+    backend = tokenizer.backend_tokenizer
+    current = backend.normalizer
+    if current is not None and "Lowercase" in repr(current):
+        return
+    backend.normalizer = Sequence([Lowercase()] + ([current] if current is not None else []))
 
 
 def token_budget_chunks(lengths: list[int], budget: int) -> list[list[int]]:
@@ -175,7 +270,14 @@ def count_tokens(texts: list[str]) -> list[int]:
 
 def embedding_limits() -> tuple[int, int]:
     """(vector dimension, most tokens one input may have; longer ones would be truncated)."""
-    return _service.model.config.hidden_size, _service.max_length
+    return _service.dimension, _service.max_length
+
+
+def embedding_prompt(name: str | None) -> tuple[str, bool]:
+    """(the text of prompt `name`, or of the default prompt for None; whether pooling reads the prompt's
+    tokens). A ValueError for a name the model does not declare. Its presence tells /v1/embeddings that
+    this handler takes `prompt`, `normalize` and `dimensions` in its requests."""
+    return _service.sentence.prompt(name), _service.sentence.include_prompt
 
 
 def vocabulary_size() -> int:
