@@ -10,8 +10,9 @@ The defaults follow their references:
 - `classify`: vLLM's /classify: none for a regression head, sigmoid for multi-label, else sigmoid for one
   label and softmax for several.
 - `score`: vLLM's /score and /rerank (sentence-transformers' CrossEncoder): the activation the checkpoint
-  names (`sentence_transformers.activation_fn`, or `sbert_ce_default_activation_function`), where Identity
-  means raw logits (ms-marco cross-encoders); else as `classify` (sigmoid of a single logit: bge-reranker).
+  names (`sentence_transformers.activation_fn`, or `sbert_ce_default_activation_function`): Sigmoid, Softmax,
+  or Identity for raw logits (ms-marco cross-encoders), as `CrossEncoder.predict()` applies it; any other
+  fails the load naming it; else as `classify` (sigmoid of a single logit: bge-reranker).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ACTIVATIONS = ("sigmoid", "softmax", "none")
+# sentence-transformers CrossEncoder activation classes -> ACTIVATIONS (CrossEncoder.predict applies them per logit)
+_CROSS_ENCODER_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "softmax", "Identity": "none"}
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,11 @@ def _named_activation(config: Mapping[str, Any]) -> str | None:
     name = name or config.get("sbert_ce_default_activation_function")
     if not isinstance(name, str):
         return None
-    if name.endswith(".Identity"):
-        return "none"
-    return None  # Sigmoid / Softmax: vLLM applies its default (sigmoid for one label, softmax for several)
+    declared = _CROSS_ENCODER_ACTIVATIONS.get(name.rsplit(".", 1)[-1]) if name.startswith("torch.nn.") else None
+    if declared is None:
+        raise ValueError(f"the checkpoint's CrossEncoder activation {name!r} is not supported (supported: torch.nn "
+                         f"{', '.join(_CROSS_ENCODER_ACTIVATIONS)}); its scores would not be the ones it defines")
+    return declared
 
 
 def head_from_config(config: Mapping[str, Any]) -> ClassifierHead:

@@ -1,6 +1,7 @@
 """vLLM's pooling fields on /v1/embeddings without a server: `embed_dtype` / `endianness` lay out
 base64 vectors as vLLM does, `truncate_prompt_tokens` / `truncation_side` cut inputs as vLLM's
-tokenizer does, and `use_activation: false` is refused naming the field."""
+tokenizer does; `dimensions`, `use_activation` / `normalize` and `prompt_name` reach a handler that
+takes them, and are refused naming the field by one that does not."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmi_serve.dialects.openai.routes import _encode, _truncated
+from lmi_serve.dialects.openai.routes import _embedding_options, _embedding_prompt, _encode, _truncated
 from lmi_serve.dialects.openai.schema import EmbeddingRequest, parse
 from lmi_serve.errors import InvalidRequest
 
@@ -100,9 +101,7 @@ def test_a_truncation_that_cannot_apply_is_a_400_naming_the_field(handler, keep,
     assert caught.value.param == "truncate_prompt_tokens"
 
 
-@pytest.mark.parametrize("body,param", [({"use_activation": False}, "use_activation"),
-                                        ({"normalize": False}, "normalize"),
-                                        ({"add_special_tokens": False}, "add_special_tokens"),
+@pytest.mark.parametrize("body,param", [({"add_special_tokens": False}, "add_special_tokens"),
                                         ({"priority": 3}, "priority"),
                                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                                         ({"truncation_side": "middle"}, "truncation_side"),
@@ -115,6 +114,54 @@ def test_values_that_cannot_be_honoured_are_a_400_naming_the_field(body, param):
 
 
 def test_the_neutral_values_are_accepted():
-    for body in ({"use_activation": True}, {"use_activation": None}, {"normalize": True},
+    for body in ({"use_activation": True}, {"use_activation": None}, {"normalize": True}, {"normalize": False},
                  {"add_special_tokens": True}, {"priority": 0}):
         assert request(**body).model_extra == {}
+
+
+PROMPTED = SimpleNamespace(embedding_prompt=lambda name: {None: ("query: ", False), "doc": ("", False)}[name]
+                           if name in (None, "doc") else (_ for _ in ()).throw(ValueError(f"{name!r} is unknown")),
+                           truncated_token_ids=Handler.truncated_token_ids, vocabulary_size=Handler.vocabulary_size)
+PLAIN = SimpleNamespace(embedding_prompt=None, truncated_token_ids=None, vocabulary_size=None)
+
+
+def test_a_handler_with_prompts_takes_dimensions_and_normalize():
+    assert _embedding_options(request(dimensions=8, use_activation=False), PROMPTED, "m", 64) == \
+        {"dimensions": 8, "normalize": False}
+    assert _embedding_options(request(normalize=True), PROMPTED, "m", 64) == {"normalize": True}
+    assert _embedding_options(request(), PROMPTED, "m", 64) == {}
+
+
+@pytest.mark.parametrize("handler,body,param", [(PROMPTED, {"dimensions": 65}, "dimensions"),
+                                                (PLAIN, {"dimensions": 8}, "dimensions"),
+                                                (PLAIN, {"use_activation": False}, "use_activation"),
+                                                (PLAIN, {"normalize": False}, "normalize")])
+def test_options_a_handler_cannot_honour_are_a_400_naming_the_field(handler, body, param):
+    with pytest.raises(InvalidRequest) as caught:
+        _embedding_options(request(**body), handler, "m", 64)
+    assert caught.value.param == param and param in str(caught.value)
+
+
+def test_the_prompt_is_the_instruction_the_named_one_or_the_default():
+    assert _embedding_prompt(request(), PROMPTED, ["x"]) == ("query: ", False)
+    assert _embedding_prompt(request(prompt_name="doc"), PROMPTED, ["x"]) == ("", False)
+    assert _embedding_prompt(request(instruction="Find:"), PROMPTED, ["x"]) == ("Find: ", False)
+    assert _embedding_prompt(request(), PLAIN, ["x"]) == ("", True)
+
+
+@pytest.mark.parametrize("handler,body,inputs", [(PROMPTED, {"prompt_name": "nope"}, ["x"]),
+                                                 (PROMPTED, {"prompt_name": "doc", "instruction": "Find:"}, ["x"]),
+                                                 (PROMPTED, {"prompt_name": "doc"}, [[1, 2]]),
+                                                 (PLAIN, {"prompt_name": "doc"}, ["x"])])
+def test_a_prompt_name_that_cannot_apply_is_a_400_naming_it(handler, body, inputs):
+    with pytest.raises(InvalidRequest) as caught:
+        _embedding_prompt(request(**body), handler, inputs)
+    assert caught.value.param == "prompt_name"
+
+
+def test_a_prompted_text_is_cut_with_its_prompt_unless_pooling_leaves_the_prompt_out():
+    cut, counts = _truncated(request(truncate_prompt_tokens=4), ["1 2 3"], [7], Handler, 512, "8 ", True)
+    assert cut == [[0, 2, 3, 9]] and counts == [4]
+    with pytest.raises(InvalidRequest) as caught:
+        _truncated(request(truncate_prompt_tokens=4), ["1 2 3"], [7], Handler, 512, "8 ", False)
+    assert caught.value.param == "truncate_prompt_tokens"

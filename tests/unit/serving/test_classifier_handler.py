@@ -52,6 +52,10 @@ def test_heads_follow_transformers_and_vllm():
     st = head_from_config({"num_labels": 1,
                            "sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}})
     assert st.score_activation == "sigmoid"
+    declared = {"activation_fn": "torch.nn.modules.activation.Sigmoid"}
+    assert head_from_config({"num_labels": 3, "sentence_transformers": declared}).score_activation == "sigmoid"
+    with pytest.raises(ValueError, match="Tanh"):
+        head_from_config({"num_labels": 1, "sentence_transformers": {"activation_fn": "torch.nn.Tanh"}})
     multi = head_from_config({"num_labels": 3, "problem_type": "multi_label_classification"})
     assert multi.classify_activation == multi.pipeline_activation == "sigmoid"
     assert head_from_config({"num_labels": 1, "problem_type": "regression"}).classify_activation == "none"
@@ -137,3 +141,25 @@ def test_an_xlm_roberta_reranker_without_token_types_matches_transformers(tmp_pa
     logits = service.logits([(query, d) for d in documents])
     want = reference_logits(folder, [query] * 3, documents)
     assert [row[0] for row in logits] == pytest.approx([w[0] for w in want], abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("activation", ["torch.nn.modules.linear.Identity", "torch.nn.modules.activation.Sigmoid"])
+def test_scores_are_cross_encoder_predict_for_the_checkpoints_own_activation(tmp_path, activation):
+    """The score route's numbers (logits, then the head's score activation) equal
+    `sentence_transformers.CrossEncoder(folder).predict()`, for a checkpoint of two labels (where the
+    declared Sigmoid is applied per label, not vLLM's softmax default)."""
+    import json
+
+    from sentence_transformers import CrossEncoder
+
+    from tiny_classifier import write_classifier
+
+    folder = write_classifier(tmp_path / "ce", num_labels=2, seed=5)
+    config = json.loads((folder / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": activation}
+    (folder / "config.json").write_text(json.dumps(config))
+    pairs = [("what is a river", "a river is a stream of water"), ("hello", "a long text " * 20)]
+    expected = CrossEncoder(str(folder), device="cpu").predict(pairs)
+    service = classifier.ClassifierService(ModelConfig(name="ce", model_id=str(folder)))
+    served = [activate(row, service.head.score_activation) for row in service.logits(pairs)]
+    assert max(abs(a - b) for row, ref in zip(served, expected) for a, b in zip(row, ref)) < 1e-5

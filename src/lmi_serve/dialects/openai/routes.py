@@ -154,17 +154,16 @@ def embeddings() -> Response:
                              "embedding_limits, which /v1/embeddings needs for usage and limits", param="model")
     inputs = _embedding_inputs(parsed, handler)
     dimension, max_tokens = handler.embedding_limits()
-    if parsed.dimensions is not None and parsed.dimensions != dimension:
-        raise InvalidRequest(f"The model `{service.name}` produces {dimension}-dimensional embeddings and was not "
-                             "trained to be shortened; `dimensions` must be omitted or equal it", param="dimensions")
-    counts = _token_counts(inputs, handler)
-    inputs, counts = _truncated(parsed, inputs, counts, handler, max_tokens)
+    options = _embedding_options(parsed, handler, service.name, dimension)
+    prompt, prompt_pooled = _embedding_prompt(parsed, handler, inputs)
+    counts = _token_counts([prompt + x if isinstance(x, str) else x for x in inputs], handler)
+    inputs, counts = _truncated(parsed, inputs, counts, handler, max_tokens, prompt, prompt_pooled)
     for i, count in enumerate(counts):
         if count > max_tokens:
             raise ContextOverflow(f"Input {i} has {count} tokens; this model's maximum is {max_tokens} tokens",
                                   param="input")
-    job = service.submit(Input.from_http(json.dumps({"inputs": inputs}).encode(),
-                                         {"Content-Type": "application/json"}, [], ""))
+    payload = {"inputs": inputs, **options, **({"prompt": prompt} if handler.embedding_prompt else {})}
+    job = service.submit(Input.from_http(json.dumps(payload).encode(), {"Content-Type": "application/json"}, [], ""))
     output = service.dispatcher.wait(job)
     if output.code != 200:
         message = output.body().decode("utf-8", "replace")
@@ -178,15 +177,61 @@ def embeddings() -> Response:
                                 "usage": {"prompt_tokens": total, "total_tokens": total}}), mimetype="application/json")
 
 
+def _embedding_options(parsed: EmbeddingRequest, handler, name: str, dimension: int) -> dict:
+    """`dimensions` and `normalize` for a handler that takes them (it declares embedding_prompt);
+    for one that does not, only what it gives anyway: the full width, normalised."""
+    options = {}
+    if handler.embedding_prompt is None:
+        if parsed.dimensions is not None and parsed.dimensions != dimension:
+            raise InvalidRequest(f"The model `{name}` produces {dimension}-dimensional embeddings and its handler "
+                                 "cannot shorten them; `dimensions` must be omitted or equal it", param="dimensions")
+        if parsed.normalized is False:
+            field = "use_activation" if parsed.use_activation is not None else "normalize"
+            raise InvalidRequest(f"`{field}`: this model's handler serves its vectors as it gives them; unnormalised "
+                                 "vectors are not available", param=field)
+        return options
+    if parsed.dimensions is not None:
+        if parsed.dimensions > dimension:
+            raise InvalidRequest(f"`dimensions` {parsed.dimensions} exceeds the {dimension} dimensions of the model "
+                                 f"`{name}`; give 1 to {dimension}", param="dimensions")
+        options["dimensions"] = parsed.dimensions
+    if parsed.normalized is not None:
+        options["normalize"] = parsed.normalized
+    return options
+
+
+def _embedding_prompt(parsed: EmbeddingRequest, handler, inputs: list) -> tuple[str, bool]:
+    """(the text put before every text input, whether pooling reads its tokens): the request's
+    `instruction`, the model's prompt `prompt_name`, or the model's default prompt."""
+    if parsed.instruction and parsed.prompt_name is not None:
+        raise InvalidRequest("`instruction` and `prompt_name` both give a prompt: send one", param="prompt_name")
+    if parsed.prompt_name is not None:
+        if handler.embedding_prompt is None:
+            raise InvalidRequest("`prompt_name`: this model's handler declares no prompts", param="prompt_name")
+        if any(isinstance(x, list) for x in inputs):
+            raise InvalidRequest("`prompt_name` is put before text inputs; with token ids, put the prompt's tokens "
+                                 "in the ids themselves", param="prompt_name")
+    if handler.embedding_prompt is None:
+        return "", True  # `instruction` is already in the texts (_embedding_inputs)
+    try:
+        prompt, pooled = handler.embedding_prompt(parsed.prompt_name)
+    except ValueError as exc:
+        raise InvalidRequest(f"`prompt_name`: {exc}", param="prompt_name") from None
+    if parsed.instruction:
+        # The instruction is put before every text, as instruction-tuned embedders (BGE, Instructor) expect.
+        prompt = parsed.instruction + ("" if parsed.instruction[-1].isspace() else " ")
+    return prompt, pooled
+
+
 def _embedding_inputs(parsed: EmbeddingRequest, handler) -> list[str | list[int]]:
-    """What the handler embeds: texts (with the instruction), or token-id lists exactly as sent."""
+    """What the handler embeds: texts (with the instruction, for a handler without prompts), or
+    token-id lists exactly as sent."""
     if parsed.token_id_inputs is not None:
         return _checked_token_ids(parsed, handler)
     texts = [parsed.input] if isinstance(parsed.input, str) else list(parsed.input)
     if any(not t for t in texts):
         raise InvalidRequest("input: texts must not be empty", param="input")
-    if parsed.instruction:
-        # The instruction is prefixed to every text, as instruction-tuned embedders (BGE, Instructor) expect.
+    if parsed.instruction and handler.embedding_prompt is None:
         sep = "" if parsed.instruction[-1].isspace() else " "
         texts = [f"{parsed.instruction}{sep}{t}" for t in texts]
     return texts
@@ -213,11 +258,13 @@ def _token_counts(inputs: list[str | list[int]], handler) -> list[int]:
 
 
 def _truncated(parsed: EmbeddingRequest, inputs: list[str | list[int]], counts: list[int], handler,
-               max_tokens: int) -> tuple[list[str | list[int]], list[int]]:
+               max_tokens: int, prompt: str = "", prompt_pooled: bool = True) -> tuple[list[str | list[int]], list[int]]:
     """vLLM's `truncate_prompt_tokens` (-1: the model's limit) and `truncation_side`: an input
     longer than that keeps its last tokens (`left`, vLLM's default) or its first (`right`). Token ids
-    are cut as sent; a text is cut by the handler's tokenizer, special tokens kept, as vLLM's
-    tokenizer truncates (`truncated_token_ids`); a handler without that refuses a text to cut."""
+    are cut as sent; a text (with its `prompt` before it) is cut by the handler's tokenizer, special
+    tokens kept, as vLLM's tokenizer truncates (`truncated_token_ids`), and sent as those ids; a
+    handler without that refuses a text to cut, and so does a model whose pooling leaves its prompt
+    out (the cut ids no longer say where the prompt ends)."""
     keep = parsed.truncate_prompt_tokens
     if keep is None:
         return inputs, counts
@@ -234,8 +281,13 @@ def _truncated(parsed: EmbeddingRequest, inputs: list[str | list[int]], counts: 
             raise InvalidRequest(f"truncate_prompt_tokens: input {first} has {counts[first]} tokens and this model's "
                                  "handler cannot cut texts at a token (it has no truncated_token_ids()); send fewer "
                                  "tokens, or token ids", param="truncate_prompt_tokens")
+        if prompt and not prompt_pooled:
+            raise InvalidRequest(f"truncate_prompt_tokens: input {long_texts[0]} must be cut, and this model leaves its "
+                                 "prompt's tokens out of pooling, which a cut input cannot keep apart; send fewer "
+                                 "tokens", param="truncate_prompt_tokens")
         try:
-            cut_texts = dict(zip(long_texts, handler.truncated_token_ids([inputs[i] for i in long_texts], keep, side)))
+            cut_texts = dict(zip(long_texts, handler.truncated_token_ids([prompt + inputs[i] for i in long_texts],
+                                                                          keep, side)))
         except ValueError as exc:
             raise InvalidRequest(f"truncate_prompt_tokens: {exc}", param="truncate_prompt_tokens") from None
     out = [cut_texts[i] if i in cut_texts else vllm.truncated(x, keep, side) if isinstance(x, list) else x

@@ -311,19 +311,15 @@ class CompletionRequest(VllmCompletionFields, SamplingFields):
         return list(self.prompt)
 
 
-_UNNORMALISED = ("the vectors are always L2-normalised, as the model was trained to be compared; "
-                 "unnormalised vectors are not available", (None, True))
-
-
 class EmbeddingRequest(_Lenient):
     """OpenAI's embeddings body with vLLM's pooling fields: `truncate_prompt_tokens` and
     `truncation_side` (applied in routes.embeddings), `embed_dtype` and `endianness` (the layout of
     `base64` vectors; a float list is unchanged by them, as in vLLM), `use_activation` and its older
-    spelling `normalize` (only the normalised vectors the model gives are served: false is refused);
-    `add_special_tokens: false` and a `priority` are refused too."""
+    spelling `normalize` (whether the vectors are L2-normalised; unset: as the checkpoint declares),
+    `prompt_name` (one of the model's sentence-transformers prompts); `add_special_tokens: false` and
+    a `priority` are refused."""
 
     vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
-        "use_activation": _UNNORMALISED, "normalize": _UNNORMALISED,
         "add_special_tokens": ("texts are always embedded with the tokenizer's special tokens, as the model was "
                                "trained; send token ids to choose every token", (None, True)),
         "priority": ("requests are served first come, first served; there is no priority scheduling", (None, 0))}
@@ -340,8 +336,14 @@ class EmbeddingRequest(_Lenient):
     endianness: Literal["native", "big", "little"] = "native"
     use_activation: bool | None = None
     normalize: bool | None = None
+    prompt_name: str | None = None
     add_special_tokens: bool | None = None
     priority: int | None = None
+
+    @property
+    def normalized(self) -> bool | None:
+        """vLLM's rule: `use_activation`, else its older spelling `normalize`; None: the model's own."""
+        return self.use_activation if self.use_activation is not None else self.normalize
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

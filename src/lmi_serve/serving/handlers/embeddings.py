@@ -4,7 +4,7 @@ Each checkpoint's vectors are the ones its sentence-transformers files declare (
 pooling mode, Dense layers, normalisation, `max_seq_length`, lower-casing, named prompts), computed by
 model/pooling.py; a folder without those files gets mean pooling and L2 normalisation. Optional fields:
 `prompt_name` (one of the model's prompts; unset: its default prompt) or `prompt` (a text put before each
-text input, as sentence-transformers' `encode(prompt=...)`), `normalize` (true or false: overrides
+text input, as sentence-transformers' `encode(prompt=...)`; token-id inputs are whole inputs and get none), `normalize` (true or false: overrides
 the checkpoint's Normalize module) and `dimensions` (the first N components, renormalised where the
 vectors are normalised: Matryoshka truncation). The inputs of a
 dynamic batch (the requests that queued while the last forward ran, serving/service.py ENCODER_BATCHING)
@@ -79,9 +79,6 @@ def _parse(item: Input) -> Request:
         raise ValueError("'dimensions' must be a positive integer")
     if "prompt" in fields and "prompt_name" in fields:
         raise ValueError("'prompt' and 'prompt_name' both name a prompt: send one")
-    if ("prompt" in fields or "prompt_name" in fields) and any(isinstance(x, list) for x in inputs):
-        raise ValueError("a prompt is put before text inputs; token-id inputs are the whole input (put the "
-                         "prompt's tokens in the ids)")
     return Request(inputs, **fields)
 
 

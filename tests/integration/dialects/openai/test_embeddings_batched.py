@@ -37,9 +37,9 @@ def batch_stats(server) -> dict:
 def test_concurrent_requests_share_forwards_and_keep_their_vectors(embedding_server):
     alone = [embed(embedding_server, s)[0] for s in SENTENCES]
     before = batch_stats(embedding_server)
-    # a long request holds the model while the 16 single sentences queue behind it: 64 inputs of 402
-    # tokens in a 51 KB body (the shared server takes at most 100,000 bytes)
-    long_inputs = ["a " * 400] * 64
+    # a long request holds the model while the 16 single sentences queue behind it: 128 inputs of 252
+    # tokens (MiniLM's max_seq_length is 256) in a 64 KB body (the shared server takes at most 100,000 bytes)
+    long_inputs = ["a " * 250] * 128
     vectors: list = [None] * len(SENTENCES)
 
     def client(i: int) -> None:

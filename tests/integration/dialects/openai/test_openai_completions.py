@@ -186,10 +186,15 @@ def test_embeddings_instruction_dimensions_and_token_input(client):
                                           extra_body={"instruction": "Represent this query for retrieval:"})
     assert instructed.usage.prompt_tokens > plain.usage.prompt_tokens
     assert cosine(plain.data[0].embedding, instructed.data[0].embedding) < 0.9999
-    assert len(client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float",
-                                        dimensions=384).data[0].embedding) == 384
+    full = client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=384)
+    assert len(full.data[0].embedding) == 384
+    # Matryoshka truncation: the first 128 components, renormalised
+    short = client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=128)
+    head = full.data[0].embedding[:128]
+    norm = sum(v * v for v in head) ** 0.5
+    assert max(abs(a - b / norm) for a, b in zip(short.data[0].embedding, head, strict=True)) < 1e-6
     with pytest.raises(openai.BadRequestError) as caught:
-        client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=128)
+        client.embeddings.create(model=EMBEDDER, input="x", encoding_format="float", dimensions=385)
     assert caught.value.param == "dimensions"
 
 

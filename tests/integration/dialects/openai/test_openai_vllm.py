@@ -320,8 +320,15 @@ def test_embed_dtype_and_endianness_lay_out_base64(default_server, client, opena
     assert torch.equal(got, torch.tensor(floats, dtype=torch.float32).to(kind).float())
 
 
-@pytest.mark.parametrize("field,refused,neutral", [("use_activation", False, True), ("normalize", False, True),
-                                                   ("add_special_tokens", False, True), ("priority", 2, 0)])
+@pytest.mark.parametrize("field", ["use_activation", "normalize"])
+def test_unnormalised_vectors_are_the_same_direction_at_their_own_length(client, field):
+    unit = embed(client).data[0].embedding
+    raw = embed(client, **{field: False}).data[0].embedding
+    norm = sum(v * v for v in raw) ** 0.5
+    assert abs(norm - 1) > 1e-3 and max(abs(a / norm - b) for a, b in zip(raw, unit, strict=True)) < 1e-6
+
+
+@pytest.mark.parametrize("field,refused,neutral", [("add_special_tokens", False, True), ("priority", 2, 0)])
 def test_embedding_fields_that_cannot_be_honoured_are_refused_and_neutral_values_change_nothing(client, field,
                                                                                                  refused, neutral):
     with pytest.raises(openai.BadRequestError) as caught:
