@@ -105,7 +105,8 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name, reasoning=reasoning_settings(config),
-                tool_call_parser=config.tool_call_parser, vision=self.vision)
+                tool_call_parser=config.tool_call_parser, vision=self.vision,
+                trust_request_template=config.trust_request_chat_template)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
