@@ -11,6 +11,10 @@ from server_process import FIXTURES
 REASONER = "tiny"  # a tiny random Llama with the R1-distill chat template (test_openai_reasoning.py)
 REASONING_BUDGET = 3  # its option.max_reasoning_tokens
 TOOL_PARSER = "llama-json"  # SmolLM2 with option.tool_call_parser=llama3_json (test_tool_call_parser.py)
+TEMPLATED = "templated"  # SmolLM2 with option.chat_template=operator.jinja (in its folder) and
+# option.trust_request_chat_template=true (test_chat_template.py)
+OPERATOR_TEMPLATE = ("{% for m in messages %}<<operator>> {{ m.role }}: {{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<<operator>> assistant:{% endif %}")
 VLMS = {"smolvlm": "idefics3", "llava": "llava"}  # served name -> tests/tiny_vlm.py family; `llava` has
 # option.limit_mm_per_prompt=image=2 (test_openai_vision.py)
 

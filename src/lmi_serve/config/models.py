@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lmi_serve.config import chat_template
 from lmi_serve.config.security import SecurityConfig
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
@@ -69,9 +70,13 @@ NOT_TAKEN: dict[str, dict[str, str]] = {
         "draft_model_id": "an encoder-decoder model's KV cache cannot verify draft tokens",
     },
     "text-embedding": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
+                       "chat_template": "text generation only",
+                       "trust_request_chat_template": "text generation only",
                        "draft_model_id": "text generation only", "decode_attention": "text generation only",
                        "mixed_steps": "text generation only", "row_kernel": "text generation only"},
     "text-classification": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
+                            "chat_template": "text generation only",
+                            "trust_request_chat_template": "text generation only",
                             "draft_model_id": "text generation only", "decode_attention": "text generation only",
                             "mixed_steps": "text generation only", "row_kernel": "text generation only"},
     "tensor": {},
@@ -494,6 +499,18 @@ class ModelConfig(BaseModel):
         description="the format chat models write tool calls in (vLLM's parser names; see the OpenAI page)",
         json_schema_extra={"doc_default": "from the chat template, else `hermes`"},
     )
+    chat_template: str | None = Field(
+        None,
+        description="the chat template every route renders messages with, instead of the checkpoint's: a file "
+                    "(relative: in the model folder, else the working directory) or the Jinja text itself (a "
+                    "value with `{`, `}` or a line break); a file that is not there is a start-up error",
+        json_schema_extra={"doc_default": "the checkpoint's"},
+    )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="honour a chat request's own `chat_template` (vLLM's `--trust-request-chat-template`); "
+                    "off, such a request is a 400. The client's Jinja then runs in transformers' sandbox",
+    )
     limit_mm_per_prompt: int = Field(
         4, ge=0,
         description="vision-language models: most images per chat request (`4` or LMI's `image=4`); more is a 400",
@@ -552,10 +569,17 @@ class ModelConfig(BaseModel):
             raise ValueError(f"is not one of {', '.join(choices)}")
         return text
 
-    @field_validator("trust_remote_code", "tgi_compat", "enable_lora", "allow_pickled_weights", mode="before")
+    @field_validator("trust_remote_code", "tgi_compat", "enable_lora", "allow_pickled_weights",
+                     "trust_request_chat_template", mode="before")
     @classmethod
     def _flag(cls, value: Any) -> bool:
         return _parse_bool(value)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None, info: Any) -> str | None:
+        """Inline text as given; a file name as its absolute path, which must exist (config/chat_template.py)."""
+        return None if value is None else chat_template.resolve(value, info.data.get("model_dir"))
 
     @field_validator("enable_prefix_caching", mode="before")
     @classmethod

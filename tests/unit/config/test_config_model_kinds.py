@@ -44,7 +44,7 @@ def test_every_option_a_kind_does_not_take_is_left_out_for_it_in_a_store(tmp_pat
     for field in NOT_TAKEN[kind]:
         variable = f"OPTION_{field.upper()}"
         value = {"quantize": "fp16", "draft_model_id": "ngram", "decode_attention": "sdpa",
-                 "mixed_steps": "false", "row_kernel": "on"}.get(field, "true")
+                 "mixed_steps": "false", "row_kernel": "on", "chat_template": "{{ messages }}"}.get(field, "true")
         root = tmp_path / field
         served = models(build_server_config({variable: value}, model_store=store(root, text=TEXT, other=properties)))
         assert served["other"].ignored_options == (variable,)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from lmi_serve.dialects.openai import chat, vllm
+from lmi_serve.dialects.openai import chat
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, parse
+from lmi_serve.dialects.openai.templates import RESERVED_TEMPLATE_KWARGS
 from lmi_serve.dialects.openai.tokenize import TokenizeChatRequest, chat_prompt_ids
 from lmi_serve.errors import InvalidRequest
 from lmi_serve.model.loader import resolve_model_source
@@ -56,7 +57,7 @@ def test_a_non_object_or_a_clashing_name_is_a_400_naming_the_field(model, value)
     with pytest.raises(InvalidRequest) as caught:
         parse(model, {"messages": MESSAGES, "chat_template_kwargs": value})
     assert caught.value.param == "chat_template_kwargs"
-    for name in set(value) & vllm.RESERVED_TEMPLATE_KWARGS if isinstance(value, dict) else ():
+    for name in set(value) & RESERVED_TEMPLATE_KWARGS if isinstance(value, dict) else ():
         assert name in str(caught.value)
 
 

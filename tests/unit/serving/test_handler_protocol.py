@@ -264,7 +264,7 @@ TYPED = ModelConfig(name="typed-model", model_id="org/model", gguf_file="m.gguf"
                     max_rolling_batch_step_seconds=0.3, job_queue_size=9, predict_timeout=3.5, max_model_len=4096,
                     max_input_len=200, tgi_compat=True, output_formatter="jsonlines", kv_cache="dynamic",
                     enable_prefix_caching=True, reasoning_parser="qwen3", max_reasoning_tokens=64,
-                    tool_call_parser="llama3_json",
+                    tool_call_parser="llama3_json", trust_request_chat_template=True,
                     prefix_cache_mb=3, watermark_gamma=0.25, watermark_delta=1.5, linear_kernel="torch",
                     draft_model_id="ngram", spec_length=3, prompt_lookup_max=5, mixed_steps=False, row_kernel="off")
 
@@ -300,7 +300,7 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
                               "custom_input": None, "custom_output": None, "model_name": "typed-model",
                               "reasoning": ReasoningSettings("qwen3", 64), "tool_call_parser": "llama3_json",
-                              "vision": None}  # a text model: no processor
+                              "vision": None, "trust_request_template": True}  # a text model: no processor
     assert handler.get_engine() is engine
 
 

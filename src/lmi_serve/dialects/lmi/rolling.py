@@ -80,8 +80,10 @@ class RollingBatchService:
     def __init__(self, engine: Engine, *, max_input_len: int, tgi_compat: bool = False,
                  output_formatter: str | None = None, custom_input: Callable | None = None,
                  custom_output: Callable | None = None, model_name: str = "model",
-                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None, vision=None):
+                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None, vision=None,
+                 trust_request_template: bool = False):
         self.engine = engine
+        self.trust_request_template = trust_request_template  # option.trust_request_chat_template, for `messages`
         self.vision = vision  # a vision-language model's processor (serving/vision.py), for chat image parts
         self.reasoning = reasoning
         self.model_name = model_name
@@ -147,7 +149,8 @@ class RollingBatchService:
         stream of chat.completion.chunk objects as JSON lines (SSE with [DONE] when the client
         accepts text/event-stream or option.output_formatter=sse)."""
         chat = OpenAIService(self.engine, self.model_name, reasoning=self.reasoning,
-                             tool_call_parser=self.tool_call_parser, vision=self.vision)
+                             tool_call_parser=self.tool_call_parser, vision=self.vision,
+                             trust_request_template=self.trust_request_template)
         reply = chat.chat(parse_openai(ChatCompletionRequest, payload))
         if reply.chunks is None:
             return Output().add(reply.body).add_property("Content-Type", "application/json")

@@ -112,22 +112,26 @@ def _parts(message, content: str) -> list[dict]:
 
 def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_prompt: bool = True,
                   continue_final_message: bool = False, template_kwargs: dict | None = None,
-                  tool_format: ToolFormat | None = None, vision=None) -> str:
+                  tool_format: ToolFormat | None = None, vision=None, request_template: str | None = None) -> str:
     """The conversation as prompt text through the model's chat template. The keywords are vLLM's
     (its /tokenize takes them); a chat completion always opens the assistant's turn.
     `template_kwargs` defaults to the request's `chat_template_kwargs`; `tool_format` to the one
     the template implies. `vision` (a vision-language model's serving/vision.VisionInputs): its
-    processor's template, content as parts, each image part its placeholder."""
+    processor's template, content as parts, each image part its placeholder. `request_template`:
+    the request's own `chat_template` (vllm.check_request_template allowed it), used instead, and
+    named by the 400 when it fails."""
     if template_kwargs is None:
         template_kwargs = getattr(request, "chat_template_kwargs", None)
-    template = vision.chat_template if vision is not None else getattr(tokenizer, "chat_template", None)
+    template = request_template or (vision.chat_template if vision is not None
+                                    else getattr(tokenizer, "chat_template", None))
     if not template:
         raise InvalidRequest("This model has no chat template; use /v1/completions", param="messages")
     knows_tools = isinstance(template, str) and "tools" in template
     renders_calls = isinstance(template, str) and "tool_calls" in template
     messages = template_messages(request, knows_tools, tool_format or tool_formats.detect(template), renders_calls,
                                  parts=vision is not None)
-    extra = {"chat_template": template} if vision is not None else {}  # the processor's, not the tokenizer's
+    # The processor's or the request's template, not the tokenizer's.
+    extra = {"chat_template": template} if vision is not None or request_template else {}
     if knows_tools and request.tools and request.effective_tool_choice != "none":
         # Whole OpenAI tool objects, the shape transformers' templates read (`tool.function`, ...).
         extra["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
@@ -136,6 +140,8 @@ def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_p
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}), **extra)
     except Exception as exc:  # a template may reject a conversation (e.g. roles out of order)
+        if request_template:
+            raise InvalidRequest(f"The request's chat_template failed: {exc}", param="chat_template") from None
         raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
 
 

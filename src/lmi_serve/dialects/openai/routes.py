@@ -31,6 +31,7 @@ from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.reasoning import reasoning_settings
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService, Reply
+from lmi_serve.dialects.openai.templates import trusts_request_template
 from lmi_serve.errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
 from lmi_serve.handler_api import Input
 from lmi_serve.serving.registry import ModelRegistry
@@ -115,11 +116,13 @@ def _generation(name: str | None) -> OpenAIService:
         owner.require_ready()
         return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name,
                              reasoning=reasoning_settings(getattr(owner, "config", None)),
-                             tool_call_parser=_tool_call_parser(owner), vision=getattr(owner, "vision", None))
+                             tool_call_parser=_tool_call_parser(owner), vision=getattr(owner, "vision", None),
+                             trust_request_template=trusts_request_template(owner))
     service = _service(name, _GENERATION_TASK)
     return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name,
                          reasoning=reasoning_settings(getattr(service, "config", None)),
-                         tool_call_parser=_tool_call_parser(service), vision=getattr(service, "vision", None))
+                         tool_call_parser=_tool_call_parser(service), vision=getattr(service, "vision", None),
+                         trust_request_template=trusts_request_template(service))
 
 
 def _tool_call_parser(service) -> str | None:

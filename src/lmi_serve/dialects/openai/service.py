@@ -19,6 +19,7 @@ from lmi_serve.dialects.openai.reasoning import ChatReasoning, ReasoningSettings
 from lmi_serve.dialects.openai.render import (ChatStream, CompletionChoice, ResponseMeta, chat_completion, completion,
                      completion_chunk)
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest
+from lmi_serve.dialects.openai.templates import check_request_template
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
 from lmi_serve.engine.types import GenerationRequest, TokenEvent
@@ -70,14 +71,17 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
 
 class OpenAIService:
     def __init__(self, engine: Engine, model_name: str, adapter: str | None = None,
-                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None, vision=None):
+                 reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None, vision=None,
+                 trust_request_template: bool = False):
         """`adapter`: the LoRA adapter the request's `model` named (vLLM's convention; responses then
         name it as their model), or None for the base model. `reasoning`: the model's reasoning options.
         `tool_call_parser`: the model's option.tool_call_parser (a tool_formats name), else the chat
         template decides. `vision`: a vision-language model's serving/vision.VisionInputs (its processor),
-        None for a text model (image parts are then a 400)."""
+        None for a text model (image parts are then a 400). `trust_request_template`: the model's
+        option.trust_request_chat_template (a request's `chat_template` is honoured, else a 400)."""
         self.engine, self.model_name, self.adapter = engine, adapter or model_name, adapter
         self.vision = vision
+        self.trust_request_template = trust_request_template
         self.reasoning = reasoning
         self.tokenizer = engine.tokenizer
         self.tool_format = chat.tool_format_for(self.tokenizer, tool_call_parser)
@@ -94,7 +98,8 @@ class OpenAIService:
     def chat(self, request: ChatCompletionRequest) -> Reply:
         if self.vision is None:
             images.refuse_images(images.image_parts(request))
-        prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format, vision=self.vision)
+        prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format, vision=self.vision,
+                                         request_template=check_request_template(request, self.trust_request_template))
         if self.vision is not None:
             ids, pictures = images.prompt_with_images(self.vision, prompt_text, request)
         else:

@@ -2,7 +2,7 @@
 
 - vLLM: `{"model"?, "prompt", "add_special_tokens"?: true, "return_token_strs"?: false}` or
   `{"model"?, "messages", "add_generation_prompt"?: true, "continue_final_message"?: false,
-  "add_special_tokens"?: false, "tools"?, "chat_template_kwargs"?, "return_token_strs"?}` ->
+  "add_special_tokens"?: false, "tools"?, "chat_template_kwargs"?, "chat_template"?, "return_token_strs"?}` ->
   `{"count", "max_model_len", "tokens", "token_strs"?}`; `{"model"?, "tokens"}` -> `{"prompt"}`.
   The model is chosen as on /v1 (`routes.choose_service`); errors in OpenAI's envelope.
 - TGI: a body with `inputs` (TGI's GenerateRequest) is TGI's, answered by `tgi.routes.tokenize`
@@ -21,11 +21,12 @@ from pydantic import Field, field_validator, model_validator
 
 from lmi_serve.dialects.common import json_body
 from lmi_serve.dialects.common.json_body import InvalidJson
-from lmi_serve.dialects.openai import chat, images, vllm
+from lmi_serve.dialects.openai import chat, images
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.routes import choose_service
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, ChatMessage, Tool, TokenId, _Lenient, parse
+from lmi_serve.dialects.openai.templates import check_request_template, check_template_kwargs, trusts_request_template
 from lmi_serve.dialects.tgi import protocol as tgi_protocol
 from lmi_serve.dialects.tgi import routes as tgi_routes
 from lmi_serve.errors import InvalidRequest, ServingError
@@ -53,6 +54,7 @@ class TokenizeChatRequest(_Lenient):
     return_token_strs: bool = False
     tools: list[Tool] | None = Field(None, max_length=32)
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # honoured where the model trusts requests' templates, else a 400
 
     @model_validator(mode="after")
     def _template_rules(self):
@@ -64,7 +66,7 @@ class TokenizeChatRequest(_Lenient):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs_rule(cls, value):
-        return vllm.check_template_kwargs(value)  # as on chat completions
+        return check_template_kwargs(value)  # as on chat completions
 
 
 class TokenizeResponse(_Lenient):
@@ -96,10 +98,13 @@ def _body() -> Any:
     return json_body.loads(request.get_data())  # decoded before the dialect is known: OpenAI's 400
 
 
-def _engine(name: str | None):
+def _service(name: str | None):
     strict = current_app.config.get("STRICT_MODEL_NAMES", False)
-    service = choose_service(current_app.extensions["lmi_serve.serving.registry"].services, name, "text-generation",
-                             strict=strict)
+    return choose_service(current_app.extensions["lmi_serve.serving.registry"].services, name, "text-generation",
+                          strict=strict)
+
+
+def _engine(service):
     return service.rolling_engine("/tokenize and /detokenize", param="model")
 
 
@@ -107,9 +112,10 @@ def _reply(body: dict) -> Response:
     return Response(json.dumps(body), mimetype="application/json")
 
 
-def chat_prompt_ids(tokenizer, parsed: TokenizeChatRequest) -> list[int]:
+def chat_prompt_ids(tokenizer, parsed: TokenizeChatRequest, trusted: bool = False) -> list[int]:
     """The ids a chat completion with these messages (and tools) would be given, with vLLM's
-    template switches."""
+    template switches; `trusted`: the model's option.trust_request_chat_template, as on chat."""
+    request_template = check_request_template(parsed, trusted)
     conversation = ChatCompletionRequest.model_validate(
         {"messages": [m.model_dump(exclude_none=True) for m in parsed.messages],
          "tools": [t.model_dump(exclude_none=True) for t in parsed.tools] if parsed.tools else None})
@@ -118,7 +124,7 @@ def chat_prompt_ids(tokenizer, parsed: TokenizeChatRequest) -> list[int]:
         raise InvalidRequest(f"{found[0][1]}: /tokenize takes text parts only", param=found[0][1])
     text = chat.render_prompt(tokenizer, conversation, add_generation_prompt=parsed.add_generation_prompt,
                               continue_final_message=parsed.continue_final_message,
-                              template_kwargs=parsed.chat_template_kwargs)
+                              template_kwargs=parsed.chat_template_kwargs, request_template=request_template)
     return tokenizer(text, add_special_tokens=parsed.add_special_tokens).input_ids
 
 
@@ -130,11 +136,12 @@ def tokenize() -> Response:
         return tgi_routes.tokenize()
     if isinstance(body, dict) and "messages" in body:
         parsed = parse(TokenizeChatRequest, body)
-        engine = _engine(parsed.model)
-        ids = chat_prompt_ids(engine.tokenizer, parsed)
+        service = _service(parsed.model)
+        engine = _engine(service)
+        ids = chat_prompt_ids(engine.tokenizer, parsed, trusted=trusts_request_template(service))
     else:
         parsed = parse(TokenizeCompletionRequest, body)
-        engine = _engine(parsed.model)
+        engine = _engine(_service(parsed.model))
         ids = engine.tokenizer(parsed.prompt, add_special_tokens=parsed.add_special_tokens).input_ids
     reply = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids)}
     if parsed.return_token_strs:
@@ -145,6 +152,6 @@ def tokenize() -> Response:
 @blueprint.post("/detokenize")
 def detokenize() -> Response:
     parsed = parse(DetokenizeRequest, _body())
-    engine = _engine(parsed.model)
+    engine = _engine(_service(parsed.model))
     check_token_ids(parsed.tokens, len(engine.tokenizer), "tokens")
     return _reply({"prompt": engine.tokenizer.decode(parsed.tokens)})

@@ -6,6 +6,7 @@ would hand back results the client did not ask for. This module owns them:
 - `REFUSED` (both routes), `REFUSED_CHAT`, `REFUSED_COMPLETION`: fields vLLM defines that this
   server cannot honour. A neutral value (the one that asks for nothing, e.g. `use_beam_search:
   false`) is accepted; any other value is a 400 naming the field (`refuse`, called by `parse`);
+- the chat template fields `chat_template` and `chat_template_kwargs`, checked in templates.py;
 - `extend`: the honoured fields as neutral engine parameters on the GenerationRequests;
 - rendering: `prompt_logprobs` in vLLM's shape, chat `echo`, `request_id` as the response id.
 Truly unknown fields stay ignored and logged by `schema.parse` (benchmarks send bookkeeping).
@@ -21,6 +22,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.openai.templates import check_template_kwargs
 from lmi_serve.engine.sampling.grammar import GrammarError
 from lmi_serve.engine.types import DetokenizeParams, GenerationRequest, GuidedDecoding, TokenEvent
 from lmi_serve.errors import InvalidRequest
@@ -58,7 +60,6 @@ REFUSED_CHAT: dict[str, tuple[str, tuple]] = {
     "add_generation_prompt": ("the prompt always ends with the assistant's generation prompt", (None, True)),
     "continue_final_message": ("the final message cannot be continued; the reply is a new assistant message",
                                (None, False)),
-    "chat_template": ("the model's own chat template is always used", (None, "")),
     "documents": ("documents are not passed to the chat template", (None, [])),
     "mm_processor_kwargs": ("this model takes text only", (None, {})),
     "media_io_kwargs": ("this model takes text only", (None, {})),
@@ -68,25 +69,6 @@ REFUSED_COMPLETION: dict[str, tuple[str, tuple]] = {
     **REFUSED,
     "prompt_embeds": ("prompts are text or token ids; embeddings cannot be sent", (None, [])),
 }
-
-# apply_chat_template's own arguments: a client's template variables may not replace them.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
-    "continue_final_message", "return_tensors", "return_dict", "padding", "truncation", "max_length",
-    "tokenizer_kwargs", "return_assistant_tokens_mask"})
-
-
-def check_template_kwargs(kwargs: dict | None) -> dict | None:
-    """vLLM's `chat_template_kwargs` (chat and /tokenize): extra variables for the chat template,
-    such as Qwen3's `enable_thinking`. Variables the template does not read are harmless, as in
-    transformers; names of apply_chat_template's own arguments are refused (a ValueError naming
-    them), since the request's own fields set those."""
-    reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: "
-                         "apply_chat_template takes them from the request's own fields")
-    return kwargs
-
 
 def refuse(model: type[BaseModel], body: dict) -> None:
     """400 naming the first refused field `body` sets to something other than a neutral value."""
@@ -202,6 +184,8 @@ class VllmChatFields(VllmFields):
     thinking_token_budget: int | None = Field(None, ge=1)
     # Extra variables for the chat template (e.g. Qwen3's `enable_thinking`), as on /tokenize.
     chat_template_kwargs: dict[str, Any] | None = None
+    # This request's chat template, in place of the model's (check_request_template), as on /tokenize.
+    chat_template: str | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod

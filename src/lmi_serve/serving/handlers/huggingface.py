@@ -24,6 +24,7 @@ from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
+from lmi_serve.model.chat_template import override_chat_template
 from lmi_serve.model.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
 from lmi_serve.model.quantize import QuantizeReport, quantize_model
@@ -73,6 +74,8 @@ class TextGenerationService:
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
         # A vision-language model (model/task.py VISION_ARCHITECTURES): its processor turns chat images into tensors.
         processor = getattr(loaded, "processor", None)  # a loader of another shape (tests' fakes) has none
+        # Before anything reads the template (tool format, reasoning markers, the engine's services).
+        override_chat_template(self.tokenizer, processor, config.chat_template)
         self.vision = (VisionInputs(processor, config.limit_mm_per_prompt,
                                     FetchPolicy(config.image_fetch, config.image_fetch_timeout))
                        if processor is not None else None)
@@ -102,7 +105,8 @@ class TextGenerationService:
                 custom_input=context.input_formatter,
                 custom_output=context.output_formatter,
                 model_name=config.name, reasoning=reasoning_settings(config),
-                tool_call_parser=config.tool_call_parser, vision=self.vision)
+                tool_call_parser=config.tool_call_parser, vision=self.vision,
+                trust_request_template=config.trust_request_chat_template)
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""

