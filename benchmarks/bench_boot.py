@@ -3,7 +3,7 @@ the first answer to /ping (any status), and to a healthy /ping; the longest a si
 for its answer; and the statuses seen. The gap between "bound" and "first answer" is the worker's
 own start (gunicorn forks it, then it imports the app) during which connections wait in the backlog.
 
-Run: .venv/bin/python benchmarks/bench_boot.py [--runs N] [--model-dir DIR]
+Run: .venv/bin/python -m benchmarks.bench_boot [--runs N] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ import argparse
 import collections
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server_process import ServerProcess  # noqa: E402
+from benchmarks.benchmark.suite import helper
+ServerProcess = helper("server_process").ServerProcess
 
 
 def bound(port: int) -> bool:

@@ -7,23 +7,19 @@ A, B ... over --repeats rounds after warm-up; min and median ms per step, the ra
 (below 1 the kernel is faster) and the time in attention alone per step. Then a gate: greedy tokens of
 batched prompts with the kernel equal those with SDPA.
 
-    .venv/bin/python benchmarks/bench_decode_attention.py [--batch 1,4,8,32] [--context 200,800,2000]
+    .venv/bin/python -m benchmarks.bench_decode_attention [--batch 1,4,8,32] [--context 200,800,2000]
                                                          [--repeats 15]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_step  # noqa: E402
+from benchmarks import bench_step  # noqa: E402
 import torch  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 from lmi_serve.engine.kv import decode_kernel, slot_attention  # noqa: E402
 
@@ -73,8 +69,8 @@ def time_pair(batch, switch: Switch, rounds: int, warmup: int) -> dict[bool, tup
 def greedy_gate(model, tokenizer, device, layout, switch: Switch, tokens: int = 32) -> str:
     from lmi_serve.engine.batch import Batch, make_row
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "engine"))
-    from engine_prompts import PROMPTS
+    from benchmarks.benchmark.suite import helper
+    PROMPTS = helper("engine_prompts").PROMPTS
 
     prompts = [tokenizer(text).input_ids for text in PROMPTS[:8]]
     stop = StopParams(max_new_tokens=tokens, ignore_eos=True)

@@ -17,7 +17,7 @@ The ceiling runs before the server starts and again (at its best batch size) aft
 two never share the CPU; the ratios use the higher of the two, and the gap between them shows how much
 the machine's load moved during the run.
 
-    .venv/bin/python benchmarks/bench_embeddings.py [--clients 1,16] [--seconds 15] [--unbatched]
+    .venv/bin/python -m benchmarks.bench_embeddings [--clients 1,16] [--seconds 15] [--unbatched]
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_openai import start_server  # noqa: E402
-from soak import worker_pid  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.bench_openai import start_server  # noqa: E402
+from benchmarks.soak import worker_pid  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 MODEL = "all-minilm-l6-v2"
 PROPERTIES = Path(__file__).resolve().parents[1] / "src/lmi_serve/serving/defaults" / MODEL / "serving.properties"

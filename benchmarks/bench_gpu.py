@@ -21,7 +21,7 @@ vocabulary (the engine detokenizes as it streams). Every request generates exact
 Without CUDA it runs a tiny fp32 model on the CPU ("cpu-tiny"), which checks the script, not the speed.
 `scripts/device_check` runs it and puts its rows in its table.
 
-    python benchmarks/bench_gpu.py [--concurrency 1,32,128] [--prompt-tokens 128] [--new-tokens 128]
+    python -m benchmarks.bench_gpu [--concurrency 1,32,128] [--prompt-tokens 128] [--new-tokens 128]
                                    [--requests-per-client 2] [--json FILE]
                                    [--systems rolling,rolling-mixed,rolling-separate,cb,static]
 """
@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 

@@ -5,7 +5,7 @@ model's tokenizer: tokenizer set-up (once per process), grammar compile (once pe
 the per-token cost of computing the allowed-token mask and advancing over a valid JSON document's
 tokens (what a constrained row adds to every decode step). Prints a table; no model forward runs.
 
-    .venv/bin/python benchmarks/bench_grammar.py   (measures whichever of the three libraries are installed)
+    .venv/bin/python -m benchmarks.bench_grammar   (measures whichever of the three libraries are installed)
 """
 
 from __future__ import annotations

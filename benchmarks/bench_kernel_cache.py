@@ -9,7 +9,7 @@ alternation (ABCABC) so a noisy machine spreads over all of them, and the same c
 streamed LMI requests whose prompts span 10 to 1,200 tokens. Prints tok/s, TTFT and TPOT p50 as
 ratios to the first configuration (torch's defaults), and the worker's RSS once idle after the load.
 
-    .venv/bin/python benchmarks/bench_kernel_cache.py [--requests 48] [--concurrency 1,16] [--rounds 2]
+    .venv/bin/python -m benchmarks.bench_kernel_cache [--requests 48] [--concurrency 1,16] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -20,17 +20,15 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_openai import start_server  # noqa: E402
-from benchmark.clients import closed_loop, stream_one  # noqa: E402
-from benchmark.common import DEFAULT_MODEL, cpu_summary  # noqa: E402
-from benchmark.stats import summarize  # noqa: E402
-from benchmark.workload import build_workload, model_folder  # noqa: E402
-from soak import proc_status, worker_pid  # noqa: E402
+from benchmarks.bench_openai import start_server  # noqa: E402
+from benchmarks.benchmark.clients import closed_loop, stream_one  # noqa: E402
+from benchmarks.benchmark.common import DEFAULT_MODEL, cpu_summary  # noqa: E402
+from benchmarks.benchmark.stats import summarize  # noqa: E402
+from benchmarks.benchmark.workload import build_workload, model_folder  # noqa: E402
+from benchmarks.soak import proc_status, worker_pid  # noqa: E402
 
 CONFIGS = {  # name -> (LRU_CACHE_CAPACITY, ONEDNN_PRIMITIVE_CACHE_CAPACITY)
     "torch defaults (1024 / 1024)": ("1024", "1024"),

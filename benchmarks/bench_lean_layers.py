@@ -9,20 +9,16 @@ transformers' forward, in turns (the order flipped every round), --repeats round
 min and median ms of each, the ratio lean / transformers (below 1 the lean layers are faster), and the gate:
 whether both copies chose the same tokens at every step (their logits are the same bits: tests hold that).
 
-    .venv/bin/python benchmarks/bench_lean_layers.py [--batch 1,8,32] [--context 200] [--repeats 40]
+    .venv/bin/python -m benchmarks.bench_lean_layers [--batch 1,8,32] [--context 200] [--repeats 40]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_step  # noqa: E402
+from benchmarks import bench_step  # noqa: E402
 
 
 def parse_args(argv):

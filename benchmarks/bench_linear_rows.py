@@ -6,20 +6,17 @@ For SmolLM2-135M's Linear shapes (q/o 576x576, k/v 576x192, gate/up 576x1536, do
 for 32); then, per kernel, whether row 0 of a B-row call equals the 1-row call bit for bit for B in 2..33
 (batch invariance: the rolling engine's greedy output must not depend on the batch).
 
-Run: .venv/bin/python benchmarks/bench_linear_rows.py
+Run: .venv/bin/python -m benchmarks.bench_linear_rows
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 ROWS = (1, 4, 32)

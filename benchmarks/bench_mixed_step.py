@@ -9,20 +9,16 @@ A, B ... over --repeats rounds after warm-up, each on fresh copies of the rows. 
 median ms of each, the ratio mixed / separate (below 1 the mixed step is faster), the decode step
 alone, and the gate: the largest |difference| of every logit and whether every argmax agrees.
 
-    .venv/bin/python benchmarks/bench_mixed_step.py [--batch 1,8,32] [--prompt 20,100,400]
+    .venv/bin/python -m benchmarks.bench_mixed_step [--batch 1,8,32] [--prompt 20,100,400]
                                                    [--context 200] [--repeats 9]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_step  # noqa: E402
+from benchmarks import bench_step  # noqa: E402
 
 
 def parse_args(argv):

@@ -6,7 +6,7 @@ unload, then the p50 times and the RSS growth from the first cycle to the last.
 The model: the embedded SmolLM2-135M-Instruct (its GGUF from the PyPI package, converted once into
 lmi-serve's cache), as a folder under a temporary models root holding only its serving.properties.
 
-    .venv/bin/python benchmarks/bench_mme.py [--cycles 20]
+    .venv/bin/python -m benchmarks.bench_mme [--cycles 20]
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_openai import start_server  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from soak import proc_status, worker_pid  # noqa: E402
+from benchmarks.bench_openai import start_server  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.soak import proc_status, worker_pid  # noqa: E402
 
 PROPERTIES = Path(__file__).resolve().parents[1] / "src/lmi_serve/serving/defaults/smollm2-135m-instruct/serving.properties"
 

@@ -8,7 +8,7 @@ Systems, all streaming, closed loop, the same prompts and forced output lengths:
                still end a row early, so compare TPOT/ITL, not only tok/s)
 Prints one row per system and concurrency, and each system's ratio to lmi.
 
-    .venv/bin/python benchmarks/bench_openai.py [--concurrency 1,8] [--requests 16]   (after scripts/serve or scripts/test set up .venv)
+    .venv/bin/python -m benchmarks.bench_openai [--concurrency 1,8] [--requests 16]   (after scripts/serve or scripts/test set up .venv)
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark.clients import closed_loop, stream_one  # noqa: E402
-from benchmark.common import DEFAULT_MODEL  # noqa: E402
-from benchmark.stats import summarize  # noqa: E402
-from benchmark.workload import build_workload, model_folder  # noqa: E402
+from benchmarks.benchmark.clients import closed_loop, stream_one  # noqa: E402
+from benchmarks.benchmark.common import DEFAULT_MODEL  # noqa: E402
+from benchmarks.benchmark.stats import summarize  # noqa: E402
+from benchmarks.benchmark.workload import build_workload, model_folder  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "notes": {"type": "array",

@@ -9,17 +9,22 @@ Each operation on fresh rows, --repeats times; printed: min and median ms. With 
 checkout of this repository, e.g. a `git worktree` of an older commit) the same measurement runs on DIR's code
 in a subprocess, alternating with this tree's, and the ratios this / baseline are printed.
 
-    .venv/bin/python benchmarks/bench_slot_moves.py [--context 150] [--repeats 9] [--baseline-tree DIR]
+    .venv/bin/python -m benchmarks.bench_slot_moves [--context 150] [--repeats 9] [--baseline-tree DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv):
@@ -28,15 +33,25 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rounds", type=int, default=2, help="with --baseline-tree: alternations of the two")
     parser.add_argument("--baseline-tree", type=Path)
-    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1], help=argparse.SUPPRESS)
+    parser.add_argument("--tree", type=Path, default=ROOT, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def load_bench_step(tree: Path) -> types.ModuleType:
+    """`tree`'s benchmarks/bench_step.py as a module of its own (this tree's or the baseline's)."""
+    name = "bench_step_of_tree"
+    spec = importlib.util.spec_from_file_location(name, tree / "benchmarks" / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def measure(tree: Path, context: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each operation, `repeats` times, with `tree`'s code."""
-    sys.path.insert(0, str(tree / "benchmarks"))
-    import bench_step  # noqa: E402 - this tree's or the baseline's
+    """Seconds of each operation, `repeats` times, with `tree`'s code (its lmi_serve comes first on
+    PYTHONPATH: run_worker puts it there)."""
+    bench_step = load_bench_step(tree)
     import torch
 
     import lmi_serve.engine.kv.slots as slots
@@ -67,9 +82,11 @@ def measure(tree: Path, context: int, repeats: int) -> dict[str, list[float]]:
 
 
 def run_worker(tree: Path, context: int, repeats: int) -> dict[str, list[float]]:
-    command = [sys.executable, __file__, "--worker", "--tree", str(tree), "--context", str(context),
-               "--repeats", str(repeats)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    command = [sys.executable, "-m", "benchmarks.bench_slot_moves", "--worker", "--tree", str(tree),
+               "--context", str(context), "--repeats", str(repeats)]
+    path = os.pathsep.join(p for p in (str(tree / "src"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": path})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

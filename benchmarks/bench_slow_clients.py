@@ -8,7 +8,7 @@ Starts the server (embedded defaults), then for `--duration` seconds each:
 Prints each phase's p50/p99 latency, the pressure/baseline ratios, the normal requests that failed
 (timeout `--timeout`), and what became of the slow connections (408, closed, still open).
 
-    .venv/bin/python benchmarks/bench_slow_clients.py [--slow 200] [--duration 30] [--threads 64]
+    .venv/bin/python -m benchmarks.bench_slow_clients [--slow 200] [--duration 30] [--threads 64]
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from pathlib import Path
 import psutil
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark.slow_clients import NormalLoad, SlowSockets, percentile  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.slow_clients import NormalLoad, SlowSockets, percentile  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ Prompts (fixed texts): answers that repeat their prompt (quote a paragraph, rena
 fix the typos of a list), one that partly does (a summary) and one that does not (a story). Also printed: drafts accepted / proposed,
 tokens per verifying forward, and whether the output equals the baseline's token for token.
 
-    .venv/bin/python benchmarks/bench_speculation.py [--lengths 2,4,8] [--tokens 128] [--repeats 2]
+    .venv/bin/python -m benchmarks.bench_speculation [--lengths 2,4,8] [--tokens 128] [--repeats 2]
                                                      [--dtype fp32|bf16] [--prompts quote,edit,...]
 """
 
@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(1, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 from lmi_serve.engine.engine import Engine  # noqa: E402
 from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation  # noqa: E402

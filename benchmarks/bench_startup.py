@@ -1,23 +1,21 @@
 """Start-up figures for the default models: cold (GGUF converted into an empty cache) and warm
 (safetensors cache reused), each as seconds to a healthy /ping and the server's RSS.
 
-Run: .venv/bin/python benchmarks/bench_startup.py [--runs N]
+Run: .venv/bin/python -m benchmarks.bench_startup [--runs N]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import psutil
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server_process import ServerProcess  # noqa: E402
+from benchmarks.benchmark.suite import helper
+ServerProcess = helper("server_process").ServerProcess
 
 
 def measure(cache_dir: str) -> tuple[float, float, float]:

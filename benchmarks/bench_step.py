@@ -28,7 +28,7 @@ alone (10 prompts of tests/unit/engine/engine_prompts.py, 32 tokens each, alone 
 exact implementation scores 100 %) and the perplexity of benchmark/perplexity.txt (plain
 transformers forward against each implementation's prefill).
 
-    .venv/bin/python benchmarks/bench_step.py [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
+    .venv/bin/python -m benchmarks.bench_step [--kv dynamic,slots] [--batch 1,8,32] [--context 200,1000]
                                            [--repeats 9] [--quick] [--threads N] [--aa] [--skip-gates]
                                            [--variants fp16,q4,q4-bf16,onednn,bf16] [--ppl-tokens N] [--gate-tokens 32]
 
@@ -44,20 +44,16 @@ import copy
 import gc
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))  # this checkout's engine, not whichever one the venv installed
-sys.path.insert(1, str(ROOT / "benchmarks"))
-sys.path.insert(2, str(ROOT / "tests" / "unit" / "engine"))  # engine_prompts
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 from lmi_serve.engine.batch import Batch, make_row  # noqa: E402
 from lmi_serve.engine.kv.protocol import KVLayout  # noqa: E402
@@ -220,7 +216,7 @@ class ServedRow:
 
 def served_row(context: int) -> ServedRow:
     """served_default() and one row whose cache holds `context` tokens of benchmark/perplexity.txt."""
-    from benchmark.step_quality import PERPLEXITY_TEXT
+    from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT
 
     model, tokenizer, device, layout, line = served_default()
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
@@ -314,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     baseline = QUANTIZED_KV if variants else BASELINE
     say(f"systems: {', '.join(timed)}; B {args.batch}; KV {args.context}; {args.repeats} rounds after "
         f"{args.warmup} warm-up; load average {os.getloadavg()[0]:.2f}")
-    from benchmark.step_quality import PERPLEXITY_TEXT
+    from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT
 
     text_ids = tokenizer(PERPLEXITY_TEXT.read_text()).input_ids
     say(f"\ndecode step (Batch.decode), ms per step; ratio = time / {baseline}'s time (below 1 is faster)")
@@ -353,8 +349,9 @@ def main(argv: list[str] | None = None) -> None:
 def run_gates(args: argparse.Namespace, model, tokenizer, device, layouts: dict[str, KVLayout],
               variants: dict[str, object]) -> None:
     """Print gate (a) and (b) for the KV implementations, then for the quantized variants."""
-    from benchmark.step_quality import PERPLEXITY_TEXT, greedy_gate, perplexity_gate, quantize_gates
-    from engine_prompts import PROMPTS
+    from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT, greedy_gate, perplexity_gate, quantize_gates
+    from benchmarks.benchmark.suite import helper
+    PROMPTS = helper("engine_prompts").PROMPTS
 
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:GATE_PROMPTS]]
     n = args.gate_tokens

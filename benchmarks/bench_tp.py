@@ -9,7 +9,7 @@ pinned to one core (taskset) for reference, then:
 - batch: --concurrency such requests at once (the rolling batch's throughput).
 Rounds alternate the setups; the table gives the best round of each and the 2-rank/1-rank ratio.
 
-    .venv/bin/python benchmarks/bench_tp.py [--rounds 2] [--tokens 64] [--concurrency 8]
+    .venv/bin/python -m benchmarks.bench_tp [--rounds 2] [--tokens 64] [--concurrency 8]
 
 On a CPU, 2 ranks split the same cores (each gets cores // 2 threads) and add two all-reduces per
 layer over gloo: expect no speed-up on a small machine; tensor parallelism is for a model that does
@@ -30,12 +30,13 @@ from pathlib import Path
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "benchmarks"))
-from bench_openai import start_server  # noqa: E402
-from benchmark.common import cpu_summary  # noqa: E402
-from server_process import free_port  # noqa: E402
-from tp_model import smollm2_folder, widen_heads  # noqa: E402
+from benchmarks.bench_openai import start_server  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.suite import helper
+
+free_port = helper("server_process").free_port
+smollm2_folder = helper("tp_model").smollm2_folder
+widen_heads = helper("tp_model").widen_heads
 
 PROMPTS = ["Tell me a story about a dragon.", "Explain how rain forms.", "List some fruits:",
            "Write a poem about the sea.", "What is the capital of France?", "Once upon a time",

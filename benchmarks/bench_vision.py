@@ -13,7 +13,7 @@ and `sequential` (option.max_rolling_batch_size=1). Each gets:
 2. mix: --clients closed-loop clients, every other request with an image, --requests in all;
    generated tok/s, TTFT p50, and the worker's peak RSS (VmHWM) after load and after the run.
 
-Run: .venv/bin/python benchmarks/bench_vision.py [--clients 8] [--requests 32] [--tokens 32]
+Run: .venv/bin/python -m benchmarks.bench_vision [--clients 8] [--requests 32] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import base64
 import io
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -31,13 +30,13 @@ from pathlib import Path
 
 import requests
 
+from benchmarks.benchmark.common import cpu_summary
+from benchmarks.benchmark.suite import helper
+from benchmarks.soak import worker_pid
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "benchmarks"))
-from benchmark.common import cpu_summary  # noqa: E402
-from server_process import serving  # noqa: E402
-from soak import worker_pid  # noqa: E402
-from tiny_vlm import CHAT_TEMPLATE  # noqa: E402  (ChatML; an image part becomes <image>, as the tests' VLMs)
+serving = helper("server_process").serving
+CHAT_TEMPLATE = helper("tiny_vlm").CHAT_TEMPLATE  # ChatML; an image part becomes <image>, as the tests' VLMs
 
 QUESTIONS = ["What is in the picture?", "Describe the colours you see.", "Is there any text in this image?",
              "Count the objects in the picture.", "What is the weather like here?"]
@@ -46,7 +45,7 @@ QUESTIONS = ["What is in the picture?", "Describe the colours you see.", "Is the
 def smolvlm_256m_shape(folder: Path) -> Path:
     import torch
     import transformers as tf
-    from tp_model import smollm2_folder
+    smollm2_folder = helper("tp_model").smollm2_folder
 
     tokenizer = tf.AutoTokenizer.from_pretrained(str(smollm2_folder()))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",

@@ -8,7 +8,7 @@ in one run:
 - `kernels`: the GPU time per step the profiler sees (sum of CUDA kernel time / steps).
 Then torch.profiler's table of the engine's steps, by self CPU time, so the host side is named.
 
-    python benchmarks/profile_gpu_step.py [--steps 48] [--cpu-tiny]
+    python -m benchmarks.profile_gpu_step [--steps 48] [--cpu-tiny]
 
 Without CUDA it runs the tiny CPU shape (a check of the script, not a figure).
 """
@@ -19,14 +19,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_gpu import LLAMA_3_2_1B, TINY, build_model, plain_sdpa, sync, synthetic_tokenizer  # noqa: E402
+from benchmarks.bench_gpu import LLAMA_3_2_1B, TINY, build_model, plain_sdpa, sync, synthetic_tokenizer  # noqa: E402
 
 
 def engine_itl(model, tokenizer, device, prompt: list[int], steps: int):

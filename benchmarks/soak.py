@@ -37,9 +37,7 @@ from pathlib import Path
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(1, str(ROOT / "benchmarks"))
-from benchmark.common import cpu_summary  # noqa: E402
+from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 
 TEXT = "smollm2-135m-instruct"
 EMBEDDING = "all-minilm-l6-v2"
@@ -405,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         base, master = args.url.rstrip("/"), args.pid
     else:
-        from server_process import ServerProcess
+        from benchmarks.benchmark.suite import helper
+        ServerProcess = helper("server_process").ServerProcess
 
         server = ServerProcess()
         print(f"[soak] starting the server on {server.base} (log {server.log.name})", flush=True)

@@ -363,7 +363,7 @@ def check(args) -> int:
     say("\n## Benchmark (benchmarks/bench_gpu.py)")
     result = out / "bench.json"
     result.unlink(missing_ok=True)
-    bench = [sys.executable, "benchmarks/bench_gpu.py", "--json", str(result), *args.bench_args.split()]
+    bench = [sys.executable, "-m", "benchmarks.bench_gpu", "--json", str(result), *args.bench_args.split()]
     if not cuda:
         bench.append("--cpu-tiny")
     rc, took = run_logged(bench, out / "bench.log", env, args.bench_timeout)

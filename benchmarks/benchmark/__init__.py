@@ -1,1 +1,1 @@
-"""Pieces of benchmarks/bench.py (the closed-loop concurrency sweep); run it as `python benchmarks/bench.py`."""
+"""Pieces of benchmarks/bench.py (the closed-loop concurrency sweep); run it as `python -m benchmarks.bench`."""

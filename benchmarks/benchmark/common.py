@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "bench.py"  # re-run with --_worker for in-process systems
+BENCH_MODULE = "benchmarks.bench"  # re-run (python -m, from ROOT) with --_worker for in-process systems
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BENCH_SCRIPT, RESULT_TAG, ROOT, ModelSource
+from .common import BENCH_MODULE, RESULT_TAG, ROOT, ModelSource
 from .monitor import Monitor, tree_cpu
 from .stats import summarize
 from .workload import Workload
@@ -157,7 +157,7 @@ def run_inprocess(kind: str, workload: Workload, concurrency: int, num_requests:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, str(BENCH_SCRIPT), "--_worker", kind, "--_spec", str(spec_path)],
+        proc = subprocess.Popen([sys.executable, "-m", BENCH_MODULE, "--_worker", kind, "--_spec", str(spec_path)],
                                 stdout=subprocess.PIPE, stderr=err, env=env, cwd=ROOT, text=True)
         # the servers idle meanwhile; bg CPU counts neither them nor the worker
         servers_before = sum(tree_cpu(p) for p in server_pids)

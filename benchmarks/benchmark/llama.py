@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from .common import ModelSource, llama_home, log, wait_for_health
+from .suite import helper
 
 BUILD_HINT = "build it once with benchmarks/build_llama_server (about 9 minutes on 2 cores)"
 
@@ -64,7 +65,7 @@ class LlamaServer:
 
     def __init__(self, system: str, source: ModelSource, slots: int, ctx_per_slot: int, threads: int,
                  prompt_cache: bool):
-        from server_process import free_port
+        free_port = helper("server_process").free_port
 
         gguf = model_file(system, source)
         self.port = free_port()

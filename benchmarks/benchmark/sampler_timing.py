@@ -11,7 +11,7 @@ Scenarios: greedy, temperature only, top_p=0.9, top_k=50, and mixed (a quarter o
 the table gives the minimum and median over the rounds and after/before of each. It also checks that
 both implementations chose the same tokens for the same seeds.
 
-Run: .venv/bin/python benchmarks/benchmark/sampler_timing.py [--rounds N] [--logits model|flat|both] [--threads N]
+Run: .venv/bin/python -m benchmarks.benchmark.sampler_timing [--rounds N] [--logits model|flat|both] [--threads N]
 On a shared box, compare the minimums: a two-thread op waits for a descheduled thread (perf.md §2.10),
 which swells medians of everything alike.
 """
@@ -29,7 +29,6 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "src"))  # this checkout's lmi_serve, not an installed one
 
 import torch  # noqa: E402
 

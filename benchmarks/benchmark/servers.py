@@ -12,6 +12,7 @@ from typing import Any
 from .clients import DynamicClient, stream_one
 from .common import LLAMA_SYSTEMS, VLLM_SYSTEMS, ModelSource, log
 from .llama import LlamaServer, Unavailable
+from .suite import helper
 from .vllm_cpu import VllmServer
 from .workload import Workload
 
@@ -131,7 +132,7 @@ class Servers:
 
     def _start(self, systems: list[str], settings: ServerSettings, source: ModelSource, workdir: Path,
                env: dict[str, str]) -> None:
-        from server_process import ServerProcess
+        ServerProcess = helper("server_process").ServerProcess
 
         for name in systems:
             try:

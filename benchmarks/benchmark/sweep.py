@@ -14,12 +14,12 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmark.clients import DynamicClient, openai_sender, stream_one
-from benchmark.common import EXTERNAL_SYSTEMS, LLAMA_SYSTEMS, VLLM_SYSTEMS, ModelSource, log
-from benchmark.inprocess import inproc_point
-from benchmark.monitor import hwm_mib
-from benchmark.points import Runner, http_point
-from benchmark.servers import ServerSettings, Servers, phase_split, warm_up
+from .clients import DynamicClient, openai_sender, stream_one
+from .common import EXTERNAL_SYSTEMS, LLAMA_SYSTEMS, VLLM_SYSTEMS, ModelSource, log
+from .inprocess import inproc_point
+from .monitor import hwm_mib
+from .points import Runner, http_point
+from .servers import ServerSettings, Servers, phase_split, warm_up
 
 INPROC_SYSTEMS = ("cb", "static")  # run in a subprocess of the benchmark, not behind HTTP
 

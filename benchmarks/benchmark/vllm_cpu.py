@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .common import ROOT, ModelSource, wait_for_health
 from .llama import Unavailable
+from .suite import helper
 
 BUILD_HINT = "install it once with scripts/build_vllm_cpu (a few minutes; its own venv, never in CI)"
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -61,8 +62,7 @@ class VllmServer:
     same surface as LlamaServer (proc, base, url(), output(), wait_for_ping(), stop(), command)."""
 
     def __init__(self, source: ModelSource, max_seqs: int, max_model_len: int, threads: int, kv_cache_gib: int):
-        from server_process import free_port
-
+        free_port = helper("server_process").free_port
         from .workload import model_folder
 
         py = python()  # first: without the venv, skip before converting any model

@@ -176,7 +176,7 @@ class ModelConfig(BaseModel):
         description=(
             "`fp32`, `fp16`, `bf16`, `auto`: on a CPU fp32, exact. `bf16` on a CPU is the opt-in fast path where "
             "the CPU computes bf16 in hardware (avx512_bf16 or AMX): Linear layers on oneDNN's bf16 matmul (see "
-            "`option.linear_kernel`), not exact (quality gates in benchmarks/RESULTS.md); elsewhere it is emulated "
+            "`option.linear_kernel`), not exact (quality gates in benchmarks/journal/2026-11.md); elsewhere it is emulated "
             "and slower. On a GPU the "
             "checkpoint's own dtype (config.json's `torch_dtype`: fp16, bf16 or fp32; fp16 when it declares none, "
             "as DJL LMI), except bf16 on a GPU below compute capability 8.0 (T4, V100 only emulate it): fp16 "
@@ -435,7 +435,7 @@ class ModelConfig(BaseModel):
             "start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a quarter "
             "of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no copy. "
             "The default's decode step 0.70x / 0.71x / 0.79x / 0.92x its time on oneDNN alone at 1 / 4 / 8 / 32 "
-            "rows, the served one-stream TPOT 20.9 against 35.2 ms (2-core EPYC, benchmarks/RESULTS.md). Text "
+            "rows, the served one-stream TPOT 20.9 against 35.2 ms (2-core EPYC, benchmarks/journal/2026-11.md). Text "
             "generation only"
         ),
     )

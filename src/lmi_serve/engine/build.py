@@ -71,7 +71,7 @@ GPU_PREFILL_TOKENS = 512  # a GPU's forward over 512 tokens takes milliseconds; 
 
 def prefill_tokens(config: ModelConfig, device: Any) -> int:
     """The step's prompt-token budget: option.max_rolling_batch_prefill_tokens, or the device's default where
-    it is unset (benchmarks/RESULTS.md, "The prefill budget per device": 256 met the CPU's gap target)."""
+    it is unset (benchmarks/journal/2026-11.md, "The prefill budget per device": 256 met the CPU's gap target)."""
     if config.max_rolling_batch_prefill_tokens is not None:
         return config.max_rolling_batch_prefill_tokens
     chosen = GPU_PREFILL_TOKENS if torch.device(device).type == "cuda" else CPU_PREFILL_TOKENS

@@ -3,7 +3,7 @@
 A one-row decode step reads every weight once, a page after a page: with 4 KiB pages that is a TLB miss per
 4 KiB. Linux backs an anonymous mapping with 2 MiB pages where it is advised to (`MADV_HUGEPAGE`; the usual
 `madvise` setting of /sys/kernel/mm/transparent_hugepage/enabled does nothing unasked, and torch's allocator
-does not ask). Measured on a 2-core EPYC (benchmarks/RESULTS.md): the row kernel reads SmolLM2's lm_head copy
+does not ask). Measured on a 2-core EPYC (benchmarks/journal/2026-11.md): the row kernel reads SmolLM2's lm_head copy
 at 35.5 GB/s from huge pages against 31.3 from 4 KiB ones.
 
 `floats(count)` maps count floats (rounded up to whole 2 MiB pages, the start aligned to one) and advises the

@@ -1,6 +1,6 @@
 """Decoder layers of the Llama family in fewer operations, the same bits (model surgery, no engine).
 
-At one stream a SmolLM2 decode step spends ~4.5-6.5 ms of ~21 outside its Linear layers (benchmarks/RESULTS.md,
+At one stream a SmolLM2 decode step spends ~4.5-6.5 ms of ~21 outside its Linear layers (benchmarks/journal/2026-11.md,
 "Lean decoder layers"): per layer about a dozen module calls, a copy per stacked projection's member, seven
 ops per rotary and transformers' keyword plumbing. A lean layer runs the same arithmetic in fewer calls (a
 decode step 0.97-0.99x the time):

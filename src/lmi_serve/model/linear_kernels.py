@@ -3,7 +3,7 @@
 On CPU, `nn.Linear` in fp32 runs torch's `addmm`, which calls MKL's sgemm. For the shapes a decode step
 has (a few to a few dozen rows against a weight matrix) oneDNN's matmul with the weight reordered once
 into its own blocked layout is 1.3-3.7x faster (measured on a Zen 5 EPYC: the 49,152-row lm_head of
-SmolLM2 at 32 rows 17.7 -> 4.7 ms, its MLP's 1536x576 at 32 rows 0.39 -> 0.13 ms; see benchmarks/RESULTS.md's fast
+SmolLM2 at 32 rows 17.7 -> 4.7 ms, its MLP's 1536x576 at 32 rows 0.39 -> 0.13 ms; see benchmarks/journal/2026-11.md's fast
 engine section for the whole step). The arithmetic stays fp32: the results differ from MKL's only in
 the order in which a dot product is summed (~1e-6 on SmolLM2's activations), as MKL's own results
 differ between one row and several. `torch` keeps the plain layers (the baseline, and a fallback).
@@ -12,7 +12,7 @@ A model loaded in bf16 (`option.dtype=bf16`, opt-in on a CPU) gets the same pack
 bf16 in hardware (avx512_bf16 or AMX, as oneDNN reports it): there oneDNN's bf16 matmul runs on AMX tiles or
 bf16 dot-product instructions (one layer 2-3x fp32's speed at one row, ~4x at 32 rows on an AMX Xeon, where
 torch's own bf16 `nn.Linear` is slower than fp32; a whole decode step 0.5-0.6x of fp32's at 8-32 rows:
-benchmarks/RESULTS.md). bf16 is not exact, and its rows are not batch-invariant (a product's bf16 rounding
+benchmarks/journal/2026-11.md). bf16 is not exact, and its rows are not batch-invariant (a product's bf16 rounding
 depends on the kernel oneDNN picks for the row count): that is the opt-in's price.
 
 The swap runs on the loaded model, after option.quantize (whose fp16 / int4 layers are not nn.Linear
@@ -135,7 +135,7 @@ def row_alone_differs(linear, in_features: int, out_features: int, dtype: torch.
 def one_row_as_two(linear, x: torch.Tensor) -> torch.Tensor:
     """`linear` of a one-row `x`, computed on that row twice and the first result kept. For fp32 weights
     with 1,280 or more input features oneDNN takes another kernel for a single row, whose last bits differ
-    from the same row's in any batch of 2 to 64 rows (benchmarks/RESULTS.md, "Choosing the Linear kernel
+    from the same row's in any batch of 2 to 64 rows (benchmarks/journal/2026-11.md, "Choosing the Linear kernel
     per CPU"); a row decoding alone must answer what it answers in company. Two rows read the weights
     once, as one does."""
     flat = x.reshape(1, x.shape[-1])

@@ -16,7 +16,7 @@ weights its error is ~1e-6 before that rounding; torch's kernel rounds the scale
 
 Rows go four at a time (each weight word made once for the four), a last two or one on loops of their own
 (two rows through the four-row loop took 1.3x their own loop's time), with the same arithmetic for every row
-either way: a row's bits do not depend on the batch. Measured (benchmarks/RESULTS.md,
+either way: a row's bits do not depend on the batch. Measured (benchmarks/journal/2026-11.md,
 2-core EPYC): SmolLM2's 120 Q4 calls at one row 0.65-0.80x torch's time cold, a one-row step 0.875-0.91x.
 Cold, it reads ~20 GB/s where the box's plain sum reads ~30: the interleaves (against a widen and an or a
 word) made it 0.91x hot and level cold; a software prefetch 512-4096 bytes ahead did not pay.

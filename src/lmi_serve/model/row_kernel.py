@@ -21,7 +21,7 @@ A layer where no candidate matches keeps oneDNN.
 The copies of all layers share one mapping on transparent huge pages (model/huge_pages.py: a step 0.92-0.94x
 its time on 4 KiB pages at one and four rows). The price is the copy: the packed weights are oneDNN's and
 opaque. `option.row_kernel` (`auto`: where the copies take at most a quarter of the memory available; `on`;
-`off`). Measured (benchmarks/RESULTS.md,
+`off`). Measured (benchmarks/journal/2026-11.md,
 2-core EPYC): the default's one-row step 0.78x its time on oneDNN alone, served one-stream TPOT 20.9
 against 35.2 ms.
 """

@@ -3,7 +3,7 @@
 A decoder layer multiplies one hidden state by q, k and v (and, in its MLP, by gate and up): three (two)
 matmuls that each read the activations and start oneDNN's threads again. Stacked into one weight, they are
 one call: on SmolLM2's shapes (2 threads, AVX-512 Xeon) q/k/v took 84 µs a layer instead of 161 at one row
-and 255 instead of 343 at 32 rows, gate/up 0.88-1.0x; the whole one-row step ~5 % (benchmarks/RESULTS.md).
+and 255 instead of 343 at 32 rows, gate/up 0.88-1.0x; the whole one-row step ~5 % (benchmarks/journal/2026-11.md).
 Each output column is the same dot product as before, and oneDNN sums it in the same order whatever the
 number of columns: the stacked layer's slices equal the separate layers' outputs bit for bit (the tests
 check it), so batch invariance and every greedy reference hold unchanged. option.quantize=q4's int4 layers

@@ -13,7 +13,7 @@ exact up to the int16 rounding (a dot product of one block is exact in int32 and
 summation order and the bf16 output's rounding. Each row is computed on its own, so its result depends on
 that row alone, never on the batch.
 
-Measured on a Zen 5 EPYC (2 cores; benchmarks/RESULTS.md): the lm_head at one row 0.4-0.5 ms warm against
+Measured on a Zen 5 EPYC (2 cores; benchmarks/journal/2026-11.md): the lm_head at one row 0.4-0.5 ms warm against
 its bf16 oneDNN copy's 0.9, a whole q4-bf16 step ~0.7 ms shorter. (An int4 variant for the Q4 layers,
 int8 activations as llama.cpp's, ran 1.8-1.9 against torch's int4 kernel's 2.4-2.5 ms for SmolLM2's 120
 calls back to back, but level or slower inside a step and +1.8 % decode perplexity: not kept.)

@@ -3,7 +3,7 @@
 A worker with SmolLM2 loaded tracks ~490k objects (the model's modules and tensors, transformers, the
 tokenizer, Flask); a full collection walks every one, 230-270 ms with the GIL held, during which no stream
 gets a token. Python runs one once enough objects have survived into its oldest generation: in a served
-32-stream run, none in its first three minutes, then one of 250 ms (benchmarks/RESULTS.md). Objects that
+32-stream run, none in its first three minutes, then one of 250 ms (benchmarks/journal/2026-11.md). Objects that
 live as long as the model need no collector, so after loading `settle` collects once and freezes everything
 alive (`gc.freeze`): the next full collection took 0.0 ms. Unloading a model (multi-model endpoints) thaws
 first (`collect`), so the cycles the model leaves are collected, then freezes what survives.

@@ -33,7 +33,7 @@ def process_group(pgid: int) -> list[psutil.Process]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_bench_stops_its_servers_and_exits_with_the_signal(tmp_path, sig):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LLAMA_CPP_HOME": str(tmp_path / "no-llama")}
-    bench = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--systems", "rolling"],
+    bench = subprocess.Popen([sys.executable, "-m", "benchmarks.bench", "--quick", "--systems", "rolling"],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server_pid, seen = None, []
     try:

@@ -4,15 +4,10 @@ vLLM CPU) with the hint to install it, and the run goes on with the others."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from benchmark.common import DEFAULT_MODEL  # noqa: E402
-from benchmark.servers import ServerSettings, Servers  # noqa: E402
+from benchmarks.benchmark.common import DEFAULT_MODEL
+from benchmarks.benchmark.servers import ServerSettings, Servers
 
 pytestmark = pytest.mark.integration
 

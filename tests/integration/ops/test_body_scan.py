@@ -15,13 +15,9 @@ server refused in 0.8 s, under a load average of 5.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-from benchmark.body_probe import ROUTES, SHAPES, probe, worker_process  # noqa: E402
+from benchmarks.benchmark.body_probe import ROUTES, SHAPES, probe, worker_process
 
 pytestmark = pytest.mark.integration
 

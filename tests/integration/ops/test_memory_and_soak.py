@@ -24,11 +24,11 @@ import requests
 
 from server_process import serving, wait_for
 
+from benchmarks.soak import proc_status, worker_pid
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from soak import proc_status, worker_pid  # noqa: E402
 
 WORDS = "apple river stone cloud market silver garden window bridge forest engine letter candle mountain ocean".split()
 BOUND = 1.10  # the bound: within 10 % of the warm idle RSS
@@ -100,10 +100,10 @@ def test_rss_stays_put_over_many_prompt_lengths(server):
 
 def test_soak_smoke_has_no_unexpected_answer_and_leaves_no_row(server, tmp_path):
     out = tmp_path / "soak.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--url", server.base,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--url", server.base,
                            "--pid", str(server.proc.pid), "--minutes", "0.1", "--warmup-minutes", "0.02",
                            "--concurrency", "4", "--idle-seconds", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     figures = json.loads(out.read_text())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert figures["unexpected"] == 0 and figures["rows_left"] == 0, figures

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 from server_process import wait_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from benchmark.slow_clients import NORMAL_REQUESTS, NormalLoad, SlowSockets  # noqa: E402
+from benchmarks.benchmark.slow_clients import NORMAL_REQUESTS, NormalLoad, SlowSockets
 
 pytestmark = pytest.mark.integration
 

@@ -5,17 +5,13 @@ points are recorders, which is what these tests are about."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from benchmark import guidellm, sweep  # noqa: E402
-from benchmark.llama import Unavailable  # noqa: E402
-from benchmark.points import Runner  # noqa: E402
-from benchmark.workload import Workload  # noqa: E402
+from benchmarks.benchmark import guidellm, sweep
+from benchmarks.benchmark.llama import Unavailable
+from benchmarks.benchmark.points import Runner
+from benchmarks.benchmark.workload import Workload
 
 
 class Recorder:

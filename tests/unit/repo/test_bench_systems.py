@@ -4,21 +4,18 @@ no model): skip reasons, system options, prompt windows, the chat workload, SSE 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-
-from benchmark import llama, vllm_cpu  # noqa: E402
-from benchmark.chat import ttft_ratio  # noqa: E402
-from benchmark.clients import openai_sender, sse_one, timed_loop  # noqa: E402
-from benchmark.common import ModelSource  # noqa: E402
-from benchmark.report import llama_ratios, skipped_lines, target_checks, tpot_ratios, vllm_ratios  # noqa: E402
-from benchmark.servers import ServerSettings, Servers, failure_reason, ignored_options, our_options  # noqa: E402
-from benchmark.workload import SYSTEM_PROMPT, Workload, build_chat_workload, chat_messages  # noqa: E402
+from benchmarks.benchmark import llama, vllm_cpu
+from benchmarks.benchmark.chat import ttft_ratio
+from benchmarks.benchmark.clients import openai_sender, sse_one, timed_loop
+from benchmarks.benchmark.common import ModelSource
+from benchmarks.benchmark.report import llama_ratios, skipped_lines, target_checks, tpot_ratios, vllm_ratios
+from benchmarks.benchmark.servers import ServerSettings, Servers, failure_reason, ignored_options, our_options
+from benchmarks.benchmark.workload import SYSTEM_PROMPT, Workload, build_chat_workload, chat_messages
 
 UNKNOWN_WARNING = ("2026-11-24 01:00:00 WARNING lmi_serve: Model m: options enable_prefix_caching are not "
                    "lmi-serve options; they are passed to the handler only")

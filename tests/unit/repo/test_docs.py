@@ -49,7 +49,8 @@ def test_readme_links_reach_files_and_headings() -> None:
 @pytest.fixture
 def docs_copy(tmp_path: Path) -> Path:
     """The files the site is built from, in a scratch tree that a test may break."""
-    for path in ("mkdocs.yml", "docs", "benchmarks/RESULTS.md", "deploy/README.md"):
+    for path in ("mkdocs.yml", "docs", "benchmarks/README.md", "benchmarks/RESULTS.md", "benchmarks/journal",
+                 "deploy/README.md"):
         source, target = ROOT / path, tmp_path / path
         target.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if source.is_dir() else shutil.copy)(source, target)

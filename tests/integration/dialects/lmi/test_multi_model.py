@@ -206,11 +206,7 @@ def test_requests_in_flight_during_a_load_and_an_unload_lose_nothing(server):
 def test_worker_rss_comes_back_after_unloads(server):
     """Load and unload the same model a few times: the worker's RSS does not keep what each load
     took (the figure over 20 cycles is benchmarks/bench_mme.py's)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
-    from soak import proc_status, worker_pid
+    from benchmarks.soak import proc_status, worker_pid
 
     pid = worker_pid(server.proc.pid)
     for name in ("gen-b", "gen-c"):
