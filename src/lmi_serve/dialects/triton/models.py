@@ -13,10 +13,7 @@ Every model has one version, "1", and `max_batch_size` 0: shapes are exactly as 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 from lmi_serve.dialects.triton.llm import LLM_INPUTS, LLM_OUTPUTS
 from lmi_serve.dialects.triton.protocol import BadRequest, Unavailable, UnknownTarget
@@ -44,32 +41,16 @@ class ModelContract:
         return next((spec for spec in self.outputs if spec.name == name), None)
 
 
-@lru_cache(maxsize=None)
-def embedding_dimension(model_id: str | None, model_dir: str | None) -> int:
-    """The vector size from the model's files (sentence-transformers pooling, else hidden_size); -1 if unknown."""
-    from lmi_serve.model.source import ModelLoadError, resolve_model_source
-
-    try:
-        folder = Path(resolve_model_source(model_id)) if model_id else Path(model_dir or ".")
-    except ModelLoadError:
-        return -1
-    for file, key in (("1_Pooling/config.json", "word_embedding_dimension"), ("config.json", "hidden_size")):
-        try:
-            return int(json.loads((folder / file).read_text())[key])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return -1
-
-
 def contract_for(service: ModelService) -> ModelContract:
     """The contract of a READY model; a model with none answers 400 on inference routes."""
     if service.engine is not None:
         return ModelContract("llm", LLM_INPUTS, LLM_OUTPUTS, lenient_single_elements=True)
+    caps = service.capabilities
     if service.task == "text-embedding":
-        dim = embedding_dimension(service.model_source, service.config.model_dir)
+        # the handler's own width (after the checkpoint's pooling modes and Dense layers); -1 if it does not say
+        dim = caps.embedding_limits()[0] if caps is not None and caps.embedding_limits is not None else -1
         return ModelContract("embedding", (TensorSpec("text_input", "BYTES", (-1,)),),
                              (TensorSpec("embedding", "FP32", (-1, dim)),))
-    caps = service.capabilities
     if service.task == "text-classification" and caps is not None and caps.classifier_head is not None:
         labels = caps.classifier_head().num_labels
         return ModelContract("classifier", (TensorSpec("text_input", "BYTES", (-1,)),

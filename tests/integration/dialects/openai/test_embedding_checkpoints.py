@@ -93,3 +93,8 @@ def test_dimensions_keep_the_first_components_renormalised(client):
     with pytest.raises(openai.BadRequestError) as caught:
         embed(client, "emb-cls-dense", TEXTS, dimensions=33)
     assert caught.value.param == "dimensions"
+
+
+def test_triton_metadata_gives_the_width_after_the_dense_layers(server):
+    meta = requests.get(server.url("/v2/models/emb-cls-dense"), timeout=10).json()
+    assert [(o["name"], o["shape"]) for o in meta["outputs"]] == [("embedding", [-1, 32])]
