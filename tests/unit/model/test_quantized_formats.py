@@ -52,6 +52,16 @@ def test_awq_nibbles_hold_columns_in_interleaved_order():
     assert dequantize(weight)[:, 0].tolist() == [-1, 3, 0, 4, 1, 5, 2, 6]  # zero point 1, no offset
 
 
+def test_awq_known_answers_with_the_sign_bit_set():
+    """The known answers of a published AWQ dequantize test (vLLM's Triton AWQ dequantizer task): words
+    0x76543210 and 0xfedcba98 (a negative int32), zeros 0x11111111 and 0x88888888, scales 1..8."""
+    qweight = torch.tensor([[NIBBLES], [-19088744]], dtype=torch.int32)  # -19088744 is 0xfedcba98
+    qzeros = torch.tensor([[0x11111111], [-2004318072]], dtype=torch.int32)  # 0x88888888
+    scales = torch.arange(1, 9, dtype=torch.float16).repeat(2, 1)
+    weight = unpack_awq(qweight, qzeros, scales)  # two input rows, each its own group
+    assert dequantize(weight).t().tolist() == [[-1, 6, 0, 16, 5, 30, 14, 48], [0, 8, 3, 20, 10, 36, 21, 56]]
+
+
 def test_gptq_rows_in_bit_order_and_v1_zero_offset():
     """GPTQ packs eight input rows into one int32 of each output column, lowest nibble first; v1 stores
     zero - 1 (0x77777777: a symmetric layer's zero 8), v2 the zero itself."""
