@@ -136,6 +136,22 @@ def test_quantized_checkpoint_loads_as_its_dequantized_model(tmp_path, name):
     assert (folders[0] / "model.safetensors").stat().st_mtime_ns == built
 
 
+@pytest.mark.parametrize("name,side_file", [("gptq-v1-desc_act", "quantize_config.json"), ("awq", "quant_config.json")])
+def test_quantization_declared_beside_config_json_is_read(tmp_path, name, side_file):
+    """AutoGPTQ's quantize_config.json and AutoAWQ's quant_config.json, with no quantization_config in
+    config.json: read, not loaded as a model whose quantized layers are missing (random)."""
+    quantized_dir, reference_dir = _quantized_checkpoint(tmp_path, name)
+    config = json.loads((quantized_dir / "config.json").read_text())
+    side = config.pop("quantization_config")
+    side.pop("quant_method")
+    if side_file == "quant_config.json":  # AutoAWQ's own key names
+        side = {"w_bit": side["bits"], "q_group_size": side["group_size"], "zero_point": True, "version": "GEMM"}
+    (quantized_dir / side_file).write_text(json.dumps(side))
+    (quantized_dir / "config.json").write_text(json.dumps(config))
+    cache = tmp_path / "cache"
+    assert torch.equal(_logits(quantized_dir, cache), _logits(reference_dir, cache))
+
+
 @pytest.mark.parametrize("quant,named", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "bitsandbytes"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "marlin")])

@@ -33,6 +33,7 @@ from lmi_serve.model.quantized.weights import IntWeight, dequantize
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = "1"  # bump when the folder's contents change for the same checkpoint
+SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # older tools wrote these beside config.json
 INDEX = "model.safetensors.index.json"
 # per-layer tensors the plain model does not have: activation and KV-cache scales of static schemes
 _DROPPED = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
@@ -50,12 +51,25 @@ def dequantize_if_quantized(source: str, cache_dir: str) -> str:
     if not config_file.is_file():
         return source
     config = json.loads(config_file.read_text())
-    found = quantization_of(config)
+    found = quantization_of(_with_side_config(Path(source), config))
     if found is None:
         return source
     log.info("%s is %s: loading it dequantized to float weights (no int4/int8 kernel for it yet)",
              source, found.describe())
     return str(dequantized_folder(Path(source), found, cache_dir))
+
+
+def _with_side_config(source: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """`config`, with the quantization an older checkpoint declares beside it when config.json does not:
+    AutoGPTQ's `quantize_config.json` (GPTQ) or AutoAWQ's `quant_config.json` (AWQ). Without this such a
+    folder would load with its quantized layers missing, i.e. random."""
+    if config.get("quantization_config"):
+        return config
+    for name, method in SIDE_CONFIGS.items():
+        if (source / name).is_file():
+            side = json.loads((source / name).read_text())
+            return {**config, "quantization_config": {"quant_method": method, **side}}
+    return config
 
 
 def dequantized_folder(source: Path, found: QuantFormat, cache_dir: str) -> Path:
@@ -165,7 +179,7 @@ def _write_other_files(source: Path, target: Path) -> None:
     config = json.loads((source / "config.json").read_text())
     config.pop("quantization_config", None)
     (target / "config.json").write_text(json.dumps(config, indent=2))
-    skipped = {"config.json", INDEX}
+    skipped = {"config.json", INDEX, *SIDE_CONFIGS}
     for path in source.iterdir():
         if path.is_file() and path.name not in skipped and path.suffix not in (".safetensors", ".bin", ".pt"):
             shutil.copy2(path, target / path.name)
