@@ -33,7 +33,8 @@ from lmi_serve.model.quantized.weights import IntWeight, dequantize
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = "1"  # bump when the folder's contents change for the same checkpoint
-SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # older tools wrote these beside config.json
+# where older tools declared the quantization: beside config.json, not in it
+SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 INDEX = "model.safetensors.index.json"
 # per-layer tensors the plain model does not have: activation and KV-cache scales of static schemes
 _DROPPED = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
