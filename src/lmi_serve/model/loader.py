@@ -246,6 +246,10 @@ def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype:
     gguf = find_gguf(source, gguf_file)
     if gguf is not None:
         source = str(convert_gguf(gguf, cache_dir))
+    else:  # AWQ / GPTQ / compressed-tensors load dequantized; other quantization_configs are refused here
+        from lmi_serve.model.quantized.convert import dequantize_if_quantized
+
+        source = dequantize_if_quantized(source, cache_dir)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     kwargs = _pretrained_kwargs(revision, trust_remote_code)
     try:
