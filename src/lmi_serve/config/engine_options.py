@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator
 
-from lmi_serve.config.fields import Options, choice, parse_bool, text
+from lmi_serve.config.fields import JOURNAL, RESULTS, Options, choice, parse_bool, text
 
 RollingBatch = Literal["auto", "scheduler", "disable"]
 # slots: preallocated buffers written in place (engine/kv/slots.py); dynamic: transformers' DynamicCache,
@@ -20,6 +20,16 @@ DEFAULT_KV_CACHE: KvCache = "slots"
 # Draft tokens per step of n-gram speculation when option.spec_length is 0 (engine/speculation.py reads it too).
 DEFAULT_SPEC_LENGTH = 4
 _CHOICES = {"rolling_batch": get_args(RollingBatch), "kv_cache": get_args(KvCache)}
+
+# The journal's sections behind the figures of these options
+_FEWER_ROWS = (f"{JOURNAL}#the-paces-fit-made-robust-prefix-caching-on-by-default-fewer-rows-than-clients-faster-"
+               "start-up-issue-33-2026-11-29-03010505-utc")
+_PREFILL_BUDGET = (f"{JOURNAL}#the-one-stream-floor-recounted-lean-decoder-layers-the-prefill-budget-per-device-"
+                   "issue-33-2026-11-27-20282127-utc")
+_STEP_PACE = (f"{JOURNAL}#a-step-pace-a-prefilling-step-bounded-in-seconds-fitted-to-the-machine-issue-33-"
+              "2026-11-29-00140130-utc")
+_MIXED_STEPS = (f"{JOURNAL}#one-forward-per-step-joiners-prompts-packed-with-the-running-rows-decode-issue-33-"
+                "item-2-2026-11-27-18051835-utc-quiet-box")
 
 
 class EngineOptions(Options):
@@ -36,73 +46,56 @@ class EngineOptions(Options):
     max_rolling_batch_size: int = Field(
         32, ge=1,
         description=(
-            "rows decoded together (16–32 suits a 2-core CPU). With more clients than rows the rest wait for one: "
-            "a stream's ITL is about the rows decoding / the tok/s, so fewer rows trade TTFT for ITL (guidellm's "
-            "chat load at 32 clients on a 2-core EPYC, 24 rows against 32: ITL p50 0.76-0.80x, TTFT p50 3.2-5x, "
-            "tok/s 0.92-1.03x)"
+            "rows decoded together; with more clients than rows the rest wait for one. A stream's ITL is about "
+            "the rows decoding / the tok/s, so fewer rows trade TTFT for ITL (16–32 suits a 2-core CPU; "
+            f"[figures]({_FEWER_ROWS}))"
         ),
     )
     max_rolling_batch_prefill_tokens: int | None = Field(
         None, ge=1,
         description=(
-            "prompt tokens prefilled per step (unset: 256 on a CPU, where a step carrying 512 took ~0.6 s on a "
-            "2-core EPYC, and 512 on a GPU): a prefill pauses every running stream, so this bounds the longest "
-            "gap between tokens; a longer prompt is prefilled in chunks of at most this many tokens (fewer as its"
-            " context grows: a chunk's tokens count their attention over the context), one chunk per step, while "
-            "the other streams go on (an encoder-decoder's prompt, or one asking for prompt logprobs, goes "
-            "whole); larger admits bursts faster"
+            "prompt tokens prefilled per step (unset: 256 on a CPU, 512 on a GPU). A prefill pauses every running "
+            "stream, so this bounds the longest gap between tokens; a longer prompt goes in chunks, one a step "
+            "(an encoder-decoder's, or one asking for prompt logprobs, goes whole); larger admits bursts faster "
+            f"([figures]({_PREFILL_BUDGET}))"
         ),
     )
     max_rolling_batch_step_seconds: float | None = Field(
         None, ge=0,
         description=(
-            "the seconds a step that prefills may take (unset: 0.4 on a CPU, off on a GPU; 0: off): the "
-            "scheduler fits what its steps cost on this machine (the running rows' decode, a prompt token, its "
-            "attention) from its last steps and admits no more prompt tokens a step than fit in what the decode "
-            "leaves (never more than `max_rolling_batch_prefill_tokens`, never fewer than 16), so the longest gap "
-            "between tokens holds on a slower CPU too (256 prompt tokens took ~0.2 s on one 2-core EPYC, ~0.4 s on "
-            "another); the fitted context at which a prompt token's attention costs what its linear layers do "
-            "sizes the chunks of a long prompt. The log shows the fit once made (`Step pace:`)"
+            "the seconds a step that prefills may take (unset: 0.4 on a CPU, off on a GPU; 0: off): the scheduler "
+            "fits this machine's step costs from its last steps and admits the prompt tokens that fit (at least "
+            "16, at most `max_rolling_batch_prefill_tokens`); the log shows the fit (`Step pace:`) "
+            f"([figures]({_STEP_PACE}))"
         ),
     )
     kv_cache: KvCache = Field(
         DEFAULT_KV_CACHE,
         description=(
-            "`slots`: each layer's K/V in preallocated buffers a step writes one column into, kept in parts of "
-            "rows of similar length, each attending over its own columns only (a long prompt joining short ones "
-            "neither copies nor slows them; grown as used, freed when the part empties; start-up logs the bound, "
-            "`max_rolling_batch_size` × `max_model_len` tokens, warns when it exceeds the memory available and "
-            "fails when not even one row of `max_model_len` fits); `dynamic`: transformers' `DynamicCache`, "
-            "concatenated every step (the baseline). Same output either way; encoder-decoder models have their "
-            "own cache"
+            "`slots`: each layer's K/V in preallocated buffers, rows of similar length kept together, grown as "
+            "used (start-up logs the bound, `max_rolling_batch_size` × `max_model_len` tokens, warns past the "
+            "memory available, fails when one row cannot fit); `dynamic`: transformers' `DynamicCache` (the "
+            "baseline). Same output either way; encoder-decoder models have their own cache"
         ),
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1,
         description=(
-            "on a GPU, the share of the device's memory the model may use (vLLM's default, 0 < x ≤ 1): after "
-            "loading and warming up, this share of the total, less the memory in use and an activation reserve "
-            "for one prefill of `max_rolling_batch_prefill_tokens`, is the K/V budget, logged in tokens; a request"
-            " joins the rolling batch only when the tokens it may reach (prompt + max_new_tokens, capped at the "
-            "context) fit beside those the running rows may reach, else it waits; one that could not fit even "
-            "alone is refused. Unused on a CPU (the `slots` bound is checked against host memory)"
+            "on a GPU, the share of the device's memory the model may use (0 < x ≤ 1, as vLLM); less the memory in "
+            "use and an activation reserve, it is the K/V budget, logged in tokens. A request waits until its "
+            "tokens fit; one that cannot fit alone is refused. Unused on a CPU (see [Memory "
+            "budget](gpu.md#memory-budget))"
         ),
     )
     # Prompts that share a prefix reuse its K/V (engine/kv/prefix_cache.py), held within prefix_cache_mb.
     enable_prefix_caching: bool | None = Field(
         None,
         description=(
-            "prompts that share a prefix (a chat's system prompt, few-shot examples, earlier turns) reuse its "
-            "K/V: after a prefill the prompt's full blocks of 16 tokens are kept, and a later prompt starting "
-            "with the same blocks prefills only the rest (at least its last token); blocks are keyed by "
-            "everything before them, so only a whole shared prefix matches. Same greedy output as without it; "
-            "prompts with images and LoRA rows prefill in full. `GET /models/<m>` shows `engine.prefixCache` "
-            "(lookups, hits, tokens reused, blocks, bytes). Unset: on wherever the model can take it (a rolling "
-            "batch of a decoder-only model, no tensor parallelism), as vLLM and TGI do. Measured (benchmarks/RESULTS.md): "
-            "with a 215-token system prompt shared by 16 chat clients, 1.40-1.54x tok/s and 1.7-2.9x lower TTFT "
-            "p50; on guidellm's chat load, whose prompts share one 16-token block of ~130, level (0.99-1.02x "
-            "tok/s). `true` where it cannot apply is a start-up error (dynamic "
-            "batching, encoder-decoder models, tensor parallelism); `false` turns it off"
+            "prompts that share a prefix (a system prompt, earlier turns) reuse its K/V, kept in blocks of 16 "
+            "tokens: a later prompt prefills only the rest, with the same greedy output. Unset: on wherever it "
+            "applies (rolling batch, decoder-only, no tensor parallelism), as in vLLM and TGI; `true` elsewhere is "
+            "a start-up error. `GET /models/<m>` shows `engine.prefixCache` "
+            f"([figures]({RESULTS}#chat-with-a-shared-system-prompt-prefix-caching))"
         ),
     )
     prefix_cache_mb: int = Field(
@@ -115,16 +108,11 @@ class EngineOptions(Options):
     mixed_steps: bool | None = Field(
         None,
         description=(
-            "one forward per step: the prompts of requests joining the rolling batch (and the next chunk of a "
-            "long one) go through the model with the running rows' decode, packed into one sequence "
-            "(engine/kv/mixed.py), so the weights are read once for both and running streams are not stalled "
-            "by a prefill forward of its own. The same logits as separate forwards (held by the architecture "
-            "matrix); a joiner's first step gives it one token instead of two. Applies to decoder-only models of "
-            "full-attention layers of the families the matrix checks (Llama, Qwen2, Qwen3, Phi, GPT-NeoX); "
-            "others and prompts with images or prompt logprobs keep separate forwards (LoRA rows are packed "
-            "too, each token with its adapter). `false`: separate forwards always. Unset: true on a CPU, false "
-            "on a GPU, where mixed steps gained no throughput on an H100/H200 and took 2.3-3.9x the TTFT p50 at "
-            "32-128 clients (docs/gpu.md)"
+            "one forward per step: the prompts joining the rolling batch (or a long one's next chunk) are packed "
+            "with the running rows' decode, reading the weights once, with the same logits as separate forwards. "
+            "Decoder-only full-attention models of the families the architecture matrix checks; `false`: separate "
+            "forwards. Unset: true on a CPU, false on a GPU ([figures]"
+            f"({_MIXED_STEPS}), [GPU](gpu.md#results))"
         ),
     )
     # N-gram speculation (engine/speculation.py), under LMI's names (draft_model_id, spec_length) and vLLM's
@@ -132,18 +120,10 @@ class EngineOptions(Options):
     draft_model_id: Literal["ngram"] | None = Field(
         None,
         description=(
-            "`ngram`: speculative decoding by prompt lookup, no draft model. A batch of one row guesses its next "
-            "tokens from its own prompt and output (the tokens that followed the latest earlier occurrence of its "
-            "last 2–4 tokens), feeds them with its pending token in one forward and keeps those the engine would "
-            "have chosen anyway, position by position (the same sampler, penalties, grammar and stop checks; a "
-            "sampled token is kept only when it equals the guess). Output as without it in fp32 (logits of a "
-            "several-token forward round differently, as a batch's do; in bf16 that changes some outputs, as "
-            "batching does). Pays on text that repeats its prompt (at one stream "
-            "here: quoting 3.2x tok/s, renaming in code 2.7x, correcting a list 1.8x, a summary 1.1x), costs "
-            "~3 % where nothing repeats (a row whose guesses keep failing pauses); batches of more rows decode as "
-            "usual. Counted in `GET /models/<m>` (`engine.speculation`) and the "
-            "`lmi_serve:spec_decode_*` metrics. A draft model id is refused (not served); rolling batch, decoder-"
-            "only models, not with tensor parallelism"
+            "`ngram`: speculative decoding by prompt lookup, no draft model: a batch of one row guesses its next "
+            "tokens from its own prompt and output and keeps those it would have chosen anyway. Pays on text that "
+            "repeats its prompt; rolling batch, decoder-only, no tensor parallelism; a draft model id is refused "
+            "(see [n-gram speculation](models.md#faster-single-streams-n-gram-speculation))"
         ),
         json_schema_extra={"doc_default": "off"},
     )

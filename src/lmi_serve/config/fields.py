@@ -1,5 +1,5 @@
 """What the per-concern option modules share: the base their fields are declared on, the errors a bad
-value raises and the parsing of flags and choices.
+value raises, the parsing of flags and choices, and where the figures their descriptions link to live.
 
 config/models.py assembles the concerns (model_options, engine_options, kernel_options,
 adapter_options, request_options, server_options) into the one validated `ModelConfig`.
@@ -10,6 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+# The descriptions are rendered into docs/configuration.md (config/doc.py), so their links are relative to
+# docs/; the site's strict build (tests/unit/repo/test_docs.py) fails on a missing page or anchor.
+RESULTS = "../benchmarks/RESULTS.md"
+JOURNAL = "../benchmarks/journal/2026-11.md"
+FAST_CPU = "models.md#faster-on-a-cpu-bf16-and-lighter-weights"
 
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")

@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import Field, field_validator
 
-from lmi_serve.config.fields import NAME_PATTERN, Options, choice, parse_bool
+from lmi_serve.config.fields import FAST_CPU, NAME_PATTERN, Options, choice, parse_bool
 
 Dtype = Literal["fp32", "fp16", "bf16", "auto"]
 # text2text-generation: encoder-decoder models (T5, BART), served by the text-generation handler and routes.
@@ -43,13 +43,10 @@ class ModelOptions(Options):
     dtype: Dtype = Field(
         "auto",
         description=(
-            "`fp32`, `fp16`, `bf16`, `auto`: on a CPU fp32, exact. `bf16` on a CPU is the opt-in fast path where "
-            "the CPU computes bf16 in hardware (avx512_bf16 or AMX): Linear layers on oneDNN's bf16 matmul (see "
-            "`option.linear_kernel`), not exact (quality gates in benchmarks/journal/2026-11.md); elsewhere it is emulated "
-            "and slower. On a GPU the "
-            "checkpoint's own dtype (config.json's `torch_dtype`: fp16, bf16 or fp32; fp16 when it declares none, "
-            "as DJL LMI), except bf16 on a GPU below compute capability 8.0 (T4, V100 only emulate it): fp16 "
-            "there. Start-up logs the choice and why"
+            "`auto`: fp32 on a CPU (exact); on a GPU the checkpoint's `torch_dtype` (fp16 if none, as DJL LMI; "
+            "fp16 for bf16 below compute capability 8.0). `bf16` on a CPU is the opt-in fast path where it computes "
+            "bf16 in hardware (avx512_bf16 or AMX), not exact; elsewhere emulated and slower. Start-up logs the "
+            f"choice (see [Faster on a CPU]({FAST_CPU}), [GPU dtype](gpu.md#dtype))"
         ),
     )
     device_map: str | None = Field(
