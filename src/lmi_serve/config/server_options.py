@@ -1,0 +1,35 @@
+"""Options for how the server treats one model's requests: timeouts, the waiting queue, token limits
+and the replica bounds LMI validates. One concern of `ModelConfig` (config/models.py assembles them);
+the process-wide settings are `ServerConfig`'s."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lmi_serve.config.fields import Options
+
+
+class ServerOptions(Options):
+    """Per-model timeouts and limits."""
+
+    predict_timeout: float = Field(
+        120.0, gt=0,
+        description=(
+            "seconds a request may wait + run (dynamic batch); may wait for a free row (rolling batch: once "
+            "generating, it runs to the end)"
+        ),
+    )
+    model_loading_timeout: float = Field(240.0, gt=0, description="seconds before a loading model counts as failed")
+    job_queue_size: int = Field(1000, ge=1, description="waiting requests per model before 503 (TGI routes: 429)")
+    max_input_len: int | None = Field(
+        None, ge=1,
+        description="prompt tokens allowed",
+        json_schema_extra={"doc_default": "context − 1"},
+    )
+    max_model_len: int | None = Field(
+        None, ge=1,
+        description="prompt + output tokens",
+        json_schema_extra={"doc_default": "the model's context"},
+    )
+    min_workers: int = Field(1, ge=0, description="validated; replicas are server-wide (below)")
+    max_workers: int = Field(1, ge=1, description="validated; replicas are server-wide (below)")
