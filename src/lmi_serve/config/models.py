@@ -28,17 +28,17 @@ KvCache = Literal["slots", "dynamic"]
 DEFAULT_KV_CACHE: KvCache = "slots"
 # Draft tokens per step of n-gram speculation when option.spec_length is 0 (engine/speculation.py reads it too).
 DEFAULT_SPEC_LENGTH = 4
-# Opt-in lighter weights (model/quantize.py): none = the weights as loaded; fp16 = fp16-stored weights,
+# Opt-in lighter weights (kernels/layers/quantize.py): none = the weights as loaded; fp16 = fp16-stored weights,
 # fp32 compute; q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only), computed in the model's dtype
 # (fp32, or bf16: the int4 kernel's fast path). CPU only.
 Quantize = Literal["none", "fp16", "q4"]
-# fp32 Linear layers on the CPU (model/linear_kernels.py): auto = oneDNN's packed weights where they apply
+# fp32 Linear layers on the CPU (kernels/layers/linear_kernels.py): auto = oneDNN's packed weights where they apply
 # (fp32, CPU, torch built with oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
 LinearKernel = Literal["auto", "onednn", "torch"]
 # One to eight fp32 rows (decode steps of a few streams) on a kernel of our own over a second copy of the weights,
-# the bits of oneDNN's batched kernel (model/row_kernel.py): auto = where the copies fit in a quarter of the memory.
+# the bits of oneDNN's batched kernel (kernels/cpu/row_kernel.py): auto = where the copies fit in a quarter of the memory.
 RowKernel = Literal["auto", "on", "off"]
-# A decode step's attention (engine/kv/decode_kernel.py): auto = the CPU kernel (fp32, bf16) where it applies, else
+# A decode step's attention (kernels/cpu/decode_kernel.py): auto = the CPU kernel (fp32, bf16) where it applies, else
 # torch's SDPA; sdpa = torch's SDPA everywhere.
 DecodeAttention = Literal["auto", "sdpa"]
 # The LoRA matrices' dtype (model/lora.py): auto = the model's.
@@ -368,7 +368,7 @@ class ModelConfig(BaseModel):
             "Q4_0/Q4_1 blocks on torch's int4 kernel (every packed layer is checked against the loaded weights; "
             "q/k/v and gate/up stacked into one int4 layer each; layers the GGUF holds in another type, such as "
             "SmolLM2's Q8_0 tied lm_head, keep their loaded weights): weights 405 → 76 MiB. With "
-            "`option.dtype=bf16` the activations are bf16 (up to 8 rows on model/q4_kernel.py where the CPU has "
+            "`option.dtype=bf16` the activations are bf16 (up to 8 rows on kernels/cpu/q4_kernel.py where the CPU has "
             "AVX-512 BF16, the GGUF's fp16 scales exact; else torch's int4 kernel's vector path), and more than 8 rows "
             "(prefill, larger batches) go to a bf16 oneDNN copy of the weights (on a CPU that computes bf16; "
             "weights 265 MiB); on a CPU with AVX-512 VNNI the Q8_0 layers run their own blocks at one or two "
@@ -401,7 +401,7 @@ class ModelConfig(BaseModel):
         "auto",
         description=(
             "the attention of a decode step. `auto`: for an fp32 or bf16 model on the CPU, a "
-            "kernel of its own (engine/kv/decode_kernel.py, compiled by numba at start-up): each key and value "
+            "kernel of its own (kernels/cpu/decode_kernel.py, compiled by numba at start-up): each key and value "
             "read once, padding skipped, a row's result independent of its batch; 0.90x / 0.78x / 0.72x the step "
             "time of torch's SDPA at 32 rows of 200 / 800 / 2,000 tokens in fp32, 0.79-0.94x at 32 rows of 200 in "
             "bf16, 0.75x its time a call at one row (2-core EPYC). Within float rounding of SDPA's result. "
@@ -413,10 +413,10 @@ class ModelConfig(BaseModel):
         "auto",
         description=(
             "the kernel of fp32 Linear layers on the CPU. `auto`: oneDNN's matmul on weights reordered once into "
-            "its blocked layout (model/linear_kernels.py; a decoder's q/k/v and gate/up stacked into one matmul "
-            "each, the same bits: model/shared_input.py; RMSNorm layers on `F.rms_norm` where a probe finds the "
-            "same bits, with either kernel: model/fused_norms.py; and with either kernel on the CPU, Llama, Qwen2 and "
-            "Qwen3 decoder layers in fewer ops, the same bits: model/lean_layers.py) wherever the model is fp32 "
+            "its blocked layout (kernels/layers/linear_kernels.py; a decoder's q/k/v and gate/up stacked into one matmul "
+            "each, the same bits: kernels/layers/shared_input.py; RMSNorm layers on `F.rms_norm` where a probe finds the "
+            "same bits, with either kernel: kernels/layers/fused_norms.py; and with either kernel on the CPU, Llama, Qwen2 and "
+            "Qwen3 decoder layers in fewer ops, the same bits: kernels/layers/lean_layers.py) wherever the model is fp32 "
             "on the CPU (or bf16 on a CPU with avx512_bf16 or AMX), else torch's own; `onednn`: that, or a "
             "start-up error naming the option (a GPU, fp16, bf16 the CPU only emulates); `torch`: `nn.Linear` "
             "as loaded (MKL's sgemm), the path before. Still fp32 arithmetic: logits differ from MKL's only in "
@@ -430,7 +430,7 @@ class ModelConfig(BaseModel):
         "auto",
         description=(
             "where option.linear_kernel puts fp32 Linear layers on oneDNN: one to 64 rows (decode steps of up "
-            "to 64 streams) on a kernel of our own (model/row_kernel.py) over a second copy of the weights laid "
+            "to 64 streams) on a kernel of our own (kernels/cpu/row_kernel.py) over a second copy of the weights laid "
             "out for it, with the bits oneDNN gives those rows in any batch (its block size probed per layer at "
             "start-up; a layer where none matches keeps oneDNN). `auto`: where the copies take at most a quarter "
             "of the memory available at start-up (the default model: +513 MiB); `on`: always; `off`: no copy. "

@@ -16,7 +16,7 @@ import requests
 
 from server_process import serving
 
-from lmi_serve.model import vnni_matmul
+from lmi_serve.kernels.cpu import vnni_matmul
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ def test_the_text_model_is_quantized_and_generates(quantized_store):
                           json={"inputs": "The capital of France is", "parameters": {"max_new_tokens": 4}})
     assert reply.status_code == 200, reply.text
     assert reply.json()["generated_text"].strip()
-    assert "option.quantize=fp16:" in quantized_store.output()  # model/quantize.py's report
+    assert "option.quantize=fp16:" in quantized_store.output()  # kernels/layers/quantize.py's report
 
 
 def test_the_embedding_model_embeds(quantized_store):

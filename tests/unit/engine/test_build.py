@@ -181,7 +181,7 @@ def test_a_follower_gets_rank_0s_layout_unwrapped_and_prepared(tiny_model, smoll
 def test_option_decode_attention_chooses_the_decode_steps_attention(tiny_model, smollm2_tokenizer, monkeypatch,
                                                                      choice, kernel_calls):
     from lmi_serve.engine.batch import Batch, make_row
-    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.kernels.cpu import decode_kernel
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
     if decode_kernel.kernel() is None:
@@ -210,7 +210,7 @@ def test_a_bf16_models_decode_steps_take_the_kernel_and_agree_with_sdpa(
     """option.dtype=bf16: with `auto` a decode step attends in the kernel, one row or more, and its logits are
     SDPA's to bf16's rounding."""
     from lmi_serve.engine.batch import Batch, make_row
-    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.kernels.cpu import decode_kernel
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
     if decode_kernel.kernel() is None:
@@ -240,10 +240,10 @@ def test_lean_decode_steps_write_and_attend_in_one_call_with_the_same_bits(tiny_
     (SlotCache.decode_attend), at every layer, and the logits are those of transformers' update and
     attention interface, bit for bit (rows of different lengths: a masked step)."""
     from lmi_serve.engine.batch import Batch, make_row
-    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.kernels.cpu import decode_kernel
     from lmi_serve.engine.kv.slots import SlotCache
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
-    from lmi_serve.model.lean_layers import use_lean_layers
+    from lmi_serve.kernels.layers.lean_layers import use_lean_layers
 
     if decode_kernel.kernel() is None:
         pytest.skip("numba's OpenMP layer is unavailable here")

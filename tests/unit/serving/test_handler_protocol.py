@@ -217,7 +217,7 @@ def no_model(monkeypatch):
     import lmi_serve.engine.kv.slots
     import lmi_serve.engine.static_batch
     import lmi_serve.engine.sampling.watermark
-    import lmi_serve.model.linear_kernels
+    import lmi_serve.kernels.layers.linear_kernels
     import lmi_serve.model.loader
 
     calls: dict = {}
@@ -241,7 +241,7 @@ def no_model(monkeypatch):
         calls["row_kernel"] = row_kernel
 
     monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
-    monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
+    monkeypatch.setattr(lmi_serve.kernels.layers.linear_kernels, "use_linear_kernel", use_linear_kernel)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.engine.build, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import pack_gqa, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lmi_serve.engine.kv import decode_kernel
+from lmi_serve.kernels.cpu import decode_kernel
 
 ATTENTION = "lmi_slot_parts"
 # On a model's config (absent: True); False keeps its decode steps on SDPA (use_decode_kernel, engine/build.py).
@@ -58,7 +58,7 @@ def special_kwargs(kwargs: dict) -> bool:
 
 
 def decode_kernel_applies(module: torch.nn.Module) -> bool:
-    """Whether `module`'s model lets its decode steps attend in kv/decode_kernel.py (option.decode_attention)."""
+    """Whether `module`'s model lets its decode steps attend in kernels/cpu/decode_kernel.py (option.decode_attention)."""
     return getattr(getattr(module, "config", None), KERNEL_FLAG, True)
 
 
@@ -69,7 +69,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     queries (transformers' `pack_gqa`), with or without a mask. transformers does this only when
     there is a mask; without one it asks SDPA to broadcast the K/V heads (`enable_gqa`), which took
     0.66 ms where this takes 0.36 (32 rows of 208 tokens, SmolLM2's 9 query and 3 K/V heads).
-    fp32 or bf16 on the CPU, kv/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
+    fp32 or bf16 on the CPU, kernels/cpu/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
     if query.shape[2] != 1 or special_kwargs(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not dropout and decode_kernel_applies(module) and decode_kernel.eligible(query, key, value, attention_mask):
@@ -157,7 +157,7 @@ def use_parts(model: Any) -> bool:
 
 
 def use_decode_kernel(model: Any, on: bool) -> None:
-    """Whether `model`'s decode steps may attend with kv/decode_kernel.py where it applies (option.decode_attention);
+    """Whether `model`'s decode steps may attend with kernels/cpu/decode_kernel.py where it applies (option.decode_attention);
     when they may and the model is fp32 or bf16 on the CPU, the kernel is compiled now, not in a request's step."""
     for config in _attention_configs(model):
         setattr(config, KERNEL_FLAG, on)

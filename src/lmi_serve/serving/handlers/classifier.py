@@ -27,7 +27,7 @@ import torch
 from lmi_serve.config.sources import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
-from lmi_serve.model.linear_kernels import use_linear_kernel
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import load_encoder
 from lmi_serve.serving.classification import ACTIVATIONS, ClassifierHead, activate, head_from_config
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties

@@ -28,7 +28,7 @@ import torch
 from lmi_serve.config.sources import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
-from lmi_serve.model.linear_kernels import use_linear_kernel
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import load_encoder
 from lmi_serve.model.pooling import SentenceHead, finish
 from lmi_serve.model.sentence_config import SentenceConfig, read_sentence_config

@@ -25,9 +25,9 @@ from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopPara
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.chat_template import override_chat_template
-from lmi_serve.model.linear_kernels import use_linear_kernel
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
-from lmi_serve.model.quantize import QuantizeReport, quantize_model
+from lmi_serve.kernels.layers.quantize import QuantizeReport, quantize_model
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.dialects.common.image_fetch import FetchPolicy
@@ -35,7 +35,7 @@ from lmi_serve.serving.vision import VisionInputs
 
 
 def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
-    """option.quantize: swap the Linear layers (model/quantize.py); q4 reads the GGUF the model came from."""
+    """option.quantize: swap the Linear layers (kernels/layers/quantize.py); q4 reads the GGUF the model came from."""
     gguf = None
     if config.quantize == "q4":
         gguf = find_gguf(resolve_model_source(config.model_id or config.model_dir), config.gguf_file)
