@@ -92,7 +92,7 @@ def choose_dtype(dtype: str, gpus: int, declared: str | None) -> tuple[torch.dty
             if not native:
                 return torch.bfloat16, f"option.dtype=bf16, though this GPU ({gpu}) only emulates bf16 (slower than fp16)"
         if dtype == "bf16" and not gpus:
-            from lmi_serve.kernels.layers.linear_kernels import bf16_native
+            from lmi_serve.kernels.host import bf16_native
 
             how = ("computed in hardware (avx512_bf16/AMX) on oneDNN" if bf16_native()
                    else "though this CPU only emulates bf16 (no avx512_bf16 or AMX): slower than fp32")

@@ -36,7 +36,8 @@ from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
 from lmi_serve.kernels.layers.fused_norms import FusedRMSNorm, use_fused_norms
 from lmi_serve.kernels.layers.lean_layers import LEAN_LAYERS, use_lean_layers
-from lmi_serve.kernels.layers.linear_kernels import onednn_available, use_linear_kernel
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 from waiting import within
 
 CPU = torch.device("cpu")

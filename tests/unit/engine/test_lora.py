@@ -238,7 +238,8 @@ def test_adapters_on_stacked_onednn_layers(tiny_model, adapter_dirs, prompt_ids)
     one of them, base rows keep the stacked base model's logits bit for bit, adapter rows match PEFT."""
     from peft import PeftModel
 
-    from lmi_serve.kernels.layers.linear_kernels import onednn_available, use_linear_kernel
+    from lmi_serve.kernels.host import onednn_available
+    from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
     if not onednn_available():
         pytest.skip("this torch was built without oneDNN")
     base = copy.deepcopy(tiny_model)

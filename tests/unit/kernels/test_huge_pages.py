@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lmi_serve.kernels.cpu import huge_pages, row_kernel
-from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, onednn_available, use_linear_kernel
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, use_linear_kernel
 
 from test_linear_kernels import tiny_llama
 

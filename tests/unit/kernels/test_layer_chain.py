@@ -15,7 +15,8 @@ import torch
 
 from lmi_serve.kernels.cpu import layer_chain, rotary_kernel, row_kernel
 from lmi_serve.kernels.layers.chains import LayerChain
-from lmi_serve.kernels.layers.linear_kernels import onednn_available, use_linear_kernel
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 
 from test_lean_layers import FAMILIES, SMALL, build, run
 

@@ -22,7 +22,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from lmi_serve.kernels.cpu import rotary_kernel
 from lmi_serve.kernels.layers import lean_layers
 from lmi_serve.kernels.layers.lean_layers import SignedSin, rotate_heads, use_lean_layers
-from lmi_serve.kernels.layers.linear_kernels import onednn_available, use_linear_kernel
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 
 CPU = torch.device("cpu")
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -24,8 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
-from lmi_serve.kernels.layers.linear_kernels import (LinearKernelError, OneDnnLinear, bf16_native, choose_kernel,
-                                            on_onednn, onednn_available, use_linear_kernel)
+from lmi_serve.kernels.host import bf16_native, onednn_available
+from lmi_serve.kernels.layers.linear_kernels import LinearKernelError, OneDnnLinear, choose_kernel, on_onednn, use_linear_kernel
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch was built without oneDNN")

@@ -13,15 +13,17 @@ import pytest
 import torch
 
 from lmi_serve.kernels.cpu import q4_chain, q4_kernel
+from lmi_serve.kernels.host import cpu_has
+from lmi_serve.kernels.registry import KERNELS
 from lmi_serve.kernels.layers.linear_kernels import packable_dtypes, use_linear_kernel
-from lmi_serve.kernels.cpu.numba_bits import omp_layer_loads
+from lmi_serve.kernels.host import omp_layer_loads
 from lmi_serve.kernels.layers.chains import Q4LayerChain
 from lmi_serve.kernels.layers.quantize import quantize_model
 
 from test_lean_layers import run
 from test_quantize import CPU, tiny_llama, write_q4_gguf
 
-pytestmark = pytest.mark.skipif(not (q4_kernel.cpu_fits() and omp_layer_loads()) or torch.bfloat16 not in packable_dtypes(),
+pytestmark = pytest.mark.skipif(not (cpu_has(*KERNELS["q4"].cpu_features) and omp_layer_loads()) or torch.bfloat16 not in packable_dtypes(),
                                 reason="no AVX-512 BF16 (or numba's OpenMP layer) here")
 LAYERS = 2
 

@@ -18,15 +18,17 @@ import pytest
 import torch
 
 from lmi_serve.kernels.cpu import q4_kernel
+from lmi_serve.kernels.host import cpu_has
+from lmi_serve.kernels.registry import KERNELS
 from lmi_serve.kernels.layers.gguf_linears import unpack_q4_blocks
-from lmi_serve.kernels.cpu.numba_bits import omp_layer_loads
+from lmi_serve.kernels.host import omp_layer_loads
 
-pytestmark = pytest.mark.skipif(not (q4_kernel.cpu_fits() and omp_layer_loads()),
+pytestmark = pytest.mark.skipif(not (cpu_has(*KERNELS["q4"].cpu_features) and omp_layer_loads()),
                                 reason="no AVX-512 BF16 (or numba's OpenMP layer) here")
 
 
 def test_it_compiles_and_passes_its_self_check_on_a_cpu_with_avx512_bf16():
-    assert q4_kernel.available()
+    assert q4_kernel.kernel() is not None
 
 
 def gguf_layer(rows: int, columns: int, qtype=gguf.GGMLQuantizationType.Q4_1, seed: int = 0):

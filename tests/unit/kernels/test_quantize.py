@@ -22,10 +22,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lmi_serve.config.sources import ConfigError, ModelConfig
+from lmi_serve.kernels.host import cpu_has
+from lmi_serve.kernels.registry import KERNELS
 from lmi_serve.engine.static_batch import generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
-from lmi_serve.kernels.cpu.numba_bits import omp_layer_loads
+from lmi_serve.kernels.host import omp_layer_loads
 from lmi_serve.kernels.cpu import q4_kernel, vnni_matmul
 from lmi_serve.kernels.layers.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Linear, unpack_q4_blocks,
                                           unpack_q8_blocks)
@@ -151,7 +153,7 @@ def test_q4_in_bf16_computes_in_bf16_about_as_close_to_fp32_as_the_bf16_model(tm
     report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
     assert len(report.swapped) == 2 * 7 + 1 and report.max_abs_diff > 0, "bf16 loaded weights are rounded"
     kernel = model.lm_head.kernel_weights  # the Q4 kernel where the CPU has AVX-512 BF16, else torch's int4
-    assert (kernel is not None) == q4_kernel.available()
+    assert (kernel is not None) == (q4_kernel.kernel() is not None)
     assert kernel is not None or model.lm_head.scale_zero.dtype == torch.bfloat16
     if kernel is not None:  # held once, not as a buffer (surgery.own_remaining_tensors would copy it)
         assert not list(model.lm_head.buffers(recurse=False)) and model.lm_head.stored_bytes() >= kernel.packed.nbytes
@@ -213,7 +215,7 @@ def test_unpacked_blocks_are_what_gguf_dequantizes():
         assert torch.allclose(unpacked.dequantize(), theirs, atol=1e-6, rtol=0), qtype.name
 
 
-@pytest.mark.skipif(not (vnni_matmul.cpu_fits() and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
+@pytest.mark.skipif(not (cpu_has(*KERNELS["q8_vnni"].cpu_features) and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
 def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
     model = tiny_llama(tied=True)
     write_q4_gguf(model, tmp_path / "tiny.gguf", skip={"lm_head"}, embedding=True,

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from lmi_serve.config.models import options_not_taken
 from lmi_serve.config.sources import ConfigError, ModelConfig
 from lmi_serve.kernels.cpu import row_kernel
-from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, attach_row_kernel, onednn_available, use_linear_kernel
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, attach_row_kernel, use_linear_kernel
 from lmi_serve.kernels.cpu.row_kernel import MAX_ROWS, RowWeights, probe_block
 
 from test_linear_kernels import IDS, close, greedy, logits, tiny_llama

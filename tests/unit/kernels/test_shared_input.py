@@ -19,7 +19,8 @@ import pytest
 import torch
 from transformers import BartConfig, BartForConditionalGeneration, LlamaConfig, LlamaForCausalLM
 
-from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, onednn_available, packable_dtypes, use_linear_kernel
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes, use_linear_kernel
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice, stack_shared_inputs
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch was built without oneDNN")

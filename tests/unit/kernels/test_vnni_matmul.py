@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from lmi_serve.kernels.cpu import vnni_matmul
+from lmi_serve.kernels.host import cpu_has
+from lmi_serve.kernels.registry import KERNELS
 from lmi_serve.kernels.layers.gguf_linears import unpack_q8_blocks
-from lmi_serve.kernels.cpu.numba_bits import omp_layer_loads
+from lmi_serve.kernels.host import omp_layer_loads
 
-pytestmark = pytest.mark.skipif(not (vnni_matmul.cpu_fits() and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
+pytestmark = pytest.mark.skipif(not (cpu_has(*KERNELS["q8_vnni"].cpu_features) and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 

@@ -7,18 +7,11 @@ and a copy each, ~1.8 µs) a layer and step; this copies both columns by address
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import torch
 
-from lmi_serve.kernels.cpu.numba_bits import NUMBA
-
-log = logging.getLogger(__name__)
-
-_state: dict[str, Any] = {}
-_lock = threading.Lock()
+from lmi_serve.kernels.cpu.numba_bits import NUMBA, CompiledOnce
 
 if NUMBA:
     import numba
@@ -51,18 +44,16 @@ def _entry(pointer):
     return numba.njit(nogil=True)(both)
 
 
+def _compile() -> dict[int, Any]:
+    return {2: _entry(bf16_pointer), 4: _entry(float32_pointer)}
+
+
+_compiled = CompiledOnce(_compile, "K/V column copy unavailable, torch copies")
+
+
 def kernel() -> dict[int, Any] | None:
     """The compiled copies by element size (2 or 4 bytes), or None where numba is missing (logged once)."""
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                if not NUMBA:
-                    raise RuntimeError("numba is not installed")
-                _state["kernel"] = {2: _entry(bf16_pointer), 4: _entry(float32_pointer)}
-            except Exception as error:  # noqa: BLE001 - any failure means torch's copies, said once
-                log.info("K/V column copy unavailable, torch copies: %s", error)
-                _state["kernel"] = None
-        return _state["kernel"]
+    return _compiled.get()
 
 
 def copy_column(key_store: torch.Tensor, value_store: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -70,7 +61,7 @@ def copy_column(key_store: torch.Tensor, value_store: torch.Tensor, key: torch.T
     """`store[:rows, :, column] = states[:, :, 0]` for K and V (states [rows, heads, 1, dim] of the stores' dtype
     on the CPU; stores contiguous [>= rows, heads, > column, dim], as a slot part's are); False (nothing
     copied) where the kernel is missing or the element size is another."""
-    compiled = _state["kernel"] if "kernel" in _state else kernel()
+    compiled = _compiled.get()
     copy = None if compiled is None else compiled.get(key.element_size())
     if copy is None:
         return False

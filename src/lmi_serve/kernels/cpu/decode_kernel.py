@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, require_omp_layer
+from lmi_serve.kernels.host import omp_threads, require_omp_layer
+from lmi_serve.kernels.cpu.numba_bits import CompiledOnce
 
 
 _EXP_FLOOR = -87.0  # exp below this is a float32 denormal, whose products are slow: counted as 0
@@ -209,8 +210,7 @@ def _bfloat16_kernel(q_address, q_length, q_row, q_head, query_heads, k_address,
 
 
 def _compile() -> Any:
-    # the workqueue layer's threads fight torch's OpenMP ones (a 32-row step 1.1-1.2x slower than SDPA's)
-    numba.config.THREADING_LAYER = "omp"
+    omp_threads()  # numba with its OpenMP layer (kernels/host.py says why)
     compiled = {dtype: numba.njit(parallel=True, fastmath=_FLAGS, cache=True, nogil=True)(function)
                 for dtype, function in ((torch.float32, _float32_kernel), (torch.bfloat16, _bfloat16_kernel))}
     for dtype in DTYPES:  # compile both now (start-up, not a request's step)

@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 
 from lmi_serve.kernels.cpu import norm_kernel, rotary_kernel, row_kernel
-from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper, require_omp_layer
+from lmi_serve.kernels.host import omp_threads, require_omp_layer
+from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
+from lmi_serve.kernels.registry import max_rows
 
 log = logging.getLogger(__name__)
-MAX_ROWS = 8  # rows a chain takes (at most row_kernel.MAX_ROWS: its matmuls are the row kernel's)
+MAX_ROWS = max_rows("layer_chain")  # kernels/registry.py; rows a chain takes (at most row_kernel.MAX_ROWS: its matmuls are the row kernel's)
 
 try:
     import numba
@@ -107,7 +109,7 @@ def _mlp_out(g_address, rows, g_width, weights_address, tiles, block, bias_addre
 
 def compiled_calls(attention_in: Any, attention_out: Any, mlp_out: Any) -> dict[str, Any]:
     """A chain kind's three numba functions compiled, by the names LayerChain calls them."""
-    numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (kernels/cpu/decode_kernel.py says why)
+    omp_threads()  # numba with its OpenMP layer (kernels/host.py says why)
     compiled = {name: numba.njit(parallel=True, cache=True, nogil=True)(function)
                 for name, function in (("attention_in", attention_in), ("attention_out", attention_out),
                                        ("mlp_out", mlp_out))}

@@ -22,25 +22,20 @@ the batch. Above MAX_ELEMENTS torch's kernels (two threads) are faster and are u
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-from lmi_serve.kernels.cpu.numba_bits import NUMBA, helper
-
-log = logging.getLogger(__name__)
+from lmi_serve.kernels.cpu.numba_bits import NUMBA, CompiledOnce, helper
+from lmi_serve.kernels.registry import max_elements
 
 FORMS = {"direct": torch.float32, "upcast": torch.bfloat16}  # the forms it computes and their dtype
 # One thread. 576-wide fp32 rows, µs a call (torch's F.rms_norm against this): 7.5 / 1.7 at 1 row, 10.4 / 6.1
 # at 32, 18.3 / 20.5 at 132; bf16's form 10.9 / 1.9, 17.4 / 11.4, 33.6 / 42.7; 2048 wide at 32 rows level.
-MAX_ELEMENTS = 1 << 15
+MAX_ELEMENTS = max_elements("norm")
 _LEVELS = 4  # torch's cascade: four levels
 _ACCUMULATORS = 4  # torch's row sum: four vector accumulators ("ilp")
-_state: dict[str, Any] = {}
-_lock = threading.Lock()
 
 if NUMBA:
     import numba
@@ -149,8 +144,6 @@ def _torch_lanes(compiled: Any) -> int | None:
 
 
 def _compile() -> dict[str, Any]:
-    if not NUMBA:
-        raise RuntimeError("numba is not installed")
     compiled = {form: numba.njit(cache=True, nogil=True)(function)
                 for form, function in (("direct", _direct), ("upcast", _upcast))}
     lanes = _torch_lanes(compiled)
@@ -160,23 +153,19 @@ def _compile() -> dict[str, Any]:
     return compiled
 
 
+_compiled = CompiledOnce(_compile, "RMSNorm kernel unavailable, F.rms_norm normalises")
+
+
 def kernel() -> dict[str, Any] | None:
     """The compiled kernels by form and torch's lane count, or None where numba is missing or its sums
     are not torch's (logged once)."""
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                _state["kernel"] = _compile()
-            except Exception as error:  # noqa: BLE001 - any failure means torch's F.rms_norm, said once
-                log.info("RMSNorm kernel unavailable, F.rms_norm normalises: %s", error)
-                _state["kernel"] = None
-        return _state["kernel"]
+    return _compiled.get()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
     """The RMSNorm of `x` [..., width] (contiguous, on the CPU, of `form`'s dtype as `weight` is) over its last
     dimension, `form`'s arithmetic; only once `kernel()` is not None."""
-    compiled = _state["kernel"]
+    compiled = _compiled.value
     out = torch.empty_like(x)
     width = x.shape[-1]
     compiled[form](x.data_ptr(), x.numel() // width, width, weight.data_ptr(), np.float32(eps), out.data_ptr(),

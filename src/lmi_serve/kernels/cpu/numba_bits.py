@@ -8,7 +8,6 @@ is defined but `helper`, which leaves a function as plain Python.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from typing import Any, Callable
@@ -18,7 +17,6 @@ import torch
 
 try:
     import numba
-    from llvmlite import binding as llvm_binding
     from llvmlite import ir
     from numba.core import types
     from numba.extending import intrinsic, models, register_model
@@ -137,29 +135,3 @@ class CompiledOnce:
                         log.log(self._level, "%s: %s", self._unavailable, error)
                     self.done = True
         return self.value
-
-
-def host_cpu_has(*features: str) -> bool:
-    """Whether numba is installed and this CPU has every one of `features` (LLVM's names: "avx512bf16")."""
-    if numba is None:
-        return False
-    found = llvm_binding.get_host_cpu_features()
-    return all(found.get(name, False) for name in features)
-
-
-def omp_layer_loads() -> bool:
-    """Whether numba's OpenMP layer can load here (numba installed, its library found), without compiling."""
-    if numba is None:
-        return False
-    try:
-        importlib.import_module("numba.np.ufunc.omppool")
-    except ImportError:  # its OpenMP library (libgomp) is missing
-        return False
-    return True
-
-
-def require_omp_layer() -> None:
-    """Raise unless numba's parallel loops run on its OpenMP layer (the kernels set it before compiling: the
-    workqueue layer's threads fight torch's OpenMP ones)."""
-    if numba.threading_layer() != "omp":
-        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()}, not omp")

@@ -25,8 +25,9 @@ import numpy as np
 from lmi_serve.kernels.cpu import norm_kernel, q4_kernel, rotary_kernel
 from lmi_serve.kernels.cpu.layer_chain import compiled_calls
 from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
+from lmi_serve.kernels.registry import max_rows
 
-MAX_ROWS = 8  # gguf_linears.Q4_MAX_ROWS: more rows go to a layer's dense copy
+MAX_ROWS = max_rows("q4_chain")  # kernels/registry.py; at most the Q4 kernel's: more rows go to a layer's dense copy
 
 try:
     import numba
@@ -88,7 +89,7 @@ def _mlp_out(g_address, rows, g_width, weights_address, tiles, residual_address,
 
 
 def _compile() -> dict[str, Any]:
-    if not q4_kernel.available() or norm_kernel.kernel() is None:
+    if q4_kernel.kernel() is None or norm_kernel.kernel() is None:
         raise RuntimeError("the Q4 kernel or the norm kernel is unavailable")
     return compiled_calls(_attention_in, _attention_out, _mlp_out)
 

@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper, host_cpu_has, require_omp_layer
+from lmi_serve.kernels.host import cpu_has, omp_threads, require_omp_layer
+from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
+from lmi_serve.kernels.registry import KERNELS
 
 GROUP = 32  # input columns per block (a GGUF Q4 block)
 TILE = 32  # outputs per tile: two 16-lane vectors
@@ -55,7 +57,7 @@ try:
 
     from lmi_serve.kernels.cpu.numba_bits import (FLOAT32x16, FLOATS16, Vector, bf16_pointer, byte_pointer,
                                             match_torch_threads, widen, zeros16)
-except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
+except ImportError:  # pragma: no cover - a dependency; without it `kernel()` is None
     numba = None
 
 
@@ -323,7 +325,7 @@ def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address):  # p
 
 class Q4Weights:
     """A layer's Q4 weights in the kernel's layout; called on contiguous bf16 rows [M, K] it returns [M, N]
-    bf16. Only where `available()`."""
+    bf16. Only where `kernel()` is not None."""
 
     def __init__(self, packed: torch.Tensor, out_features: int):
         self.packed, self.out_features = packed, out_features  # uint8 [tiles, blocks, 640]
@@ -389,15 +391,10 @@ def _call(compiled: Any, weights: Q4Weights, x: torch.Tensor) -> torch.Tensor:
     return out if weights.width == weights.out_features else out[:, :weights.out_features]
 
 
-def cpu_fits() -> bool:
-    """Whether this CPU has what the kernel needs (AVX-512 with BF16, F16C) and numba is installed."""
-    return host_cpu_has("avx512f", "avx512bw", "avx512bf16", "f16c")
-
-
 def _compile() -> Any:
-    if not cpu_fits():
+    if not cpu_has(*KERNELS["q4"].cpu_features):
         raise RuntimeError("the CPU has no AVX-512 BF16")
-    numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (kernels/cpu/decode_kernel.py says why)
+    omp_threads()  # numba with its OpenMP layer (kernels/host.py says why)
     compiled = numba.njit(parallel=True, cache=True, nogil=True)(_q4_rows)
     # compile now (start-up) and check against fp64 of the same weights
     rng = np.random.default_rng(0)
@@ -416,6 +413,6 @@ def _compile() -> Any:
 _compiled = CompiledOnce(_compile, "Q4 kernel unavailable: bf16 Q4 layers keep torch's int4 kernel")
 
 
-def available() -> bool:
-    """Whether the kernel runs here (numba with its OpenMP layer, AVX-512 BF16); compiles it on the first call."""
-    return _compiled.get() is not None
+def kernel() -> Any | None:
+    """The compiled kernel, or None where numba, its OpenMP layer or AVX-512 BF16 is missing (logged once)."""
+    return _compiled.get()

@@ -11,19 +11,14 @@ model's logits to transformers' bits with it; above MAX_ELEMENTS (a long prompt)
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 import torch
 
-from lmi_serve.kernels.cpu.numba_bits import NUMBA
+from lmi_serve.kernels.cpu.numba_bits import NUMBA, CompiledOnce
+from lmi_serve.kernels.registry import max_elements
 
-log = logging.getLogger(__name__)
-
-MAX_ELEMENTS = 1 << 17  # one thread; a 2,000-token prompt's 1.5 M elements go to torch's two threads
-_state: dict[str, Any] = {}
-_lock = threading.Lock()
+MAX_ELEMENTS = max_elements("rotary")  # one thread; a 2,000-token prompt's 1.5 M elements go to torch's two threads
 
 if NUMBA:
     import numba
@@ -86,8 +81,6 @@ rotate_heads = _rotate  # for other kernels that rotate inside their call (kerne
 
 
 def _compile() -> dict[torch.dtype, Any]:
-    if not NUMBA:
-        raise RuntimeError("numba is not installed")
     compiled = {torch.float32: numba.njit(cache=True, nogil=True)(_rotate_float32),
                 torch.bfloat16: numba.njit(cache=True, nogil=True)(_rotate_bfloat16)}
     generator = torch.Generator().manual_seed(0)
@@ -102,16 +95,12 @@ def _compile() -> dict[torch.dtype, Any]:
     return compiled
 
 
+_compiled = CompiledOnce(_compile, "rotary kernel unavailable, torch's ops rotate")
+
+
 def kernel() -> dict[torch.dtype, Any] | None:
     """The compiled kernels by dtype, or None where numba is missing or a check failed (logged once)."""
-    with _lock:
-        if "kernel" not in _state:
-            try:
-                _state["kernel"] = _compile()
-            except Exception as error:  # noqa: BLE001 - any failure means torch's ops, said once
-                log.info("rotary kernel unavailable, torch's ops rotate: %s", error)
-                _state["kernel"] = None
-        return _state["kernel"]
+    return _compiled.get()
 
 
 def _call(function: Any, stacked: torch.Tensor, heads: int, dim: int, cos: torch.Tensor,
@@ -128,7 +117,7 @@ def rotate(stacked: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: 
     dim], its last dimension contiguous), as heads: [batch, heads, tokens, dim] contiguous; cos and sin [batch or
     1, 1, tokens, dim], contiguous, of stacked's dtype. None where the kernel does not take them (torch's ops
     then)."""
-    compiled = _state["kernel"] if "kernel" in _state else kernel()
+    compiled = _compiled.get()
     if (compiled is None or stacked.dtype not in compiled or stacked.dim() != 3 or stacked.stride(-1) != 1
             or stacked.shape[-1] < heads * dim or not stacked.is_cpu or dim % 2
             or stacked.shape[0] * stacked.shape[1] * heads * dim > MAX_ELEMENTS):

@@ -37,13 +37,15 @@ import torch
 from torch import nn
 
 from lmi_serve.kernels.cpu import huge_pages
-from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper, require_omp_layer
+from lmi_serve.kernels.host import omp_threads, require_omp_layer
+from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
+from lmi_serve.kernels.registry import max_rows
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("auto", "on", "off")
 TILE = 32  # outputs a thread computes together: two 16-lane vectors
-MAX_ROWS = 64  # rows it takes: a step 0.70x / 0.71x / 0.79x / 0.84x / 0.92x oneDNN's at 1 / 4 / 8 / 12 / 32 rows
+MAX_ROWS = max_rows("row")  # kernels/registry.py; rows it takes: a step 0.70x / 0.71x / 0.79x / 0.84x / 0.92x oneDNN's at 1 / 4 / 8 / 12 / 32 rows
 _BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
 _AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
 
@@ -187,7 +189,7 @@ def _four_rows_tile(x, group, rows, columns, weights, base, block, bias_address,
 
 
 def _compile() -> Any:
-    numba.config.THREADING_LAYER = "omp"  # the other kernels' layer (kernels/cpu/decode_kernel.py says why)
+    omp_threads()  # numba with its OpenMP layer (kernels/host.py says why)
     compiled = numba.njit(parallel=True, cache=True, nogil=True)(_few_rows)
     ones = RowWeights.pack(torch.ones(TILE + 1, 3), torch.ones(TILE + 1), 2)
     if not torch.equal(ones.compute(compiled, torch.ones(1, 3)), torch.full((1, TILE + 1), 4.0)):  # compiles it now

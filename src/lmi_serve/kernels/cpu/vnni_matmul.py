@@ -18,7 +18,7 @@ its bf16 oneDNN copy's 0.9, a whole q4-bf16 step ~0.7 ms shorter. (An int4 varia
 int8 activations as llama.cpp's, ran 1.8-1.9 against torch's int4 kernel's 2.4-2.5 ms for SmolLM2's 120
 calls back to back, but level or slower inside a step and +1.8 % decode perplexity: not kept.)
 
-Where numba, its OpenMP layer or the CPU's VNNI is missing, `available()` is False and Q8_0 layers keep
+Where numba, its OpenMP layer or the CPU's VNNI is missing, `kernel()` is None and Q8_0 layers keep
 their loaded weights; compiled once per machine, cached by numba.
 
 Layout (`pack`): q [N, K] int8 (the GGUF's), d [N, K/32] as fp16 bits (uint16). K % 32 == 0.
@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper, host_cpu_has, require_omp_layer
+from lmi_serve.kernels.host import cpu_has, omp_threads, require_omp_layer
+from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
+from lmi_serve.kernels.registry import KERNELS
 
 
 GROUP = 32  # columns per scale (a GGUF Q8_0 block)
@@ -45,7 +47,7 @@ try:
 
     from lmi_serve.kernels.cpu.numba_bits import (FLOAT32x16, Vector, bf16, bf16_pointer, bits_float, match_torch_threads,
                                             zeros16)
-except ImportError:  # pragma: no cover - a dependency; without it `available()` is False
+except ImportError:  # pragma: no cover - a dependency; without it `kernel()` is None
     numba = None
 
 
@@ -170,15 +172,10 @@ def _matmul(x_address, rows, q, d, out_address):  # pragma: no cover - numba com
             out[r, n] = bf16(_sum(total))
 
 
-def cpu_fits() -> bool:
-    """Whether this CPU has what the kernel needs (AVX-512 with VNNI, F16C) and numba is installed."""
-    return host_cpu_has("avx512f", "avx512bw", "avx512vnni", "f16c")
-
-
 def _compile() -> Any:
-    if not cpu_fits():
+    if not cpu_has(*KERNELS["q8_vnni"].cpu_features):
         raise RuntimeError("the CPU has no AVX-512 VNNI")
-    numba.config.THREADING_LAYER = "omp"  # OpenMP threads, as the decode attention kernel's
+    omp_threads()  # numba with its OpenMP layer (kernels/host.py says why)
     compiled = numba.njit(parallel=True, cache=True, nogil=True)(_matmul)
     # compile now (start-up) and check the result against numpy's reading of the same arithmetic
     rng = np.random.default_rng(0)
@@ -211,11 +208,7 @@ def kernel() -> Any | None:
     return _compiled.get()
 
 
-def available() -> bool:
-    return kernel() is not None
-
-
 def matmul(x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     """x [M, K] bf16 (contiguous) times the packed layer's weights transposed: [M, N] bf16. Call only
-    where `available()`."""
+    where `kernel()` is not None."""
     return _call(_compiled.value, x, q, d)

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from lmi_serve.kernels.cpu import q4_kernel, vnni_matmul
+from lmi_serve.kernels.registry import max_rows
 
 GROUP = 32  # weights per GGUF Q4 / Q8 block: one scale (and min) per 32 input columns
-Q4_MAX_ROWS = 8  # bf16 q4 layers with a dense copy: more rows than this go to it
-Q8_MAX_ROWS = 2  # Q8_0 layers: the VNNI kernel up to this many rows (level with bf16 oneDNN at 3-4, slower at 8)
+Q4_MAX_ROWS = max_rows("q4")  # kernels/registry.py; bf16 q4 layers with a dense copy: more rows than this go to it
+Q8_MAX_ROWS = max_rows("q8_vnni")  # kernels/registry.py; Q8_0 layers: the VNNI kernel up to this many rows (level with bf16 oneDNN at 3-4, slower at 8)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class Q4Linear(_BlockLinear):
         super().__init__()
         self._setup(blocks.q.shape, bias, dtype, dense)
         self.kernel_weights = None
-        if dtype == torch.bfloat16 and q4_kernel.available():
+        if dtype == torch.bfloat16 and q4_kernel.kernel() is not None:
             self.kernel_weights = q4_kernel.pack(blocks.q, blocks.scale, blocks.zero)
             return
         q = torch.from_numpy(blocks.q.astype(np.int32))
@@ -184,7 +185,7 @@ class Q4Linear(_BlockLinear):
 
 def q8_fits(in_features: int, dtype: torch.dtype) -> bool:
     """Whether a Q8_0 layer this wide, computing in `dtype`, can run on this CPU (the VNNI kernel)."""
-    return dtype == torch.bfloat16 and in_features % GROUP == 0 and vnni_matmul.available()
+    return dtype == torch.bfloat16 and in_features % GROUP == 0 and vnni_matmul.kernel() is not None
 
 
 class Q8Linear(_BlockLinear):

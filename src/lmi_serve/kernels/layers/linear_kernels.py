@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lmi_serve.kernels.host import bf16_native, onednn_available
 from lmi_serve.kernels.layers.fused_norms import use_fused_norms
 from lmi_serve.kernels.layers.lean_layers import use_lean_layers
 from lmi_serve.kernels.cpu.row_kernel import MAX_ROWS, RowKernelReport, computes_rows_on_copy, use_row_kernel
@@ -43,21 +44,6 @@ _PACK_ROWS = 32  # the row count oneDNN's weight layout is chosen for; any row c
 
 class LinearKernelError(ValueError):
     """`option.linear_kernel` cannot apply to this model; the message says why and what to do."""
-
-
-def onednn_available() -> bool:
-    """torch was built with oneDNN and has the packed-weight linear op (a CPU build of torch 2.x does)."""
-    ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
-
-
-def bf16_native() -> bool:
-    """oneDNN computes bf16 in hardware on this CPU (avx512_bf16 or AMX), not by widening to fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def packable_dtypes() -> tuple[torch.dtype, ...]:
@@ -194,25 +180,33 @@ def attach_row_kernel(model: nn.Module, policy: str, available_bytes: int | None
     return use_row_kernel(layers, policy, available_bytes)
 
 
-def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
-                      stack_siblings: bool = True, lean: bool = True, row_kernel: str = "auto") -> LinearKernelReport:
-    """Swap `model`'s fp32 nn.Linear layers for OneDnnLinear in place when the kernel is onednn
-    (choose_kernel), siblings of one input stacked into one (shared_input.py) unless `stack_siblings` is
-    False (the benchmarks' baseline); with either kernel, RMSNorm layers go on F.rms_norm where that gives
-    their bits (fused_norms.py) and, on the CPU, decoder layers of the Llama family take their lean forward
-    (lean_layers.py; `lean` False keeps transformers' own: the benchmarks' baseline). With oneDNN, one to 64
-    fp32 rows go on the row kernel as `row_kernel` (option.row_kernel; `auto`, as the server's default) says
-    (row_kernel.py). Raises LinearKernelError for a request that cannot apply."""
+def linear_report(model: nn.Module, requested: str, device: torch.device) -> LinearKernelReport:
+    """The kernel option.linear_kernel gives `model` here (choose_kernel), as an empty report the steps fill."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    report = LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
+    return LinearKernelReport(choose_kernel(requested, device, dtype), "bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def swap_norms(model: nn.Module, report: LinearKernelReport) -> None:
+    """RMSNorm layers on F.rms_norm (or the norm kernel) where that gives their bits (fused_norms.py); either kernel."""
     report.norms = use_fused_norms(model)
-    if lean and torch.device(device).type == "cpu":  # measured on CPUs only so far: GPUs keep transformers' own
+
+
+def swap_lean_layers(model: nn.Module, report: LinearKernelReport, device: torch.device) -> None:
+    """Llama-family decoder layers take their lean forward (lean_layers.py), on the CPU only: measured on CPUs
+    so far, GPUs keep transformers' own."""
+    if torch.device(device).type == "cpu":
         report.lean = use_lean_layers(model)
-    if report.kernel == "torch":
-        return report
-    started = time.monotonic()
-    report.stacked = stack_shared_inputs(model, packable_dtypes(), OneDnnLinear) if stack_siblings else []
+
+
+def stack_sibling_layers(model: nn.Module, report: LinearKernelReport) -> None:
+    """Siblings of one input (q/k/v, gate/up) stacked into one packed matmul (shared_input.py); onednn only."""
+    report.stacked = stack_shared_inputs(model, packable_dtypes(), OneDnnLinear)
     report.swapped.extend(report.stacked)
+
+
+def swap_onednn(model: nn.Module, report: LinearKernelReport) -> None:
+    """Every plain fp32 (or native bf16) nn.Linear left on the CPU becomes an OneDnnLinear; the others are
+    kept, with why. The packed weights are copies: the loaded file and the plain weights are let go."""
     with torch.no_grad():
         for name, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear):
@@ -225,10 +219,32 @@ def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
                 continue
             replace_module(model, name, OneDnnLinear(module))
             report.swapped.append(name)
-    # The packed weights are copies: let go of the loaded file and the plain weights (kernels/layers/quantize.py).
-    own_remaining_tensors(model)
+    own_remaining_tensors(model)  # as kernels/layers/quantize.py does
     return_freed_memory()
-    report.row_kernel = attach_row_kernel(model, row_kernel)
+
+
+def attach_row_copies(model: nn.Module, report: LinearKernelReport, policy: str) -> None:
+    """One to the row kernel's rows of each fp32 OneDnnLinear on its copy, as option.row_kernel says (row_kernel.py)."""
+    report.row_kernel = attach_row_kernel(model, policy)
+
+
+def use_linear_kernel(model: nn.Module, requested: str, device: torch.device,
+                      stack_siblings: bool = True, lean: bool = True, row_kernel: str = "auto") -> LinearKernelReport:
+    """option.linear_kernel's steps in their order, as kernels/plan.py runs them: swap_norms, swap_lean_layers
+    (unless `lean` is False: the benchmarks' baseline), then with oneDNN stack_sibling_layers (unless
+    `stack_siblings` is False), swap_onednn and attach_row_copies (`row_kernel`: option.row_kernel).
+    Raises LinearKernelError for a request that cannot apply."""
+    report = linear_report(model, requested, device)
+    swap_norms(model, report)
+    if lean:
+        swap_lean_layers(model, report, device)
+    if report.kernel == "torch":
+        return report
+    started = time.monotonic()
+    if stack_siblings:
+        stack_sibling_layers(model, report)
+    swap_onednn(model, report)
+    attach_row_copies(model, report, row_kernel)
     report.seconds = time.monotonic() - started
     log.info("%s", report.describe())
     return report
