@@ -40,7 +40,7 @@ from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
-from lmi_serve.engine.kv.slot_attention import use_decode_kernel  # noqa: E402
+from lmi_serve.kernels.attention import use_decode_kernel  # noqa: E402
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice  # noqa: E402
 
 VARIANTS = ("fp32", "bf16", "fp16")

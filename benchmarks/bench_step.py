@@ -189,7 +189,7 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
 def served_default():
     """The server's default model in-process: (model, tokenizer, device, slots layout, start-up line): fp32 Linear
     layers on oneDNN, the slots KV cache prepared and the decode attention kernel compiled, as engine/build.py does."""
-    from lmi_serve.engine.kv.slot_attention import use_decode_kernel
+    from lmi_serve.kernels.attention import use_decode_kernel
     from lmi_serve.model.loader import load_generation_model
 
     lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)

@@ -42,10 +42,10 @@ from transformers.cache_utils import DynamicLayer
 
 from lmi_serve.engine.kv.dynamic import DynamicKV, DynamicLayout
 from lmi_serve.engine.kv.protocol import Prefilled
-from lmi_serve.kernels.cpu import decode_kernel
-from lmi_serve.engine.kv.slot_attention import (ATTENTION, Parts, attends_by_parts, decode_attention,
-                                                decode_kernel_applies, special_kwargs)
+from lmi_serve.engine.kv.slot_attention import ATTENTION, Parts, attends_by_parts, decode_attention, special_kwargs
 from lmi_serve.engine.kv.slot_part import SlotPart
+from lmi_serve.kernels.attention import decode_kernel_applies
+from lmi_serve.kernels.cpu import decode_kernel
 
 # Two neighbouring parts merge when that adds at most this many padded (row, column) cells, about
 # what attending per part costs in calls (measured: a cell ~4 us a step over 30 layers, a part's
