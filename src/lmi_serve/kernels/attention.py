@@ -25,12 +25,12 @@ def attention_configs(model: Any) -> list[Any]:
 
 
 def decode_kernel_applies(module: torch.nn.Module) -> bool:
-    """Whether `module`'s model lets its decode steps attend in kernels/cpu/decode_kernel.py (option.decode_attention)."""
+    """Whether `module`'s model lets its decode steps attend in the decode kernel (option.decode_attention)."""
     return getattr(getattr(module, "config", None), KERNEL_FLAG, True)
 
 
 def use_decode_kernel(model: Any, on: bool) -> bool:
-    """Whether `model`'s decode steps may attend with kernels/cpu/decode_kernel.py where it applies (option.decode_attention);
+    """Whether `model`'s decode steps may attend with the decode kernel where it applies (option.decode_attention);
     when they may and the model is fp32 or bf16 on the CPU, the kernel is compiled now, not in a request's step.
     True where the kernel will attend (compiled for this model's dtype and device)."""
     for config in attention_configs(model):

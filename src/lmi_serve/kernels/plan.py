@@ -100,8 +100,9 @@ def plan_kernels(model: nn.Module, config: Any, host: Host, *, device: Any, gene
         plan.steps.append(Step("onednn_linear", f"off: option.linear_kernel gives {report.kernel} here"))
     if generates:
         on = config.decode_attention == "auto"
+        why_not = "the kernel does not apply here" if on else "option.decode_attention=sdpa"
         _step(plan, "decode_attention", lambda: use_decode_kernel(model, on),
-              lambda kernel: "the decode kernel" if kernel else f"SDPA ({'option.decode_attention=sdpa' if not on else 'the kernel does not apply here'})")
+              lambda kernel: "the decode kernel" if kernel else f"SDPA ({why_not})")
     plan.uses = kernel_uses(model, plan, config, generates)
     return plan
 

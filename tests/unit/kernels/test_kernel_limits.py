@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[3] / "src" / "lmi_serve"
 REGISTRY = Path("kernels") / "registry.py"
 LIMIT_NAME = re.compile(r"(^|_)max_(rows|elements)$", re.IGNORECASE)
 COUNT_NAME = re.compile(r"rows|numel|elements", re.IGNORECASE)
+ORDERINGS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
 
 def _numeric(node: ast.expr) -> bool:
@@ -44,7 +45,7 @@ def _limits_in(tree: ast.AST) -> list[tuple[int, str]]:
             name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
             if LIMIT_NAME.search(name) and _numeric(node.value):
                 found.append((node.lineno, f"{name} = {ast.unparse(node.value)}"))
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Lt, ast.LtE, ast.Gt, ast.GtE)):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ORDERINGS):
             left, right = node.left, node.comparators[0]
             for count, literal in ((left, right), (right, left)):
                 if _numeric(literal) and _value(literal) > 2 and COUNT_NAME.search(_names(count)):
@@ -53,7 +54,7 @@ def _limits_in(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def limit_literals(root: Path) -> list[str]:
-    """`path:line: source` of every numeric kernel limit under `root` (a package's source folder) outside the registry."""
+    """`path:line: source` of every numeric kernel limit under `root` (a package's source) outside the registry."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.relative_to(root) == REGISTRY:

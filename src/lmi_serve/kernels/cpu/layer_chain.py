@@ -37,7 +37,8 @@ from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
 from lmi_serve.kernels.registry import max_rows
 
 log = logging.getLogger(__name__)
-MAX_ROWS = max_rows("layer_chain")  # kernels/registry.py; rows a chain takes (at most row_kernel.MAX_ROWS: its matmuls are the row kernel's)
+# rows a chain takes (kernels/registry.py): at most row_kernel.MAX_ROWS, its matmuls being the row kernel's
+MAX_ROWS = max_rows("layer_chain")
 
 try:
     import numba

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("auto", "on", "off")
 TILE = 32  # outputs a thread computes together: two 16-lane vectors
-MAX_ROWS = max_rows("row")  # kernels/registry.py; rows it takes: a step 0.70x / 0.71x / 0.79x / 0.84x / 0.92x oneDNN's at 1 / 4 / 8 / 12 / 32 rows
+# rows it takes (kernels/registry.py): a step 0.70x / 0.71x / 0.79x / 0.84x / 0.92x oneDNN's at 1 / 4 / 8 / 12 / 32 rows
+MAX_ROWS = max_rows("row")
 _BLOCKS = (512, 1024, 256, 2048, 128, 4096)  # candidate block sizes, the usual first; then "one block of all K"
 _AUTO_SHARE = 0.25  # auto: the copies may take this share of the memory available at the swap
 

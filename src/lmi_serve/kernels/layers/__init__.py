@@ -1,1 +1,2 @@
-"""The module swaps: `nn.Module`s of a loaded model replaced in place by ones that run the kernels (kernels/plan.py runs them in order)."""
+"""The module swaps: a loaded model's `nn.Module`s replaced in place by ones that run the kernels, in the order
+`kernels/plan.py` runs them."""

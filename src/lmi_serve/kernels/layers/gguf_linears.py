@@ -27,8 +27,10 @@ from lmi_serve.kernels.cpu import q4_kernel, vnni_matmul
 from lmi_serve.kernels.registry import max_rows
 
 GROUP = 32  # weights per GGUF Q4 / Q8 block: one scale (and min) per 32 input columns
-Q4_MAX_ROWS = max_rows("q4")  # kernels/registry.py; bf16 q4 layers with a dense copy: more rows than this go to it
-Q8_MAX_ROWS = max_rows("q8_vnni")  # kernels/registry.py; Q8_0 layers: the VNNI kernel up to this many rows (level with bf16 oneDNN at 3-4, slower at 8)
+# The limits are kernels/registry.py's. bf16 q4 layers with a dense copy: more rows than Q4_MAX_ROWS go to it.
+# Q8_0 layers: the VNNI kernel up to Q8_MAX_ROWS rows (level with bf16 oneDNN at 3-4, slower at 8).
+Q4_MAX_ROWS = max_rows("q4")
+Q8_MAX_ROWS = max_rows("q8_vnni")
 
 
 @dataclass(frozen=True)
