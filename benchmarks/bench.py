@@ -33,10 +33,10 @@ Systems:
 - rolling-ngram  rolling with option.draft_model_id=ngram: n-gram speculation at one stream (the sweep's
               prompts do not repeat themselves, so it measures the cost; bench_speculation.py the gain).
 - rolling-sdpa  rolling with option.decode_attention=sdpa: torch's SDPA in decode steps instead of
-              engine/kv/decode_kernel.py (the kernel's served baseline).
+              kernels/cpu/decode_kernel.py (the kernel's served baseline).
 - rolling-separate  rolling with option.mixed_steps=false: each joiner's prompt in a forward of its own
               instead of packed with the running rows' decode (engine/kv/mixed.py's served baseline).
-- rolling-no-row  rolling with option.row_kernel=off: one to eight rows on oneDNN too (model/row_kernel.py's
+- rolling-no-row  rolling with option.row_kernel=off: one to eight rows on oneDNN too (kernels/cpu/row_kernel.py's
               served baseline).
 - rolling-unpaced  rolling with option.max_rolling_batch_step_seconds=0: the prompt-token budget alone bounds
               a step (engine/pace.py's served baseline; the gaps workload shows the difference).
@@ -123,7 +123,7 @@ from benchmarks.benchmark.workload import build_workload, model_folder
 WORKLOADS = ("sweep", "chat", "gaps", "guidellm")
 DEFAULT_SYSTEMS = {
     # rolling-q4 only when named: torch's x86 int4 kernel is scalar for fp32 activations (4-42x slower
-    # than fp32, model/quantize.py), so it would take most of the run's time; rolling-ngram too (it
+    # than fp32, kernels/layers/quantize.py), so it would take most of the run's time; rolling-ngram too (it
     # differs from rolling at one stream only, and only on prompts that repeat themselves); rolling-sdpa and
     # rolling-separate are baselines for one comparison each.
     "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-no-prefix", "rolling-q4", "rolling-ngram", "rolling-sdpa",

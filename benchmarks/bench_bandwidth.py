@@ -40,8 +40,8 @@ from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
 from lmi_serve.engine.kv.select import KV_LAYOUTS  # noqa: E402
-from lmi_serve.engine.kv.slot_attention import use_decode_kernel  # noqa: E402
-from lmi_serve.model.shared_input import SharedInputSlice  # noqa: E402
+from lmi_serve.kernels.attention import use_decode_kernel  # noqa: E402
+from lmi_serve.kernels.layers.shared_input import SharedInputSlice  # noqa: E402
 
 VARIANTS = ("fp32", "bf16", "fp16")
 
@@ -77,7 +77,7 @@ def timed_rounds(buffer: torch.Tensor, batches: dict, rounds: int, warmup: int, 
 def linear_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's Linear layers read per token: parameters of every module that is a linear
     layer (nn.Linear, or our swapped kinds, whose packed weights are opaque: counted from their shapes).
-    A stacked layer (model/shared_input.py) counts once; its slices, which read its output, not weights,
+    A stacked layer (kernels/layers/shared_input.py) counts once; its slices, which read its output, not weights,
     count nothing."""
     total = 0
     for module in model.modules():
@@ -97,9 +97,9 @@ def linear_bytes(model: torch.nn.Module) -> int:
 
 
 def load(variant: str):
-    from lmi_serve.model.linear_kernels import use_linear_kernel
+    from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
     from lmi_serve.model.loader import load_generation_model
-    from lmi_serve.model.quantize import quantize_model
+    from lmi_serve.kernels.layers.quantize import quantize_model
 
     lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if variant == "bf16" else "auto")
     if variant == "fp16":

@@ -1,4 +1,4 @@
-"""The decode step with kv/decode_kernel.py's attention against torch's SDPA, in one process, interleaved.
+"""The decode step with kernels/cpu/decode_kernel.py's attention against torch's SDPA, in one process, interleaved.
 
 The served default in-process (SmolLM2-135M-Instruct, fp32, Linear layers on oneDNN, the slots KV cache,
 prepared as engine/build.py does): for each context length and row count, rows whose cache holds that
@@ -21,7 +21,8 @@ import torch  # noqa: E402
 from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 from benchmarks.benchmark.step_quality import PERPLEXITY_TEXT  # noqa: E402
 
-from lmi_serve.engine.kv import decode_kernel, slot_attention  # noqa: E402
+from lmi_serve.engine.kv import slot_attention  # noqa: E402
+from lmi_serve.kernels.cpu import decode_kernel  # noqa: E402
 
 
 class Switch:

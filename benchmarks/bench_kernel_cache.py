@@ -1,6 +1,6 @@
 """What the size of oneDNN's kernel caches costs and holds: speed and the worker's RSS, side by side.
 
-fp32 Linear layers run on oneDNN (model/linear_kernels.py), and two caches keep a compiled kernel per
+fp32 Linear layers run on oneDNN (kernels/layers/linear_kernels.py), and two caches keep a compiled kernel per
 (layer shape, input rows): ideep's (`LRU_CACHE_CAPACITY`, 1,024 entries unless set) and oneDNN's own
 primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, 1,024 unless set). Under prompts of many lengths
 every prefill is a new row count, so both fill up and the worker's RSS climbs for as long as new

@@ -1,4 +1,4 @@
-"""Lean decoder layers (model/lean_layers.py) against transformers' own forward, on one model in one process.
+"""Lean decoder layers (kernels/layers/lean_layers.py) against transformers' own forward, on one model in one process.
 
 The served default in-process (SmolLM2-135M-Instruct, fp32, Linear layers on oneDNN stacked, the slots KV
 cache, the decode kernel), as engine/build.py prepares it. The same model is timed both ways by switching

@@ -2,7 +2,7 @@
 
 For SmolLM2-135M's Linear shapes (q/o 576x576, k/v 576x192, gate/up 576x1536, down 1536x576, lm_head
 576x49152), fp32, torch's threads = the cores: the time of one call at 1, 4 and 32 rows for MKL's sgemm
-(`nn.Linear`) and oneDNN's matmul on weights packed for 1 and for 32 rows (model/linear_kernels.py packs
+(`nn.Linear`) and oneDNN's matmul on weights packed for 1 and for 32 rows (kernels/layers/linear_kernels.py packs
 for 32); then, per kernel, whether row 0 of a B-row call equals the 1-row call bit for bit for B in 2..33
 (batch invariance: the rolling engine's greedy output must not depend on the batch).
 

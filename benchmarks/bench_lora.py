@@ -102,7 +102,7 @@ def layer_points(model, folder: Path, rows: int = 16, repeats: int = 40) -> list
     from peft import PeftModel
 
     from lmi_serve.engine.adapters import lora_rows, start_adapters
-    from lmi_serve.model.linear_kernels import use_linear_kernel
+    from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 
     ids = torch.randint(100, 10000, (rows, 1), generator=torch.Generator().manual_seed(0))
     names = [ADAPTERS[i % 3] for i in range(rows)]

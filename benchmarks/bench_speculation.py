@@ -96,7 +96,7 @@ def generate(engine: Engine, ids: list[int], tokens: int) -> tuple[float, list[i
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from lmi_serve.model.linear_kernels import use_linear_kernel
+    from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
     from lmi_serve.model.loader import load_generation_model
 
     lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype=args.dtype if args.dtype == "bf16" else "auto")

@@ -11,11 +11,11 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
 With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model with option.quantize's
-lighter weights (model/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with
-option.linear_kernel=onednn (model/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
-`onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, model/shared_input.py;
-`onednn-hf-layers` without the lean decoder layers, model/lean_layers.py; `onednn-no-row` without the row
-kernel, model/row_kernel.py: `onednn` is the server's default, option.row_kernel=auto)
+lighter weights (kernels/layers/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with
+option.linear_kernel=onednn (kernels/layers/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
+`onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, kernels/layers/shared_input.py;
+`onednn-hf-layers` without the lean decoder layers, kernels/layers/lean_layers.py; `onednn-no-row` without the row
+kernel, kernels/cpu/row_kernel.py: `onednn` is the server's default, option.row_kernel=auto)
 or loaded with option.dtype=bf16 (on oneDNN's bf16 matmul where the CPU computes bf16), each on the `slots`
 KV cache, interleaved with the plain fp32 model (torch's nn.Linear, as loaded); their ratio column is then to
 that model's `slots`, and the start-up cost (load + swap) and the weights' memory are printed. Their gates:
@@ -159,10 +159,10 @@ def replicate(one: Batch, model, tokenizer, rows: int) -> Batch:
 
 def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     """A freshly loaded model per variant, swapped; with a line of start-up cost and memory."""
-    from lmi_serve.model.linear_kernels import use_linear_kernel
+    from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
     from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
-    from lmi_serve.model.quantize import quantize_model
-    from lmi_serve.model.surgery import process_rss
+    from lmi_serve.kernels.layers.quantize import quantize_model
+    from lmi_serve.kernels.layers.surgery import process_rss
 
     gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}
@@ -189,7 +189,7 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
 def served_default():
     """The server's default model in-process: (model, tokenizer, device, slots layout, start-up line): fp32 Linear
     layers on oneDNN, the slots KV cache prepared and the decode attention kernel compiled, as engine/build.py does."""
-    from lmi_serve.engine.kv.slot_attention import use_decode_kernel
+    from lmi_serve.kernels.attention import use_decode_kernel
     from lmi_serve.model.loader import load_generation_model
 
     lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE)

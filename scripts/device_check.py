@@ -44,7 +44,7 @@ DROPPED = {
     "flask, gunicorn, prometheus_client, python-json-logger, swagger-ui-py": "the HTTP server only",
     "boto3": "S3 model sources only (accelerate imports it only where it is installed)",
     "numpy": "any numpy transformers accepts; the image's torch build has its own",
-    "numba": "the CPU decode attention kernel only (engine/kv/decode_kernel.py; without it SDPA attends)",
+    "numba": "the CPU decode attention kernel only (kernels/cpu/decode_kernel.py; without it SDPA attends)",
 }
 IMAGE_ROOTS = ("torch",)
 NOT_CARRIED = {"numpy", "typing-extensions"}  # the image has them; their wheels are large or torch-bound

@@ -33,11 +33,11 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-no-prefix": {"kv_cache": "slots", "enable_prefix_caching": "false"},
     # n-gram speculation (engine/speculation.py): a batch of one row verifies prompt-lookup drafts
     "rolling-ngram": {"kv_cache": "slots", "draft_model_id": "ngram"},
-    # rolling less the decode attention kernel (engine/kv/decode_kernel.py): torch's SDPA in every step
+    # rolling less the decode attention kernel (kernels/cpu/decode_kernel.py): torch's SDPA in every step
     "rolling-sdpa": {"kv_cache": "slots", "decode_attention": "sdpa"},
     # rolling less one forward per step (engine/kv/mixed.py): every joiner's prompt in a forward of its own
     "rolling-separate": {"kv_cache": "slots", "mixed_steps": "false"},
-    # rolling less the row kernel (model/row_kernel.py): one to eight rows on oneDNN too, no second copy
+    # rolling less the row kernel (kernels/cpu/row_kernel.py): one to eight rows on oneDNN too, no second copy
     "rolling-no-row": {"kv_cache": "slots", "row_kernel": "off"},
     # rolling less the step pace (engine/pace.py): the prompt-token budget alone bounds a step
     "rolling-unpaced": {"kv_cache": "slots", "max_rolling_batch_step_seconds": 0},

@@ -37,7 +37,7 @@ _RUNTIME_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     # Two caches keep a compiled kernel per Linear shape and input row count, 1,024 entries each by
     # default: oneDNN's primitive cache and, holding its own references to them, ideep's (torch's oneDNN
-    # layer, read by model/linear_kernels.py's packed Linear). Under mixed prompt lengths every prefill
+    # layer, read by kernels/layers/linear_kernels.py's packed Linear). Under mixed prompt lengths every prefill
     # is a new row count, and the two together held ~290 MiB once full, reached only after tens of
     # minutes of traffic: the worker's RSS drift in scripts/soak (benchmarks/journal/2026-11.md, "Soak"). Re-creating a kernel
     # costs ~0.3-0.45 ms, a few per step whose batch size changed, against steps of tens of ms

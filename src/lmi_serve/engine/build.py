@@ -26,7 +26,6 @@ from lmi_serve.engine.kv.prefix_cache import BLOCK_TOKENS, PrefixCache
 from lmi_serve.engine.kv.protocol import KVLayout
 from lmi_serve.engine.kv.replicate import Replicator
 from lmi_serve.engine.kv.select import choose_kv, layout_for
-from lmi_serve.engine.kv.slot_attention import use_decode_kernel
 from lmi_serve.engine.policy import max_model_len, vocab_size
 from lmi_serve.engine.sampling.watermark import Watermark, WatermarkSettings
 from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
@@ -59,7 +58,6 @@ def prepare_serving(model: Any, device: Any, config: ModelConfig, *, rolling: bo
     rows = config.max_rolling_batch_size if rolling else config.batch_size
     layout = choose_kv(model, config.kv_cache, rows=rows, columns=length, device=device)
     layout.prepare(model)  # before the warm-up's forward; followers prepare theirs the same way
-    use_decode_kernel(model, config.decode_attention == "auto")
     if tp_group is not None:
         layout = _replicated(layout, tp_group)
     return Serving(layout, length, adapters, _prefix_cache(config, layout, rolling))
@@ -140,10 +138,10 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
 
 def follower_layout(model: Any, config: ModelConfig) -> KVLayout:
     """A tensor-parallel follower's layout: rank 0's, unwrapped (the follower replays its ops), and
-    prepared as rank 0's is, so every rank's shard runs the same forward."""
+    prepared as rank 0's is, so every rank's shard runs the same forward (its kernels planned before:
+    kernels/plan.py, as rank 0's)."""
     layout = layout_for(model, config.kv_cache)
     layout.prepare(model)
-    use_decode_kernel(model, config.decode_attention == "auto")
     return layout
 
 

@@ -82,7 +82,7 @@ def choose_dtype(dtype: str, gpus: int, declared: str | None) -> tuple[torch.dty
     that declares `declared` (checkpoint_dtype).
 
     CPU: `auto` is fp32, the exact default. `bf16` is an opt-in: fast where the CPU computes bf16 in hardware
-    (avx512_bf16 or AMX: its Linear layers then run on oneDNN, model/linear_kernels.py), emulated and slower
+    (avx512_bf16 or AMX: its Linear layers then run on oneDNN, kernels/layers/linear_kernels.py), emulated and slower
     elsewhere, and never exact.
     GPU: `auto` follows the checkpoint (fp16, bf16 or fp32; fp16, DJL LMI's default, when it declares
     none), except bf16 on a GPU below compute capability 8.0, which only emulates it: fp16 there."""
@@ -92,7 +92,7 @@ def choose_dtype(dtype: str, gpus: int, declared: str | None) -> tuple[torch.dty
             if not native:
                 return torch.bfloat16, f"option.dtype=bf16, though this GPU ({gpu}) only emulates bf16 (slower than fp16)"
         if dtype == "bf16" and not gpus:
-            from lmi_serve.model.linear_kernels import bf16_native
+            from lmi_serve.kernels.host import bf16_native
 
             how = ("computed in hardware (avx512_bf16/AMX) on oneDNN" if bf16_native()
                    else "though this CPU only emulates bf16 (no avx512_bf16 or AMX): slower than fp32")

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmi_serve.model.linear_kernels import OneDnnLinear, on_onednn
-from lmi_serve.model.surgery import replace_module
+from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, on_onednn
+from lmi_serve.kernels.layers.surgery import replace_module
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

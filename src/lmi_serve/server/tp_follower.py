@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from lmi_serve.engine.build import follower_layout
     from lmi_serve.engine.kv.replicate import follow
+    from lmi_serve.kernels.host import probe
+    from lmi_serve.kernels.plan import plan_kernels
     from lmi_serve.model.loader import load_generation_model
     from lmi_serve.model.source import ModelLoadError
     from lmi_serve.model.tp import join_group, watch_parent
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("Rank %d: %s", args.rank, exc)
         return 2
     model = loaded.model
+    # rank 0's plan (serving/handlers/huggingface.py), so every rank's shard runs the same forward
+    plan = plan_kernels(model, config, probe(), device=loaded.device, sharded=True)
+    log.info("Rank %d: %s", args.rank, plan.summary())
     try:
         follow(model, follower_layout(model, config), device)
     except Exception as exc:  # rank 0 is gone or out of step: this rank can do nothing more

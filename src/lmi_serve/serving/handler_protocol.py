@@ -12,6 +12,7 @@ capability                  Protocol              used by
 ``SUPPORTS_ROLLING_BATCH``  `RollingBatch`        the service (``option.rolling_batch``)
 ``get_engine()``            `RollingBatch`        TGI, OpenAI, KServe/Triton generation, ``/models``
 ``get_vision()``            `RollingBatch`        OpenAI chat ``image_url`` parts (a VLM's processor)
+``get_kernel_plan()``       (built-in handlers)   ``GET /models/<m>``: what runs the forward (kernels/plan.py)
 ``INPUT_TENSORS``           `TensorModel`         KServe v2 / Triton tensor routes, task inference
 ``OUTPUT_TENSORS``          `TensorModel`         KServe v2 / Triton tensor routes
 ``count_tokens(texts)``     `EmbeddingModel`      OpenAI ``/v1/embeddings`` (usage, limits)
@@ -190,6 +191,7 @@ class HandlerCapabilities:
     supports_rolling_batch: bool = False
     get_engine: Callable[[], Engine | None] | None = None
     get_vision: Callable[[], Any] | None = None
+    get_kernel_plan: Callable[[], Any] | None = None
     input_tensors: tuple[TensorSpec, ...] | None = None
     output_tensors: tuple[TensorSpec, ...] | None = None
     count_tokens: Callable[[list[str]], list[int]] | None = None
@@ -227,6 +229,7 @@ class HandlerCapabilities:
             load=_function(module, "load", where) if builtin else None,
             supports_rolling_batch=bool(rolling), get_engine=_function(module, "get_engine", where),
             get_vision=_function(module, "get_vision", where),
+            get_kernel_plan=_function(module, "get_kernel_plan", where),
             input_tensors=inputs, output_tensors=outputs,
             count_tokens=_function(module, "count_tokens", where),
             embedding_limits=_function(module, "embedding_limits", where),

@@ -69,6 +69,7 @@ class ModelService:
         self.rolling_batch = False
         self.engine = None  # the handler's rolling-batch Engine, for dialects that talk to it directly
         self.vision = None  # a vision-language model's serving/vision.VisionInputs (handler's get_vision)
+        self.kernels = None  # what runs the forward here: kernels/plan.py's KernelPlan (handler's get_kernel_plan)
         self.capabilities: HandlerCapabilities | None = None  # what the handler declares (handler_protocol.py)
 
     def load(self) -> None:
@@ -87,6 +88,7 @@ class ModelService:
             dispatcher = self._dispatcher(caps, rolling)
             engine = caps.get_engine() if caps.get_engine is not None else None
             vision = caps.get_vision() if caps.get_vision is not None else None
+            kernels = caps.get_kernel_plan() if caps.get_kernel_plan is not None else None
         except (ModelTaskError, ModelLoadError) as exc:  # the message says what to fix; no traceback
             return self._failed(exc, "failed to load")
         except Exception as exc:
@@ -98,6 +100,7 @@ class ModelService:
             log.error("Model %s: %s", self.name, self.error)
             return
         self.dispatcher, self.engine, self.rolling_batch, self.vision = dispatcher, engine, rolling, vision
+        self.kernels = kernels
         self.capabilities = caps
         if self.observer is not None:
             self.observer.model_loaded(elapsed)
@@ -247,7 +250,7 @@ class ModelService:
         if self.dispatcher is not None:
             self.dispatcher.stop(NotReady(reason))
         self.status, self.error = ModelStatus.FAILED, "unloaded"
-        self.dispatcher = self.engine = self.capabilities = self.vision = None
+        self.dispatcher = self.engine = self.capabilities = self.vision = self.kernels = None
 
     def _idle(self) -> bool:
         if self.engine is not None:

@@ -16,7 +16,7 @@ import requests
 
 from server_process import serving
 
-from lmi_serve.model import vnni_matmul
+from lmi_serve.kernels.cpu import vnni_matmul
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ def test_the_text_model_is_quantized_and_generates(quantized_store):
                           json={"inputs": "The capital of France is", "parameters": {"max_new_tokens": 4}})
     assert reply.status_code == 200, reply.text
     assert reply.json()["generated_text"].strip()
-    assert "option.quantize=fp16:" in quantized_store.output()  # model/quantize.py's report
+    assert "option.quantize=fp16:" in quantized_store.output()  # kernels/layers/quantize.py's report
 
 
 def test_the_embedding_model_embeds(quantized_store):
@@ -109,7 +109,7 @@ def q4_bf16_server():
 
 def test_q4_bf16_server_logs_the_stacked_int4_swap_and_streams_what_it_returns(q4_bf16_server):
     log = q4_bf16_server.output()
-    swapped = 211 if vnni_matmul.available() else 210  # the lm_head (tied, GGUF Q8_0) on the VNNI kernel only
+    swapped = 211 if vnni_matmul.kernel() is not None else 210  # the lm_head (tied, GGUF Q8_0) on the VNNI kernel only
     assert f"option.quantize=q4: {swapped} Linear layers swapped (150 of them stacked" in log, log[-3000:]
     assert "option.dtype=bf16" in log and "vectorized for bf16 activations only" not in log  # no slow-path warning
     for prompt in PROMPTS[0::2]:  # not the haiku: its first token is nearly a tie of a newline and EOS

@@ -34,9 +34,10 @@ from lmi_serve.engine.kv.slots import SlotKV, SlotLayout
 from lmi_serve.engine.speculation import NgramSettings, NgramSpeculation
 from lmi_serve.engine.support import layer_types
 from lmi_serve.engine.types import FinishReason, GenerationRequest, StopParams
-from lmi_serve.model.fused_norms import FusedRMSNorm, use_fused_norms
-from lmi_serve.model.lean_layers import LEAN_LAYERS, use_lean_layers
-from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
+from lmi_serve.kernels.layers.fused_norms import FusedRMSNorm, use_fused_norms
+from lmi_serve.kernels.layers.lean_layers import LEAN_LAYERS, use_lean_layers
+from lmi_serve.kernels.host import onednn_available
+from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
 from waiting import within
 
 CPU = torch.device("cpu")
@@ -165,7 +166,7 @@ def greedy(prompt: tuple[int, ...], n: int = NEW_TOKENS) -> GenerationRequest:
     return GenerationRequest(prompt, stop=StopParams(max_new_tokens=n, eos_token_ids=frozenset(), ignore_eos=True))
 
 
-# Families whose RMSNorm is Llama's formula, which F.rms_norm must take over (model/fused_norms.py).
+# Families whose RMSNorm is Llama's formula, which F.rms_norm must take over (kernels/layers/fused_norms.py).
 LLAMA_NORMS = frozenset({"llama_rope_scaling", "qwen2", "qwen3", "mistral", "phi3"})
 
 
@@ -224,9 +225,9 @@ class EveryLengthItsPart(SlotKV):
 
 
 KV_UNDER_TEST = {**KV_LAYOUTS, "slots-parts": SlotLayout(EveryLengthItsPart)}
-# Every family also runs with its fp32 Linear layers on oneDNN (option.linear_kernel, model/linear_kernels.py)
+# Every family also runs with its fp32 Linear layers on oneDNN (option.linear_kernel, kernels/layers/linear_kernels.py)
 # on its default KV cache: the references are then generate()'s on the swapped model, before the families
-# that have them get their lean decoder layers (model/lean_layers.py), as the server runs them.
+# that have them get their lean decoder layers (kernels/layers/lean_layers.py), as the server runs them.
 ONEDNN = "onednn"
 CASES = [(name, kv) for name in FAMILIES for kv in ((None,) if name in SEQ2SEQ else sorted(KV_UNDER_TEST))]
 CASES += [(name, ONEDNN) for name in FAMILIES] if onednn_available() else []

@@ -181,7 +181,8 @@ def test_a_follower_gets_rank_0s_layout_unwrapped_and_prepared(tiny_model, smoll
 def test_option_decode_attention_chooses_the_decode_steps_attention(tiny_model, smollm2_tokenizer, monkeypatch,
                                                                      choice, kernel_calls):
     from lmi_serve.engine.batch import Batch, make_row
-    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.kernels.attention import use_decode_kernel
+    from lmi_serve.kernels.cpu import decode_kernel
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
     if decode_kernel.kernel() is None:
@@ -190,8 +191,10 @@ def test_option_decode_attention_chooses_the_decode_steps_attention(tiny_model, 
     attend = decode_kernel.attend
     monkeypatch.setattr(decode_kernel, "attend", lambda *args: calls.append(1) or attend(*args))
     model = unprepared(tiny_model)
+    use_decode_kernel(model, choice == "auto")  # the kernel plan's decode_attention step (kernels/plan.py)
     layout = prepare_serving(model, CPU, config(decode_attention=choice), rolling=True).kv_layout
     follower = unprepared(tiny_model)
+    use_decode_kernel(follower, choice == "auto")
     follower_layout(follower, config(decode_attention=choice))
     for prepared in (model, follower):
         calls.clear()
@@ -210,7 +213,8 @@ def test_a_bf16_models_decode_steps_take_the_kernel_and_agree_with_sdpa(
     """option.dtype=bf16: with `auto` a decode step attends in the kernel, one row or more, and its logits are
     SDPA's to bf16's rounding."""
     from lmi_serve.engine.batch import Batch, make_row
-    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.kernels.attention import use_decode_kernel
+    from lmi_serve.kernels.cpu import decode_kernel
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
 
     if decode_kernel.kernel() is None:
@@ -221,6 +225,7 @@ def test_a_bf16_models_decode_steps_take_the_kernel_and_agree_with_sdpa(
     logits = {}
     for choice in ("auto", "sdpa"):
         model = unprepared(tiny_model).to(torch.bfloat16)
+        use_decode_kernel(model, choice == "auto")  # the kernel plan's decode_attention step (kernels/plan.py)
         layout = prepare_serving(model, CPU, config(decode_attention=choice, dtype="bf16"), rolling=True).kv_layout
         stop = StopParams(max_new_tokens=4, ignore_eos=True)
         requests = [GenerationRequest(tuple(range(1, 4 + 3 * i)), SamplingParams(), stop) for i in range(rows)]
@@ -240,10 +245,10 @@ def test_lean_decode_steps_write_and_attend_in_one_call_with_the_same_bits(tiny_
     (SlotCache.decode_attend), at every layer, and the logits are those of transformers' update and
     attention interface, bit for bit (rows of different lengths: a masked step)."""
     from lmi_serve.engine.batch import Batch, make_row
-    from lmi_serve.engine.kv import decode_kernel
+    from lmi_serve.kernels.cpu import decode_kernel
     from lmi_serve.engine.kv.slots import SlotCache
     from lmi_serve.engine.types import GenerationRequest, SamplingParams, StopParams
-    from lmi_serve.model.lean_layers import use_lean_layers
+    from lmi_serve.kernels.layers.lean_layers import use_lean_layers
 
     if decode_kernel.kernel() is None:
         pytest.skip("numba's OpenMP layer is unavailable here")

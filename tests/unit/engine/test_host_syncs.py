@@ -61,7 +61,7 @@ class SyncCounter:
         self.calls: collections.Counter[str] = collections.Counter()
 
     def _count(self, name: str) -> None:
-        # kv/decode_kernel.py runs on CPU tensors only: its `.numpy()` views host memory, never waits for a device
+        # kernels/cpu/decode_kernel.py runs on CPU tensors only: its `.numpy()` views host memory, never waits for a device
         if self.active and not sys._getframe(2).f_code.co_filename.endswith(f"kv{os.sep}decode_kernel.py"):
             self.calls[f"{name} (in transformers)" if _in_transformers() else name] += 1
 

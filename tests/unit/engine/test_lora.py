@@ -234,11 +234,12 @@ def test_each_layer_indexes_its_rows_on_its_own_input_device():
 
 
 def test_adapters_on_stacked_onednn_layers(tiny_model, adapter_dirs, prompt_ids):
-    """q/k/v and gate/up stacked into one oneDNN matmul each (model/shared_input.py): LoRA still wraps every
+    """q/k/v and gate/up stacked into one oneDNN matmul each (kernels/layers/shared_input.py): LoRA still wraps every
     one of them, base rows keep the stacked base model's logits bit for bit, adapter rows match PEFT."""
     from peft import PeftModel
 
-    from lmi_serve.model.linear_kernels import onednn_available, use_linear_kernel
+    from lmi_serve.kernels.host import onednn_available
+    from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
     if not onednn_available():
         pytest.skip("this torch was built without oneDNN")
     base = copy.deepcopy(tiny_model)

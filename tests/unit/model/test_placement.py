@@ -112,7 +112,7 @@ def test_tensor_parallel_ranks_take_the_workers_gpus_in_order(fake_gpus):
 
 
 def test_bf16_on_a_cpu_is_the_opt_in_and_says_whether_the_cpu_computes_it(fake_gpus, caplog):
-    from lmi_serve.model.linear_kernels import bf16_native
+    from lmi_serve.kernels.host import bf16_native
 
     fake_gpus()
     with caplog.at_level(logging.INFO, logger=loader.__name__):

@@ -1,6 +1,7 @@
 """The docs/ site: it builds strictly (a warning fails), the strict build does catch a broken link, a
 broken anchor and a page left out of the nav, and docs/configuration.md's option table is the one
-lmi_serve.config.doc renders from the config models, every key and variable it lists working."""
+lmi_serve.config.doc renders from the config models, every key and variable it lists working (and
+docs/kernels.md's table the one lmi_serve.kernels.doc renders from kernels/registry.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from markdown.extensions.toc import slugify
 
 from lmi_serve.config import doc as config_doc
+from lmi_serve.kernels import doc as kernels_doc
 from lmi_serve.config.models import ModelConfig
 from lmi_serve.config.sources import load_model_config
 
@@ -82,6 +84,14 @@ def test_configuration_page_is_the_generated_one() -> None:
     current = page.read_text(encoding="utf-8")
     assert current == config_doc.render_page(current), (
         "docs/configuration.md differs from the config models: run `.venv/bin/python -m lmi_serve.config.doc`")
+
+
+def test_kernels_page_is_the_generated_one() -> None:
+    """docs/kernels.md's table is kernels/registry.py's, as the option table is the config models'."""
+    page = ROOT / "docs" / "kernels.md"
+    current = page.read_text(encoding="utf-8")
+    assert current == kernels_doc.render_page(current), (
+        "docs/kernels.md differs from kernels/registry.py: run `.venv/bin/python -m lmi_serve.kernels.doc`")
 
 
 def test_every_option_field_has_a_description() -> None:

@@ -157,8 +157,10 @@ def test_no_package_cycle():
     cycle = find_cycle(units)
     assert cycle is None, "package cycle: " + " -> ".join(cycle or ())
     # What the architecture says, checked directly, so a new edge shows where it broke the layering.
-    lower = {"config": {"server", "serving", "dialects", "engine", "model"}, "engine": {"server", "serving", "dialects"},
-             "model": {"server", "serving", "dialects", "engine"}}
+    # kernels/ sits above config and below model and engine: those may ask it what runs; it asks none of them.
+    lower = {"config": {"server", "serving", "dialects", "engine", "model", "kernels"},
+             "kernels": {"server", "serving", "dialects", "engine", "model"},
+             "engine": {"server", "serving", "dialects"}, "model": {"server", "serving", "dialects", "engine"}}
     for layer, above in lower.items():
         found = sorted(f"{a} -> {b}" for a, targets in units.items() if a.startswith(f"{PACKAGE}.{layer}")
                        for b in targets if b.split(".")[1] in above)

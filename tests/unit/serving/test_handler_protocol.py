@@ -217,7 +217,7 @@ def no_model(monkeypatch):
     import lmi_serve.engine.kv.slots
     import lmi_serve.engine.static_batch
     import lmi_serve.engine.sampling.watermark
-    import lmi_serve.model.linear_kernels
+    import lmi_serve.kernels.plan
     import lmi_serve.model.loader
 
     calls: dict = {}
@@ -236,12 +236,13 @@ def no_model(monkeypatch):
     class Watermark(Recorder):
         pass
 
-    def use_linear_kernel(model, requested, device, row_kernel="auto"):
-        calls["use_linear_kernel"] = requested
-        calls["row_kernel"] = row_kernel
+    def plan_kernels(model, config, host, *, device, generates=True, gguf=None, sharded=False):
+        calls["use_linear_kernel"] = "torch" if sharded else config.linear_kernel
+        calls["row_kernel"] = config.row_kernel
+        return SimpleNamespace(summary=lambda: "Kernel plan: none (a test's fake)")
 
     monkeypatch.setattr(lmi_serve.model.loader, "load_generation_model", load_generation_model)
-    monkeypatch.setattr(lmi_serve.model.linear_kernels, "use_linear_kernel", use_linear_kernel)
+    monkeypatch.setattr(lmi_serve.kernels.plan, "plan_kernels", plan_kernels)
     monkeypatch.setattr(lmi_serve.engine.engine, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.engine.build, "Engine", Engine)
     monkeypatch.setattr(lmi_serve.dialects.lmi.rolling, "RollingBatchService", RollingBatchService)

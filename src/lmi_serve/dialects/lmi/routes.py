@@ -175,11 +175,18 @@ def _describe(service: ModelService) -> dict:
         "batchStats": {"batches": stats.batches, "requests": stats.requests,
                        "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
         if stats else None,
-        **({"engine": _engine_stats(service.engine.stats())} if service.engine else {}),
+        # what runs the forward on this host (kernels/plan.py): in the engine section, or alone for an encoder
+        **({"engine": {**_engine_stats(service.engine.stats()), **_kernels(service)}} if service.engine
+           else _kernels(service)),
         # LoRA adapters with their requests (served since registration, and active now)
         **({"adapters": [a.describe() for a in service.engine.adapters.list()]}
            if getattr(service.engine, "adapters", None) is not None else {}),
     }
+
+
+def _kernels(service: ModelService) -> dict:
+    plan = getattr(service, "kernels", None)
+    return {"kernels": plan.describe()} if plan is not None else {}
 
 
 def _engine_stats(stats: EngineStats) -> dict:

@@ -26,11 +26,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import pack_gqa, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from lmi_serve.engine.kv import decode_kernel
+from lmi_serve.kernels.attention import attention_configs as _attention_configs
+from lmi_serve.kernels.attention import decode_kernel_applies
+from lmi_serve.kernels.cpu import decode_kernel
 
 ATTENTION = "lmi_slot_parts"
-# On a model's config (absent: True); False keeps its decode steps on SDPA (use_decode_kernel, engine/build.py).
-KERNEL_FLAG = "_lmi_decode_kernel"
 
 
 class Parts(tuple):
@@ -57,11 +57,6 @@ def special_kwargs(kwargs: dict) -> bool:
     return any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _SPECIAL)
 
 
-def decode_kernel_applies(module: torch.nn.Module) -> bool:
-    """Whether `module`'s model lets its decode steps attend in kv/decode_kernel.py (option.decode_attention)."""
-    return getattr(getattr(module, "config", None), KERNEL_FLAG, True)
-
-
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
@@ -69,7 +64,7 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     queries (transformers' `pack_gqa`), with or without a mask. transformers does this only when
     there is a mask; without one it asks SDPA to broadcast the K/V heads (`enable_gqa`), which took
     0.66 ms where this takes 0.36 (32 rows of 208 tokens, SmolLM2's 9 query and 3 K/V heads).
-    fp32 or bf16 on the CPU, kv/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
+    fp32 or bf16 on the CPU, kernels/cpu/decode_kernel.py's kernel attends instead (option.decode_attention=auto)."""
     if query.shape[2] != 1 or special_kwargs(kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if not dropout and decode_kernel_applies(module) and decode_kernel.eligible(query, key, value, attention_mask):
@@ -128,11 +123,6 @@ AttentionInterface.register(ATTENTION, parts_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-def _attention_configs(model: Any) -> list[Any]:
-    config = model.config
-    return [config, *(c for c in (getattr(config, "text_config", None),) if c is not None and c is not config)]
-
-
 def attends_by_parts(model: Any) -> bool:
     """Whether `model` attends with `parts_attention` now (`use_parts` made it so)."""
     if not getattr(model, "_supports_attention_backend", False):
@@ -154,13 +144,3 @@ def use_parts(model: Any) -> bool:
     for config in configs:
         config._attn_implementation = ATTENTION
     return True
-
-
-def use_decode_kernel(model: Any, on: bool) -> None:
-    """Whether `model`'s decode steps may attend with kv/decode_kernel.py where it applies (option.decode_attention);
-    when they may and the model is fp32 or bf16 on the CPU, the kernel is compiled now, not in a request's step."""
-    for config in _attention_configs(model):
-        setattr(config, KERNEL_FLAG, on)
-    device = getattr(model, "device", None)
-    if on and getattr(model, "dtype", None) in decode_kernel.DTYPES and getattr(device, "type", None) == "cpu":
-        decode_kernel.kernel()

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmi_serve.engine.kv.column_copy import copy_column
+from lmi_serve.kernels.cpu.column_copy import copy_column
 
 ROW_STEP = 8  # row capacity grows in multiples of this
 MIN_COLUMNS = 256  # column capacity: at least this, doubling as sequences grow
@@ -70,7 +70,7 @@ class SlotPart:
 
     def write_column(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`write` of a decode step's one column (key and value [rows, heads, 1, dim] on the CPU, rows the part's,
-        inside a forward's inference mode) by address where the buffers have room (kv/column_copy.py): ~3
+        inside a forward's inference mode) by address where the buffers have room (kernels/cpu/column_copy.py): ~3
         against ~9 µs a layer; else `write`."""
         end, store = self.end, self.key_store
         if not self.rows or end >= store.shape[2] or not copy_column(store, self.value_store, key, value, end):

@@ -42,10 +42,10 @@ from transformers.cache_utils import DynamicLayer
 
 from lmi_serve.engine.kv.dynamic import DynamicKV, DynamicLayout
 from lmi_serve.engine.kv.protocol import Prefilled
-from lmi_serve.engine.kv import decode_kernel
-from lmi_serve.engine.kv.slot_attention import (ATTENTION, Parts, attends_by_parts, decode_attention,
-                                                decode_kernel_applies, special_kwargs)
+from lmi_serve.engine.kv.slot_attention import ATTENTION, Parts, attends_by_parts, decode_attention, special_kwargs
 from lmi_serve.engine.kv.slot_part import SlotPart
+from lmi_serve.kernels.attention import decode_kernel_applies
+from lmi_serve.kernels.cpu import decode_kernel
 
 # Two neighbouring parts merge when that adds at most this many padded (row, column) cells, about
 # what attending per part costs in calls (measured: a cell ~4 us a step over 30 layers, a part's
@@ -124,8 +124,8 @@ class SlotCache(DynamicCache):
     def decode_attend(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       kwargs: Mapping[str, Any]) -> torch.Tensor | None:
-        """A decode step's layer: its K/V column written and attended in kv/decode_kernel.py, without
-        transformers' `update` and attention interface in between (model/lean_layers.py asks; ~15 calls a
+        """A decode step's layer: its K/V column written and attended in kernels/cpu/decode_kernel.py, without
+        transformers' `update` and attention interface in between (kernels/layers/lean_layers.py asks; ~15 calls a
         layer fewer). The same write and the same kernel call as that way, so the same bits; returns the
         attention's output [rows, 1, query heads, dim], or None, having written nothing, where this does not
         apply (the caller then updates and attends as usual)."""

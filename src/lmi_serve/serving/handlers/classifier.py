@@ -19,6 +19,7 @@ length and cut at MAX_BATCH_TOKENS padded tokens, as the embedding handler does.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import NamedTuple
 
@@ -27,11 +28,14 @@ import torch
 from lmi_serve.config.sources import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
-from lmi_serve.model.linear_kernels import use_linear_kernel
+from lmi_serve.kernels.host import probe
+from lmi_serve.kernels.plan import KernelPlan, plan_kernels
 from lmi_serve.model.loader import load_encoder
 from lmi_serve.serving.classification import ACTIVATIONS, ClassifierHead, activate, head_from_config
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.serving.handlers.embeddings import token_budget_chunks  # the one token-budget rule
+
+log = logging.getLogger(__name__)
 
 TASK = "text-classification"
 MAX_BATCH_TOKENS = 16384  # padded tokens in one forward, as embeddings.py (TEI's max_batch_tokens)
@@ -126,8 +130,9 @@ class ClassifierService:
                               revision=config.revision, trust_remote_code=config.trust_remote_code,
                               head="AutoModelForSequenceClassification")
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
-        # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel
-        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device, row_kernel="off")
+        # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel (kernels/plan.py)
+        self.kernels = plan_kernels(self.model, config, probe(), device=self.device, generates=False)
+        log.info("%s", self.kernels.summary())
         self.max_length = min(self.tokenizer.model_max_length, 512)
         self.head = head_from_config(self.model.config.to_dict())
         # count_tokens runs on request threads beside the batch's forward: a fast tokenizer called with
@@ -199,6 +204,11 @@ def load(config: ModelConfig, context: HandlerContext) -> None:
     """The server's typed first call (handler_protocol.TypedLoad): load the model once."""
     global _service
     _service = ClassifierService(config)
+
+
+def get_kernel_plan() -> KernelPlan | None:
+    """What runs the model's forward on this host (kernels/plan.py), for GET /models/<m>."""
+    return _service.kernels if _service else None
 
 
 def count_tokens(rows: list[Row]) -> list[int]:

@@ -28,7 +28,8 @@ import torch
 from lmi_serve.config.sources import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
-from lmi_serve.model.linear_kernels import use_linear_kernel
+from lmi_serve.kernels.host import probe
+from lmi_serve.kernels.plan import KernelPlan, plan_kernels
 from lmi_serve.model.loader import load_encoder
 from lmi_serve.model.pooling import SentenceHead, finish
 from lmi_serve.model.sentence_config import SentenceConfig, read_sentence_config
@@ -95,8 +96,9 @@ class EmbeddingService:
         self.head = SentenceHead(self.sentence, self.device)
         if self.sentence.do_lower_case:
             lowercase_tokenizer(self.tokenizer)
-        # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel
-        self.linear_kernel = use_linear_kernel(self.model, config.linear_kernel, self.device, row_kernel="off")
+        # an encoder's batches are whole inputs, never one or two rows: no copy for the row kernel (kernels/plan.py)
+        self.kernels = plan_kernels(self.model, config, probe(), device=self.device, generates=False)
+        log.info("%s", self.kernels.summary())
         self.max_length = self.sentence.max_seq_length or min(
             self.tokenizer.model_max_length, getattr(self.model.config, "max_position_embeddings", 512) or 512)
         self.dimension = self.sentence.dimension(self.model.config.hidden_size)
@@ -258,6 +260,11 @@ def load(config: ModelConfig, context: HandlerContext) -> None:
     """The server's typed first call (handler_protocol.TypedLoad): load the model once."""
     global _service
     _service = EmbeddingService(config)
+
+
+def get_kernel_plan() -> KernelPlan | None:
+    """What runs the model's forward on this host (kernels/plan.py), for GET /models/<m>."""
+    return _service.kernels if _service else None
 
 
 def count_tokens(texts: list[str]) -> list[int]:

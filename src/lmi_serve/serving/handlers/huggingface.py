@@ -12,6 +12,8 @@ properties instead, validated back into a ModelConfig. Two modes, chosen once at
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from lmi_serve.config.sources import ModelConfig, tensor_parallel_conflict
@@ -25,21 +27,26 @@ from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopPara
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.chat_template import override_chat_template
-from lmi_serve.model.linear_kernels import use_linear_kernel
 from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
-from lmi_serve.model.quantize import QuantizeReport, quantize_model
+from lmi_serve.kernels.host import probe
+from lmi_serve.kernels.plan import KernelPlan, plan_kernels
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
 from lmi_serve.dialects.common.image_fetch import FetchPolicy
 from lmi_serve.serving.vision import VisionInputs
 
+log = logging.getLogger(__name__)
 
-def _quantize(model, config: ModelConfig, device) -> QuantizeReport:
-    """option.quantize: swap the Linear layers (model/quantize.py); q4 reads the GGUF the model came from."""
+
+def _plan(model, config: ModelConfig, device, sharded: bool) -> KernelPlan:
+    """The kernels' swaps in their order (kernels/plan.py), logged once; option.quantize=q4 reads the GGUF the
+    model came from. A sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication."""
     gguf = None
     if config.quantize == "q4":
         gguf = find_gguf(resolve_model_source(config.model_id or config.model_dir), config.gguf_file)
-    return quantize_model(model, config.quantize, device, gguf)
+    plan = plan_kernels(model, config, probe(), device=device, gguf=gguf, sharded=sharded)
+    log.info("%s", plan.summary())
+    return plan
 
 
 def _tensor_parallel(config: ModelConfig, context: HandlerContext) -> TPGroup | None:
@@ -79,11 +86,7 @@ class TextGenerationService:
         self.vision = (VisionInputs(processor, config.limit_mm_per_prompt,
                                     FetchPolicy(config.image_fetch, config.image_fetch_timeout))
                        if processor is not None else None)
-        self.quantized = _quantize(self.model, config, self.device)
-        # After the swap above: its fp16 / int4 layers are not nn.Linear, the fp32 ones it kept are. A
-        # sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication.
-        kernel = "torch" if self.tp_group is not None else config.linear_kernel
-        self.linear_kernel = use_linear_kernel(self.model, kernel, self.device, row_kernel=config.row_kernel)
+        self.kernels = _plan(self.model, config, self.device, sharded=self.tp_group is not None)
         # After the swaps above (LoRA wraps the layers as they will run) and before the warm-up: the
         # support check, LoRA, the context limit, the KV layout, tensor parallelism (engine/build.py).
         serving = prepare_serving(self.model, self.device, config, rolling=context.rolling_batch,
@@ -177,6 +180,11 @@ def load(config: ModelConfig, context: HandlerContext) -> None:
 def get_engine() -> Engine | None:
     """The rolling-batch engine, for dialects (TGI, OpenAI, KServe) that talk to it directly."""
     return _service.engine if _service else None
+
+
+def get_kernel_plan() -> KernelPlan | None:
+    """What runs the model's forward on this host (kernels/plan.py), for GET /models/<m>."""
+    return _service.kernels if _service else None
 
 
 def get_vision() -> VisionInputs | None:

@@ -54,6 +54,12 @@ def test_models_listing_and_description(default_server):
     assert entry["engine"]["maxBatchSize"] == 32
     phases = {"admit", "prefill", "decode", "sample", "emit", "deliver", "evict"}
     assert set(entry["engine"]["phaseSeconds"]) == set(entry["engine"]["phaseCounts"]) == phases
+    # what runs the forward here (kernels/plan.py): the steps in their order, every registry kernel reported
+    kernels = entry["engine"]["kernels"]
+    assert [step["name"] for step in kernels["steps"]][-1] == "decode_attention"
+    assert set(kernels["kernels"]) >= {"row", "decode_attention", "column_copy"} and "bf16" in kernels["host"]
+    embedding = requests.get(default_server.url(f"/models/{EMBEDDING_MODEL}"), timeout=10).json()[0]["models"][0]
+    assert "decode_attention" not in [step["name"] for step in embedding["kernels"]["steps"]]
 
 
 def test_greedy_capital_of_france(default_server):

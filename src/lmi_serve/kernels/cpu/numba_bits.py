@@ -1,0 +1,137 @@
+"""Helpers the numba kernels share (kernels/cpu/vnni_matmul.py, kernels/cpu/row_kernel.py, kernels/cpu/norm_kernel.py,
+kernels/cpu/decode_kernel.py): a torch tensor's address as a typed pointer, fp32 <-> its bits, bf16 read and
+written as its 16 bits (numba has no bf16), LLVM vectors as numba values, and numba's thread count kept at torch's.
+
+`NUMBA` is False where numba is not installed; the kernels then say they are unavailable and nothing here
+is defined but `helper`, which leaves a function as plain Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+try:
+    import numba
+    from llvmlite import ir
+    from numba.core import types
+    from numba.extending import intrinsic, models, register_model
+except ImportError:  # pragma: no cover - a dependency; without it the kernels are unavailable
+    numba = None
+
+NUMBA = numba is not None
+log = logging.getLogger(__name__)
+
+
+def helper(function):
+    """A numba function a kernel calls (compiled with it, lazily, inlined); plain Python where numba is missing."""
+    return numba.njit(cache=True, inline="always")(function) if numba is not None else function
+
+
+if numba is not None:
+    _I32 = ir.IntType(32)
+
+    def _pointer_to(element: ir.Type, element_type: types.Type):
+        """An intrinsic that reads an integer address (a torch tensor's data_ptr()) as a pointer to `element`:
+        no numpy view made per call (~1 µs each)."""
+        @intrinsic
+        def pointer(typingctx, address):
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], element.as_pointer())
+            return types.CPointer(element_type)(address), codegen
+        return pointer
+
+    bf16_pointer = _pointer_to(ir.IntType(16), types.uint16)  # bf16 (or fp16) as its bits
+    float32_pointer = _pointer_to(ir.FloatType(), types.float32)
+    byte_pointer = _pointer_to(ir.IntType(8), types.uint8)  # a bool tensor's bytes
+
+    @intrinsic
+    def float_bits(typingctx, value):
+        return types.uint32(value), lambda context, builder, signature, args: builder.bitcast(args[0], _I32)
+
+    @intrinsic
+    def bits_float(typingctx, bits):
+        """The fp32 whose bits are the low 32 of the integer `bits` (numba widens shifted integers)."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], _I32)
+            return builder.bitcast(low, ir.FloatType())
+        return types.float32(bits), codegen
+
+    class Vector(types.Type):
+        """An LLVM vector value in numba code (`element` i16, i32 or f32): only intrinsics make or take one."""
+
+        def __init__(self, element: str, lanes: int):
+            self.element, self.lanes = element, lanes
+            super().__init__(name=f"vector_{element}x{lanes}")
+
+    _ELEMENTS = {"i16": ir.IntType(16), "i32": ir.IntType(32), "f32": ir.FloatType()}
+    FLOAT32x16 = Vector("f32", 16)
+    FLOATS16 = ir.VectorType(ir.FloatType(), 16)
+
+    @register_model(Vector)
+    class _VectorModel(models.PrimitiveModel):
+        def __init__(self, dmm, fe_type):
+            super().__init__(dmm, fe_type, ir.VectorType(_ELEMENTS[fe_type.element], fe_type.lanes))
+
+    @intrinsic
+    def zeros16(typingctx):
+        """16 fp32 zeros."""
+        return FLOAT32x16(), lambda context, builder, signature, args: ir.Constant(FLOATS16, None)
+
+
+@helper
+def widen(bits):  # pragma: no cover - numba compiles it
+    """bf16 bits (uint16) -> the fp32 they are the top half of (exact)."""
+    return bits_float(np.uint32(bits) << 16)
+
+
+@helper
+def bf16(value):  # pragma: no cover - numba compiles it
+    """fp32 -> bf16 bits, rounded to nearest even (torch's rounding); NaN stays NaN."""
+    bits = float_bits(value)
+    if value != value:
+        return np.uint16((bits >> 16) | 0x40)
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
+
+
+_threads = threading.local()  # numba's thread count is per calling thread
+
+
+def match_torch_threads() -> None:
+    """Run the calling thread's next parallel kernel on torch's thread count (set only when it changed: ~1 µs)."""
+    threads = torch.get_num_threads()
+    if getattr(_threads, "count", None) != threads:
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _threads.count = threads
+
+
+class CompiledOnce:
+    """A kernel compiled on its first use, once, under a lock: `get()` returns it, or None where compiling
+    raised (logged once at `level`, after `unavailable`: what runs instead). `value` reads it without the lock
+    once compiled (kernels called many times a step); `error` says why compiling failed, where it did."""
+
+    def __init__(self, compile: Callable[[], Any], unavailable: str, level: int = logging.INFO):
+        self._compile, self._unavailable, self._level = compile, unavailable, level
+        self._lock = threading.Lock()
+        self.done, self.value, self.error = False, None, None
+
+    def get(self) -> Any | None:
+        if not self.done:
+            with self._lock:
+                if not self.done:
+                    try:
+                        if numba is None:
+                            raise RuntimeError("numba is not installed")
+                        self.value = self._compile()
+                    except Exception as error:  # noqa: BLE001 - any failure means the fallback, said once
+                        self.error = f"{type(error).__name__}: {error}"
+                        log.log(self._level, "%s: %s", self._unavailable, error)
+                    self.done = True
+        return self.value

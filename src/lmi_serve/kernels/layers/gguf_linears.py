@@ -1,0 +1,214 @@
+"""Linear layers on a GGUF's own quantized blocks (option.quantize=q4; kernels/layers/quantize.py swaps them in).
+
+- Q4Linear: Q4_0 / Q4_1 blocks (w = d q + m per 32 weights, q in 0..15). With bf16 activations
+  (option.dtype=bf16) on CPUs with AVX-512 BF16: kernels/cpu/q4_kernel.py, the GGUF's scales kept exactly, ~0.7x
+  torch's int4 kernel's time. Otherwise torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`, group 32),
+  which computes (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: w = d (q - 8), zero = 0), its
+  scales and zeros in the activations' dtype: fp32 (exact relative to the GGUF; a scalar loop, slow) or bf16.
+- Q8Linear: Q8_0 blocks (w = d q, q int8, per 32 weights) with bf16 activations, on kernels/cpu/vnni_matmul.py's
+  kernel (CPUs with AVX-512 VNNI only): SmolLM2's tied lm_head is Q8_0 in its GGUF, and a one-row step reads
+  it as 30 MB instead of a bf16 copy's 57 MB.
+
+More than Q4_MAX_ROWS rows go to `dense` (the loaded weights on oneDNN's bf16 matmul) where given: the
+few-row kernels compute row by row (matrix-vector loops), and a GEMM wins above. Each few-row kernel
+computes a row on its own: a row's output does not depend on the others in the batch (the dense copy's
+does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmi_serve.kernels.cpu import q4_kernel, vnni_matmul
+from lmi_serve.kernels.registry import max_rows
+
+GROUP = 32  # weights per GGUF Q4 / Q8 block: one scale (and min) per 32 input columns
+# The limits are kernels/registry.py's. bf16 q4 layers with a dense copy: more rows than Q4_MAX_ROWS go to it.
+# Q8_0 layers: the VNNI kernel up to Q8_MAX_ROWS rows (level with bf16 oneDNN at 3-4, slower at 8).
+Q4_MAX_ROWS = max_rows("q4")
+Q8_MAX_ROWS = max_rows("q8_vnni")
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """One layer's GGUF Q4 blocks, unpacked: q in 0..15 and per-block scale and zero, so that
+    weight[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]."""
+
+    q: np.ndarray  # [N, K] uint8
+    scale: np.ndarray  # [N, K / 32] float32
+    zero: np.ndarray  # [N, K / 32] float32
+
+    @staticmethod
+    def concatenated(parts: list[Q4Blocks]) -> Q4Blocks:
+        """The blocks of one layer whose rows are `parts`' rows, one after the other."""
+        return Q4Blocks(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("q", "scale", "zero")))
+
+    def dequantize(self) -> torch.Tensor:
+        scale = torch.from_numpy(self.scale).repeat_interleave(GROUP, dim=1)
+        zero = torch.from_numpy(self.zero).repeat_interleave(GROUP, dim=1)
+        return (torch.from_numpy(self.q.astype(np.float32)) - 8) * scale + zero
+
+    def permuted(self, undo) -> Q4Blocks:
+        return Q4Blocks(undo(self.q), undo(self.scale), undo(self.zero))
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    """One layer's GGUF Q8_0 blocks, unpacked: weight[n, k] = q[n, k] * scale[n, k // 32]."""
+
+    q: np.ndarray  # [N, K] int8
+    scale: np.ndarray  # [N, K / 32] float32 (the GGUF's fp16 d)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.from_numpy(self.q.astype(np.float32)) * torch.from_numpy(self.scale).repeat_interleave(GROUP, 1)
+
+    def permuted(self, undo) -> Q8Blocks:
+        return Q8Blocks(undo(self.q), undo(self.scale))
+
+
+def _fp16_field(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
+    """A GGUF Q4_0 / Q4_1 tensor's bytes ([N, K/32 * block bytes] uint8) as Q4Blocks.
+
+    Block layout (ggml): Q4_1 = d (fp16), m (fp16), 16 bytes of nibbles; Q4_0 = d (fp16), 16 bytes.
+    Byte j holds element j in its low nibble and element j + 16 in its high nibble."""
+    head = 4 if type_name == "Q4_1" else 2
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, head + GROUP // 2)
+    d = _fp16_field(blocks, 0)
+    nibbles = blocks[..., head:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    if type_name == "Q4_1":
+        return Q4Blocks(q, d, _fp16_field(blocks, 2) + 8 * d)
+    return Q4Blocks(q, d, np.zeros_like(d))
+
+
+def unpack_q8_blocks(raw: np.ndarray) -> Q8Blocks:
+    """A GGUF Q8_0 tensor's bytes ([N, K/32 * 34] uint8: d (fp16), then 32 int8) as Q8Blocks."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 2 + GROUP)
+    return Q8Blocks(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1), _fp16_field(blocks, 0))
+
+
+class _BlockLinear(nn.Module):
+    """What Q4Linear and Q8Linear share: a few rows on their kernel (`_few_rows`), more on `dense`."""
+
+    weight = None  # as Fp16Linear's: no dense weight to read
+
+    def _setup(self, shape: tuple[int, int], bias: torch.Tensor | None, dtype: torch.dtype,
+               dense: nn.Module | None) -> None:
+        self.out_features, self.in_features = shape
+        self.dtype = dtype
+        self.dense = dense
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # each call skipped where it would be a no-op: 120 of these a SmolLM2 step, ~1 µs a call at one row
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.dtype != self.dtype:
+            flat = flat.to(self.dtype)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if self.dense is not None and flat.shape[0] > self.max_rows:
+            out = self.dense(flat)
+        else:
+            out = self._few_rows(flat)
+            bias = self._parameters.get("bias")  # the dict, not nn.Module.__getattr__
+            if bias is not None:
+                out = out + bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _held_bytes(self) -> int:
+        """Bytes its few-row kernel's weights take. They are not buffers: kernels/layers/surgery.py's
+        own_remaining_tensors gives every buffer new storage, which would leave the kernel's as a second copy."""
+        return 0
+
+    def stored_bytes(self) -> int:
+        dense = 0 if self.dense is None else self.in_features * self.out_features * 2  # its packed bf16 copy
+        buffers = sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+        return buffers + self._held_bytes() + dense
+
+    def _describe(self, weights: str) -> str:
+        activations = str(self.dtype).removeprefix("torch.")
+        dense = f", above {self.max_rows} rows bf16 oneDNN" if self.dense is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, weights={weights} group {GROUP}, "
+                f"activations={activations}{dense}")
+
+
+# the op's overload itself: calling the packet resolves it on every call (~1 µs; 120 calls a SmolLM2 step)
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+
+
+class Q4Linear(_BlockLinear):
+    """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16): bf16 on kernels/cpu/q4_kernel.py
+    where it runs (`kernel_weights`), else on torch's x86 int4 kernel (group 32); with `dense`, more than
+    Q4_MAX_ROWS rows there (SmolLM2's layer set at 1 / 8 / 32 rows: torch's int4 66 / 180 / 671 µs, bf16 oneDNN
+    163 / 200 / 375 µs)."""
+
+    max_rows = Q4_MAX_ROWS
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+                 dense: nn.Module | None = None):
+        super().__init__()
+        self._setup(blocks.q.shape, bias, dtype, dense)
+        self.kernel_weights = None
+        if dtype == torch.bfloat16 and q4_kernel.kernel() is not None:
+            self.kernel_weights = q4_kernel.pack(blocks.q, blocks.scale, blocks.zero)
+            return
+        q = torch.from_numpy(blocks.q.astype(np.int32))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        scale_zero = np.stack([blocks.scale.T, blocks.zero.T], axis=-1)  # [K/32, N, 2]
+        self.register_buffer("scale_zero", torch.from_numpy(np.ascontiguousarray(scale_zero)).to(dtype))
+
+    def _held_bytes(self) -> int:
+        return 0 if self.kernel_weights is None else self.kernel_weights.packed.nbytes
+
+    def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weights is not None:
+            return self.kernel_weights(flat)
+        buffers = self._buffers  # the dict, not nn.Module.__getattr__ (2 lookups a call)
+        return _INT4_MM(flat, buffers["packed"], GROUP, buffers["scale_zero"])
+
+    def extra_repr(self) -> str:
+        if self.kernel_weights is not None:
+            return self._describe("int4") + ", fp16 scales on the AVX-512 BF16 kernel"
+        return self._describe("int4")
+
+
+def q8_fits(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a Q8_0 layer this wide, computing in `dtype`, can run on this CPU (the VNNI kernel)."""
+    return dtype == torch.bfloat16 and in_features % GROUP == 0 and vnni_matmul.kernel() is not None
+
+
+class Q8Linear(_BlockLinear):
+    """`nn.Linear` on a GGUF's Q8_0 blocks with bf16 activations: up to Q8_MAX_ROWS rows on the VNNI kernel
+    (int16 activations), more on `dense`. Only where `q8_fits`."""
+
+    max_rows = Q8_MAX_ROWS
+
+    def __init__(self, blocks: Q8Blocks, bias: torch.Tensor | None, dense: nn.Module | None = None):
+        super().__init__()
+        self._setup(blocks.q.shape, bias, torch.bfloat16, dense)
+        if not q8_fits(self.in_features, torch.bfloat16):
+            raise ValueError(f"a Q8_0 layer needs the VNNI kernel: in_features a multiple of {GROUP} and a CPU "
+                             "with AVX-512 VNNI")
+        self.vnni_weights = vnni_matmul.pack(blocks.q, blocks.scale)  # (q, d): read by the kernel
+
+    def _held_bytes(self) -> int:
+        return sum(array.nbytes for array in self.vnni_weights)
+
+    def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        return vnni_matmul.matmul(flat, *self.vnni_weights)
+
+    def extra_repr(self) -> str:
+        return self._describe("int8") + ", int16 activations on VNNI"

@@ -1,0 +1,297 @@
+"""Opt-in lighter weights (`option.quantize`): swap a loaded model's `nn.Linear` modules in place.
+
+Pure model surgery: no engine, no HTTP. The model stays a transformers model; only its Linear
+modules are replaced, so every KV implementation and both batching modes work unchanged.
+
+- ``fp16``: weights stored in fp16, compute in fp32 (fbgemm's ``linear_prepack_fp16`` /
+  ``linear_dynamic_fp16``), on every Linear including lm_head. The output equals fp32 ``F.linear``
+  with the weights rounded to fp16. A tied lm_head gets its own fp16 copy: the input embedding
+  keeps its fp32 weight.
+- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 blocks, lossless relative to that GGUF:
+  Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
+  torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
+  w = d*(q - 8), zero = 0). Activations keep the model's dtype: fp32 (exact relative to the GGUF,
+  but the kernel has vector code for bf16 activations only, so fp32 is a slow scalar loop) or bf16
+  (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
+  kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
+  the CPU computes bf16, since the int4 kernel computes row by row). With bf16 activations on a CPU
+  with AVX-512 VNNI, layers the GGUF holds in Q8_0 (SmolLM2's lm_head, tied to a Q8_0 embedding) run
+  their own blocks at one or two rows (kernels/cpu/vnni_matmul.py); other types keep their loaded weights.
+  The layer classes are in kernels/layers/gguf_linears.py. Each packed layer is checked against the loaded
+  weight (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row
+  kernels compute each row on its own: a row's output does not depend on the others in the batch
+  (the bf16 copy's does).
+
+Both run on CPU only (the kernels are CPU kernels).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmi_serve.kernels.layers.gguf_linears import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, q8_fits, unpack_q4_blocks,
+                                          unpack_q8_blocks)
+from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
+from lmi_serve.kernels.layers.shared_input import concatenated_linear, stack_groups
+from lmi_serve.kernels.layers.surgery import own_remaining_tensors, process_rss, replace_module, return_freed_memory
+
+log = logging.getLogger(__name__)
+
+MODES = ("none", "fp16", "q4")
+_Q4_TYPES = ("Q4_0", "Q4_1")
+# max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
+_MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
+Q4_ACTIVATIONS = tuple(_MATCH_TOLERANCE)  # the dtypes a q4 layer computes in (the model's)
+
+
+class QuantizeError(ValueError):
+    """`option.quantize` cannot apply to this model; the message says why and what to do."""
+
+
+@dataclass
+class QuantizeReport:
+    """What a swap did: for the start-up log and the benchmarks."""
+
+    mode: str
+    swapped: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # Linear module -> why it keeps fp32 weights
+    weight_bytes_before: int = 0  # the swapped layers' weights as they were
+    weight_bytes_after: int = 0  # the same layers' weights as stored now
+    rss_before: int = 0
+    rss_after: int = 0
+    seconds: float = 0.0
+    max_abs_diff: float = 0.0  # q4: largest |packed weight - loaded weight| over all packed layers
+    stacked: list[str] = field(default_factory=list)  # q4: swapped layers now slices of one int4 layer with siblings
+
+    def describe(self) -> str:
+        kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
+        stacked = f" ({len(self.stacked)} of them stacked with siblings of the same input)" if self.stacked else ""
+        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in "
+                f"{self.seconds:.1f} s, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
+                f"{self.weight_bytes_after / 2**20:.0f} MiB; process RSS {self.rss_before / 2**20:.0f} -> "
+                f"{self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
+
+
+class Fp16Linear(nn.Module):
+    """`nn.Linear` with fp16-stored weights and fp32 compute (fbgemm). Holds no fp32 weight."""
+
+    weight = None  # none to read: models that cast to `layer.weight.dtype` when it is a Tensor (T5) skip that
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float().contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
+
+    def stored_bytes(self) -> int:
+        return self.in_features * self.out_features * 2
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16"
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The plain nn.Linear modules: a subclass has its own forward (Llama 4's router returns a tuple)."""
+    return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
+
+
+def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | None) -> None:
+    """Refuse, before anything is swapped, what cannot work: a GPU, q4 without a Q4 GGUF or in a dtype
+    the int4 kernel does not compute in, fp16 from weights that are not fp32."""
+    if mode == "none":
+        return
+    if torch.device(device).type != "cpu":
+        raise QuantizeError(f"option.quantize={mode}: the fp16 / int4 kernels are CPU kernels and the model is on "
+                            f"{device}; on a GPU use option.dtype=fp16 or bf16 and option.quantize=none")
+    if mode == "q4" and gguf is None:
+        raise QuantizeError("option.quantize=q4 reads the GGUF's own 4-bit blocks, and this model was not loaded "
+                            "from a GGUF file: give a Q4_0 / Q4_1 GGUF (option.model_id / option.gguf_file), or use "
+                            "option.quantize=fp16")
+    dtype = _weights_dtype(model)
+    allowed = Q4_ACTIVATIONS if mode == "q4" else (torch.float32,)
+    if dtype is not None and dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+                            for d in allowed)
+        raise QuantizeError(f"option.quantize={mode} computes in {names}, and this model was loaded in "
+                            f"{str(dtype).removeprefix('torch.')}; set option.dtype accordingly")
+
+
+def _weights_dtype(model: Any) -> torch.dtype | None:
+    """The dtype of the model's first plain Linear layer (the dtype it computes in), or None if it has none."""
+    return next((linear.weight.dtype for _, linear in _linears(model)), None) if isinstance(model, nn.Module) else None
+
+
+def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path | None = None) -> QuantizeReport:
+    """Swap `model`'s Linear modules for `mode` (one of MODES) in place; `gguf` is the file the model
+    was converted from (needed by q4). Raises QuantizeError when the mode cannot apply."""
+    if mode not in MODES:
+        raise QuantizeError(f"option.quantize: {mode!r} is not one of {', '.join(MODES)}")
+    check_quantizable(model, mode, device, gguf)
+    report = QuantizeReport(mode)
+    if mode == "none":
+        return report
+    started, report.rss_before = time.monotonic(), process_rss()
+    if mode == "fp16":
+        _swap_fp16(model, report)
+    else:
+        _swap_q4(model, gguf, report)
+    own_remaining_tensors(model)
+    gc.collect()
+    return_freed_memory()
+    report.seconds, report.rss_after = time.monotonic() - started, process_rss()
+    log.info("%s", report.describe())
+    return report
+
+
+def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
+    with torch.no_grad():
+        for name, linear in _linears(model):
+            new = Fp16Linear(linear)
+            report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+            report.weight_bytes_after += new.stored_bytes()
+            replace_module(model, name, new)
+            report.swapped.append(name)
+
+
+def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
+    """Every Linear the GGUF holds in Q4 blocks that match its loaded weights is replaced (q/k/v and
+    gate/up by one stacked int4 layer each), and with bf16 activations on a VNNI CPU every one it holds
+    in Q8_0 blocks (a tied lm_head: the embedding's); the blocks are all read and checked before the first
+    replacement goes in."""
+    layers = _read_gguf_linears(model, gguf)
+    checked: dict[str, tuple[Q4Blocks, nn.Linear]] = {}
+    checked8: dict[str, tuple[Q8Blocks, nn.Linear]] = {}
+    dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
+    with torch.no_grad():
+        for name, linear in _linears(model):
+            found = layers.tensors.get(name)
+            source = found if found is not None or not _tied(model, linear) else layers.embedding
+            kind = None if source is None else source.tensor_type.name
+            if kind in _Q4_TYPES and linear.out_features % 16 == 0:  # torch's kernel packs rows by 16 / 32 / 64
+                blocks = unpack_q4_blocks(np.asarray(source.data), kind)
+                checked[name] = (_checked(name, blocks, linear, layers, report), linear)
+            elif kind == "Q8_0" and q8_fits(linear.in_features, dtype):
+                checked8[name] = (_checked(name, unpack_q8_blocks(np.asarray(source.data)), linear, layers, report),
+                                  linear)
+            elif kind in _Q4_TYPES:
+                report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
+            else:
+                report.kept[name] = _why_kept(model, linear, found, layers.embedding)
+    if not checked:
+        raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
+                            "layers; use option.quantize=fp16")
+
+    # bf16 on a CPU that computes it: many rows (prefill, a large batch) on a bf16 oneDNN copy of the loaded weights
+    dense = dtype == torch.bfloat16 and torch.bfloat16 in packable_dtypes()
+
+    def q4_linear(blocks: Q4Blocks, linear: nn.Linear) -> Q4Linear:
+        return Q4Linear(blocks, linear.bias, dtype, OneDnnLinear(linear) if dense else None)
+
+    def build(names: list[str], _layers: list[nn.Linear]) -> Q4Linear | None:
+        """Siblings whose blocks all go int4, as one layer: one kernel call instead of three (two); the
+        kernel computes each output element on its own, so the slices equal the separate layers bit for bit."""
+        if any(name not in checked for name in names):
+            return None
+        return q4_linear(Q4Blocks.concatenated([checked[name][0] for name in names]),
+                         concatenated_linear([checked[name][1] for name in names]))
+
+    with torch.no_grad():
+        report.stacked = stack_groups(model, build)
+        for name, (blocks, linear) in checked.items():
+            if name not in report.stacked:
+                replace_module(model, name, q4_linear(blocks, linear))
+        for name, (blocks8, linear) in checked8.items():
+            replace_module(model, name, Q8Linear(blocks8, linear.bias, OneDnnLinear(linear) if dense else None))
+    report.swapped = list(checked) + list(checked8)
+    report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules()
+                                    if isinstance(module, (Q4Linear, Q8Linear)))
+    if dtype == torch.float32:
+        log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with "
+                    "fp32 activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but "
+                    "decodes far slower than fp32 (4.6x the step time at B=1, 42x at B=32, measured on an AVX2 "
+                    "EPYC); option.dtype=bf16 runs it on its vector code")
+
+
+def _tied(model: nn.Module, linear: nn.Linear) -> bool:
+    return getattr(model.config, "tie_word_embeddings", False) and linear is model.get_output_embeddings()
+
+
+def _checked(name: str, blocks: Any, linear: nn.Linear, layers: _GgufLinears, report: QuantizeReport) -> Any:
+    """`blocks` in the loaded layer's row order, once they match its weights (QuantizeError if not)."""
+    if name in layers.permuted_heads:
+        blocks = _permute_rows(blocks, layers.permuted_heads[name])
+    report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
+    report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+    return blocks
+
+
+def _why_kept(model: nn.Module, linear: nn.Linear, found: Any, embedding: Any) -> str:
+    if found is not None:
+        return f"GGUF {found.tensor_type.name}"
+    if _tied(model, linear) and embedding is not None:
+        return f"tied to the input embedding, GGUF {embedding.tensor_type.name}"
+    return "not in the GGUF"
+
+
+@dataclass(frozen=True)
+class _GgufLinears:
+    tensors: dict[str, Any]  # Linear module name -> its GGUF tensor (a gguf.ReaderTensor)
+    embedding: Any  # the input embedding's GGUF tensor, or None
+    permuted_heads: dict[str, int]  # Linear module whose rows llama.cpp permuted -> its head count
+
+
+def _read_gguf_linears(model: nn.Module, gguf: Path) -> _GgufLinears:
+    """The GGUF tensors of `model`'s Linear modules, by gguf's own name map; Llama's attn_q / attn_k
+    rows are stored in llama.cpp's rotary order (undone as transformers' GGUF loader does)."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(gguf))
+    field_ = reader.fields["general.architecture"]
+    arch_name = bytes(field_.parts[field_.data[0]]).decode()
+    arch = next((k for k, v in gguf_lib.MODEL_ARCH_NAMES.items() if v == arch_name), None)
+    if arch is None:
+        raise QuantizeError(f"option.quantize=q4: GGUF architecture {arch_name!r} is unknown to the gguf package")
+    config = model.config
+    names = gguf_lib.get_tensor_name_map(arch, config.num_hidden_layers)
+    by_name = {t.name: t for t in reader.tensors}
+    tensors, permuted = {}, {}
+    for module_name, _ in _linears(model):
+        gguf_name = names.get_name(module_name)
+        if gguf_name and f"{gguf_name}.weight" in by_name:
+            tensors[module_name] = by_name[f"{gguf_name}.weight"]
+            if arch_name == "llama" and gguf_name.endswith((".attn_q", ".attn_k")):
+                kv = gguf_name.endswith(".attn_k")
+                permuted[module_name] = config.num_key_value_heads if kv else config.num_attention_heads
+    return _GgufLinears(tensors, by_name.get("token_embd.weight"), permuted)
+
+
+def _permute_rows(blocks: Any, heads: int) -> Any:
+    """Undo llama.cpp's rotary row order for one head count (rows are whole blocks, so it is exact)."""
+    def undo(a: np.ndarray) -> np.ndarray:
+        half = a.shape[0] // heads // 2
+        return a.reshape(heads, half, 2, *a.shape[1:]).swapaxes(2, 1).reshape(a.shape)
+
+    return blocks.permuted(undo)
+
+
+def _check_match(name: str, blocks: Q4Blocks | Q8Blocks, weight: torch.Tensor) -> float:
+    """The packed weights must be the loaded ones (the GGUF dequantized) up to the loaded dtype's rounding."""
+    diff = float((blocks.dequantize() - weight.detach().float()).abs().max())
+    scale = float(weight.detach().abs().max()) or 1.0
+    if diff > _MATCH_TOLERANCE[weight.dtype] * scale:
+        raise QuantizeError(f"option.quantize=q4: the GGUF's blocks for {name} differ from the loaded weights by "
+                            f"{diff:.3g} (the model's weights are not that GGUF's); use option.quantize=fp16")
+    return diff
