@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from benchmarks.benchmark.body_probe import ROUTES, SHAPES, body, probe, worker_process  # noqa: E402
 from benchmarks.benchmark.common import cpu_summary  # noqa: E402
-from lmi_serve.dialects.common import json_scan
-from lmi_serve.dialects.common.json_scan import BodyScan  # noqa: E402
+from lmi_serve import json_scan
+from lmi_serve.json_scan import BodyScan  # noqa: E402
 
 # --- the former scan, kept as the baseline ---------------------------------------------------
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
@@ -64,7 +64,7 @@ def old_scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int =
 
 def install_old_scan() -> None:
     """Make every route of this process use old_scan (call before the server's workers fork)."""
-    from lmi_serve.dialects.common import json_body
+    from lmi_serve import json_body
 
     json_scan.scan = old_scan
     json_body.scan = old_scan

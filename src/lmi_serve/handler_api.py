@@ -14,7 +14,7 @@ import logging
 import re
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def lmi_front_end_installed() -> None:
+    """The LMI dialect answers the built-in text handler's requests, as the server installs it
+    (server/app.py): unit tests load that handler without a server too. The dialect (torch and all) is
+    imported only when a handler builds its front end."""
+    from lmi_serve.serving import front_end
+
+    def lmi_front_end(model):
+        from lmi_serve.dialects.lmi.front_end import lmi_front_end as build
+
+        return build(model)
+
+    front_end.install(lmi_front_end)
+
+
 @pytest.fixture(scope="session")
 def smollm2_model_dir() -> Path:
     from lmi_serve.model.loader import convert_gguf, resolve_model_source

@@ -17,25 +17,25 @@ Order of operations in `Scheduler.step`:
    request also needs room for the tokens it may reach (prompt + max_new_tokens, capped at the
    context) beside those the running rows reserve; else it waits at the head until rows leave (a
    request that could not fit even alone is refused by `add`);
-3. (with a running batch and mixed steps, prefill.py `_mixed_step`: steps 3-7 in one forward, the
-   prompts' tokens packed with the running rows' pending ones, kv/mixed.py) continue the chunked
-   prompt (its row joins the batch once its last chunk is in), then prefill the joiners: one whose
-   prompt starts with blocks the prefix cache holds (kv/prefix_cache.py) alone, from those blocks
-   (its budget cost is only the rest); the others in groups of similar length (padding is wasted
-   compute: prefill on a CPU is compute-bound, so a group only pays when it adds little padding);
-   store the prompts' blocks and sample the first tokens;
+3. continue the chunked prompt (its row joins once its last chunk is in), then prefill the joiners:
+   a prompt the prefix cache starts (kv/prefix_cache.py) alone, the others in groups of similar
+   length; store the prompts' blocks and sample the first tokens (prefill.py, every detail);
 4. merge them into the running batch;
 5. one decode forward for every running row, then sample; with n-gram speculation (speculation.py) a
-   batch of one row instead verifies its drafts in one forward and takes the tokens that match;
+   batch of one row instead verifies its drafts in one forward and takes the tokens that match
+   (decode.py); with a running batch and mixed steps, steps 3-7 are one forward (`_mixed_step`: the
+   prompts' tokens packed with the running rows' pending ones, kv/mixed.py);
 6. emit each row's event (stop checks and detokenizing happen in the same loop);
 7. evict finished rows at once (the KV batch frees their cache: `KVBatch.keep`);
 8. advance every running beam search one token (beams/rows.py: one forward of its k beams in a KV
    batch of its own); one that raises fails alone.
 `Scheduler.phases` times these (phases.py): admit (steps 1-2), prefill, decode (and step 8), sample, emit,
 deliver, evict.
-Steps 3 and 4 (the prefill half) are in prefill.py. Every forward runs under one rule (guarded.py): an
-exception in a prefill fails only the joiners it concerns (each is retried alone first); one in a
-decode fails the running rows. Either way the loop goes on with new requests.
+The scheduler holds its two halves: a `Prefill` (steps 3-4, prefill.py), which hands back the batches
+of the rows that joined for `_add` to merge, and a `Decode` (steps 5-6, decode.py). Every forward is
+timed and gets its rows' LoRA slots in one place (step_ops.py `StepOps.forward`), and runs under one
+rule (guarded.py): an exception in a prefill fails only the joiners it concerns (each is retried alone
+first); one in a decode fails the running rows. Either way the loop goes on with new requests.
 """
 
 from __future__ import annotations
@@ -43,16 +43,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from lmi_serve.engine.adapters import Adapters, lora_rows
+from lmi_serve.engine.adapters import Adapters
 from lmi_serve.engine.batch import Batch, Row
 from lmi_serve.engine.beams.jobs import BeamJobs, settle
 from lmi_serve.engine.beams.rows import BeamSearch
 from lmi_serve.engine.chunked import ChunkedPrefill, attention_crossover, chunkable
-from lmi_serve.engine.guarded import guarded_forward
+from lmi_serve.engine.decode import Decode
 from lmi_serve.engine.handle import RequestHandle
 from lmi_serve.engine.kv.budget import request_tokens
 from lmi_serve.engine.kv.prefix_cache import PrefixCache, PrefixStats
@@ -60,15 +58,14 @@ from lmi_serve.engine.kv.protocol import KVLayout, held_bytes
 from lmi_serve.engine.kv.select import layout_for
 from lmi_serve.engine.observer import EngineObserver, StepReport
 from lmi_serve.engine.pace import StepPace, decode_context
-from lmi_serve.engine.phases import ADMIT, DECODE, DELIVER, EMIT, EVICT, SAMPLE, for_device
-from lmi_serve.engine.prefill import PrefillSteps
+from lmi_serve.engine.phases import ADMIT, DECODE, EVICT, for_device
+from lmi_serve.engine.prefill import Prefill
 from lmi_serve.engine.speculation import NgramSpeculation, SpeculationStats
+from lmi_serve.engine.step_ops import StepOps
 from lmi_serve.engine.types import TokenEvent
 from lmi_serve.errors import GenerationFailed, InvalidRequest, Overloaded, ServingError, Timeout
 from lmi_serve.model.lora import AdapterError
 
-if TYPE_CHECKING:
-    from lmi_serve.engine.sampling.sampler import SampleOutput
 
 @dataclass
 class SchedulerStats:
@@ -77,11 +74,12 @@ class SchedulerStats:
     admitted: int = 0
     largest_batch: int = 0
     failed_steps: int = 0
-    mixed_steps: int = 0  # steps whose prompts rode in the decode forward (prefill.py `_mixed_step`)
+    mixed_steps: int = 0  # steps whose prompts rode in the decode forward (`_mixed_step`)
 
 
-class Scheduler(PrefillSteps):
-    """The rolling batch (see the module docstring); the prefill methods are in prefill.py."""
+class Scheduler:
+    """The rolling batch (see the module docstring); it holds its step's halves, `self.prefill`
+    (prefill.py) and `self.decode` (decode.py)."""
 
     def __init__(self, model, tokenizer, device, *, max_batch_size: int, max_queue: int,
                  max_prefill_tokens: int = 512, max_padding: float = 0.25,
@@ -97,7 +95,7 @@ class Scheduler(PrefillSteps):
         the K/V tokens running rows may reserve together (kv/budget.py; None: no bound), each row
         what its request may reach, capped at `max_model_len`. `speculation` (speculation.py): drafts for
         a batch of one row; the layout must declare `supports_speculation`. `mixed_steps`: joiners' prompts
-        go through the running rows' decode forward where the layout `mixes` the model (prefill.py).
+        go through the running rows' decode forward where the layout `mixes` the model (`_mixed_step`).
         `step_seconds`: the seconds a step that prefills may take (pace.py: its prompt tokens are paced to
         them, within `max_prefill_tokens`); None: tokens alone."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
@@ -114,13 +112,9 @@ class Scheduler(PrefillSteps):
             raise ValueError("this model's KV cache cannot verify draft tokens")
         self.speculation = speculation
         self.adapters = adapters
-        self.chunking: ChunkedPrefill | None = None  # the long prompt being prefilled a chunk per step
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
-        self.pace = (StepPace(step_seconds, prior_crossover=attention_crossover(model))
-                     if step_seconds else None)
-        self.max_padding = max_padding
         self.kv_tokens = kv_tokens
         self.max_model_len = max_model_len
         self.waiting: collections.deque[RequestHandle] = collections.deque()
@@ -129,7 +123,18 @@ class Scheduler(PrefillSteps):
         self.work = threading.Condition()
         self.stats = SchedulerStats()
         self.phases = for_device(device)  # synchronizes at phase boundaries on CUDA (phases.py)
+        self.ops = StepOps(model, self.phases)
+        self.decode = Decode(self.ops, self.stats, speculation)
+        pace = StepPace(step_seconds, prior_crossover=attention_crossover(model)) if step_seconds else None
+        self.prefill = Prefill(model, tokenizer, device, self.kv_layout, ops=self.ops, stats=self.stats,
+                               prefixes=prefix_cache, pace=pace, max_padding=max_padding, mixed=self.mixed)
         self.observer: EngineObserver | None = None  # told each step's batch size and queue (observer.py)
+
+    # The prefill's, read and set here too: the long prompt prefilled a chunk per step (admission starts
+    # it), and the step pace (pace.py), which sizes the step's budget and learns from what the prefill runs.
+    chunking = property(lambda self: self.prefill.chunking,
+                        lambda self, chunking: setattr(self.prefill, "chunking", chunking))
+    pace = property(lambda self: self.prefill.pace, lambda self, pace: setattr(self.prefill, "pace", pace))
 
     # -- called from request threads -------------------------------------------------------
     def add(self, handle: RequestHandle) -> None:
@@ -214,31 +219,37 @@ class Scheduler(PrefillSteps):
 
     # -- the scheduler thread ----------------------------------------------------------------
     def step(self) -> None:
+        """One step, in the module docstring's order."""
         if self.idle:
             return  # an idle wake-up is no step: stats.steps and the observer see only steps with work
         with self.phases.measure(ADMIT):  # steps 1-2
-            self._drop_cancelled_and_expired()
-            self._admit_beams()
-            whole = self._step_budget()
-            # A beam search's first step prefills its prompt in this step too: its share of the budget.
-            room = max(whole - self.beams.prompt_tokens, 0)
-            if self.chunking is not None and self.pace is not None:
-                self.chunking.crossover = self.pace.crossover
-            chunk = self.chunking.cost(room) if self.chunking else 0
-            joiners = self._admit(room - chunk, whole)
-        if self.chunking is not None and not chunk:  # it started this step: the rest of the budget
-            chunk = room - sum(self._prefill_cost(h.request) for h in joiners)
+            joiners, chunk = self._admit_step()
         decoded = len(self.batch) if self.batch else 0
-        with self._paced(joiners):
-            if self._mixable(joiners):  # steps 3-7 in one forward (prefill.py)
+        with self.prefill.paced(self.batch.rows if self.batch else [], joiners):
+            if self.prefill.mixable(self.batch, joiners):  # steps 3-7 in one forward
                 self._mixed_step(joiners, chunk)
-            else:
+            else:  # steps 3-4 (prefill), then 5-7 (decode, sample, stop and emit, evict)
                 decoded = self._separate_step(joiners, chunk)
-        if self.beams:
+        if self.beams:  # step 8
             self._step_beams()
         self.stats.steps += 1
         if self.observer is not None:
             self._report(decoded)
+
+    def _admit_step(self) -> tuple[list[RequestHandle], int]:
+        """Steps 1-2: the joiners admitted, and the prompt tokens the chunked prompt may feed."""
+        self._drop_cancelled_and_expired()
+        self._admit_beams()
+        whole = self._step_budget()
+        # A beam search's first step prefills its prompt in this step too: its share of the budget.
+        room = max(whole - self.beams.prompt_tokens, 0)
+        if self.chunking is not None and self.pace is not None:
+            self.chunking.crossover = self.pace.crossover
+        chunk = self.chunking.cost(room) if self.chunking else 0
+        joiners = self._admit(room - chunk, whole)
+        if self.chunking is not None and not chunk:  # it started this step: the rest of the budget
+            chunk = room - sum(self.prefill.cost(h.request) for h in joiners)
+        return joiners, chunk
 
     def _step_budget(self) -> int:
         """The step's prompt tokens: max_prefill_tokens, or with a pace what fits beside the decode."""
@@ -250,9 +261,9 @@ class Scheduler(PrefillSteps):
     def _separate_step(self, joiners: list[RequestHandle], chunk: int) -> int:
         """Steps 3-7 as forwards of their own; the number of rows decoded."""
         if self.chunking is not None:  # steps 3-4 (prefill.py)
-            self._advance_chunk(chunk)
-        if joiners:
-            self._join(joiners)
+            self._add(self.prefill.advance_chunk(chunk))
+        for joined in self.prefill.join(joiners):
+            self._add(joined)
         decoded = len(self.batch) if self.batch else 0
         if self.batch:  # steps 5-7
             self._decode()
@@ -319,7 +330,7 @@ class Scheduler(PrefillSteps):
                     if self.request_tokens(request) > room:
                         break
                     room -= self.request_tokens(request)
-                length = self._prefill_cost(request)
+                length = self.prefill.cost(request)
                 can_chunk = self.chunks and chunkable(request)
                 if length <= budget or (alone and not joiners and not can_chunk):
                     if not self._adapter_slot(self.waiting[0]):
@@ -328,7 +339,7 @@ class Scheduler(PrefillSteps):
                     budget -= length
                     continue
                 if can_chunk and self.chunking is None and budget > 0 and self._adapter_slot(self.waiting[0]):
-                    self.chunking = self._start_prefill(self.waiting.popleft())
+                    self.chunking = self.prefill.start(self.waiting.popleft())
                     self.chunking.row.owner.admitted()
                 break
         for handle in joiners:
@@ -365,70 +376,31 @@ class Scheduler(PrefillSteps):
         self.stats.largest_batch = max(self.stats.largest_batch, len(self.batch))
 
     def _decode(self) -> None:
-        batch = self.batch
-        drafts = self._drafts(batch)
-        if drafts:
-            self._speculate(batch, drafts)
-            return
-        with guarded_forward(batch.rows, self.stats,
-                             f"Decode step failed; failing its {len(batch)} running requests") as forward:
-            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots):
-                batch.decode()
-            events = self._emit(batch, self._sample(batch))
-        if forward.failed:
+        """Steps 5-7: one decode forward (decode.py), its events delivered, finished rows evicted."""
+        self._decoded(self.decode.run(self.batch))
+
+    def _decoded(self, events: list[tuple[Row, TokenEvent]] | None) -> None:
+        """Deliver a decode's events and evict the finished rows; None (the decode failed, and its rows
+        with it): drop the batch."""
+        if events is None:
             self.batch = None
             return
-        self._deliver(events)
+        self.ops.deliver(events)
         self._evict()
 
-    def _drafts(self, batch: Batch) -> list[int]:
-        """The one row's draft tokens (none without speculation, or with more rows), no more than it may
-        still generate after them: every token fed stays within its request's length."""
-        if self.speculation is None or len(batch) != 1:
-            return []
-        row = batch.rows[0]
-        room = row.request.stop.max_new_tokens - row.generated - 1
-        return self.speculation.drafts(row, row.request.prompt_ids, row.token_ids)[:room] if room > 0 else []
-
-    def _speculate(self, batch: Batch, drafts: list[int]) -> None:
-        """One forward over the one row's pending token and `drafts` (speculation.py); then, position by
-        position, the token a decode step would choose there, while it equals the draft fed after it. The
-        first that differs (or all drafts matching, the next position's) is the row's pending token; the
-        drafts after it leave the cache."""
-        row = batch.rows[0]
-        events: list[tuple[Row, TokenEvent]] = []
-        with guarded_forward(batch.rows, self.stats, "Decode step failed; failing its 1 running request") as forward:
-            with self.phases.measure(DECODE), lora_rows(self.model, batch.adapter_slots):
-                logits = batch.kv.verify(drafts)
-            for position, draft in enumerate([*drafts, None]):
-                batch.logits = logits[position:position + 1]
-                events += self._emit(batch, self._sample(batch))
-                if row.finished or row.token_ids[-1] != draft:
-                    break
-            with self.phases.measure(EVICT):
-                batch.kv.discard(len(drafts) - position)
-            self.speculation.record(len(drafts), position)
-        if forward.failed:
-            self.batch = None
+    def _mixed_step(self, joiners: list[RequestHandle], chunk_budget: int) -> None:
+        """Steps 3-7 in one forward (prefill.py `mixed_forward`): the running rows go on as in `_decode`,
+        then the joiners whose prompts are all in join; if the forward raised, its parts run separately."""
+        mixed = self.prefill.mixed_forward(self.batch, joiners, chunk_budget)
+        if mixed is None:
+            self._separate_step(joiners, chunk_budget)
             return
-        self._deliver(events)
-        self._evict()
-
-    def _sample(self, batch: Batch) -> SampleOutput:
-        with self.phases.measure(SAMPLE):
-            return batch.sample()
-
-    def _emit(self, batch: Batch, choice: SampleOutput) -> list[tuple[Row, TokenEvent]]:
-        with self.phases.measure(EMIT):
-            return batch.emit(choice)
+        self.stats.mixed_steps += 1
+        self._decoded(self.decode.run(self.batch, forwarded=True))  # the forward left the logits
+        self._add(self.prefill.mixed_joined(mixed))
 
     def _evict(self) -> None:
         with self.phases.measure(EVICT):
             self.batch.evict_finished()
         if not len(self.batch):
             self.batch = None
-
-    def _deliver(self, events: Iterable[tuple[Row, TokenEvent]]) -> None:
-        with self.phases.measure(DELIVER):
-            for row, event in events:
-                row.owner.push(event)

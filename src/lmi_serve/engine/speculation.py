@@ -5,7 +5,7 @@ At one row a decode step reads every weight to compute one token; reading them f
 tokens costs little more (the step is bound by the weights' bytes, not by arithmetic). Prompt
 lookup finds the row's last n tokens (n from `longest` down to `shortest`) earlier in its prompt or
 output and proposes the `length` tokens that followed them there: text that quotes, edits or
-summarises its prompt repeats it. The scheduler (scheduler.py `_speculate`) feeds the pending token
+summarises its prompt repeats it. The scheduler (decode.py `Decode._verify`) feeds the pending token
 and the drafts in one forward (the KV layout's `verify`, kv/protocol.py item 10), then chooses the
 tokens one position at a time exactly as a decode step would (the same sampler, masks, penalties,
 grammar and stop checks, each seeing the tokens chosen before it), accepting drafts while the chosen

@@ -14,10 +14,18 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from lmi_serve.kernels.host import Host
+
+class HostFacts(Protocol):
+    """What `Kernel.missing` reads of a host (kernels/host.py's Host, which imports this module)."""
+
+    numba: str | None
+    omp_layer: bool
+    onednn: bool
+    bf16_native: bool
+
+    def has(self, *features: str) -> bool: ...
 
 NUMBA_OMP = ("numba", "omp")  # numba installed and its OpenMP threading layer loads (kernels/host.py)
 
@@ -41,7 +49,7 @@ class Kernel:
         """The kernel's module (importing compiles nothing; its `kernel()` compiles, once)."""
         return importlib.import_module(f"lmi_serve.kernels.{self.module}")
 
-    def missing(self, host: Host) -> list[str]:
+    def missing(self, host: HostFacts) -> list[str]:
         """What of `needs` this host lacks (empty: the kernel can run here)."""
         answers = {"numba": host.numba is not None, "omp": host.omp_layer, "onednn": host.onednn,
                    "bf16_native": host.bf16_native}

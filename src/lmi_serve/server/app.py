@@ -16,6 +16,7 @@ from flask import Flask, Response, g, has_request_context, request
 
 from lmi_serve.config.sources import ServerConfig
 from lmi_serve.dialects.lmi import routes as lmi_routes
+from lmi_serve.dialects.lmi.front_end import lmi_front_end
 from lmi_serve.dialects.openai import routes as openai_routes
 from lmi_serve.dialects.openai import scoring as scoring_routes
 from lmi_serve.dialects.openai import tokenize as tokenize_routes
@@ -28,7 +29,7 @@ from lmi_serve.server.drain import WorkerDrain
 from lmi_serve.server.error_routing import install_error_handlers, render_error
 from lmi_serve.server.metrics import ServingMetrics
 from lmi_serve.server.openapi import blueprint as openapi_blueprint
-from lmi_serve.serving import heap
+from lmi_serve.serving import front_end, heap
 from lmi_serve.serving.multi_model import ModelLoader
 from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService
@@ -112,6 +113,7 @@ def install_request_hooks(app: Flask, config: ServerConfig, metrics: ServingMetr
 def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> Flask:
     """One worker's app: every dialect's routes over one registry of models (loaded in the background
     unless a test passes its own), the request hooks, and the error handlers."""
+    front_end.install(lmi_front_end)  # before any model loads: LMI answers the built-in text handler
     app = ServingFlask(__name__)
     metrics = ServingMetrics()
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_size

@@ -14,7 +14,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from lmi_serve.config.sources import ServerConfig
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.json_body import InvalidJson
 from lmi_serve.dialects.lmi import errors as lmi_errors
 from lmi_serve.dialects.openai import errors as openai_errors
 from lmi_serve.dialects.openai import routes as openai_routes

@@ -22,6 +22,19 @@ MAX_PIXELS = 64_000_000  # a decoded image over this is refused (a small file ca
 _TEXT_INPUTS = ("input_ids", "attention_mask")  # the prompt itself, not the forward's extra inputs
 
 
+@dataclass(frozen=True)
+class FetchPolicy:
+    """option.image_fetch and option.image_fetch_timeout of one model (dialects/common/image_fetch.py
+    obeys it)."""
+
+    mode: str = "off"
+    timeout: float = 10.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
 @dataclass
 class VisionInputs:
     """The model's processor, how many images one request may carry (option.limit_mm_per_prompt), and
@@ -29,7 +42,7 @@ class VisionInputs:
 
     processor: Any
     max_images: int
-    fetch: Any = None  # dialects/common/image_fetch.FetchPolicy (option.image_fetch); None: data URIs only
+    fetch: FetchPolicy | None = None  # option.image_fetch (dialects/common/image_fetch.py); None: data URIs only
 
     @property
     def image_token(self) -> str:

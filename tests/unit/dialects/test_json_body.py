@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmi_serve.dialects.common.json_body import MAX_DEPTH, InvalidJson, loads, nesting_depth
+from lmi_serve.json_body import MAX_DEPTH, InvalidJson, loads, nesting_depth
 
 
 def test_plain_bodies_decode_as_json_does():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmi_serve.dialects.common.json_scan import CHUNK, scan
+from lmi_serve.json_scan import CHUNK, scan
 
 
 def reference(data: bytes, outline_depth: int) -> tuple[int, bytes]:

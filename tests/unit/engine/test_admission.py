@@ -21,13 +21,13 @@ def lengths(groups):
 
 
 def test_joiners_of_similar_length_share_a_prefill_and_long_ones_go_apart():
-    groups = scheduler()._groups([handle(n) for n in (100, 10, 12, 105, 11, 400)])
+    groups = scheduler().prefill.groups([handle(n) for n in (100, 10, 12, 105, 11, 400)])
     assert lengths(groups) == [[10, 11, 12], [100, 105], [400]]
 
 
 def test_padding_limit_is_respected():
     s = scheduler(max_padding=0.25)
-    for group in s._groups([handle(n) for n in (8, 9, 10, 13, 16, 20, 25, 31, 40)]):
+    for group in s.prefill.groups([handle(n) for n in (8, 9, 10, 13, 16, 20, 25, 31, 40)]):
         sizes = [len(h.request.prompt_ids) for h in group]
         assert len(sizes) * max(sizes) <= 1.25 * sum(sizes)
 

@@ -1,12 +1,15 @@
 """The package's import graph, read from the source with `ast`: no module imports one that imports
-it back (directly or around a longer loop), and the OpenAI and LMI dialects depend on each other
-in at most one direction.
+it back (directly or around a longer loop, not even for annotations), no layer imports a layer above
+it (docs/architecture.md), and the OpenAI and LMI dialects depend on each other in at most one
+direction.
 
 Every import counts, also one inside a function (a "lazy" import only hides a cycle), except
-those under `if TYPE_CHECKING:`, which never run. `from pkg import sub` of a module `pkg/sub.py`
-is an edge to that module, `from pkg import name` of anything else an edge to `pkg`. That Python
-runs a package's `__init__` before any of its submodules is not counted as an import: it is how
-packages work, and counting it would make every `__init__` that imports a submodule a "cycle".
+those under `if TYPE_CHECKING:`, which never run (`test_no_import_cycle_counting_annotations` counts
+them too: a module that needs its user back for a type is the same knot). `from pkg import sub` of
+a module `pkg/sub.py` is an edge to that module, `from pkg import name` of anything else an edge to
+`pkg`. That Python runs a package's `__init__` before any of its submodules is not counted as an
+import: it is how packages work, and counting it would make every `__init__` that imports a
+submodule a "cycle".
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: at any depth, but not in an `if TYPE_CHECKING:` body."""
+def _runtime_imports(tree: ast.AST, annotations: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at any depth, but not in an `if TYPE_CHECKING:` body
+    (with `annotations`, those too)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not annotations:
             for child in node.orelse:
                 visit(child)
             return
@@ -61,12 +65,13 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(annotations: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (with `annotations`, also under TYPE_CHECKING)."""
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in _runtime_imports(tree):
+        for node in _runtime_imports(tree, annotations):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -117,6 +122,13 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
 
 
+def test_no_import_cycle_counting_annotations():
+    """Not even for a type: a module that imports its user back under TYPE_CHECKING is a part of it
+    (the scheduler's prefill was once such a mixin; it is now an object the scheduler holds)."""
+    cycle = find_cycle(import_graph(annotations=True))
+    assert cycle is None, "import cycle (counting TYPE_CHECKING imports): " + " -> ".join(cycle or ())
+
+
 def unit_of(module: str, packages: set[str]) -> str:
     """The unit a module belongs to in the package graph: a module at the top of the package is a unit
     of its own (errors, handler_api); any other belongs to its package two levels down at most
@@ -150,6 +162,45 @@ def test_package_graph_units():
     assert unit_of(f"{PACKAGE}.dialects.lmi.routes", packages) == f"{PACKAGE}.dialects.lmi"
 
 
+# What the architecture says (docs/architecture.md), from the top: each layer imports only those below
+# it. The modules at the top of the package (errors, handler_api, json_body, ...) are the ground floor
+# every layer stands on: they import no layer; `__main__`, the launcher, is above them all.
+# kernels/ sits above config and below model and engine: those may ask it what runs; it asks none of them.
+LAYERS = ("server", "dialects", "serving", "engine", "model", "kernels", "config")
+LAUNCHER = f"{PACKAGE}.__main__"
+
+
+def layer_of(unit: str) -> str | None:
+    """The layer of a unit (`lmi_serve.serving.handlers` -> serving); None for the ground floor."""
+    parts = unit.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def layer_violations(units: dict[str, set[str]]) -> list[str]:
+    """Every edge from a unit to one of a higher layer (any layer, from the ground floor)."""
+    rank = {layer: len(LAYERS) - i for i, layer in enumerate(LAYERS)}  # config 1 ... server 7
+    found = []
+    for a, targets in units.items():
+        if a == LAUNCHER:
+            continue
+        for b in targets:
+            lower, upper = layer_of(a), layer_of(b)
+            if upper is not None and (lower is None or rank[upper] > rank[lower]):
+                found.append(f"{a} ({lower or 'ground floor'}) -> {b} ({upper})")
+    return sorted(found)
+
+
+def test_layer_violations_sees_an_arrow_up_from_every_layer():
+    units = {f"{PACKAGE}.serving.handlers": {f"{PACKAGE}.dialects.lmi", f"{PACKAGE}.engine"},
+             f"{PACKAGE}.handler_api": {f"{PACKAGE}.dialects.common", f"{PACKAGE}.json_body"},
+             f"{PACKAGE}.dialects.lmi": {f"{PACKAGE}.serving", f"{PACKAGE}.server"},
+             LAUNCHER: {f"{PACKAGE}.server"}}
+    assert layer_violations(units) == [
+        f"{PACKAGE}.dialects.lmi (dialects) -> {PACKAGE}.server (server)",
+        f"{PACKAGE}.handler_api (ground floor) -> {PACKAGE}.dialects.common (dialects)",
+        f"{PACKAGE}.serving.handlers (serving) -> {PACKAGE}.dialects.lmi (dialects)"]
+
+
 def test_no_package_cycle():
     """The layers depend one way: config and the engine know no server, serving no dialect, no two
     dialects each other; a loop between packages is a layer that lost its place."""
@@ -157,14 +208,8 @@ def test_no_package_cycle():
     cycle = find_cycle(units)
     assert cycle is None, "package cycle: " + " -> ".join(cycle or ())
     # What the architecture says, checked directly, so a new edge shows where it broke the layering.
-    # kernels/ sits above config and below model and engine: those may ask it what runs; it asks none of them.
-    lower = {"config": {"server", "serving", "dialects", "engine", "model", "kernels"},
-             "kernels": {"server", "serving", "dialects", "engine", "model"},
-             "engine": {"server", "serving", "dialects"}, "model": {"server", "serving", "dialects", "engine"}}
-    for layer, above in lower.items():
-        found = sorted(f"{a} -> {b}" for a, targets in units.items() if a.startswith(f"{PACKAGE}.{layer}")
-                       for b in targets if b.split(".")[1] in above)
-        assert not found, f"{layer} imports a layer above it: {found}"
+    found = layer_violations(units)
+    assert not found, f"imports of a layer above the importer's: {found}"
 
 
 # Pairs of dialect packages that may depend on each other in one direction only.

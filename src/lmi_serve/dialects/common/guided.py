@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 from lmi_serve.engine.sampling.grammar import GrammarError
 from lmi_serve.engine.types import GenerationRequest, GuidedDecoding
 from lmi_serve.errors import InvalidRequest

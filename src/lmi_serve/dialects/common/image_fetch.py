@@ -18,28 +18,16 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
-from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 import urllib3
 
 from lmi_serve.errors import InvalidRequest
+from lmi_serve.serving.vision import FetchPolicy  # the model's options, which the handler loads with it
 
 MAX_IMAGE_BYTES = 20 << 20  # one image file, as OpenAI's limit (and the data URIs')
 MAX_REDIRECTS = 3
 FETCH_MODES = ("off", "public", "any")
-
-
-@dataclass(frozen=True)
-class FetchPolicy:
-    """option.image_fetch and option.image_fetch_timeout of one model."""
-
-    mode: str = "off"
-    timeout: float = 10.0
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
 
 
 def fetch_image(url: str, where: str, policy: FetchPolicy) -> bytes:

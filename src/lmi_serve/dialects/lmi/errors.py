@@ -10,7 +10,7 @@ import json
 
 from flask import Response
 
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.json_body import InvalidJson
 from lmi_serve.errors import (
     AlreadyExists, ClientGone, Forbidden, GenerationFailed, InvalidRequest, NotFound, NotReady, OutOfResources,
     Overloaded, ServingError, Timeout, lookup,

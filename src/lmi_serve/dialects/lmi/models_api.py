@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from flask import current_app, request
 
-from lmi_serve.dialects.common.json_body import loads
+from lmi_serve.json_body import loads
 from lmi_serve.errors import InvalidRequest
 from lmi_serve.serving.multi_model import ModelLoader
 from lmi_serve.serving.service import ModelService

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 from lmi_serve.errors import ClientGone, InvalidRequest, ServingError, lookup
 from lmi_serve.handler_api import Input, Output
 

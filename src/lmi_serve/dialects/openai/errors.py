@@ -10,7 +10,7 @@ import json
 
 from flask import Response
 
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.json_body import InvalidJson
 from lmi_serve.errors import (
     ClientGone, ContextOverflow, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError,
     Timeout, lookup,

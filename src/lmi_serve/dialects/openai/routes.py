@@ -22,9 +22,9 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, request
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 from lmi_serve.dialects.common import streaming
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.json_body import InvalidJson
 from lmi_serve.dialects.openai import vllm
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids

@@ -22,9 +22,9 @@ import uuid
 
 from flask import Blueprint, Response, current_app, g, request
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 from lmi_serve.serving.classifier_call import Row, logits_request, read_logits
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve.json_body import InvalidJson
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.routes import choose_service
 from lmi_serve.dialects.openai.schema import parse

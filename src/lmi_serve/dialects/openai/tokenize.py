@@ -19,8 +19,8 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, json, request
 from pydantic import Field, field_validator, model_validator
 
-from lmi_serve.dialects.common import json_body
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve import json_body
+from lmi_serve.json_body import InvalidJson
 from lmi_serve.dialects.openai import chat, images
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids

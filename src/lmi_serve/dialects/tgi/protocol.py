@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from flask import Response
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 from lmi_serve.dialects.common.schema import GenerationParameters, RollingRequest, parse_generation_parameters
 from lmi_serve.dialects.common.tgi_shapes import TGI_ERROR_PREFIX, tgi_error_body, tgi_response, tgi_stream_frame
 from lmi_serve.errors import (

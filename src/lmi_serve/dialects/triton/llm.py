@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmi_serve.dialects.common import json_body
+from lmi_serve import json_body
 from lmi_serve.dialects.common.schema import GenerationParameters, to_generation_requests
 from lmi_serve.dialects.common.validation import field_problems
 from lmi_serve.engine.engine import Engine

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 from flask import Response, current_app, request
 
-from lmi_serve.dialects.common import json_body
-from lmi_serve.dialects.common import json_scan
-from lmi_serve.dialects.common.json_scan import BodyScan
+from lmi_serve import json_body
+from lmi_serve import json_scan
+from lmi_serve.json_scan import BodyScan
 from lmi_serve.errors import (
     ClientGone, GenerationFailed, InvalidRequest, NotFound, NotReady, Overloaded, ServingError, Timeout, lookup,
 )

@@ -19,8 +19,8 @@ import numpy as np
 from flask import Blueprint, Response, current_app, g, request
 
 from lmi_serve import __version__
-from lmi_serve.dialects.common import json_body
-from lmi_serve.dialects.common import json_scan
+from lmi_serve import json_body
+from lmi_serve import json_scan
 from lmi_serve.dialects.common.streaming import SSE_HEADERS, SSE_MIMETYPE
 from lmi_serve.dialects.triton.generate import dumps, error_event, parse_generate_request, response_object, sse_events
 from lmi_serve.dialects.triton.infer import infer_response, parse_infer_request

@@ -4,10 +4,11 @@ The server calls `load` with the validated ModelConfig (handler_protocol.py); a 
 delegates to this handler through DJL's contract reaches it by a first `handle()` call with string
 properties instead, validated back into a ModelConfig. Two modes, chosen once at start-up
 (`context.rolling_batch`, which the server resolves):
-- rolling batch: each request goes to the shared Engine (continuous batching) with the LMI
-  rolling-batch schema and output formatters; this handler is then called on request threads.
-- dynamic batch: every request of a batch is parsed on its own, so a bad request fails alone (424)
-  while the others are generated together in one batched forward per step.
+- rolling batch: each request goes to the shared Engine (continuous batching); this handler is then
+  called on request threads.
+- dynamic batch: the requests of a batch are generated together in one batched forward per step.
+What a request body means and how its answer looks is the LMI dialect's: it builds the front end
+that answers `handle` from what this handler loaded (serving/front_end.py, dialects/lmi/front_end.py).
 """
 
 from __future__ import annotations
@@ -17,23 +18,19 @@ import logging
 import torch
 
 from lmi_serve.config.sources import ModelConfig, tensor_parallel_conflict
-from lmi_serve.dialects.common.schema import DynamicBatchRequest, LmiRequestError, parse_dynamic_batch_request
-from lmi_serve.dialects.lmi.rolling import RollingBatchService
-from lmi_serve.dialects.openai.reasoning import reasoning_settings
 from lmi_serve.engine.build import build_engine, prepare_serving
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
-from lmi_serve.engine.types import GenerationRequest, GenerationResult, StopParams
+from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.handler_api import Input, Output
-from lmi_serve.handler_utils import parse_batch, read_payload
 from lmi_serve.model.chat_template import override_chat_template
 from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
 from lmi_serve.kernels.host import probe
 from lmi_serve.kernels.plan import KernelPlan, plan_kernels
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
+from lmi_serve.serving.front_end import FrontEnd, TextModel, build_front_end
 from lmi_serve.serving.handler_protocol import HandlerContext, typed_from_properties
-from lmi_serve.dialects.common.image_fetch import FetchPolicy
-from lmi_serve.serving.vision import VisionInputs
+from lmi_serve.serving.vision import FetchPolicy, VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -97,74 +94,26 @@ class TextGenerationService:
         self.streaming = config.enable_streaming
         self._warm_up()
         self.engine: Engine | None = None
-        self.rolling: RollingBatchService | None = None
         if context.rolling_batch:
             self.engine = build_engine(self.model, self.tokenizer, self.device, config, serving,
                                        tp_group=self.tp_group).start()
-            # A model.py without handle() may still bring formatter hooks (context.*_formatter).
-            self.rolling = RollingBatchService(
-                self.engine, max_input_len=self.max_input_len, tgi_compat=config.tgi_compat,
-                output_formatter=config.output_formatter,
-                custom_input=context.input_formatter,
-                custom_output=context.output_formatter,
-                model_name=config.name, reasoning=reasoning_settings(config),
-                tool_call_parser=config.tool_call_parser, vision=self.vision,
-                trust_request_template=config.trust_request_chat_template)
+        self.front_end: FrontEnd = build_front_end(TextModel(
+            config, self.tokenizer, max_input_len=self.max_input_len, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_ids, engine=self.engine, generate=self._generate, vision=self.vision,
+            input_formatter=context.input_formatter, output_formatter=context.output_formatter))
 
     def _warm_up(self) -> None:
         """One tiny generation so the first user request does not pay for lazy kernel setup."""
         request = GenerationRequest(tuple(self.tokenizer("Hello").input_ids), stop=StopParams(max_new_tokens=2))
-        for _ in generate_static_batch(self.model, self.tokenizer, self.device, [request], self.kv_layout):
+        for _ in self._generate([request]):
             pass
 
-    def _to_generation_requests(self, parsed: DynamicBatchRequest) -> list[GenerationRequest]:
-        params = parsed.parameters
-        requests = []
-        for prompt in parsed.prompts:
-            ids = tuple(self.tokenizer(prompt).input_ids)
-            if len(ids) > self.max_input_len:
-                raise LmiRequestError(f"Input has {len(ids)} tokens, over the limit of {self.max_input_len}")
-            room = self.max_model_len - len(ids)
-            stop = StopParams(max_new_tokens=min(params.max_new_tokens, room),
-                              stop_sequences=tuple(params.stop_sequences or ()), eos_token_ids=self.eos_ids,
-                              ignore_eos=params.ignore_eos_token)
-            requests.append(GenerationRequest(ids, params.sampling(), stop))
-        return requests
-
-    def _parse(self, item: Input) -> tuple[DynamicBatchRequest, list[GenerationRequest]]:
-        payload = read_payload(item)
-        if isinstance(payload, dict) and "messages" in payload:
-            raise LmiRequestError("Chat requests (`messages`) need the rolling batch; this model is served with "
-                                  "dynamic batching (option.rolling_batch=disable)")
-        parsed = parse_dynamic_batch_request(payload)
-        return parsed, self._to_generation_requests(parsed)
-
-    def _stream(self, requests: list[GenerationRequest]):
-        for _, event in generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_layout):
-            if event.text:
-                yield [event.text]
+    def _generate(self, requests: list[GenerationRequest]):
+        """One static batch of `requests` (the dynamic-batch path): (request index, event) as rows advance."""
+        return generate_static_batch(self.model, self.tokenizer, self.device, requests, self.kv_layout)
 
     def inference(self, inputs: Input) -> Output:
-        if self.rolling is not None:
-            return self.rolling.inference(inputs)
-        output, parsed = parse_batch(inputs, self._parse)
-        if self.streaming and not inputs.is_batch() and parsed:
-            _, requests = parsed[0]
-            return Output().add_property("Content-Type", "application/jsonlines").add_stream_content(
-                self._stream(requests))
-        flat = [(index, r) for index, (_, reqs) in parsed.items() for r in reqs]
-        results = [GenerationResult(len(r.prompt_ids)) for _, r in flat]
-        if flat:
-            for row, event in generate_static_batch(self.model, self.tokenizer, self.device, [r for _, r in flat],
-                                                         self.kv_layout):
-                results[row].events.append(event)
-        for index, (request, _) in parsed.items():
-            texts = [res.text for (owner, _), res in zip(flat, results) if owner == index]
-            if request.parameters.return_full_text:
-                texts = [prompt + text for prompt, text in zip(request.prompts, texts)]
-            body = [{"generated_text": text} for text in texts]
-            output.add(body, batch_index=index if inputs.is_batch() else None)
-        return output
+        return self.front_end.inference(inputs)
 
 
 SUPPORTS_ROLLING_BATCH = True  # thread-safe in rolling mode: the server calls it per request

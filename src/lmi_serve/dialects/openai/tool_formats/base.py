@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from lmi_serve.dialects.common import json_body
-from lmi_serve.dialects.common.json_body import InvalidJson
+from lmi_serve import json_body
+from lmi_serve.json_body import InvalidJson
 
 # The layout the grammar enforces inside embedded JSON (see engine/sampling/grammar.py).
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

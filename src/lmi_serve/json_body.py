@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from lmi_serve.dialects.common.json_scan import BodyScan, scan
+from lmi_serve.json_scan import BodyScan, scan
 
 MAX_DEPTH = 128  # far beyond any real request (JSON Schemas, tool parameters, tensors of rank 8)
 
