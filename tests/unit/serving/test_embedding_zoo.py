@@ -5,6 +5,8 @@ the load naming them."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -32,16 +34,26 @@ def zoo(tmp_path_factory):
     return {name: write(root / name, name, seed=i) for i, name in enumerate(ZOO)}
 
 
-def service_for(handler_module, folder):
+@functools.lru_cache(maxsize=None)
+def _service(handler_module, folder):
     config, _ = typed_from_properties({"model_id": str(folder)}, "text-embedding")
     return handler_module.EmbeddingService(config)
 
 
-def reference(folder, texts, **kwargs) -> torch.Tensor:
+def service_for(handler_module, folder):
+    """One loaded service per checkpoint for the module (a load is most of a test's time)."""
+    return _service(handler_module, folder)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_model(folder):
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(folder), device="cpu")
-    return torch.as_tensor(model.encode(texts, convert_to_numpy=True, **kwargs))
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+def reference(folder, texts, **kwargs) -> torch.Tensor:
+    return torch.as_tensor(reference_model(folder).encode(texts, convert_to_numpy=True, **kwargs))
 
 
 def assert_close(served, expected) -> None:
