@@ -210,5 +210,5 @@ def kernel() -> Any | None:
 
 def matmul(x: torch.Tensor, q: np.ndarray, d: np.ndarray) -> torch.Tensor:
     """x [M, K] bf16 (contiguous) times the packed layer's weights transposed: [M, N] bf16. Call only
-    where `kernel()` is not None."""
-    return _call(_compiled.value, x, q, d)
+    where `kernel()` is not None (compiled here on a first call that comes before it)."""
+    return _call(_compiled.value if _compiled.done else kernel(), x, q, d)
