@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 from lmi_serve.config.fields import FAST_CPU, JOURNAL, RESULTS, Options, choice
 
 # Opt-in lighter weights, CPU only: none = the weights as loaded; fp16 = fp16-stored weights, fp32 compute;
-# q4 = the GGUF's own 4-bit blocks (a Q4_0 / Q4_1 GGUF only), computed in the model's dtype (fp32, or bf16).
+# q4 = the GGUF's own 4-bit blocks (Q4_0 / Q4_1 / Q4_K tensors only), computed in the model's dtype (fp32, or bf16).
 Quantize = Literal["none", "fp16", "q4"]
 # fp32 Linear layers on the CPU: auto = oneDNN's packed weights where they apply (fp32, CPU, torch built with
 # oneDNN), else torch's; onednn = that or a start-up error; torch = nn.Linear (MKL).
@@ -40,8 +40,9 @@ class KernelOptions(Options):
         "none",
         description=(
             "opt-in lighter weights, CPU only. `none`: as loaded; `fp16`: Linear weights stored in fp16, fp32 "
-            "arithmetic; `q4`: a Q4_0/Q4_1 GGUF's own 4-bit blocks, fast with `option.dtype=bf16` (not exact), "
-            "only smaller and much slower in fp32 (start-up warns). Refused, naming the option, on a GPU and with "
+            "arithmetic; `q4`: a GGUF's own Q4_0/Q4_1/Q4_K blocks (other types as loaded), fast with "
+            "`option.dtype=bf16` (not exact), only smaller and much slower in fp32 (start-up warns). Refused, naming "
+            "the option, on a GPU and with "
             f"an unsupported dtype or GGUF (see [Faster on a CPU]({FAST_CPU}), [figures]({RESULTS}#sweep-with-q4-"
             "weights))"
         ),

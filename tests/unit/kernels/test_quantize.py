@@ -39,10 +39,10 @@ VOCAB = 512
 HEADS, KV_HEADS = 4, 2
 
 
-def tiny_llama(tied: bool, seed: int = 0) -> LlamaForCausalLM:
+def tiny_llama(tied: bool, seed: int = 0, hidden: int = 64, intermediate: int = 128) -> LlamaForCausalLM:
     """2 layers, every Linear a multiple of 32 wide; weights redrawn so greedy output depends on the prompt."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
                          tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config).eval()
@@ -92,10 +92,12 @@ def _permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_q4_gguf(model: LlamaForCausalLM, path, qtype=gguf.GGMLQuantizationType.Q4_1, skip=(),
-                  embedding: bool = False, embedding_type=gguf.GGMLQuantizationType.F32) -> None:
+                  embedding: bool = False, embedding_type=gguf.GGMLQuantizationType.F32,
+                  types: dict | None = None) -> None:
     """`model`'s Linear weights (but `skip`) as a Llama GGUF of 4-bit blocks (q / k rows permuted as
     llama.cpp does), then the model's weights replaced by those blocks dequantized, as the GGUF ->
-    safetensors cache holds them; with `embedding`, the input embedding too, in `embedding_type`."""
+    safetensors cache holds them; with `embedding`, the input embedding too, in `embedding_type`.
+    `types`: another block type for some Linear modules (by module name)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
     if embedding:
@@ -115,9 +117,10 @@ def write_q4_gguf(model: LlamaForCausalLM, path, qtype=gguf.GGMLQuantizationType
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(gguf_name.rsplit(".", 1)[-1])
             weight = module.weight.detach().numpy()
             stored = _permute_like_llama_cpp(weight, heads) if heads else weight
-            blocks = gguf.quants.quantize(stored, qtype)
-            writer.add_tensor(f"{gguf_name}.weight", blocks, raw_dtype=qtype)
-            loaded = gguf.quants.dequantize(blocks, qtype)
+            its_type = (types or {}).get(name, qtype)
+            blocks = gguf_blocks(stored, its_type)
+            writer.add_tensor(f"{gguf_name}.weight", blocks, raw_dtype=its_type)
+            loaded = gguf.quants.dequantize(blocks, its_type)
             if heads:  # undo the permutation as transformers' loader does
                 half = loaded.shape[0] // heads // 2
                 loaded = loaded.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(loaded.shape)
@@ -126,6 +129,68 @@ def write_q4_gguf(model: LlamaForCausalLM, path, qtype=gguf.GGMLQuantizationType
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """A simple Q4_K quantizer of our own (gguf has none): per 32-weight sub-block, scale (max - min) / 15 and
+    min -min(0, min) as 6-bit multiples of the super-block's fp16 d and dmin; bytes laid out as ggml's."""
+    rows = weight.shape[0]
+    x = weight.reshape(rows, -1, 8, 32).astype(np.float32)
+    low = np.minimum(x.min(-1), 0)
+    wanted_scale, wanted_min = (x.max(-1) - low) / 15, -low
+    d = (wanted_scale.max(-1) / 63).astype(np.float16)
+    dmin = (wanted_min.max(-1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.round(wanted_scale / np.where(d32 > 0, d32, 1)), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(wanted_min / np.where(dmin32 > 0, dmin32, 1)), 0, 63).astype(np.uint8)
+    scale, minimum = (d32 * sc)[..., None], (dmin32 * m)[..., None]
+    q = np.clip(np.round((x + minimum) / np.where(scale > 0, scale, 1)), 0, 15).astype(np.uint8)
+    packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                             (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+    nibbles = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # [rows, super-blocks, 4, 32]
+    head = np.stack([d, dmin], axis=-1).view(np.uint8)  # [rows, super-blocks, 4]
+    return np.concatenate([head, packed, nibbles.reshape(*nibbles.shape[:2], -1)], axis=-1).reshape(rows, -1)
+
+
+def random_q6_k(weight: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Random Q6_K bytes of `weight`'s shape (210 bytes per 256 weights, its fp16 d last, set small)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (weight.shape[0], weight.shape[1] // 256, 210), dtype=np.uint8)
+    raw[..., 208:] = np.full(raw.shape[:2], 3e-5, np.float16)[..., None].view(np.uint8)
+    return raw.reshape(weight.shape[0], -1)
+
+
+def gguf_blocks(weight: np.ndarray, qtype) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(weight)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        return random_q6_k(weight)
+    return gguf.quants.quantize(weight, qtype)
+
+
+def test_quantize_q4_k_helper_is_a_quantizer():
+    weight = np.random.default_rng(1).normal(0, 0.2, (32, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_q4_k(weight), gguf.GGMLQuantizationType.Q4_K)
+    assert np.abs(back - weight).max() < 0.1 * np.abs(weight).max(), "premise: the test's Q4_K weights are the model's"
+
+
+def test_unpacked_q4_k_blocks_are_what_gguf_dequantizes_from_random_bytes():
+    rng = np.random.default_rng(0)
+    rows, supers = 16, 3
+    raw = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    heads = rng.integers(0, 2**16, (rows, supers, 2), dtype=np.uint16)
+    finite = np.isfinite(heads.view(np.float16))
+    raw[..., :4] = np.where(finite, heads, 0x3C00).view(np.uint8).reshape(rows, supers, 4)  # non-finite -> 1.0
+    raw = raw.reshape(rows, -1)
+    blocks = unpack_q4_blocks(raw, "Q4_K")
+    assert blocks.q.shape == (rows, supers * 256) and blocks.scale.shape == (rows, supers * 8)
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    mine = blocks.dequantize().numpy()
+    # float32 rounding of d sc q - dmin m: a couple of ulps of its larger term
+    magnitude = np.repeat(16 * np.abs(blocks.scale) + np.abs(blocks.zero), 32, axis=1)
+    assert (np.abs(mine - theirs) <= 2**-22 * magnitude).all(), np.abs(mine - theirs).max()
+    assert np.abs(theirs).max() > 1e3 and (np.abs(theirs) < 1e-3).any(), "premise: fp16 d / dmin over their range"
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0])
@@ -142,6 +207,62 @@ def test_q4_computes_the_dequantized_gguf_blocks(tmp_path, qtype):
     assert report.max_abs_diff < 1e-6
     got = logits(model, IDS)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+# a Q4_K_M file's mix: Q4_K for most Linear layers, Q6_K for some (here one down_proj), which keep their loaded weights
+Q4_K_M_LIKE = {"qtype": gguf.GGMLQuantizationType.Q4_K,
+               "types": {"model.layers.1.mlp.down_proj": gguf.GGMLQuantizationType.Q6_K}}
+
+
+def tiny_llama_256(tied: bool = False) -> LlamaForCausalLM:
+    """tiny_llama with every Linear's input a multiple of Q4_K's 256 weights."""
+    return tiny_llama(tied, hidden=256, intermediate=256)
+
+
+def test_q4_computes_the_dequantized_q4_k_blocks_and_keeps_a_q6_k_layer(tmp_path):
+    model = tiny_llama_256()
+    write_q4_gguf(model, tmp_path / "tiny.gguf", **Q4_K_M_LIKE)
+    want = logits(model, IDS)  # fp32 on gguf.quants.dequantize of the file's blocks: the reference
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj, Q4Linear) and isinstance(model.lm_head, Q4Linear)
+    assert isinstance(layer.mlp.down_proj, Q4Linear) and isinstance(layer.self_attn.q_proj.stacked, Q4Linear)
+    assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert report.kept == {"model.layers.1.mlp.down_proj": "GGUF Q6_K"}
+    assert "kept as loaded: model.layers.1.mlp.down_proj (GGUF Q6_K)" in report.describe()
+    assert len(report.swapped) == 2 * 7 and report.max_abs_diff < 1e-6
+    got = logits(model, IDS)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_q4_k_in_bf16_runs_its_blocks_with_fp16_rounded_scales(tmp_path):
+    model = tiny_llama_256()
+    write_q4_gguf(model, tmp_path / "tiny.gguf", qtype=gguf.GGMLQuantizationType.Q4_K)
+    one = [IDS[0][:1]]  # one row: the few-row kernels' (more than Q4_MAX_ROWS go to the bf16 oneDNN copy)
+    fp32, fp32_one = logits(model, IDS), logits(model, one)
+    dequantized = model.lm_head.weight.detach().clone()
+    model = model.to(torch.bfloat16)
+    bf16_error = (logits(model, IDS).float() - fp32).abs().max()
+    bf16_error_one = (logits(model, one).float() - fp32_one).abs().max()
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert len(report.swapped) == 2 * 7 + 1 and not report.kept
+    kernel = model.lm_head.kernel_weights
+    assert (kernel is not None) == (q4_kernel.kernel() is not None)
+    if kernel is not None:  # the GGUF's weights with d sc_j and dmin m_j rounded to fp16 (half an fp16 ulp each)
+        held = torch.from_numpy(q4_kernel.unpacked(kernel))
+        assert torch.allclose(held, dequantized, rtol=0, atol=4 * 2**-11 * float(dequantized.abs().max())), \
+            (held - dequantized).abs().max()
+    for rows, want, error in ((IDS, fp32, bf16_error), (one, fp32_one, bf16_error_one)):
+        got = logits(model, rows)
+        assert got.dtype == torch.bfloat16
+        assert 0 < (got.float() - want).abs().max() < 1.5 * error, ((got.float() - want).abs().max(), error)
+
+
+def test_q4_blocks_whose_scales_overflow_fp16_keep_torchs_int4_kernel():
+    blocks = random_blocks(32, 64, 0)
+    huge = Q4Blocks(blocks.q, blocks.scale * 1e5, blocks.zero * 1e5)
+    assert Q4Linear(huge, None, torch.bfloat16).kernel_weights is None
+    assert (Q4Linear(blocks, None, torch.bfloat16).kernel_weights is None) == (q4_kernel.kernel() is None)
 
 
 def test_q4_in_bf16_computes_in_bf16_about_as_close_to_fp32_as_the_bf16_model(tmp_path):

@@ -357,7 +357,7 @@ def pack(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Q4Weights:
         out[:out_features] = values
         return out.reshape(tiles, TILE, blocks).transpose(0, 2, 1).copy().view(np.uint8).reshape(tiles, blocks, -1)
 
-    minimum = zero - 8 * scale  # the GGUF's m (Q4_0: -8 d), exact in fp16
+    minimum = zero - 8 * scale  # the GGUF's m (Q4_0: -8 d), exact in fp16 (Q4_K's -dmin m_j: rounded to it)
     laid_out = np.concatenate([nibbles, per_tile(scale), per_tile(minimum)], axis=-1)
     return Q4Weights(torch.from_numpy(np.ascontiguousarray(laid_out)), out_features)
 

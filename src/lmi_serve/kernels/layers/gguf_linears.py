@@ -1,7 +1,8 @@
 """Linear layers on a GGUF's own quantized blocks (option.quantize=q4; kernels/layers/quantize.py swaps them in).
 
-- Q4Linear: Q4_0 / Q4_1 blocks (w = d q + m per 32 weights, q in 0..15). With bf16 activations
-  (option.dtype=bf16) on CPUs with AVX-512 BF16: kernels/cpu/q4_kernel.py, the GGUF's scales kept exactly, ~0.7x
+- Q4Linear: Q4_0 / Q4_1 blocks (w = d q + m per 32 weights, q in 0..15), and Q4_K's (w = d sc_j q - dmin m_j per
+  32-weight sub-block j). With bf16 activations (option.dtype=bf16) on CPUs with AVX-512 BF16:
+  kernels/cpu/q4_kernel.py, Q4_0 / Q4_1's scales kept exactly (Q4_K's d sc_j, dmin m_j rounded to fp16), ~0.7x
   torch's int4 kernel's time. Otherwise torch's x86 int4 kernel (`_weight_int4pack_mm_for_cpu`, group 32),
   which computes (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0: w = d (q - 8), zero = 0), its
   scales and zeros in the activations' dtype: fp32 (exact relative to the GGUF; a scalar loop, slow) or bf16.
@@ -74,11 +75,40 @@ def _fp16_field(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
+Q4_K_WEIGHTS = 256  # weights per Q4_K super-block: 8 sub-blocks of GROUP
+_Q4_K_BYTES = 2 + 2 + 12 + Q4_K_WEIGHTS // 2  # d, dmin (fp16 each), packed 6-bit scales and mins, nibbles: 144
+
+
+def unpack_q4_k_blocks(raw: np.ndarray) -> Q4Blocks:
+    """A GGUF Q4_K tensor's bytes ([N, K/256 * 144] uint8) as Q4Blocks, exactly: per 32-weight sub-block j of a
+    super-block, w = (d sc_j) q - dmin m_j, i.e. scale = d sc_j and zero = 8 scale - dmin m_j (fp32).
+
+    Super-block layout (ggml): d (fp16), dmin (fp16), 12 bytes of 6-bit scales sc and mins m for the 8
+    sub-blocks, 128 bytes of nibbles. Bytes 0-3 hold sc 0-3 in their low 6 bits, bytes 4-7 m 0-3; bytes 8-11
+    hold the low 4 bits of sc 4-7 (low nibble) and of m 4-7 (high nibble), whose top 2 bits are the top 2 bits
+    of bytes 0-3 (sc) and 4-7 (m). Nibble byte 32 c + i holds weight i of sub-block 2c (low nibble) and of
+    sub-block 2c + 1 (high nibble)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, _Q4_K_BYTES)
+    d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+    low, high, mixed = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    m = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+    nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, GROUP)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=3).reshape(rows, -1)  # sub-blocks 2c, 2c + 1
+    scale = (d[..., None] * sc).reshape(rows, -1)
+    minimum = (dmin[..., None] * m).reshape(rows, -1)
+    return Q4Blocks(q, scale, 8 * scale - minimum)
+
+
 def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
-    """A GGUF Q4_0 / Q4_1 tensor's bytes ([N, K/32 * block bytes] uint8) as Q4Blocks.
+    """A GGUF Q4_0 / Q4_1 / Q4_K tensor's bytes ([N, K/32 * block bytes] uint8; Q4_K: unpack_q4_k_blocks) as
+    Q4Blocks.
 
     Block layout (ggml): Q4_1 = d (fp16), m (fp16), 16 bytes of nibbles; Q4_0 = d (fp16), 16 bytes.
     Byte j holds element j in its low nibble and element j + 16 in its high nibble."""
+    if type_name == "Q4_K":
+        return unpack_q4_k_blocks(raw)
     head = 4 if type_name == "Q4_1" else 2
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, head + GROUP // 2)
@@ -145,6 +175,15 @@ class _BlockLinear(nn.Module):
                 f"activations={activations}{dense}")
 
 
+def _fp16_fits(blocks: Q4Blocks) -> bool:
+    """Whether the Q4 kernel's fp16 scale and minimum (zero - 8 scale) hold these blocks' finite: always for
+    Q4_0 / Q4_1 (the GGUF's own fp16, exact); Q4_K's d sc_j and dmin m_j round to fp16 (half an fp16 ulp: 2^-11
+    relative where normal, below the bf16 activations' 2^-8) and could overflow it."""
+    with np.errstate(over="ignore"):
+        return all(np.isfinite(values.astype(np.float16)).all()
+                   for values in (blocks.scale, blocks.zero - 8 * blocks.scale))
+
+
 # the op's overload itself: calling the packet resolves it on every call (~1 µs; 120 calls a SmolLM2 step)
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
@@ -162,7 +201,7 @@ class Q4Linear(_BlockLinear):
         super().__init__()
         self._setup(blocks.q.shape, bias, dtype, dense)
         self.kernel_weights = None
-        if dtype == torch.bfloat16 and q4_kernel.kernel() is not None:
+        if dtype == torch.bfloat16 and _fp16_fits(blocks) and q4_kernel.kernel() is not None:
             self.kernel_weights = q4_kernel.pack(blocks.q, blocks.scale, blocks.zero)
             return
         q = torch.from_numpy(blocks.q.astype(np.int32))

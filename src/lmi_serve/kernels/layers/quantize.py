@@ -7,11 +7,14 @@ modules are replaced, so every KV implementation and both batching modes work un
   ``linear_dynamic_fp16``), on every Linear including lm_head. The output equals fp32 ``F.linear``
   with the weights rounded to fp16. A tied lm_head gets its own fp16 copy: the input embedding
   keeps its fp32 weight.
-- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 blocks, lossless relative to that GGUF:
+- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 / Q4_K blocks, lossless relative to that GGUF:
   Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
   torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
-  w = d*(q - 8), zero = 0). Activations keep the model's dtype: fp32 (exact relative to the GGUF,
-  but the kernel has vector code for bf16 activations only, so fp32 is a slow scalar loop) or bf16
+  w = d*(q - 8), zero = 0; Q4_K, per 32-weight sub-block j of a 256-weight super-block: w = d*sc_j*q -
+  dmin*m_j, so scale = d*sc_j, zero = 8*scale - dmin*m_j, in fp32). A Q4_K_M file's other types (Q6_K,
+  Q5_K: no 4-bit path) keep their loaded weights, named so in the report. Activations keep the model's
+  dtype: fp32 (exact relative to the GGUF, but the kernel has vector code for bf16 activations only, so fp32
+  is a slow scalar loop) or bf16
   (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
   kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
   the CPU computes bf16, since the int4 kernel computes row by row). With bf16 activations on a CPU
@@ -47,7 +50,7 @@ from lmi_serve.kernels.layers.surgery import own_remaining_tensors, process_rss,
 log = logging.getLogger(__name__)
 
 MODES = ("none", "fp16", "q4")
-_Q4_TYPES = ("Q4_0", "Q4_1")
+_Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
 _MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
 Q4_ACTIVATIONS = tuple(_MATCH_TOLERANCE)  # the dtypes a q4 layer computes in (the model's)
@@ -118,8 +121,8 @@ def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | 
                             f"{device}; on a GPU use option.dtype=fp16 or bf16 and option.quantize=none")
     if mode == "q4" and gguf is None:
         raise QuantizeError("option.quantize=q4 reads the GGUF's own 4-bit blocks, and this model was not loaded "
-                            "from a GGUF file: give a Q4_0 / Q4_1 GGUF (option.model_id / option.gguf_file), or use "
-                            "option.quantize=fp16")
+                            "from a GGUF file: give a Q4_0 / Q4_1 / Q4_K(_M) GGUF (option.model_id / "
+                            "option.gguf_file), or use option.quantize=fp16")
     dtype = _weights_dtype(model)
     allowed = Q4_ACTIVATIONS if mode == "q4" else (torch.float32,)
     if dtype is not None and dtype not in allowed:
@@ -191,8 +194,8 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
             else:
                 report.kept[name] = _why_kept(model, linear, found, layers.embedding)
     if not checked:
-        raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 weights of this model's Linear "
-                            "layers; use option.quantize=fp16")
+        raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 / Q4_K weights of this model's "
+                            "Linear layers; use option.quantize=fp16")
 
     # bf16 on a CPU that computes it: many rows (prefill, a large batch) on a bf16 oneDNN copy of the loaded weights
     dense = dtype == torch.bfloat16 and torch.bfloat16 in packable_dtypes()

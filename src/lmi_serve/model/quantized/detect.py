@@ -13,7 +13,8 @@ from typing import Any
 
 from lmi_serve.model.source import ModelLoadError
 
-INSTEAD = "use the unquantized checkpoint, or a GGUF of the model (its Q4_0/Q4_1 blocks run with option.quantize=q4)"
+INSTEAD = ("use the unquantized checkpoint, or a GGUF of the model (its Q4_0/Q4_1/Q4_K blocks run with "
+           "option.quantize=q4)")
 # what to say for the methods we know and do not read
 _REFUSED = {
     "bitsandbytes": "bitsandbytes quantizes on CUDA at load time; use the unquantized checkpoint it was made "
