@@ -12,7 +12,6 @@ tests/unit/repo/test_docs.py fails when the committed page differs from what thi
 
 from __future__ import annotations
 
-import argparse
 import sys
 import types
 import typing
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import annotated_types
 from pydantic.fields import FieldInfo
 
+from lmi_serve.generated_table import GeneratedTable
 from lmi_serve.config.models import ModelConfig
 from lmi_serve.config.sources import _BARE_KEYS, _ENV_ALIASES, _OPTION_FIELDS
 
@@ -126,30 +126,10 @@ def render_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def render_page(page: str) -> str:
-    """`page` with the text between its markers replaced by the current table."""
-    start, end = page.find(BEGIN), page.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the page has no {BEGIN!r} ... {END!r} markers")
-    return page[:start] + BEGIN + "\n\n" + render_table() + "\n" + page[end:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Render the per-model option table of docs/configuration.md.")
-    parser.add_argument("--page", type=Path, default=DEFAULT_PAGE, help="the page to update (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="only compare; exit status 1 when out of date")
-    args = parser.parse_args(argv)
-    current = args.page.read_text(encoding="utf-8")
-    wanted = render_page(current)
-    if args.check:
-        if current != wanted:
-            print(f"{args.page} is out of date: run python -m lmi_serve.config.doc", file=sys.stderr)
-            return 1
-        return 0
-    if current != wanted:
-        args.page.write_text(wanted, encoding="utf-8")
-        print(f"updated {args.page}")
-    return 0
+TABLE = GeneratedTable(BEGIN, END, DEFAULT_PAGE, "python -m lmi_serve.config.doc",
+                       "Render the per-model option table of docs/configuration.md.", render_table)
+render_page = TABLE.render_page
+main = TABLE.main
 
 
 if __name__ == "__main__":

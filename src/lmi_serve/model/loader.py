@@ -9,17 +9,16 @@ is converted once into a safetensors folder under the cache dir; later starts lo
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lmi_serve.model.cache_folder import built_once
 
 # Where the files are lives in source.py (torch-free); these names stay importable from here.
 from lmi_serve.model.source import ModelLoadError, find_gguf, resolve_model_source
@@ -170,13 +169,8 @@ def convert_gguf(gguf: Path, cache_dir: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = _gguf_cache_folder(cache_dir, gguf)
-    if (target / "model.safetensors").exists() or (target / "model.safetensors.index.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
-            return target
+
+    def build(staging: Path) -> None:
         log.info("Converting GGUF %s to safetensors in %s (one time; later starts load the copy)", gguf, target)
         started = time.monotonic()
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -188,13 +182,11 @@ def convert_gguf(gguf: Path, cache_dir: str) -> Path:
         model.is_quantized = False
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
         log.info("GGUF conversion: done in %.1f s", time.monotonic() - started)
-    return target
+
+    return built_once(target, build)
 
 
 def _pretrained_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:

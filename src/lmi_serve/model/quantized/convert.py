@@ -12,11 +12,9 @@ size on disk, fine for the small models served on a CPU.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lmi_serve.model.cache_folder import built_once
 from lmi_serve.model.quantized.awq import unpack_awq
 from lmi_serve.model.quantized.compressed import dequantize_fp8, int8_weight, unpack_pack_quantized
 from lmi_serve.model.quantized.detect import QuantFormat, quantization_of
@@ -74,25 +73,15 @@ def _with_side_config(source: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def dequantized_folder(source: Path, found: QuantFormat, cache_dir: str) -> Path:
-    """Build (once; a file lock makes concurrent starts wait) and return the plain folder of `source`."""
-    target = _cache_folder(source, cache_dir)
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
-            return target
+    """Build (once: model/cache_folder.py) and return the plain folder of `source`."""
+
+    def build(staging: Path) -> None:
         started = time.monotonic()
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
         layers = _write_weights(source, found, staging)
         _write_other_files(source, staging)
-        os.replace(staging, target)
-        log.info("Dequantized %d quantized layers of %s into %s in %.1f s", layers, source, target,
-                 time.monotonic() - started)
-    return target
+        log.info("Dequantized %d quantized layers of %s in %.1f s", layers, source, time.monotonic() - started)
+
+    return built_once(_cache_folder(source, cache_dir), build)
 
 
 def _weight_files(source: Path) -> list[Path]:
