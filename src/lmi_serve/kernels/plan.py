@@ -2,7 +2,7 @@
 
 `plan_kernels(model, config, host, device=...)` applies the swaps in their order and returns a `KernelPlan`:
 
-    1. quantize          option.quantize: fp16 or the GGUF's Q4/Q8 blocks replace Linear layers (layers/quantize.py)
+    1. quantize          option.quantize: fp16 or a checkpoint's Q4/Q8 blocks replace Linear layers (layers/quantize.py)
     2. fused_norms       RMSNorm on F.rms_norm or the norm kernel, the same bits (layers/fused_norms.py)
     3. lean_layers       Llama-family decoder layers in fewer ops, on a CPU (layers/lean_layers.py)
     4. stack_siblings    q/k/v and gate/up stacked into one matmul (layers/shared_input.py)       } with
@@ -73,15 +73,15 @@ class KernelPlan:
 
 
 def plan_kernels(model: nn.Module, config: Any, host: Host, *, device: Any, generates: bool = True,
-                 gguf: Path | None = None, sharded: bool = False) -> KernelPlan:
+                 q4_source: Path | None = None, sharded: bool = False) -> KernelPlan:
     """Apply the swaps to `model` in their order (module docstring) as `config` (a ModelConfig) asks, on
-    `device`; `generates`: a text-generation model (else an encoder: steps 1, 6 and 7 are skipped); `gguf`: the
-    GGUF option.quantize=q4 reads; `sharded`: a tensor-parallel rank (torch's Linear kept). Raises
+    `device`; `generates`: a text-generation model (else an encoder: steps 1, 6 and 7 are skipped); `q4_source`:
+    the GGUF or Q4Blocks file whose 4-bit weights option.quantize=q4 reads (model/loader.py four_bit_source); `sharded`: a tensor-parallel rank (torch's Linear kept). Raises
     QuantizeError or LinearKernelError naming the option that cannot apply."""
     plan = KernelPlan(host)
     quantize = getattr(config, "quantize", "none") if generates else "none"
     if quantize != "none":
-        plan.quantized = _step(plan, "quantize", lambda: quantize_model(model, quantize, device, gguf),
+        plan.quantized = _step(plan, "quantize", lambda: quantize_model(model, quantize, device, q4_source),
                                lambda report: report.describe())
     requested = "torch" if sharded else config.linear_kernel
     report = plan.linear = linear.linear_report(model, requested, device)

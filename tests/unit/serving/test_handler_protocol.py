@@ -225,7 +225,8 @@ def no_model(monkeypatch):
     def load_generation_model(model_id, **kwargs):
         calls["load_generation_model"] = (model_id, kwargs)
         model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024, vocab_size=100))
-        return SimpleNamespace(model=model, tokenizer=lambda text: SimpleNamespace(input_ids=[1, 2]), device="cpu")
+        return SimpleNamespace(model=model, tokenizer=lambda text: SimpleNamespace(input_ids=[1, 2]), device="cpu",
+                               source=str(model_id))
 
     class Engine(Recorder):
         pass
@@ -236,7 +237,7 @@ def no_model(monkeypatch):
     class Watermark(Recorder):
         pass
 
-    def plan_kernels(model, config, host, *, device, generates=True, gguf=None, sharded=False):
+    def plan_kernels(model, config, host, *, device, generates=True, q4_source=None, sharded=False):
         calls["use_linear_kernel"] = "torch" if sharded else config.linear_kernel
         calls["row_kernel"] = config.row_kernel
         return SimpleNamespace(summary=lambda: "Kernel plan: none (a test's fake)")

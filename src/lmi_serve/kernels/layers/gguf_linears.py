@@ -36,25 +36,44 @@ Q8_MAX_ROWS = max_rows("q8_vnni")
 
 @dataclass(frozen=True)
 class Q4Blocks:
-    """One layer's GGUF Q4 blocks, unpacked: q in 0..15 and per-block scale and zero, so that
-    weight[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]."""
+    """One layer's 4-bit blocks, unpacked: q in 0..15 and per-block scale and zero, so that
+    weight[n, k] = (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32] (a GGUF's Q4 blocks; AWQ / GPTQ /
+    compressed-tensors W4A16 groups, model/quantized/q4.py). `columns`, where not None, is the layer's input
+    column each block column k stands for (GPTQ's activation order: the columns sorted by group so that each
+    block of 32 has one scale): block column k multiplies x[..., columns[k]]."""
 
     q: np.ndarray  # [N, K] uint8
     scale: np.ndarray  # [N, K / 32] float32
     zero: np.ndarray  # [N, K / 32] float32
+    columns: np.ndarray | None = None  # [K] int64, a permutation of 0..K-1
 
     @staticmethod
     def concatenated(parts: list[Q4Blocks]) -> Q4Blocks:
-        """The blocks of one layer whose rows are `parts`' rows, one after the other."""
-        return Q4Blocks(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("q", "scale", "zero")))
+        """The blocks of one layer whose rows are `parts`' rows, one after the other (one column order: `stackable`)."""
+        if not Q4Blocks.stackable(parts):
+            raise ValueError("blocks with different column orders do not stack")
+        return Q4Blocks(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("q", "scale", "zero")),
+                        columns=parts[0].columns)
+
+    @staticmethod
+    def stackable(parts: list[Q4Blocks]) -> bool:
+        first = parts[0].columns
+        return all((p.columns is None and first is None) or
+                   (p.columns is not None and first is not None and np.array_equal(p.columns, first)) for p in parts)
 
     def dequantize(self) -> torch.Tensor:
+        """The [N, K] weight in the layer's own column order."""
         scale = torch.from_numpy(self.scale).repeat_interleave(GROUP, dim=1)
         zero = torch.from_numpy(self.zero).repeat_interleave(GROUP, dim=1)
-        return (torch.from_numpy(self.q.astype(np.float32)) - 8) * scale + zero
+        blocked = (torch.from_numpy(self.q.astype(np.float32)) - 8) * scale + zero
+        if self.columns is None:
+            return blocked
+        weight = torch.empty_like(blocked)
+        weight[:, torch.from_numpy(self.columns)] = blocked
+        return weight
 
     def permuted(self, undo) -> Q4Blocks:
-        return Q4Blocks(undo(self.q), undo(self.scale), undo(self.zero))
+        return Q4Blocks(undo(self.q), undo(self.scale), undo(self.zero), self.columns)
 
 
 @dataclass(frozen=True)
@@ -222,6 +241,31 @@ class Q4Linear(_BlockLinear):
         if self.kernel_weights is not None:
             return self._describe("int4") + ", fp16 scales on the AVX-512 BF16 kernel"
         return self._describe("int4")
+
+
+class ReorderedQ4Linear(Q4Linear):
+    """A Q4Linear whose blocks hold the input columns in another order (`Q4Blocks.columns`): the input is
+    gathered into that order first (one index_select of the rows, ~1 µs a call at one row). Its own class:
+    the layer chains (kernels/layers/chains.py) take plain Q4Linear layers only, whose input is the row as
+    it is."""
+
+    def __init__(self, blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+                 dense: nn.Module | None = None):
+        super().__init__(blocks, bias, dtype, dense)
+        self.register_buffer("columns", torch.from_numpy(np.ascontiguousarray(blocks.columns)))
+
+    def _few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        return super()._few_rows(flat.index_select(1, self._buffers["columns"]))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", input columns reordered (activation order)"
+
+
+def q4_linear(blocks: Q4Blocks, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+              dense: nn.Module | None = None) -> Q4Linear:
+    """The Q4 layer for `blocks`: a ReorderedQ4Linear where they hold the columns in another order."""
+    layer = Q4Linear if blocks.columns is None else ReorderedQ4Linear
+    return layer(blocks, bias, dtype, dense)
 
 
 def q8_fits(in_features: int, dtype: torch.dtype) -> bool:

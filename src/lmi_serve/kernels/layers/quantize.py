@@ -7,7 +7,9 @@ modules are replaced, so every KV implementation and both batching modes work un
   ``linear_dynamic_fp16``), on every Linear including lm_head. The output equals fp32 ``F.linear``
   with the weights rounded to fp16. A tied lm_head gets its own fp16 copy: the input embedding
   keeps its fp32 weight.
-- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 / Q4_K blocks, lossless relative to that GGUF:
+- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 / Q4_K blocks, or from a pre-quantized checkpoint's
+  AWQ / GPTQ / compressed-tensors W4A16 groups (their Q4Blocks file, kernels/layers/q4_file.py, written at
+  load by model/quantized/convert.py: w = (code - z) s is (q - 8) s + (8 - z) s), lossless relative to that GGUF:
   Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
   torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
   w = d*(q - 8), zero = 0; Q4_K, per 32-weight sub-block j of a 256-weight super-block: w = d*sc_j*q -
@@ -41,8 +43,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.kernels.layers.gguf_linears import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, q8_fits, unpack_q4_blocks,
-                                          unpack_q8_blocks)
+from lmi_serve.kernels.layers.gguf_linears import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, q4_linear, q8_fits,
+                                                   unpack_q4_blocks, unpack_q8_blocks)
+from lmi_serve.kernels.layers.q4_file import NAME as Q4_FILE
+from lmi_serve.kernels.layers.q4_file import read_q4_file
 from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
 from lmi_serve.kernels.layers.shared_input import concatenated_linear, stack_groups
 from lmi_serve.kernels.layers.surgery import own_remaining_tensors, process_rss, replace_module, return_freed_memory
@@ -112,17 +116,18 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | None) -> None:
-    """Refuse, before anything is swapped, what cannot work: a GPU, q4 without a Q4 GGUF or in a dtype
-    the int4 kernel does not compute in, fp16 from weights that are not fp32."""
+    """Refuse, before anything is swapped, what cannot work: a GPU, q4 without a Q4 GGUF or Q4Blocks file
+    (`gguf`: either) or in a dtype the int4 kernel does not compute in, fp16 from weights that are not fp32."""
     if mode == "none":
         return
     if torch.device(device).type != "cpu":
         raise QuantizeError(f"option.quantize={mode}: the fp16 / int4 kernels are CPU kernels and the model is on "
                             f"{device}; on a GPU use option.dtype=fp16 or bf16 and option.quantize=none")
     if mode == "q4" and gguf is None:
-        raise QuantizeError("option.quantize=q4 reads the GGUF's own 4-bit blocks, and this model was not loaded "
-                            "from a GGUF file: give a Q4_0 / Q4_1 / Q4_K(_M) GGUF (option.model_id / "
-                            "option.gguf_file), or use option.quantize=fp16")
+        raise QuantizeError("option.quantize=q4 runs a checkpoint's own 4-bit weights, and this model was loaded "
+                            "from neither a GGUF file nor a 4-bit AWQ / GPTQ / compressed-tensors checkpoint: give a "
+                            "Q4_0 / Q4_1 / Q4_K(_M) GGUF (option.model_id / option.gguf_file) or such a "
+                            "checkpoint, or use option.quantize=fp16")
     dtype = _weights_dtype(model)
     allowed = Q4_ACTIVATIONS if mode == "q4" else (torch.float32,)
     if dtype is not None and dtype not in allowed:
@@ -138,8 +143,9 @@ def _weights_dtype(model: Any) -> torch.dtype | None:
 
 
 def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path | None = None) -> QuantizeReport:
-    """Swap `model`'s Linear modules for `mode` (one of MODES) in place; `gguf` is the file the model
-    was converted from (needed by q4). Raises QuantizeError when the mode cannot apply."""
+    """Swap `model`'s Linear modules for `mode` (one of MODES) in place; `gguf` is the file whose 4-bit weights
+    q4 reads: the GGUF the model was converted from, or the Q4Blocks file of a pre-quantized checkpoint
+    (q4_file.NAME). Raises QuantizeError when the mode cannot apply."""
     if mode not in MODES:
         raise QuantizeError(f"option.quantize: {mode!r} is not one of {', '.join(MODES)}")
     check_quantizable(model, mode, device, gguf)
@@ -169,15 +175,49 @@ def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
             report.swapped.append(name)
 
 
-def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
-    """Every Linear the GGUF holds in Q4 blocks that match its loaded weights is replaced (q/k/v and
-    gate/up by one stacked int4 layer each), and with bf16 activations on a VNNI CPU every one it holds
+def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport) -> None:
+    """Every Linear the source holds in Q4 blocks that match its loaded weights is replaced (q/k/v and
+    gate/up by one stacked int4 layer each), and with bf16 activations on a VNNI CPU every one a GGUF holds
     in Q8_0 blocks (a tied lm_head: the embedding's); the blocks are all read and checked before the first
     replacement goes in."""
-    layers = _read_gguf_linears(model, gguf)
-    checked: dict[str, tuple[Q4Blocks, nn.Linear]] = {}
-    checked8: dict[str, tuple[Q8Blocks, nn.Linear]] = {}
     dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
+    if source.name == Q4_FILE:
+        checked, checked8 = _q4_file_blocks(model, source, report), {}
+    else:
+        checked, checked8 = _gguf_blocks(model, source, dtype, report)
+    if not checked:
+        raise QuantizeError(f"option.quantize=q4: {source.name} holds no 4-bit weights of this model's Linear "
+                            "layers; use option.quantize=fp16")
+    _swap_checked(model, checked, checked8, dtype, report)
+
+
+_Checked = dict[str, tuple[Q4Blocks, nn.Linear]]
+
+
+def _q4_file_blocks(model: nn.Module, source: Path, report: QuantizeReport) -> _Checked:
+    """A pre-quantized checkpoint's Q4Blocks (q4_file.py), checked against the loaded layers."""
+    layers, kept = read_q4_file(source)
+    checked: _Checked = {}
+    with torch.no_grad():
+        for name, linear in _linears(model):
+            blocks = layers.get(name)
+            if blocks is not None and linear.out_features % 16 == 0 and blocks.q.shape == linear.weight.shape:
+                report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
+                report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+                checked[name] = (blocks, linear)
+            elif blocks is not None:
+                report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
+            else:
+                report.kept[name] = kept.get(name, "not quantized in the checkpoint")
+    return checked
+
+
+def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None,
+                 report: QuantizeReport) -> tuple[_Checked, dict[str, tuple[Q8Blocks, nn.Linear]]]:
+    """A GGUF's Q4 blocks (and its Q8_0 ones where they run), checked against the loaded layers."""
+    layers = _read_gguf_linears(model, gguf)
+    checked: _Checked = {}
+    checked8: dict[str, tuple[Q8Blocks, nn.Linear]] = {}
     with torch.no_grad():
         for name, linear in _linears(model):
             found = layers.tensors.get(name)
@@ -193,29 +233,33 @@ def _swap_q4(model: nn.Module, gguf: Path, report: QuantizeReport) -> None:
                 report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
             else:
                 report.kept[name] = _why_kept(model, linear, found, layers.embedding)
-    if not checked:
-        raise QuantizeError(f"option.quantize=q4: {gguf.name} holds no Q4_0 / Q4_1 / Q4_K weights of this model's "
-                            "Linear layers; use option.quantize=fp16")
+    return checked, checked8
 
+
+def _swap_checked(model: nn.Module, checked: _Checked, checked8: dict[str, tuple[Q8Blocks, nn.Linear]],
+                  dtype: torch.dtype | None, report: QuantizeReport) -> None:
     # bf16 on a CPU that computes it: many rows (prefill, a large batch) on a bf16 oneDNN copy of the loaded weights
     dense = dtype == torch.bfloat16 and torch.bfloat16 in packable_dtypes()
 
-    def q4_linear(blocks: Q4Blocks, linear: nn.Linear) -> Q4Linear:
-        return Q4Linear(blocks, linear.bias, dtype, OneDnnLinear(linear) if dense else None)
+    def layer(blocks: Q4Blocks, linear: nn.Linear) -> Q4Linear:
+        return q4_linear(blocks, linear.bias, dtype, OneDnnLinear(linear) if dense else None)
 
     def build(names: list[str], _layers: list[nn.Linear]) -> Q4Linear | None:
-        """Siblings whose blocks all go int4, as one layer: one kernel call instead of three (two); the
-        kernel computes each output element on its own, so the slices equal the separate layers bit for bit."""
+        """Siblings whose blocks all go int4 in one column order, as one layer: one kernel call instead of three
+        (two); the kernel computes each output element on its own, so the slices equal the separate layers bit
+        for bit."""
         if any(name not in checked for name in names):
             return None
-        return q4_linear(Q4Blocks.concatenated([checked[name][0] for name in names]),
-                         concatenated_linear([checked[name][1] for name in names]))
+        parts = [checked[name][0] for name in names]
+        if not Q4Blocks.stackable(parts):
+            return None
+        return layer(Q4Blocks.concatenated(parts), concatenated_linear([checked[name][1] for name in names]))
 
     with torch.no_grad():
         report.stacked = stack_groups(model, build)
         for name, (blocks, linear) in checked.items():
             if name not in report.stacked:
-                replace_module(model, name, q4_linear(blocks, linear))
+                replace_module(model, name, layer(blocks, linear))
         for name, (blocks8, linear) in checked8.items():
             replace_module(model, name, Q8Linear(blocks8, linear.bias, OneDnnLinear(linear) if dense else None))
     report.swapped = list(checked) + list(checked8)
@@ -295,6 +339,6 @@ def _check_match(name: str, blocks: Q4Blocks | Q8Blocks, weight: torch.Tensor) -
     diff = float((blocks.dequantize() - weight.detach().float()).abs().max())
     scale = float(weight.detach().abs().max()) or 1.0
     if diff > _MATCH_TOLERANCE[weight.dtype] * scale:
-        raise QuantizeError(f"option.quantize=q4: the GGUF's blocks for {name} differ from the loaded weights by "
-                            f"{diff:.3g} (the model's weights are not that GGUF's); use option.quantize=fp16")
+        raise QuantizeError(f"option.quantize=q4: the 4-bit blocks for {name} differ from the loaded weights by "
+                            f"{diff:.3g} (the model's weights are not those blocks'); use option.quantize=fp16")
     return diff

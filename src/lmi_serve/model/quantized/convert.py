@@ -1,13 +1,14 @@
-"""Load a pre-quantized checkpoint by dequantizing it once into a plain safetensors folder (the fallback).
+"""Load a pre-quantized checkpoint by dequantizing it once into a plain safetensors folder.
 
-Until the int4 / int8 kernels take `IntWeight`s, an AWQ, GPTQ or compressed-tensors checkpoint loads as
-the float model its quantized weights stand for: every quantized Linear's tensors are unpacked
+An AWQ, GPTQ or compressed-tensors checkpoint loads as the float model its quantized weights stand
+for: every quantized Linear's tensors are unpacked
 (awq.py, gptq.py, compressed.py) and dequantized in float32, where each value is exact (weights.py),
 and written with the checkpoint's other tensors and files into a folder under the cache dir, as a GGUF
 is (model/loader.py convert_gguf). transformers then loads that folder like any other, in the dtype
 option.dtype picks, with no gptqmodel, autoawq or compressed-tensors installed. The folder is keyed by
 the checkpoint's bytes, so later starts reuse it. It holds float32 weights: 8x the int4 checkpoint's
-size on disk, fine for the small models served on a CPU.
+size on disk, fine for the small models served on a CPU. Its 4-bit layers are also written in the q4
+path's form (q4.py, kernels/layers/q4_file.py), which option.quantize=q4 runs on the int4 kernels.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ from typing import Any
 
 import torch
 
+from lmi_serve.kernels.layers.q4_file import NAME as Q4_FILE
+from lmi_serve.kernels.layers.q4_file import write_q4_file
 from lmi_serve.model.cache_folder import built_once
 from lmi_serve.model.quantized.awq import unpack_awq
 from lmi_serve.model.quantized.compressed import dequantize_fp8, int8_weight, unpack_pack_quantized
 from lmi_serve.model.quantized.detect import QuantFormat, quantization_of
 from lmi_serve.model.quantized.gptq import unpack_gptq
+from lmi_serve.model.quantized.q4 import q4_blocks
 from lmi_serve.model.quantized.weights import IntWeight, dequantize
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = "1"  # bump when the folder's contents change for the same checkpoint
+LAYOUT_VERSION = "2"  # bump when the folder's contents change for the same checkpoint
 # where older tools declared the quantization: beside config.json, not in it
 SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 INDEX = "model.safetensors.index.json"
@@ -54,8 +58,9 @@ def dequantize_if_quantized(source: str, cache_dir: str) -> str:
     found = quantization_of(_with_side_config(Path(source), config))
     if found is None:
         return source
-    log.info("%s is %s: loading it dequantized to float weights (no int4/int8 kernel for it yet)",
-             source, found.describe())
+    log.info("%s is %s: loading it as the float weights it stands for%s", source, found.describe(),
+             "; option.quantize=q4 with option.dtype=bf16 runs its 4-bit layers on the int4 kernels"
+             if found.bits == 4 else "")
     return str(dequantized_folder(Path(source), found, cache_dir))
 
 
@@ -116,6 +121,7 @@ def _write_weights(source: Path, found: QuantFormat, target: Path) -> int:
     handles = {path.name: safe_open(str(path), framework="pt") for path in files}
     where = {name: file for file, handle in handles.items() for name in handle.keys()}
     weight_map: dict[str, str] = {}
+    q4_layers, q4_kept = {}, {}
     layers = 0
     for path in files:
         tensors: dict[str, torch.Tensor] = {}
@@ -126,7 +132,18 @@ def _write_weights(source: Path, found: QuantFormat, target: Path) -> int:
             if leaf == _MAIN[found.method] or _is_quantized_weight(found, leaf, handles[path.name], name):
                 parts = {part: handles[where[f"{prefix}.{part}"]].get_tensor(f"{prefix}.{part}")
                          for part in (*_COMPANIONS, "weight") if f"{prefix}.{part}" in where}
-                tensors[f"{prefix}.weight"] = _dequantized(found, parts).contiguous()
+                int_weight = _int_weight(found, parts)
+                if int_weight is None:
+                    tensors[f"{prefix}.weight"] = dequantize_fp8(parts["weight"], parts["weight_scale"],
+                                                                 found.block_structure).contiguous()
+                    q4_kept[prefix] = "FP8 weights"
+                else:
+                    tensors[f"{prefix}.weight"] = dequantize(int_weight).contiguous()
+                    blocks = q4_blocks(int_weight)
+                    if isinstance(blocks, str):
+                        q4_kept[prefix] = blocks
+                    else:
+                        q4_layers[prefix] = blocks
                 layers += 1
             elif leaf not in _COMPANIONS:
                 tensors[name] = handles[path.name].get_tensor(name)
@@ -134,6 +151,8 @@ def _write_weights(source: Path, found: QuantFormat, target: Path) -> int:
         weight_map.update(dict.fromkeys(tensors, path.name))
     if len(files) > 1:
         (target / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    if q4_layers:
+        write_q4_file(target / Q4_FILE, q4_layers, q4_kept)
     return layers
 
 
@@ -144,24 +163,22 @@ def _is_quantized_weight(found: QuantFormat, leaf: str, handle: Any, name: str) 
     return handle.get_slice(name).get_dtype() in ("I8", "F8_E4M3", "F8_E5M2")
 
 
-def _dequantized(found: QuantFormat, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One quantized layer's float32 weight from its tensors (the format's module docstring names them)."""
+def _int_weight(found: QuantFormat, parts: dict[str, torch.Tensor]) -> IntWeight | None:
+    """One quantized layer's `IntWeight` from its tensors (the format's module docstring names them); None
+    for FP8 (float codes)."""
     if found.method == "awq":
-        return dequantize(unpack_awq(parts["qweight"], parts["qzeros"], parts["scales"]))
+        return unpack_awq(parts["qweight"], parts["qzeros"], parts["scales"])
     if found.method == "gptq":
-        return dequantize(unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
-                                      bits=found.bits, group_size=found.group_size,
-                                      checkpoint_format=found.layout))
+        return unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
+                           bits=found.bits, group_size=found.group_size, checkpoint_format=found.layout)
     if "weight_packed" in parts:
-        weight: IntWeight = unpack_pack_quantized(parts["weight_packed"], parts["weight_scale"],
-                                                  parts["weight_shape"], bits=found.bits,
-                                                  weight_zero_point=parts.get("weight_zero_point"),
-                                                  weight_g_idx=parts.get("weight_g_idx"))
-        return dequantize(weight)
+        return unpack_pack_quantized(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
+                                     bits=found.bits, weight_zero_point=parts.get("weight_zero_point"),
+                                     weight_g_idx=parts.get("weight_g_idx"))
     if parts["weight"].dtype == torch.int8:
-        return dequantize(int8_weight(parts["weight"], parts["weight_scale"], parts.get("weight_zero_point"),
-                                      parts.get("weight_g_idx")))
-    return dequantize_fp8(parts["weight"], parts["weight_scale"], found.block_structure)
+        return int8_weight(parts["weight"], parts["weight_scale"], parts.get("weight_zero_point"),
+                           parts.get("weight_g_idx"))
+    return None
 
 
 def _write_other_files(source: Path, target: Path) -> None:

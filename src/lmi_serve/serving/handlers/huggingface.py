@@ -24,7 +24,7 @@ from lmi_serve.engine.static_batch import eos_token_ids, generate_static_batch
 from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.model.chat_template import override_chat_template
-from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
+from lmi_serve.model.loader import four_bit_source, load_generation_model
 from lmi_serve.kernels.host import probe
 from lmi_serve.kernels.plan import KernelPlan, plan_kernels
 from lmi_serve.model.tp import TPGroup, resolve_degree, start_group
@@ -35,13 +35,14 @@ from lmi_serve.serving.vision import FetchPolicy, VisionInputs
 log = logging.getLogger(__name__)
 
 
-def _plan(model, config: ModelConfig, device, sharded: bool) -> KernelPlan:
-    """The kernels' swaps in their order (kernels/plan.py), logged once; option.quantize=q4 reads the GGUF the
-    model came from. A sharded layer keeps torch's kernel: its forward carries the tensor-parallel communication."""
-    gguf = None
+def _plan(model, config: ModelConfig, device, source: str, sharded: bool) -> KernelPlan:
+    """The kernels' swaps in their order (kernels/plan.py), logged once; option.quantize=q4 reads the 4-bit
+    weights the model came from (`source`: the folder it loaded). A sharded layer keeps torch's kernel: its
+    forward carries the tensor-parallel communication."""
+    q4_source = None
     if config.quantize == "q4":
-        gguf = find_gguf(resolve_model_source(config.model_id or config.model_dir), config.gguf_file)
-    plan = plan_kernels(model, config, probe(), device=device, gguf=gguf, sharded=sharded)
+        q4_source = four_bit_source(config.model_id or config.model_dir, config.gguf_file, source)
+    plan = plan_kernels(model, config, probe(), device=device, q4_source=q4_source, sharded=sharded)
     log.info("%s", plan.summary())
     return plan
 
@@ -83,7 +84,7 @@ class TextGenerationService:
         self.vision = (VisionInputs(processor, config.limit_mm_per_prompt,
                                     FetchPolicy(config.image_fetch, config.image_fetch_timeout))
                        if processor is not None else None)
-        self.kernels = _plan(self.model, config, self.device, sharded=self.tp_group is not None)
+        self.kernels = _plan(self.model, config, self.device, loaded.source, sharded=self.tp_group is not None)
         # After the swaps above (LoRA wraps the layers as they will run) and before the warm-up: the
         # support check, LoRA, the context limit, the KV layout, tensor parallelism (engine/build.py).
         serving = prepare_serving(self.model, self.device, config, rolling=context.rolling_batch,

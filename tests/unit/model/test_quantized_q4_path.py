@@ -1,0 +1,115 @@
+"""Pre-quantized 4-bit checkpoints on the int4 kernels (option.quantize=q4): model/quantized/q4.py turns their
+groups into Q4Blocks, convert.py writes them beside the dequantized weights (kernels/layers/q4_file.py), and
+kernels/layers/quantize.py swaps them in as it does a GGUF's blocks.
+
+Invariants: the blocks stand for exactly the weights the format's dequantizer gives; served through the int4
+kernels, a checkpoint's logits equal its dequantized model's within the kernel's tolerance (fp32 activations:
+summation order only; bf16: the activations' rounding), and its greedy continuations equal theirs in fp32;
+GPTQ's activation order runs reordered, unstacked; an 8-bit checkpoint is refused for q4 naming why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmi_serve.kernels.layers.gguf_linears import Q4Linear, ReorderedQ4Linear
+from lmi_serve.kernels.layers.quantize import QuantizeError, quantize_model
+from lmi_serve.kernels.layers.shared_input import SharedInputSlice
+from lmi_serve.model.loader import four_bit_source, load_generation_model
+from lmi_serve.model.quantized.q4 import q4_blocks
+from lmi_serve.model.quantized.weights import consecutive_groups, dequantize, quantize_int
+from quantized_checkpoints import FOUR_BIT, IDS, quantized_checkpoint
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("group,desc_act", [(32, False), (128, False), (-1, False), (64, True)])
+def test_q4_blocks_stand_for_the_dequantized_weight_exactly(group, desc_act):
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(group))
+    g_idx = None
+    if desc_act:
+        g_idx = consecutive_groups(256, group)[torch.randperm(256, generator=torch.Generator().manual_seed(1))]
+    quantized = quantize_int(weight, 4, group, symmetric=False, g_idx=g_idx)
+    blocks = q4_blocks(quantized)
+    assert torch.equal(blocks.dequantize(), dequantize(quantized))
+    assert (blocks.columns is not None) == desc_act
+    if desc_act:
+        assert sorted(blocks.columns.tolist()) == list(range(256))
+
+
+def test_weights_without_a_q4_form_say_why():
+    weight = torch.randn(32, 64)
+    assert "8-bit" in q4_blocks(quantize_int(weight, 8, 32, symmetric=True))
+    assert "whole blocks of 32" in q4_blocks(quantize_int(weight, 4, 16, symmetric=True))
+    assert "not whole blocks" in q4_blocks(quantize_int(torch.randn(32, 48), 4, 48, symmetric=True))
+
+
+def _served(folder, cache, dtype):
+    loaded = load_generation_model(str(folder), dtype=dtype, cache_dir=str(cache))
+    return loaded
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor(IDS)).logits.float()
+
+
+def _greedy(model) -> list[list[int]]:
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor(IDS), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    return out[:, len(IDS[0]):].tolist()
+
+
+@pytest.mark.parametrize("name", FOUR_BIT)
+def test_four_bit_checkpoint_runs_on_the_int4_kernels_as_its_dequantized_model(tmp_path, name):
+    quantized_dir, reference_dir = quantized_checkpoint(tmp_path, name)
+    cache = tmp_path / "cache"
+    reference = _served(reference_dir, cache, "fp32").model
+    loaded = _served(quantized_dir, cache, "fp32")
+    source = four_bit_source(str(quantized_dir), None, loaded.source)
+    assert source is not None and source.parent == Path(loaded.source)
+    report = quantize_model(loaded.model, "q4", CPU, source)
+    linears = [n for n, m in loaded.model.named_modules() if isinstance(m, Q4Linear)]
+    assert len(report.swapped) == 14 and report.kept == {"lm_head": "not quantized in the checkpoint"}
+    assert report.max_abs_diff <= 1e-6
+    reordered = [m for m in loaded.model.modules() if isinstance(m, ReorderedQ4Linear)]
+    if name == "gptq-v1-desc_act":  # a gather before the kernel; siblings stack only in one column order
+        # (the fixture draws each layer's order from its row count: gate_proj's and up_proj's, 128, are the same;
+        # q_proj's, 64, differs from k_proj's and v_proj's, 32, so q/k/v stay three layers)
+        assert len(reordered) == 12
+        assert sorted(report.stacked) == [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up")]
+    else:
+        assert not reordered and len(report.stacked) == 10 and len(linears) == 8  # qkv, gate_up, o, down
+        assert sum(isinstance(m, SharedInputSlice) for m in loaded.model.modules()) == 10
+    expected = _logits(reference)
+    assert torch.allclose(_logits(loaded.model), expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
+    assert _greedy(loaded.model) == _greedy(reference)
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq-v1-desc_act"])
+def test_four_bit_checkpoint_in_bf16_within_the_activations_rounding(tmp_path, name):
+    quantized_dir, reference_dir = quantized_checkpoint(tmp_path, name)
+    cache = tmp_path / "cache"
+    reference = _logits(_served(reference_dir, cache, "fp32").model)
+    loaded = _served(quantized_dir, cache, "bf16")
+    quantize_model(loaded.model, "q4", CPU, four_bit_source(str(quantized_dir), None, loaded.source))
+    logits = _logits(loaded.model)
+    # bf16 activations and outputs: a few bf16 ulps of the largest logit through two layers
+    assert float((logits - reference).abs().max()) <= 2.0**-5 * float(reference.abs().max())
+    # a one-token step (the kernel's few rows, not the bf16 copy of prefill's many) within the same bound
+    with torch.inference_mode():
+        step = loaded.model(input_ids=torch.tensor(IDS)[:, :1]).logits.float()
+    assert float((step - reference[:, :1]).abs().max()) <= 2.0**-5 * float(reference.abs().max())
+
+
+def test_an_eight_bit_checkpoint_is_refused_for_q4_naming_why(tmp_path):
+    quantized_dir, _ = quantized_checkpoint(tmp_path, "gptq-v2-8bit")
+    loaded = _served(quantized_dir, tmp_path / "cache", "fp32")
+    assert four_bit_source(str(quantized_dir), None, loaded.source) is None
+    with pytest.raises(QuantizeError, match="neither a GGUF file nor a 4-bit AWQ / GPTQ"):
+        quantize_model(loaded.model, "q4", CPU, None)
+    assert np.isfinite(_logits(loaded.model).numpy()).all()  # the model itself still serves as loaded
