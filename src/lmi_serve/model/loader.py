@@ -223,9 +223,9 @@ def _sharding(config: Any, tensor_parallel_degree: int | str) -> dict[str, Any]:
 
 
 def four_bit_source(model_id: str, gguf_file: str | None, loaded_source: str) -> Path | None:
-    """The file whose 4-bit weights option.quantize=q4 runs: the GGUF `model_id` names, else the Q4Blocks file
+    """The file whose quantized weights option.quantize=q4 runs: the GGUF `model_id` names, else the block file
     a pre-quantized checkpoint's dequantized folder (`loaded_source`, LoadedModel.source) holds; None if neither."""
-    from lmi_serve.kernels.layers.q4_file import NAME
+    from lmi_serve.kernels.layers.block_file import NAME
 
     gguf = find_gguf(resolve_model_source(model_id), gguf_file)
     if gguf is not None:

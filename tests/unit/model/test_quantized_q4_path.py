@@ -5,22 +5,21 @@ kernels/layers/quantize.py swaps them in as it does a GGUF's blocks.
 Invariants: the blocks stand for exactly the weights the format's dequantizer gives; served through the int4
 kernels, a checkpoint's logits equal its dequantized model's within the kernel's tolerance (fp32 activations:
 summation order only; bf16: the activations' rounding), and its greedy continuations equal theirs in fp32;
-GPTQ's activation order runs reordered, unstacked; an 8-bit checkpoint is refused for q4 naming why.
+GPTQ's activation order runs reordered; symmetric int8 checkpoints run on the VNNI kernel in bf16.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from lmi_serve.kernels.layers.gguf_linears import Q4Linear, ReorderedQ4Linear
+from lmi_serve.kernels.layers.gguf_linears import Q4Linear, Q8Linear, ReorderedQ4Linear, q8_fits
 from lmi_serve.kernels.layers.quantize import QuantizeError, quantize_model
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
 from lmi_serve.model.loader import four_bit_source, load_generation_model
-from lmi_serve.model.quantized.q4 import q4_blocks
+from lmi_serve.model.quantized.blocks import kernel_blocks
 from lmi_serve.model.quantized.weights import consecutive_groups, dequantize, quantize_int
 from quantized_checkpoints import FOUR_BIT, IDS, quantized_checkpoint
 
@@ -34,18 +33,18 @@ def test_q4_blocks_stand_for_the_dequantized_weight_exactly(group, desc_act):
     if desc_act:
         g_idx = consecutive_groups(256, group)[torch.randperm(256, generator=torch.Generator().manual_seed(1))]
     quantized = quantize_int(weight, 4, group, symmetric=False, g_idx=g_idx)
-    blocks = q4_blocks(quantized)
+    blocks = kernel_blocks(quantized)
     assert torch.equal(blocks.dequantize(), dequantize(quantized))
     assert (blocks.columns is not None) == desc_act
     if desc_act:
         assert sorted(blocks.columns.tolist()) == list(range(256))
 
 
-def test_weights_without_a_q4_form_say_why():
+def test_weights_without_a_block_form_say_why():
     weight = torch.randn(32, 64)
-    assert "8-bit" in q4_blocks(quantize_int(weight, 8, 32, symmetric=True))
-    assert "whole blocks of 32" in q4_blocks(quantize_int(weight, 4, 16, symmetric=True))
-    assert "not whole blocks" in q4_blocks(quantize_int(torch.randn(32, 48), 4, 48, symmetric=True))
+    assert "3-bit" in kernel_blocks(quantize_int(weight, 3, 32, symmetric=True))
+    assert "whole blocks of 32" in kernel_blocks(quantize_int(weight, 4, 16, symmetric=True))
+    assert "not whole blocks" in kernel_blocks(quantize_int(torch.randn(32, 48), 4, 48, symmetric=True))
 
 
 def _served(folder, cache, dtype):
@@ -106,10 +105,37 @@ def test_four_bit_checkpoint_in_bf16_within_the_activations_rounding(tmp_path, n
     assert float((step - reference[:, :1]).abs().max()) <= 2.0**-5 * float(reference.abs().max())
 
 
-def test_an_eight_bit_checkpoint_is_refused_for_q4_naming_why(tmp_path):
-    quantized_dir, _ = quantized_checkpoint(tmp_path, "gptq-v2-8bit")
+@pytest.mark.parametrize("name", ["ct-w8a8", "gptq-v2-8bit"])
+def test_symmetric_int8_checkpoint_runs_on_the_vnni_kernel_in_bf16(tmp_path, name):
+    """W8A8 / 8-bit GPTQ: Q8 blocks on the VNNI kernel where it runs (bf16 activations); with fp32 activations
+    the checkpoint has nothing for q4 to run, and says so."""
+    quantized_dir, reference_dir = quantized_checkpoint(tmp_path, name)
+    cache = tmp_path / "cache"
+    fp32 = _served(quantized_dir, cache, "fp32")
+    with pytest.raises(QuantizeError, match="holds no 4-bit weights"):
+        quantize_model(fp32.model, "q4", CPU, four_bit_source(str(quantized_dir), None, fp32.source))
+    reference = _logits(_served(reference_dir, cache, "fp32").model)
+    loaded = _served(quantized_dir, cache, "bf16")
+    source = four_bit_source(str(quantized_dir), None, loaded.source)
+    if not q8_fits(64, torch.bfloat16):  # no AVX-512 VNNI here: every int8 layer kept, named
+        with pytest.raises(QuantizeError, match="holds no 4-bit weights"):
+            quantize_model(loaded.model, "q4", CPU, source)
+        return
+    report = quantize_model(loaded.model, "q4", CPU, source)
+    assert len(report.swapped) == 14 and sum(isinstance(m, Q8Linear) for m in loaded.model.modules()) == 14
+    with torch.inference_mode():  # one token a row: the VNNI kernel's few rows (more go to the bf16 copy)
+        step = loaded.model(input_ids=torch.tensor(IDS)[:, :1]).logits.float()
+    assert float((step - reference[:, :1]).abs().max()) <= 2.0**-5 * float(reference.abs().max())
+
+
+def test_layers_without_blocks_are_kept_and_named(tmp_path):
+    """An asymmetric 8-bit GPTQ layer has no Q8 form: the block file names why, and q4 refuses the checkpoint
+    (nothing to run) rather than serve it as something else."""
+    from lmi_serve.kernels.layers.block_file import read_block_file
+
+    weight = torch.randn(32, 64)
+    assert "asymmetric" in kernel_blocks(quantize_int(weight, 8, 32, symmetric=False))
+    quantized_dir, _ = quantized_checkpoint(tmp_path, "awq")
     loaded = _served(quantized_dir, tmp_path / "cache", "fp32")
-    assert four_bit_source(str(quantized_dir), None, loaded.source) is None
-    with pytest.raises(QuantizeError, match="neither a GGUF file nor a 4-bit AWQ / GPTQ"):
-        quantize_model(loaded.model, "q4", CPU, None)
-    assert np.isfinite(_logits(loaded.model).numpy()).all()  # the model itself still serves as loaded
+    layers, kept = read_block_file(four_bit_source(str(quantized_dir), None, loaded.source))
+    assert len(layers) == 14 and kept == {}

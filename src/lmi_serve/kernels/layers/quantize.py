@@ -8,8 +8,9 @@ modules are replaced, so every KV implementation and both batching modes work un
   with the weights rounded to fp16. A tied lm_head gets its own fp16 copy: the input embedding
   keeps its fp32 weight.
 - ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 / Q4_K blocks, or from a pre-quantized checkpoint's
-  AWQ / GPTQ / compressed-tensors W4A16 groups (their Q4Blocks file, kernels/layers/q4_file.py, written at
-  load by model/quantized/convert.py: w = (code - z) s is (q - 8) s + (8 - z) s), lossless relative to that GGUF:
+  AWQ / GPTQ / compressed-tensors W4A16 groups (their block file, kernels/layers/block_file.py, written at
+  load by model/quantized/convert.py: w = (code - z) s is (q - 8) s + (8 - z) s; their symmetric int8 layers,
+  W8A8 / W8A16, as Q8_0-like blocks on the VNNI kernel below), lossless relative to that GGUF:
   Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
   torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
   w = d*(q - 8), zero = 0; Q4_K, per 32-weight sub-block j of a 256-weight super-block: w = d*sc_j*q -
@@ -45,8 +46,8 @@ from torch import nn
 
 from lmi_serve.kernels.layers.gguf_linears import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, q4_linear, q8_fits,
                                                    unpack_q4_blocks, unpack_q8_blocks)
-from lmi_serve.kernels.layers.q4_file import NAME as Q4_FILE
-from lmi_serve.kernels.layers.q4_file import read_q4_file
+from lmi_serve.kernels.layers.block_file import NAME as BLOCK_FILE
+from lmi_serve.kernels.layers.block_file import read_block_file
 from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
 from lmi_serve.kernels.layers.shared_input import concatenated_linear, stack_groups
 from lmi_serve.kernels.layers.surgery import own_remaining_tensors, process_rss, replace_module, return_freed_memory
@@ -181,35 +182,42 @@ def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport) -> None:
     in Q8_0 blocks (a tied lm_head: the embedding's); the blocks are all read and checked before the first
     replacement goes in."""
     dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
-    if source.name == Q4_FILE:
-        checked, checked8 = _q4_file_blocks(model, source, report), {}
+    if source.name == BLOCK_FILE:
+        checked, checked8 = _block_file_blocks(model, source, dtype, report)
     else:
         checked, checked8 = _gguf_blocks(model, source, dtype, report)
-    if not checked:
+    if not checked and not (checked8 and source.name == BLOCK_FILE):  # a W8A8 checkpoint: int8 layers only
         raise QuantizeError(f"option.quantize=q4: {source.name} holds no 4-bit weights of this model's Linear "
                             "layers; use option.quantize=fp16")
     _swap_checked(model, checked, checked8, dtype, report)
 
 
 _Checked = dict[str, tuple[Q4Blocks, nn.Linear]]
+_Checked8 = dict[str, tuple[Q8Blocks, nn.Linear]]
 
 
-def _q4_file_blocks(model: nn.Module, source: Path, report: QuantizeReport) -> _Checked:
-    """A pre-quantized checkpoint's Q4Blocks (q4_file.py), checked against the loaded layers."""
-    layers, kept = read_q4_file(source)
+def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None,
+                       report: QuantizeReport) -> tuple[_Checked, _Checked8]:
+    """A pre-quantized checkpoint's blocks (block_file.py), checked against the loaded layers."""
+    layers, kept = read_block_file(source)
     checked: _Checked = {}
+    checked8: _Checked8 = {}
     with torch.no_grad():
         for name, linear in _linears(model):
             blocks = layers.get(name)
-            if blocks is not None and linear.out_features % 16 == 0 and blocks.q.shape == linear.weight.shape:
-                report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
-                report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
-                checked[name] = (blocks, linear)
-            elif blocks is not None:
+            if blocks is None:
+                report.kept[name] = kept.get(name, "not quantized in the checkpoint")
+            elif blocks.q.shape != linear.weight.shape:
+                report.kept[name] = f"blocks of shape {blocks.q.shape}, not the layer's"
+            elif isinstance(blocks, Q8Blocks) and not q8_fits(linear.in_features, dtype):
+                report.kept[name] = "int8: the VNNI kernel needs bf16 activations and a CPU with AVX-512 VNNI"
+            elif isinstance(blocks, Q4Blocks) and linear.out_features % 16:
                 report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
             else:
-                report.kept[name] = kept.get(name, "not quantized in the checkpoint")
-    return checked
+                report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
+                report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+                (checked8 if isinstance(blocks, Q8Blocks) else checked)[name] = (blocks, linear)
+    return checked, checked8
 
 
 def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None,

@@ -7,8 +7,9 @@ and written with the checkpoint's other tensors and files into a folder under th
 is (model/loader.py convert_gguf). transformers then loads that folder like any other, in the dtype
 option.dtype picks, with no gptqmodel, autoawq or compressed-tensors installed. The folder is keyed by
 the checkpoint's bytes, so later starts reuse it. It holds float32 weights: 8x the int4 checkpoint's
-size on disk, fine for the small models served on a CPU. Its 4-bit layers are also written in the q4
-path's form (q4.py, kernels/layers/q4_file.py), which option.quantize=q4 runs on the int4 kernels.
+size on disk, fine for the small models served on a CPU. Its 4-bit and symmetric 8-bit layers are also
+written in the kernels' block form (blocks.py, kernels/layers/block_file.py), which option.quantize=q4 runs
+on the int4 and int8 kernels.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from typing import Any
 
 import torch
 
-from lmi_serve.kernels.layers.q4_file import NAME as Q4_FILE
-from lmi_serve.kernels.layers.q4_file import write_q4_file
+from lmi_serve.kernels.layers.block_file import NAME as BLOCK_FILE
+from lmi_serve.kernels.layers.block_file import write_block_file
 from lmi_serve.model.cache_folder import built_once
 from lmi_serve.model.quantized.awq import unpack_awq
+from lmi_serve.model.quantized.blocks import kernel_blocks
 from lmi_serve.model.quantized.compressed import dequantize_fp8, int8_weight, unpack_pack_quantized
 from lmi_serve.model.quantized.detect import QuantFormat, quantization_of
 from lmi_serve.model.quantized.gptq import unpack_gptq
-from lmi_serve.model.quantized.q4 import q4_blocks
 from lmi_serve.model.quantized.weights import IntWeight, dequantize
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ def dequantize_if_quantized(source: str, cache_dir: str) -> str:
     if found is None:
         return source
     log.info("%s is %s: loading it as the float weights it stands for%s", source, found.describe(),
-             "; option.quantize=q4 with option.dtype=bf16 runs its 4-bit layers on the int4 kernels"
-             if found.bits == 4 else "")
+             "; option.quantize=q4 with option.dtype=bf16 runs its quantized layers on the int4 / int8 kernels"
+             if found.scheme != "FP8" else "")
     return str(dequantized_folder(Path(source), found, cache_dir))
 
 
@@ -121,7 +122,7 @@ def _write_weights(source: Path, found: QuantFormat, target: Path) -> int:
     handles = {path.name: safe_open(str(path), framework="pt") for path in files}
     where = {name: file for file, handle in handles.items() for name in handle.keys()}
     weight_map: dict[str, str] = {}
-    q4_layers, q4_kept = {}, {}
+    blocks_of, kept = {}, {}
     layers = 0
     for path in files:
         tensors: dict[str, torch.Tensor] = {}
@@ -136,14 +137,14 @@ def _write_weights(source: Path, found: QuantFormat, target: Path) -> int:
                 if int_weight is None:
                     tensors[f"{prefix}.weight"] = dequantize_fp8(parts["weight"], parts["weight_scale"],
                                                                  found.block_structure).contiguous()
-                    q4_kept[prefix] = "FP8 weights"
+                    kept[prefix] = "FP8 weights"
                 else:
                     tensors[f"{prefix}.weight"] = dequantize(int_weight).contiguous()
-                    blocks = q4_blocks(int_weight)
+                    blocks = kernel_blocks(int_weight)
                     if isinstance(blocks, str):
-                        q4_kept[prefix] = blocks
+                        kept[prefix] = blocks
                     else:
-                        q4_layers[prefix] = blocks
+                        blocks_of[prefix] = blocks
                 layers += 1
             elif leaf not in _COMPANIONS:
                 tensors[name] = handles[path.name].get_tensor(name)
@@ -151,8 +152,8 @@ def _write_weights(source: Path, found: QuantFormat, target: Path) -> int:
         weight_map.update(dict.fromkeys(tensors, path.name))
     if len(files) > 1:
         (target / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-    if q4_layers:
-        write_q4_file(target / Q4_FILE, q4_layers, q4_kept)
+    if blocks_of:
+        write_block_file(target / BLOCK_FILE, blocks_of, kept)
     return layers
 
 
