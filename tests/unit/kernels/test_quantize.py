@@ -361,6 +361,22 @@ def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
         assert torch.equal(head(x), head.dense(x))
 
 
+@pytest.mark.skipif(not (cpu_has(*KERNELS["q8_vnni"].cpu_features) and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
+def test_q4_in_bf16_runs_a_q8_0_gguf_on_its_blocks(tmp_path):
+    """A Q8_0 GGUF (no 4-bit layer at all): every Linear on the VNNI kernel in bf16; in fp32 nothing runs, said."""
+    model = tiny_llama(tied=False)
+    write_q4_gguf(model, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    with pytest.raises(QuantizeError, match=r"holds no 4-bit weights .* \(nor 8-bit ones it can run"):
+        quantize_model(copy.deepcopy(model), "q4", CPU, tmp_path / "tiny.gguf")
+    model = model.to(torch.bfloat16)
+    before = logits(model, [IDS[0][:1]]).float()
+    report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
+    assert len(report.swapped) == 2 * 7 + 1 and not report.kept
+    assert sum(isinstance(m, Q8Linear) for m in model.modules()) == 2 * 7 + 1
+    got = logits(model, [IDS[0][:1]]).float()
+    assert torch.allclose(got, before, rtol=2**-6, atol=2**-6 * float(before.abs().max())), (got - before).abs().max()
+
+
 def test_q4_keeps_a_tied_q8_0_lm_head_where_activations_are_fp32(tmp_path):
     model = tiny_llama(tied=True)
     write_q4_gguf(model, tmp_path / "tiny.gguf", skip={"lm_head"}, embedding=True,

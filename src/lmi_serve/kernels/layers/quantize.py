@@ -186,9 +186,10 @@ def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport) -> None:
         checked, checked8 = _block_file_blocks(model, source, dtype, report)
     else:
         checked, checked8 = _gguf_blocks(model, source, dtype, report)
-    if not checked and not (checked8 and source.name == BLOCK_FILE):  # a W8A8 checkpoint: int8 layers only
+    if not checked and not checked8:  # a Q8_0 GGUF or a W8A8 checkpoint has int8 layers only: they run where they fit
         raise QuantizeError(f"option.quantize=q4: {source.name} holds no 4-bit weights of this model's Linear "
-                            "layers; use option.quantize=fp16")
+                            "layers (nor 8-bit ones it can run: those need option.dtype=bf16 on a CPU with "
+                            "AVX-512 VNNI); use option.quantize=fp16")
     _swap_checked(model, checked, checked8, dtype, report)
 
 
