@@ -13,7 +13,8 @@ that step's logits, so the split is the scheduler's (engine/phases.py).
 With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model with option.quantize's
 lighter weights (kernels/layers/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16; awq-bf16,
 gptq-bf16 and gptq-act-bf16 are q4-bf16 on an AWQ / GPTQ / GPTQ-desc_act copy of the model packed by
-benchmark/quantized_copies.py, their groups on the same int4 kernels), with
+benchmark/quantized_copies.py, their groups on the same int4 kernels; w8a8-bf16 a W8A8 copy's int8 layers on the
+VNNI kernel), with
 option.linear_kernel=onednn (kernels/layers/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
 `onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, kernels/layers/shared_input.py;
 `onednn-hf-layers` without the lean decoder layers, kernels/layers/lean_layers.py; `onednn-no-row` without the row
@@ -69,9 +70,10 @@ SAMPLERS = {"greedy": SamplingParams(), "top_p=0.9 T=0.7": SamplingParams(do_sam
 GATE_PROMPTS, GATE_TOKENS = 10, 32
 # option.quantize's lighter weights (q4-bf16: q4 in a bf16-loaded model), option.linear_kernel=onednn and
 # option.dtype=bf16 (on oneDNN where the CPU computes bf16: avx512_bf16 / AMX); the plain fp32 model is the baseline
-# awq-bf16, gptq-bf16, gptq-act-bf16: an AWQ / GPTQ / GPTQ desc_act copy of the model (benchmark/quantized_copies.py)
-# loaded with option.dtype=bf16 and option.quantize=q4, i.e. its groups on the int4 kernels
-COPIES = {"awq-bf16": "awq", "gptq-bf16": "gptq", "gptq-act-bf16": "gptq-act"}
+# awq-bf16, gptq-bf16, gptq-act-bf16, w8a8-bf16: an AWQ / GPTQ / GPTQ desc_act / compressed-tensors W8A8 copy of the
+# model (benchmark/quantized_copies.py) loaded with option.dtype=bf16 and option.quantize=q4: its groups on the int4
+# kernels, W8A8's int8 layers on the VNNI kernel
+COPIES = {"awq-bf16": "awq", "gptq-bf16": "gptq", "gptq-act-bf16": "gptq-act", "w8a8-bf16": "w8a8"}
 VARIANTS = ("fp16", "q4", "q4-bf16", *COPIES, "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row",
             "bf16")
 BF16_VARIANTS = ("bf16", "q4-bf16", *COPIES)  # loaded with option.dtype=bf16: they prefill their own (bf16) rows

@@ -7,6 +7,8 @@ for the benchmarks: what a user's AWQ / GPTQ checkpoint of the model would hold,
     gptq-act  GPTQ v1 with desc_act: each input's columns in an activation order (here: by the column norms of the
               first layer that reads the input, so q/k/v and gate/up share one order, as GPTQ's Hessian of their
               common input gives them), `g_idx` per column
+    w8a8      compressed-tensors `int-quantized` W8A8: int8 weights, symmetric, one scale per output channel;
+              activations int8, dynamic, per token (llm-compressor's W8A8 scheme)
 
 Every decoder Linear is packed (q/k/v/o, gate/up/down); lm_head and the embeddings stay as they are. A copy is
 written once under `~/.cache/lmi-serve/bench-quantized/<format>-<source folder name>` and reused.
@@ -26,7 +28,7 @@ from lmi_serve.model.quantized.gptq import pack_gptq
 from lmi_serve.model.quantized.weights import consecutive_groups, quantize_int
 
 GROUP = 64  # SmolLM2-135M's width, 576, is 9 groups of 64 (not whole groups of 128)
-FORMATS = ("awq", "gptq", "gptq-act")
+FORMATS = ("awq", "gptq", "gptq-act", "w8a8")
 _LINEAR = re.compile(r"(.*\.layers\.\d+\.(self_attn|mlp))\.(\w+_proj)\.weight$")
 _FIRST_READER = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj": "o_proj",
                  "gate_proj": "gate_proj", "up_proj": "gate_proj", "down_proj": "down_proj"}
@@ -36,6 +38,12 @@ _CONFIG = {
              "checkpoint_format": "gptq"},
     "gptq-act": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": True,
                  "checkpoint_format": "gptq"},
+    "w8a8": {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+             "ignore": ["lm_head"], "config_groups": {"group_0": {
+                 "targets": ["Linear"], "format": "int-quantized",
+                 "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                 "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                       "dynamic": True}}}},
 }
 
 
@@ -71,6 +79,9 @@ def quantized_copy(source: Path, fmt: str, cache: Path = Path("~/.cache/lmi-serv
 
 
 def _pack(weight: torch.Tensor, fmt: str, order: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if fmt == "w8a8":  # int8 = round(w / s), s = max |w| / 127 per output channel, stored as bf16 (as llm-compressor)
+        scale = (weight.abs().amax(1, keepdim=True) / 127).clamp(min=2.0**-20).to(torch.bfloat16)
+        return {"weight": torch.round(weight / scale.float()).clamp(-127, 127).to(torch.int8), "weight_scale": scale}
     if fmt == "awq":
         return pack_awq(quantize_int(weight, 4, GROUP, symmetric=False))
     g_idx = None
