@@ -29,7 +29,7 @@ from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
 from lmi_serve.kernels.host import omp_layer_loads
 from lmi_serve.kernels.cpu import q4_kernel, vnni_matmul
-from lmi_serve.kernels.layers.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Linear, unpack_q4_blocks,
+from lmi_serve.kernels.layers.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, unpack_q4_blocks,
                                           unpack_q8_blocks)
 from lmi_serve.kernels.layers.quantize import Fp16Linear, QuantizeError, quantize_model
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
@@ -371,10 +371,20 @@ def test_q4_in_bf16_runs_a_q8_0_gguf_on_its_blocks(tmp_path):
     model = model.to(torch.bfloat16)
     before = logits(model, [IDS[0][:1]]).float()
     report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
-    assert len(report.swapped) == 2 * 7 + 1 and not report.kept
-    assert sum(isinstance(m, Q8Linear) for m in model.modules()) == 2 * 7 + 1
+    assert len(report.swapped) == 2 * 7 + 1 and not report.kept and len(report.stacked) == 2 * 5
+    assert sum(isinstance(m, Q8Linear) for m in model.modules()) == 2 * 4 + 1  # q/k/v and gate/up stacked
     got = logits(model, [IDS[0][:1]]).float()
     assert torch.allclose(got, before, rtol=2**-6, atol=2**-6 * float(before.abs().max())), (got - before).abs().max()
+
+
+@pytest.mark.skipif(not (cpu_has(*KERNELS["q8_vnni"].cpu_features) and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
+def test_stacked_q8_layers_equal_the_separate_ones_bit_for_bit():
+    rng = np.random.default_rng(3)
+    parts = [Q8Blocks(rng.integers(-127, 128, (rows, 64), dtype=np.int8), rng.random((rows, 2), np.float32) / 100)
+             for rows in (64, 32, 32)]
+    x = torch.randn(Q8_MAX_ROWS, 64).to(torch.bfloat16)
+    separate = torch.cat([Q8Linear(part, None)(x) for part in parts], dim=1)
+    assert torch.equal(Q8Linear(Q8Blocks.concatenated(parts), None)(x), separate)
 
 
 def test_q4_keeps_a_tied_q8_0_lm_head_where_activations_are_fp32(tmp_path):

@@ -83,6 +83,11 @@ class Q8Blocks:
     q: np.ndarray  # [N, K] int8
     scale: np.ndarray  # [N, K / 32] float32 (the GGUF's fp16 d)
 
+    @staticmethod
+    def concatenated(parts: list[Q8Blocks]) -> Q8Blocks:
+        """The blocks of one layer whose rows are `parts`' rows, one after the other."""
+        return Q8Blocks(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]))
+
     def dequantize(self) -> torch.Tensor:
         return torch.from_numpy(self.q.astype(np.float32)) * torch.from_numpy(self.scale).repeat_interleave(GROUP, 1)
 

@@ -253,10 +253,16 @@ def _swap_checked(model: nn.Module, checked: _Checked, checked8: dict[str, tuple
     def layer(blocks: Q4Blocks, linear: nn.Linear) -> Q4Linear:
         return q4_linear(blocks, linear.bias, dtype, OneDnnLinear(linear) if dense else None)
 
-    def build(names: list[str], _layers: list[nn.Linear]) -> Q4Linear | None:
-        """Siblings whose blocks all go int4 in one column order, as one layer: one kernel call instead of three
-        (two); the kernel computes each output element on its own, so the slices equal the separate layers bit
-        for bit."""
+    def layer8(blocks: Q8Blocks, linear: nn.Linear) -> Q8Linear:
+        return Q8Linear(blocks, linear.bias, OneDnnLinear(linear) if dense else None)
+
+    def build(names: list[str], _layers: list[nn.Linear]) -> nn.Module | None:
+        """Siblings whose blocks all go int4 in one column order (or all int8), as one layer: one kernel call
+        instead of three (two); the kernels compute each output element on its own, so the slices equal the
+        separate layers bit for bit."""
+        if all(name in checked8 for name in names):
+            return layer8(Q8Blocks.concatenated([checked8[name][0] for name in names]),
+                          concatenated_linear([checked8[name][1] for name in names]))
         if any(name not in checked for name in names):
             return None
         parts = [checked[name][0] for name in names]
@@ -270,7 +276,8 @@ def _swap_checked(model: nn.Module, checked: _Checked, checked8: dict[str, tuple
             if name not in report.stacked:
                 replace_module(model, name, layer(blocks, linear))
         for name, (blocks8, linear) in checked8.items():
-            replace_module(model, name, Q8Linear(blocks8, linear.bias, OneDnnLinear(linear) if dense else None))
+            if name not in report.stacked:
+                replace_module(model, name, layer8(blocks8, linear))
     report.swapped = list(checked) + list(checked8)
     report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules()
                                     if isinstance(module, (Q4Linear, Q8Linear)))
