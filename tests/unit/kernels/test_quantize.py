@@ -29,8 +29,8 @@ from lmi_serve.engine.types import GenerationRequest, StopParams
 from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
 from lmi_serve.kernels.host import omp_layer_loads
 from lmi_serve.kernels.cpu import q4_kernel, vnni_matmul
-from lmi_serve.kernels.layers.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, unpack_q4_blocks,
-                                          unpack_q8_blocks)
+from lmi_serve.kernels.layers.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Blocks, Q8Linear,
+                                                   unpack_q4_blocks, unpack_q8_blocks)
 from lmi_serve.kernels.layers.quantize import Fp16Linear, QuantizeError, quantize_model
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
 
