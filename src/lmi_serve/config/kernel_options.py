@@ -42,7 +42,7 @@ class KernelOptions(Options):
             "opt-in lighter weights, CPU only. `none`: as loaded; `fp16`: Linear weights stored in fp16, fp32 "
             "arithmetic; `q4`: a checkpoint's own quantized weights on the int4 / int8 kernels: a GGUF's "
             "Q4_0/Q4_1/Q4_K blocks, an AWQ / GPTQ / compressed-tensors checkpoint's 4-bit groups, and with bf16 on "
-            "AVX-512 VNNI Q8_0 blocks and symmetric int8 layers (other types as loaded), fast with "
+            "AVX-512 VNNI Q8_0 / Q5_0 blocks and symmetric int8 layers (other types as loaded), fast with "
             "`option.dtype=bf16` (not exact), only smaller and much slower in fp32 (start-up warns). Refused, naming "
             "the option, on a GPU and with "
             f"an unsupported dtype or GGUF (see [Faster on a CPU]({FAST_CPU}), [figures]({RESULTS}#sweep-with-q4-"

@@ -329,9 +329,11 @@ def test_stacked_q4_slices_equal_the_separate_layers_and_rows_do_not_depend_on_t
 
 def test_unpacked_blocks_are_what_gguf_dequantizes():
     weight = np.random.default_rng(0).normal(size=(48, 96)).astype(np.float32)
-    for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0):
+    for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
+                  gguf.GGMLQuantizationType.Q5_0):
         blocks = gguf.quants.quantize(weight, qtype)
-        unpacked = unpack_q8_blocks(blocks) if qtype.name == "Q8_0" else unpack_q4_blocks(blocks, qtype.name)
+        eight = qtype.name in ("Q8_0", "Q5_0")
+        unpacked = unpack_q8_blocks(blocks, qtype.name) if eight else unpack_q4_blocks(blocks, qtype.name)
         theirs = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
         assert torch.allclose(unpacked.dequantize(), theirs, atol=1e-6, rtol=0), qtype.name
 
@@ -362,10 +364,12 @@ def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
 
 
 @pytest.mark.skipif(not (cpu_has(*KERNELS["q8_vnni"].cpu_features) and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
-def test_q4_in_bf16_runs_a_q8_0_gguf_on_its_blocks(tmp_path):
-    """A Q8_0 GGUF (no 4-bit layer at all): every Linear on the VNNI kernel in bf16; in fp32 nothing runs, said."""
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0])
+def test_q4_in_bf16_runs_an_int8_block_gguf_on_its_blocks(tmp_path, qtype):
+    """A Q8_0 or Q5_0 GGUF (no 4-bit layer at all): every Linear on the VNNI kernel in bf16; in fp32 nothing runs,
+    said."""
     model = tiny_llama(tied=False)
-    write_q4_gguf(model, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.Q8_0)
+    write_q4_gguf(model, tmp_path / "tiny.gguf", qtype)
     with pytest.raises(QuantizeError, match=r"holds no 4-bit weights .* \(nor 8-bit ones it can run"):
         quantize_model(copy.deepcopy(model), "q4", CPU, tmp_path / "tiny.gguf")
     model = model.to(torch.bfloat16)

@@ -144,11 +144,30 @@ def unpack_q4_blocks(raw: np.ndarray, type_name: str) -> Q4Blocks:
     return Q4Blocks(q, d, np.zeros_like(d))
 
 
-def unpack_q8_blocks(raw: np.ndarray) -> Q8Blocks:
-    """A GGUF Q8_0 tensor's bytes ([N, K/32 * 34] uint8: d (fp16), then 32 int8) as Q8Blocks."""
+def unpack_q8_blocks(raw: np.ndarray, type_name: str = "Q8_0") -> Q8Blocks:
+    """A GGUF Q8_0 tensor's bytes ([N, K/32 * 34] uint8: d (fp16), then 32 int8) as Q8Blocks; a Q5_0 tensor's
+    (unpack_q5_0_blocks) too."""
+    if type_name == "Q5_0":
+        return unpack_q5_0_blocks(raw)
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 2 + GROUP)
     return Q8Blocks(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1), _fp16_field(blocks, 0))
+
+
+def unpack_q5_0_blocks(raw: np.ndarray) -> Q8Blocks:
+    """A GGUF Q5_0 tensor's bytes ([N, K/32 * 22] uint8) as Q8Blocks, exactly: w = d (q - 16) with q in 0..31, so
+    the int8 q - 16 (in -16..15) with scale d. llama-quantize falls back to Q5_0 for Q4_K layers whose width is
+    not a multiple of 256 (all of SmolLM2-135M's 576-wide ones in a Q4_K_M file).
+
+    Block layout (ggml): d (fp16), 4 bytes qh (bit j: the fifth bit of weight j), 16 bytes of nibbles (byte j:
+    weight j in the low nibble, weight j + 16 in the high one)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 2 + 4 + GROUP // 2)
+    high_bits = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [rows, blocks, 1]
+    fifth = ((high_bits >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
+    nibbles = blocks[..., 6:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (fifth << 4)
+    return Q8Blocks((q.astype(np.int16) - 16).astype(np.int8).reshape(rows, -1), _fp16_field(blocks, 0))
 
 
 class _BlockLinear(nn.Module):

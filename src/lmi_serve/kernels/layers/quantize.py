@@ -21,7 +21,8 @@ modules are replaced, so every KV implementation and both batching modes work un
   (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
   kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
   the CPU computes bf16, since the int4 kernel computes row by row). With bf16 activations on a CPU
-  with AVX-512 VNNI, layers the GGUF holds in Q8_0 (SmolLM2's lm_head, tied to a Q8_0 embedding) run
+  with AVX-512 VNNI, layers the GGUF holds in Q8_0 (SmolLM2's lm_head, tied to a Q8_0 embedding) or Q5_0
+  (llama-quantize's fallback for Q4_K layers of a width not a multiple of 256: w = d (q - 16), int8 exactly) run
   their own blocks at one or two rows (kernels/cpu/vnni_matmul.py); other types keep their loaded weights.
   The layer classes are in kernels/layers/gguf_linears.py. Each packed layer is checked against the loaded
   weight (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("none", "fp16", "q4")
 _Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+_Q8_TYPES = ("Q8_0", "Q5_0")  # int8 blocks on the VNNI kernel (Q5_0's 5-bit codes minus 16 are int8, exactly)
 # max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
 _MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
 Q4_ACTIVATIONS = tuple(_MATCH_TOLERANCE)  # the dtypes a q4 layer computes in (the model's)
@@ -223,7 +225,7 @@ def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None
 
 def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None,
                  report: QuantizeReport) -> tuple[_Checked, dict[str, tuple[Q8Blocks, nn.Linear]]]:
-    """A GGUF's Q4 blocks (and its Q8_0 ones where they run), checked against the loaded layers."""
+    """A GGUF's Q4 blocks (and its Q8_0 / Q5_0 ones where they run), checked against the loaded layers."""
     layers = _read_gguf_linears(model, gguf)
     checked: _Checked = {}
     checked8: dict[str, tuple[Q8Blocks, nn.Linear]] = {}
@@ -235,9 +237,9 @@ def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None,
             if kind in _Q4_TYPES and linear.out_features % 16 == 0:  # torch's kernel packs rows by 16 / 32 / 64
                 blocks = unpack_q4_blocks(np.asarray(source.data), kind)
                 checked[name] = (_checked(name, blocks, linear, layers, report), linear)
-            elif kind == "Q8_0" and q8_fits(linear.in_features, dtype):
-                checked8[name] = (_checked(name, unpack_q8_blocks(np.asarray(source.data)), linear, layers, report),
-                                  linear)
+            elif kind in _Q8_TYPES and q8_fits(linear.in_features, dtype):
+                blocks8 = unpack_q8_blocks(np.asarray(source.data), kind)
+                checked8[name] = (_checked(name, blocks8, linear, layers, report), linear)
             elif kind in _Q4_TYPES:
                 report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
             else:
