@@ -82,6 +82,7 @@ def chat_request(request: ResponsesRequest, conversation: Conversation, template
         "model": request.model, "messages": conversation.messages, "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k, "min_p": request.min_p,
         "repetition_penalty": request.repetition_penalty, "seed": request.seed, "stop": request.stop,
+        "ignore_eos": request.ignore_eos or None,
         "tools": tools, "tool_choice": choice, "response_format": _response_format(request),
         "chat_template_kwargs": effort_kwargs(request.reasoning and request.reasoning.effort, template, reasoner),
         "stream": request.stream, "stream_options": {"include_usage": True} if request.stream else None,

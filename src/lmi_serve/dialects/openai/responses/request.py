@@ -159,6 +159,7 @@ class ResponsesRequest(_Lenient):
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
+    ignore_eos: bool = False
 
     @model_validator(mode="before")
     @classmethod
