@@ -131,7 +131,7 @@ class ResponsesRequest(_Lenient):
     vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = REFUSED
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # each item is checked in items.py, where its error can name it
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
