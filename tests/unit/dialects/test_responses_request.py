@@ -161,7 +161,7 @@ def test_chat_errors_name_the_responses_fields():
     for raised, param, message in (
             (ContextOverflow("messages: 9000 tokens do not fit", param="messages"), "input", "input: 9000 tokens do not fit"),
             (InvalidRequest("messages[1].content[0]: no images here", param="messages[1].content[0]"),
-             "input.0.content[0]", "input.0.content[0]: no images here"),
+             "input.0.content.0", "input.0.content.0: no images here"),
             (InvalidRequest("messages[0]: bad", param="messages[0]"), "instructions", "instructions: bad"),
             (InvalidRequest("response_format.json_schema.schema: invalid", param="response_format"), "text.format",
              "text.format: invalid"),

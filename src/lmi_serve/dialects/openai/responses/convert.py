@@ -100,6 +100,7 @@ _FIELDS = [
     (re.compile(r"\bresponse_format(\.json_schema)?(\.schema)?\b"), "text.format"),
     (re.compile(r"\btools\.(\d+)\.function\b"), r"tools.\1"),
     (re.compile(r"\bchat_template_kwargs\b"), "reasoning.effort"),
+    (re.compile(r"\bcontent\[(\d+)\]"), r"content.\1"),  # the dotted paths items.py names parts with
 ]
 _MESSAGE = re.compile(r"\bmessages(?:\[(\d+)\]|\.(\d+))?")
 
