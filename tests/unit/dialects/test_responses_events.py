@@ -93,7 +93,8 @@ def test_a_text_answer_streams_the_message_events_and_agrees(smollm2_tokenizer):
     assert without_ids(final) == without_ids(whole) and whole["status"] == "completed"
     assert whole["output"][0]["content"][0]["text"] == "Hello there" == events[6]["text"]
     item_id = events[2]["item"]["id"]
-    assert {e.get("item_id", e.get("item", {}).get("id")) for e in events[2:9]} == {item_id} == {final["output"][0]["id"]}
+    named = {e.get("item_id", e.get("item", {}).get("id")) for e in events[2:9]}
+    assert named == {item_id} == {final["output"][0]["id"]}  # one item, the same id from added to completed
     assert whole["usage"]["output_tokens"] == 3 and whole["instructions"] == "Be brief."
 
 

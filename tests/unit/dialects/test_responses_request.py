@@ -46,7 +46,8 @@ def test_items_become_the_chat_conversation_of_a_tool_round_trip():
         {"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add 1"},
                                                           {"type": "input_text", "text": " please"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call add."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Call add."}]},
         {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "add", "arguments": "{\"x\": 1}",
          "status": "completed"},
         {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": "{\"x\": 2}"},
@@ -77,7 +78,8 @@ def test_history_of_a_previous_response_comes_first_without_its_instructions():
 def test_an_image_part_is_an_image_url_part_of_the_user_message():
     url = "data:image/png;base64,iVBORw0KGgo="
     request = chat({"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": url, "detail": "auto"}]}]})
+        {"type": "input_text", "text": "What is this?"},
+        {"type": "input_image", "image_url": url, "detail": "auto"}]}]})
     assert request.messages[0].image_urls == [(1, url)] and request.messages[0].text == "What is this?"
 
 
@@ -159,7 +161,8 @@ def test_nothing_to_answer_is_a_400_naming_input():
 def test_chat_errors_name_the_responses_fields():
     conversation = items.conversation("Be brief.", [], [{"role": "user", "content": "Hi"}])
     for raised, param, message in (
-            (ContextOverflow("messages: 9000 tokens do not fit", param="messages"), "input", "input: 9000 tokens do not fit"),
+            (ContextOverflow("messages: 9000 tokens do not fit", param="messages"), "input",
+             "input: 9000 tokens do not fit"),
             (InvalidRequest("messages[1].content[0]: no images here", param="messages[1].content[0]"),
              "input.0.content.0", "input.0.content.0: no images here"),
             (InvalidRequest("messages[0]: bad", param="messages[0]"), "instructions", "instructions: bad"),

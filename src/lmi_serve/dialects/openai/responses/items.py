@@ -171,7 +171,8 @@ class _Builder:
             self._no_reasoning_pending()
             self.conversation.add({"role": item.role, "content": _content(item.content, where)}, where)
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if messages and messages[-1]["role"] == "assistant" and self.reasoning is None:
                 messages[-1].setdefault("tool_calls", []).append(call)  # the same turn's next call
             else:
