@@ -142,6 +142,16 @@ COMPLETION = {"model": TEXT_MODEL, "prompt": "Hello", "max_tokens": 2, "stop": S
 COMPLETION_OPTIONAL = {**OPENAI_SAMPLING, "suffix": "!", "echo": True, "logprobs": 2, "best_of": 1,
                        "error_behavior": "truncate", "use_raw_prompt": False}
 OPENAI_GUARDS = (("max_tokens", "max_completion_tokens", "stop"),)
+RESPONSES = {"model": TEXT_MODEL, "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+             "instructions": "Be brief.", "max_output_tokens": 2, "stop": STOPS, "temperature": 0.5, "top_p": 0.9,
+             "stream": True, "store": False, "text": {"format": {"type": "text"}}}
+# A tool round trip: drawn by hypothesis only (the catalog mutates the first seed, where no tools make it cheap).
+RESPONSES_TURN = {"model": TEXT_MODEL, "max_output_tokens": 2, "stop": STOPS, "tool_choice": "none",
+                  "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False}],
+                  "input": [{"role": "user", "content": "Add 1"},
+                            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{\"x\": 1}"},
+                            {"type": "function_call_output", "call_id": "c1", "output": "1"}]}
+RESPONSES_GUARDS = (("max_output_tokens", "stop"),)
 
 SIMPLE_JSON = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},
                           {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [1] * 16}],
@@ -186,6 +196,8 @@ ROUTES = [
           text="messages.0.content", number="max_tokens", nest="tools"),
     Route("/v1/completions", "openai", (COMPLETION, {**COMPLETION, "prompt": [[9906, 11], "Hi"]}),
           guards=OPENAI_GUARDS, streams=True, text="prompt", number="temperature", nest="logit_bias"),
+    Route("/v1/responses", "openai", (RESPONSES, RESPONSES_TURN), guards=RESPONSES_GUARDS, streams=True,
+          text="input.0.content.0.text", number="max_output_tokens", nest="text"),
     # vLLM's tokenizer routes (TGI's /tokenize shares the path: a body with `inputs` goes there).
     Route("/tokenize", "openai", ({"model": TEXT_MODEL, "prompt": "Hello", "add_special_tokens": True},
                                   {"model": TEXT_MODEL, "messages": [{"role": "user", "content": "Hi"}],

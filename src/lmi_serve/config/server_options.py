@@ -31,5 +31,12 @@ class ServerOptions(Options):
         description="prompt + output tokens",
         json_schema_extra={"doc_default": "the model's context"},
     )
+    responses_store_size: int = Field(
+        64, ge=0, le=100_000,
+        description=(
+            "/v1/responses: the last responses kept per model and worker for `previous_response_id` and `GET`; "
+            "in memory, so a restart forgets them and each worker keeps its own (0: none kept)"
+        ),
+    )
     min_workers: int = Field(1, ge=0, description="validated; replicas are server-wide (below)")
     max_workers: int = Field(1, ge=1, description="validated; replicas are server-wide (below)")

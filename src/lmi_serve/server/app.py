@@ -18,6 +18,7 @@ from lmi_serve.config.sources import ServerConfig
 from lmi_serve.dialects.lmi import routes as lmi_routes
 from lmi_serve.dialects.lmi.front_end import lmi_front_end
 from lmi_serve.dialects.openai import routes as openai_routes
+from lmi_serve.dialects.openai.responses import routes as responses_routes
 from lmi_serve.dialects.openai import scoring as scoring_routes
 from lmi_serve.dialects.openai import tokenize as tokenize_routes
 from lmi_serve.dialects.tgi import routes as tgi_routes
@@ -137,6 +138,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.register_blueprint(lmi_routes.blueprint)
     app.register_blueprint(tgi_routes.blueprint)
     app.register_blueprint(openai_routes.blueprint)
+    app.register_blueprint(responses_routes.blueprint)  # /v1/responses (OpenAI's Responses API)
     app.register_blueprint(triton_routes.blueprint)
     app.register_blueprint(tokenize_routes.blueprint)
     app.register_blueprint(scoring_routes.blueprint)  # /score, /rerank, /classify (vLLM's)

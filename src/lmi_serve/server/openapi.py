@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 from lmi_serve import __version__
 from lmi_serve.dialects.openai import scoring_schema as scoring
 from lmi_serve.dialects.openai import tokenize as vllm_tokenize
+from lmi_serve.dialects.openai.responses.request import ResponsesRequest
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from lmi_serve.server import openapi_models as doc
 from lmi_serve.server.security import open_routes
@@ -146,6 +147,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/completions", "POST"): _openai("Completion", request=(CompletionRequest,), response=(doc.Completion,),
                                          media=_STREAM),
     ("/v1/embeddings", "POST"): _openai("Embeddings", request=(EmbeddingRequest,), response=(doc.EmbeddingList,)),
+    ("/v1/responses", "POST"): _openai(
+        "Create a response (OpenAI's Responses API)", request=(ResponsesRequest,),
+        response=(doc.ResponseObject, doc.ResponseStreamEvent), media=_STREAM,
+        description="With `stream`, server-sent events named by their `type`. See docs/openai.md for the "
+                    "fields honoured and refused."),
+    ("/v1/responses/<response_id>", "GET"): _openai(
+        "A stored response", response=(doc.ResponseObject,),
+        description="Stored in this worker's memory (option.responses_store_size): a 404 once dropped, after "
+                    "a restart, or when another worker stored it."),
+    ("/v1/responses/<response_id>", "DELETE"): _openai("Delete a stored response",
+                                                        response=(doc.ResponseDeleted,)),
     ("/v1/models", "GET"): _openai("List the served models", response=(doc.OpenAIModelList,)),
     ("/v1/models/<path:name>", "GET"): _openai("One model", response=(doc.OpenAIModel,)),
     ("/tokenize", "POST"): _openai(

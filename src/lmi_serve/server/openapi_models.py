@@ -248,6 +248,40 @@ class OpenAIModelList(BaseModel):
     data: list[OpenAIModel]
 
 
+class ResponseUsage(_Open):
+    input_tokens: int
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(description="`reasoning_tokens`: those among the output tokens")
+    total_tokens: int
+
+
+class ResponseObject(_Open):
+    """A Response of the Responses API (openai.types.responses.Response): `output` holds `reasoning`,
+    `function_call` and assistant `message` items; the request's settings are echoed beside it."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None = None
+
+
+class ResponseStreamEvent(_Open):
+    """One event of a Responses stream, sent as `event: <type>` + `data: <this>`: `response.created`,
+    `response.output_item.added`, `response.output_text.delta`, ..., `response.completed`."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
 # ---- Triton / KServe v2 -------------------------------------------------------------------------
 
 class ServerMetadata(BaseModel):

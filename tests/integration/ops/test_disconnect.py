@@ -1,5 +1,6 @@
 """A client that closes its connection while a whole (non-streamed) response is being generated
-frees its engine rows, on every dialect's non-streaming generation route; the server serves on.
+frees its engine rows, on every dialect's non-streaming generation route (and a Responses stream whose
+client never reads it); the server serves on.
 
 Each request asks for far more tokens than the test waits for, ignoring EOS; the client sends it on
 a raw socket, waits until its rows run, and closes the connection. The engine's step counter proves
@@ -43,6 +44,10 @@ def chat_completions(tokens):
     return {"model": LLM, "messages": CHAT, "max_tokens": tokens, "ignore_eos": True, "stream": False, "n": 2}
 
 
+def responses(tokens, **extra):
+    return {"model": LLM, "input": PROMPT, "max_output_tokens": tokens, "ignore_eos": True, **extra}
+
+
 def triton_generate(tokens):
     return {"text_input": PROMPT, "max_tokens": tokens, "sampling_parameters": json.dumps({"ignore_eos": True})}
 
@@ -62,6 +67,8 @@ ROUTES = {
     "openai-completions-n2": ("/v1/completions", lambda t: completions(t, n=2), 2),
     "openai-completions-best-of": ("/v1/completions", lambda t: completions(t, best_of=3), 3),
     "openai-chat-n2": ("/v1/chat/completions", chat_completions, 2),
+    "openai-responses": ("/v1/responses", responses, 1),
+    "openai-responses-stream": ("/v1/responses", lambda t: responses(t, stream=True), 1),  # events never read
     "triton-generate": (f"/v2/models/{LLM}/generate", triton_generate, 1),
     "triton-infer": (f"/v2/models/{LLM}/infer", triton_infer, 1),
 }

@@ -39,8 +39,9 @@ TRITON_ALLOWED_5XX = {501: "unsupported Content-Encoding on /infer (docs/triton.
 # Examples per route: generation routes cost a prefill and two tokens for each accepted request.
 EXAMPLES = {"cheap": 100, "generation": 40}
 GENERATION = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
-              "/v1/chat/completions", "/v1/completions", f"/v2/models/{TEXT_MODEL}/versions/1/infer",
-              f"/v2/models/{TEXT_MODEL}/generate", f"/v2/models/{TEXT_MODEL}/generate_stream"}
+              "/v1/chat/completions", "/v1/completions", "/v1/responses",
+              f"/v2/models/{TEXT_MODEL}/versions/1/infer", f"/v2/models/{TEXT_MODEL}/generate",
+              f"/v2/models/{TEXT_MODEL}/generate_stream"}
 
 
 def _strict_json(data: bytes | str):
@@ -199,6 +200,7 @@ GOOD = [
     ("/invocations", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, "generated_text"),
     ("/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, "generated_text"),
     ("/v1/completions", {"model": TEXT_MODEL, "prompt": "Hello", "max_tokens": 2}, "choices"),
+    ("/v1/responses", {"model": TEXT_MODEL, "input": "Hello", "max_output_tokens": 2}, "output"),
     ("/v1/embeddings", {"model": EMBEDDING_MODEL, "input": "a cat"}, "data"),
     (f"/v2/models/{TEXT_MODEL}/generate", {"text_input": "Hello", "max_tokens": 2}, "text_output"),
     (f"/v2/models/{TENSOR_MODEL}/generate", {"INPUT0": list(range(16)), "INPUT1": [1] * 16}, "OUTPUT0"),
@@ -220,6 +222,8 @@ ROUTING = [("POST", "/no-such-route", 404, "lmi"), ("GET", "/invocations", 405, 
            ("PUT", f"/predictions/{TEXT_MODEL}", 405, "lmi"), ("POST", "/predictions/no-such-model", 404, "lmi"),
            ("GET", "/generate_stream", 405, "tgi"), ("POST", "/generate/extra", 404, "tgi"),
            ("GET", "/v1/completions", 405, "openai"), ("POST", "/v1/no-such-route", 404, "openai"),
+           ("PUT", "/v1/responses", 405, "openai"), ("GET", "/v1/responses/resp_none", 404, "openai"),
+           ("DELETE", "/v1/responses/%ff%00", 404, "openai"),
            ("POST", "/v1/completions?x=%ff", None, "openai"),
            ("GET", f"/v2/models/{TENSOR_MODEL}/infer", 405, "triton"), ("POST", "/v2/no-such-route", 404, "triton"),
            ("POST", "/v2/models/no-such-model/infer", 404, "triton"),

@@ -2,7 +2,8 @@
 
 Every dialect that streams renders its chunks (dicts, or text it already framed as JSON) and
 hands them here; only this module knows the framing: `data: <json>\\n\\n` per SSE event,
-optionally ending with OpenAI's `data: [DONE]`, and one JSON document per line for JSON lines.
+optionally ending with OpenAI's `data: [DONE]` (or, for typed events such as the Responses API's,
+`event: <type>` before each), and one JSON document per line for JSON lines.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def sse(chunks: Iterable[Any], *, done: bool = False) -> Iterator[str]:
         yield sse_event(chunk)
     if done:
         yield sse_event(DONE)
+
+
+def sse_named(events: Iterable[dict]) -> Iterator[str]:
+    """Each event (a dict with a `type`) as one SSE event named by its type: `event: <type>` then its
+    data, as OpenAI's Responses streams are framed (no `[DONE]`). Closed early (the client went
+    away), it closes `events` at once, so what feeds them stops too."""
+    try:
+        for event in events:
+            yield f"event: {event['type']}\n{sse_event(event)}"
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
 
 
 def json_line(data: Any) -> str:

@@ -110,19 +110,25 @@ def _adapter_owner(name: str | None) -> ModelService | None:
                 None)
 
 
-def _generation(name: str | None) -> OpenAIService:
+def generation_target(name: str | None) -> tuple[ModelService, str | None]:
+    """(the text-generation model `model` selects, the LoRA adapter it names or None), ready to serve."""
     owner = _adapter_owner(name)
     if owner is not None:
         owner.require_ready()
-        return OpenAIService(owner.rolling_engine("the OpenAI routes", param="model"), owner.name, adapter=name,
-                             reasoning=reasoning_settings(getattr(owner, "config", None)),
-                             tool_call_parser=_tool_call_parser(owner), vision=getattr(owner, "vision", None),
-                             trust_request_template=trusts_request_template(owner))
-    service = _service(name, _GENERATION_TASK)
-    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name,
+        return owner, name
+    return _service(name, _GENERATION_TASK), None
+
+
+def openai_service(service: ModelService, adapter: str | None = None) -> OpenAIService:
+    """The chat and completions service over `service`'s engine (as `adapter`, when one is named)."""
+    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name, adapter=adapter,
                          reasoning=reasoning_settings(getattr(service, "config", None)),
                          tool_call_parser=_tool_call_parser(service), vision=getattr(service, "vision", None),
                          trust_request_template=trusts_request_template(service))
+
+
+def _generation(name: str | None) -> OpenAIService:
+    return openai_service(*generation_target(name))
 
 
 def _tool_call_parser(service) -> str | None:
