@@ -39,14 +39,12 @@ class KernelOptions(Options):
     quantize: Quantize = Field(
         "none",
         description=(
-            "opt-in lighter weights, CPU only. `none`: as loaded; `fp16`: Linear weights stored in fp16, fp32 "
-            "arithmetic; `q4`: a checkpoint's own quantized weights on the int4 / int8 kernels: a GGUF's "
-            "Q4_0/Q4_1/Q4_K blocks, an AWQ / GPTQ / compressed-tensors checkpoint's 4-bit groups, and with bf16 on "
-            "AVX-512 VNNI Q8_0 / Q5_0 blocks and symmetric int8 layers (other types as loaded), fast with "
-            "`option.dtype=bf16` (not exact), only smaller and much slower in fp32 (start-up warns). Refused, naming "
-            "the option, on a GPU and with "
-            f"an unsupported dtype or GGUF (see [Faster on a CPU]({FAST_CPU}), [figures]({RESULTS}#sweep-with-q4-"
-            "weights))"
+            "lighter weights, CPU only. `none`: as loaded; `fp16`: fp16-stored Linear weights, fp32 "
+            "arithmetic; `q4`: the checkpoint's own quantized weights (GGUF Q4/Q8_0/Q5_0 blocks, AWQ, GPTQ, "
+            "compressed-tensors int4/int8) on our int4/int8 kernels, fast with `option.dtype=bf16`, much slower in "
+            "fp32. Refused, naming the option, on a GPU or an unsupported checkpoint "
+            f"([Faster on a CPU]({FAST_CPU}), [formats](models.md#pre-quantized-checkpoints-awq-gptq-compressed-"
+            f"tensors), [figures]({RESULTS}#sweep-with-q4-weights))"
         ),
     )
     decode_attention: DecodeAttention = Field(
