@@ -158,3 +158,9 @@ def test_the_first_run_line_installs_what_the_base_lacks_under_sh(tmp_path, pyth
     calls = (tmp_path / "apt.log").read_text().splitlines() if (tmp_path / "apt.log").exists() else []
     assert calls == ([] if installed is None else ["update", f"install -y --no-install-recommends {installed}"])
 
+
+def test_the_container_test_builds_in_the_builders_default_format():
+    # `--format docker` keeps SHELL, which a user's `podman build .` (OCI) ignores: it hid a bash RUN line.
+    script = (ROOT / "scripts" / "test-container").read_text()
+    (build,) = [line for line in script.splitlines() if '"${PODMAN[@]}" build' in line]
+    assert "--format" not in build
