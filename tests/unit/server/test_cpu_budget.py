@@ -115,19 +115,28 @@ def test_the_budget_is_this_processs_affinity_without_a_quota_or_setting():
     assert 1 <= found.threads <= len(os.sched_getaffinity(0))
 
 
-def test_torch_takes_the_workers_share_in_every_thread_started_after(tmp_path):
+def test_torch_and_numba_take_the_workers_share_in_every_thread_started_after(tmp_path):
+    import numba
     import torch
 
+    from lmi_serve.kernels import host
+    from lmi_serve.kernels.cpu.numba_bits import match_torch_threads
+
+    host.probe()  # as every kernel's compile does first: numba's OpenMP layer, set before its pool starts
     before = torch.get_num_threads()
     try:
         assert configure_threads(budget(v2(tmp_path, {"cpu.max": "100000 100000\n"})), workers=1) == 1
         seen = []
-        # The loading and engine threads start later; tensor parallelism (model/tp.py) and the numba
-        # kernels (numba_bits.match_torch_threads) read torch's count there.
-        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+
+        def engine_thread():  # the loading and engine threads start later
+            seen.append(torch.get_num_threads())  # what tensor parallelism shares out (model/tp.py)
+            match_torch_threads()  # what a numba kernel does before it runs
+            seen.append(numba.get_num_threads())
+
+        worker = threading.Thread(target=engine_thread)
         worker.start()
         worker.join()
-        assert seen == [1]
+        assert seen == [1, 1]
     finally:
         torch.set_num_threads(before)
 
