@@ -16,15 +16,17 @@ LABEL com.amazonaws.sagemaker.capabilities.multi-models=true
 ENV PYTHONUNBUFFERED=1 \
     LMI_SERVE_VENV=/opt/lmi-serve/.venv \
     LMI_SERVE_CACHE_DIR=/opt/lmi-serve/cache
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# Every RUN is POSIX sh, and there is no SHELL: podman and buildah build the OCI format by default, which
+# has no SHELL and runs each RUN with /bin/sh -c (dash on Debian and Ubuntu); bash only where a script needs it.
 # CUDA and plain distribution bases have no Python (or no venv module); python:* bases have both. libgomp1:
 # numba's OpenMP threads for the CPU decode attention kernel (kernels/cpu/decode_kernel.py); slim bases lack it.
-RUN missing=(); \
-    python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3 python3-venv); \
-    ldconfig -p | grep -q 'libgomp.so.1 ' || missing+=(libgomp1); \
-    if [ ${#missing[@]} -gt 0 ]; then \
+# The packages missing are collected in "$@" (sh has no arrays).
+RUN set --; \
+    python3 -c 'import ensurepip' 2>/dev/null || set -- python3 python3-venv; \
+    case "$(ldconfig -p)" in *'libgomp.so.1 '*) ;; *) set -- "$@" libgomp1 ;; esac; \
+    if [ $# -gt 0 ]; then \
         apt-get update \
-        && apt-get install -y --no-install-recommends "${missing[@]}" \
+        && apt-get install -y --no-install-recommends "$@" \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 RUN printf '#!/bin/sh\nexec /opt/lmi-serve/.venv/bin/python -m lmi_serve --host 0.0.0.0 "$@"\n' \
@@ -32,13 +34,14 @@ RUN printf '#!/bin/sh\nexec /opt/lmi-serve/.venv/bin/python -m lmi_serve --host 
 WORKDIR /opt/lmi-serve
 # Dependencies from pyproject.toml alone, so that a code change rebuilds only the layers below. Same
 # installer as scripts/serve, so the image and a developer checkout cannot drift. The editable install
-# maps src/lmi_serve by path, so an empty package stands in until the code is copied over it.
+# maps src/lmi_serve by path, so an empty package stands in until the code is copied over it. _setup.sh
+# is run by bash, not sourced, and exits non-zero at the first failed install, so a failed pip fails this
+# step (tests/unit/repo/test_setup_script.py); no pip cache is kept in the layer.
 COPY pyproject.toml ./
 COPY scripts/_setup.sh ./scripts/
 RUN mkdir -p src/lmi_serve && touch README.md src/lmi_serve/__init__.py \
     && if [ -n "$TORCH_INDEX_URL" ]; then export PIP_EXTRA_INDEX_URL="$TORCH_INDEX_URL"; fi \
-    && source scripts/_setup.sh serve \
-    && rm -rf /root/.cache/pip
+    && PIP_NO_CACHE_DIR=1 bash scripts/_setup.sh serve
 COPY src ./src
 # The default model's config, as a template for what to mount at /opt/ml/model.
 COPY serving.properties ./

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from lmi_serve.config.sources import KIND_NAMES, ConfigError, build_server_config
+from lmi_serve.cpu_budget import cpu_budget
 from lmi_serve.server import logs
 from lmi_serve.server import security
 from lmi_serve.server.gpus import count_gpus, plan_gpus
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log.info("Configuration:\n%s", config.describe())
     log.info("%s", gpu_plan.describe())
+    log.info("%s", cpu_budget(config.cpu_threads, env).describe(config.workers))  # each worker sizes torch by it
     security.log_startup(config.security)
     for model in config.models:
         if model.unknown_options:

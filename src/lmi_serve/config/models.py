@@ -195,6 +195,8 @@ class ServerConfig(BaseModel):
     multi_model: bool = False
     mme_memory_limit: int | None = Field(None, ge=1)  # bytes the models may take; None: 85% of the container's
     model_url_root: str = "/opt/ml/models"  # the folder POST /models may load from (SageMaker's)
+    # The server's CPU threads at most (option.cpu_threads; cpu_budget.py: the quota and affinity may lower it)
+    cpu_threads: int | None = Field(None, ge=1)
     models: tuple[ModelConfig, ...] = ()
 
     @field_validator("models")

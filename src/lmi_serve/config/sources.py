@@ -42,9 +42,9 @@ SAGEMAKER_NUM_MODEL_WORKERS, SERVING_MAX_WORKERS; max_request_size <- option.max
 LMI_SERVE_CACHE_DIR; graceful_timeout <- SERVING_GRACEFUL_TIMEOUT (seconds a SIGTERM leaves in-flight
 requests to finish, drain.py).
 
-Server-wide ``option.*`` keys (access control, security.py; ``option.max_request_bytes``) are read
-from the models' options (serving.properties, else ``OPTION_<KEY>``), else ``LMI_SERVE_<KEY>``;
-models that set one must agree.
+Server-wide ``option.*`` keys (access control, security.py; ``option.max_request_bytes``;
+``option.cpu_threads``, cpu_budget.py) are read from the models' options (serving.properties, else
+``OPTION_<KEY>``), else ``LMI_SERVE_<KEY>``; models that set one must agree.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ _OPTION_FIELDS: dict[str, str] = {
 # read from the models' options (security.py, and the body limit below)
 # Server-wide options of multi-model endpoints (serving/multi_model.py): the models' options may name them
 _MME_KEYS = frozenset({"multi_model", "mme_memory_limit", "model_url_root"})
-_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", *_MME_KEYS})
+_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", "cpu_threads", *_MME_KEYS})
 #: serving.properties keys that LMI also accepts without the ``option.`` prefix
 _BARE_KEYS = frozenset({"batch_size", "max_dynamic_batch_size", "max_batch_delay", "job_queue_size",
                         "minWorkers", "min_workers", "maxWorkers", "max_workers", "engine", "model_name"})
@@ -375,6 +375,11 @@ def _take_server_options(values: dict[str, Any], keys: dict[str, str], env: Mapp
         raise ConfigError(str(exc)) from None
     if limit:
         values["max_request_size"], keys["max_request_size"] = limit
+    # The thread budget (cpu_budget.py); OPTION_CPU_THREADS also where a multi-model endpoint starts with no model
+    threads = server_option("cpu_threads", env, model_options)
+    bare = _first(env, "OPTION_CPU_THREADS")
+    if threads or bare:
+        values["cpu_threads"], keys["cpu_threads"] = threads or (bare[1], bare[0])
     # Keys stay out of what handlers receive (handler_properties) once they are digested here.
     values["models"] = tuple(m.model_copy(update={"options": {k: v for k, v in m.options.items()
                                                                if k not in _SECURITY_KEYS}})

@@ -267,7 +267,7 @@ def start_followers(config_json: str, cache_dir: str, world: int, threads: int) 
 def start_group(config_json: str, cache_dir: str, world: int) -> tuple[TPGroup, Any]:
     """Rank 0: start the followers, join the group with them and watch them. Returns the group and
     rank 0's device; the followers are ended if joining fails. The worker's torch threads (its share
-    of the cores, app.configure_threads) are shared out among the ranks."""
+    of the CPU budget, cpu_budget.py via app.configure_threads) are shared out among the ranks."""
     import torch
 
     threads = threads_per_rank(world, torch.get_num_threads())

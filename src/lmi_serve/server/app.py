@@ -15,6 +15,7 @@ import uuid
 from flask import Flask, Response, g, has_request_context, request
 
 from lmi_serve.config.sources import ServerConfig
+from lmi_serve.cpu_budget import CpuBudget, cpu_budget
 from lmi_serve.dialects.lmi import routes as lmi_routes
 from lmi_serve.dialects.lmi.front_end import lmi_front_end
 from lmi_serve.dialects.openai import routes as openai_routes
@@ -37,12 +38,15 @@ from lmi_serve.serving.service import ModelService
 
 log = logging.getLogger(__name__)
 
-def configure_threads(workers: int) -> int:
-    """One worker's share of the cores: more threads than cores only adds contention."""
+
+def configure_threads(budget: CpuBudget, workers: int) -> int:
+    """Torch's threads: this worker's share of the CPU budget (cpu_budget.py). More threads than the
+    cores, or than the CPU quota, only add contention and throttling. Threads started later (the loading
+    and engine threads) take the same count: tensor parallelism shares it out among the ranks (model/tp.py)
+    and the numba kernels run on it (kernels/cpu/numba_bits.match_torch_threads)."""
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, workers))
+    threads = budget.per_worker(workers)
     torch.set_num_threads(threads)
     return threads
 
@@ -120,10 +124,13 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_size
     app.config["TRITON_SERVER_NAME"] = config.triton_server_name
     app.config["STRICT_MODEL_NAMES"] = config.strict_model_names
+    budget = cpu_budget(config.cpu_threads, os.environ)
+    app.config["CPU_THREADS"] = budget.as_json(config.workers)  # GET /models/<m> shows it
     if registry is None:
-        threads = configure_threads(config.workers)
+        threads = configure_threads(budget, config.workers)
         logs.route_library_logs()
-        log.info("Worker %d: torch uses %d thread(s)", os.getpid(), threads)
+        log.info("Worker %d: torch uses %d thread(s) (CPU budget %d, from %s, over %d worker(s))", os.getpid(),
+                 threads, budget.threads, budget.source, config.workers)
         registry = ModelRegistry.from_config(config, observer_for=metrics.for_model)
         heap.freeze_after_loads()  # a serving worker: what loading makes is frozen out of the collector's walks
         registry.start_loading()

@@ -5,8 +5,8 @@ model that would not fit is refused instead of the container being OOM-killed.
     estimate = weights at the load dtype (from the files' tensor shapes: safetensors headers, GGUF
                tensor infos; pickled .bin files by their size) + K/V for `max_rolling_batch_size` rows
                of KV_TOKENS_PER_ROW tokens (text generation only)
-    limit    = option.mme_memory_limit, else LIMIT_SHARE of the container's memory (cgroup v2
-               memory.max, else cgroup v1 memory.limit_in_bytes, else MemTotal)
+    limit    = option.mme_memory_limit, else LIMIT_SHARE of the container's memory (the smallest of its
+               cgroups' v2 memory.max and v1 memory.limit_in_bytes, else MemTotal)
     fits     = the estimates of the models loaded + this one <= limit
 
 On a CPU the K/V grows with the rows' real lengths instead of being reserved up front, so the K/V term
@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmi_serve import cgroup
+
 #: Share of the container's memory the models may take when option.mme_memory_limit is unset: the rest
 #: is the server itself (torch, tokenizers, request buffers) and the allocator's slack.
 LIMIT_SHARE = 0.85
@@ -34,17 +36,16 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 
 _LOAD_BYTES = {"fp32": 4, "float32": 4, "auto": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
 
 
-def container_memory(cgroup_root: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> int:
-    """The memory this container may use: its cgroup's limit (v2, then v1), else the machine's."""
-    total = _meminfo_total(meminfo)
-    for limit_file in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
-        try:
-            text = limit_file.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < total:  # "max", or v1's huge number, means no limit
-            return int(text)
-    return total
+def container_memory(root: Path = cgroup.ROOT) -> int:
+    """The memory this container may use: the smallest limit of its cgroups (v2 memory.max, v1
+    memory.limit_in_bytes, at every level up from its own: lmi_serve/cgroup.py), else the machine's."""
+    total = _meminfo_total(root / "proc/meminfo")
+    limits = [total]
+    for folder in cgroup.folders("memory", root):
+        text = cgroup.read(folder.path / ("memory.max" if folder.version == 2 else "memory.limit_in_bytes"))
+        if text and text.isdigit() and int(text) > 0:  # "max", or v1's huge number (above total), means no limit
+            limits.append(int(text))
+    return min(limits)
 
 
 def _meminfo_total(meminfo: Path) -> int:

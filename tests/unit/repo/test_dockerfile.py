@@ -121,3 +121,46 @@ def test_the_image_declares_bind_to_port_and_leaves_offline_mode_to_the_launcher
     assert "com.amazonaws.sagemaker.capabilities.multi-models=true" in labels  # SageMaker MME (docs/lmi.md)
     assert not [arguments for keyword, arguments in steps if keyword in ("ENV", "ARG") and "HF_HUB_OFFLINE" in arguments]
     assert steps[-1] == ("CMD", '["serve"]')
+
+
+def test_every_run_line_is_posix_sh():
+    # podman and buildah build the OCI format by default, which has no SHELL: each RUN is `/bin/sh -c`
+    # (dash on Debian and Ubuntu bases). With no SHELL here, test_hadolint_finds_nothing's shellcheck reads
+    # every RUN as sh too (SC3xxx: a bash feature), and docker runs what podman runs.
+    assert not [arguments for keyword, arguments in instructions(DOCKERFILE.read_text()) if keyword == "SHELL"]
+    for run in RUNS:
+        parsed = subprocess.run(["dash", "-n", "-c", run], capture_output=True, text=True)
+        assert parsed.returncode == 0, f"RUN {run}\n{parsed.stderr}"
+
+
+def _fake(folder: Path, name: str, script: str) -> None:
+    (folder / name).write_text(f"#!/bin/sh\n{script}\n")
+    (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize(("python_ok", "gomp", "installed"), [
+    (True, True, None),  # python:* bases: nothing to install, apt-get not run
+    (True, False, "libgomp1"),  # slim bases
+    (False, False, "python3 python3-venv libgomp1"),  # CUDA's Ubuntu, a bare Debian
+])
+def test_the_first_run_line_installs_what_the_base_lacks_under_sh(tmp_path, python_ok, gomp, installed):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "python3", "exit 0" if python_ok else "exit 1")
+    libs = "\tlibgomp.so.1 (libc6,x86-64) => /lib/libgomp.so.1" if gomp else "\tlibc.so.6 (libc6) => /lib/libc.so.6"
+    _fake(bin_dir, "ldconfig", f"printf '%s\\n' '{libs}'")
+    _fake(bin_dir, "apt-get", f'echo "$*" >> {tmp_path}/apt.log')
+    (first,) = [run for run in RUNS if "apt-get" in run]
+    assert "/var/lib/apt/lists/*" in first  # cleaned in tmp_path below, not on this machine
+    done = subprocess.run(["/bin/sh", "-c", first.replace("/var/lib/apt/lists/*", f"{tmp_path}/lists/*")],
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "apt.log").read_text().splitlines() if (tmp_path / "apt.log").exists() else []
+    assert calls == ([] if installed is None else ["update", f"install -y --no-install-recommends {installed}"])
+
+
+def test_the_container_test_builds_in_the_builders_default_format():
+    # `--format docker` keeps SHELL, which a user's `podman build .` (OCI) ignores: it hid a bash RUN line.
+    script = (ROOT / "scripts" / "test-container").read_text()
+    (build,) = [line for line in script.splitlines() if '"${PODMAN[@]}" build' in line]
+    assert "--format" not in build

@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 from lmi_serve.config.sizes import parse_bytes
 from lmi_serve.serving import memory_budget as mb
 
+from cgroup_trees import tree, v1, v2
+
 
 @pytest.mark.parametrize(("text", "size"), [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
                                             ("2g", 2 * 10**9), ("1073741824", 2**30), (" 64 KiB ", 64 * 1024)])
@@ -26,26 +28,20 @@ def test_a_bad_size_names_the_text(text):
         parse_bytes(text)
 
 
-def _machine(tmp_path, total_kib=8 * 2**20, v2=None, v1=None):
-    tmp_path.mkdir()
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text(f"MemTotal:       {total_kib} kB\nMemFree:        1 kB\n")
-    cgroup = tmp_path / "cgroup"
-    (cgroup / "memory").mkdir(parents=True)
-    if v2 is not None:
-        (cgroup / "memory.max").write_text(v2)
-    if v1 is not None:
-        (cgroup / "memory" / "memory.limit_in_bytes").write_text(v1)
-    return cgroup, meminfo
-
-
 def test_the_containers_memory_is_its_cgroups_limit_else_the_machines(tmp_path):
     total = 8 * 2**30
-    assert mb.container_memory(*_machine(tmp_path / "a", v2=f"{2**30}\n")) == 2**30  # cgroup v2
-    assert mb.container_memory(*_machine(tmp_path / "b", v1=f"{3 * 2**30}\n")) == 3 * 2**30  # cgroup v1
-    assert mb.container_memory(*_machine(tmp_path / "c", v2="max\n")) == total  # no limit: the machine's
-    assert mb.container_memory(*_machine(tmp_path / "d", v1="9223372036854771712\n")) == total  # v1's "none"
-    assert mb.container_memory(*_machine(tmp_path / "e")) == total
+    assert mb.container_memory(v2(tmp_path / "a", {"memory.max": f"{2**30}\n"})) == 2**30
+    assert mb.container_memory(v1(tmp_path / "b", {"memory/memory.limit_in_bytes": f"{3 * 2**30}\n"})) == 3 * 2**30
+    assert mb.container_memory(v2(tmp_path / "c", {"memory.max": "max\n"})) == total  # no limit: the machine's
+    # v1's "no limit" is a huge number
+    assert mb.container_memory(v1(tmp_path / "d", {"memory/memory.limit_in_bytes": "9223372036854771712\n"})) == total
+    assert mb.container_memory(tree(tmp_path / "e", {})) == total  # no cgroup mounted
+
+
+def test_a_limit_above_the_processs_own_cgroup_counts(tmp_path):
+    # A Kubernetes pod's limit is on the pod's cgroup, its container's below it: the smaller holds.
+    files = {"kubepods/pod1/memory.max": f"{2**30}\n", "kubepods/pod1/app/memory.max": "max\n"}
+    assert mb.container_memory(v2(tmp_path, files, own="/kubepods/pod1/app")) == 2**30
 
 
 def test_weights_count_at_the_load_dtype_from_the_headers(tmp_path):

@@ -175,6 +175,8 @@ def _describe(service: ModelService) -> dict:
         "batchStats": {"batches": stats.batches, "requests": stats.requests,
                        "largestBatch": stats.largest_batch, "lastBatchSize": stats.last_batch_size}
         if stats else None,
+        # the worker's CPU threads: how many, and which limit decided them (cpu_budget.py)
+        **({"cpuThreads": current_app.config["CPU_THREADS"]} if "CPU_THREADS" in current_app.config else {}),
         # what runs the forward on this host (kernels/plan.py): in the engine section, or alone for an encoder
         **({"engine": {**_engine_stats(service.engine.stats()), **_kernels(service)}} if service.engine
            else _kernels(service)),
