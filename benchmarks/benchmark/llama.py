@@ -53,6 +53,24 @@ def model_file(system: str, source: ModelSource) -> Path:
     return target
 
 
+def requantized(source: ModelSource, kind: str) -> Path:
+    """The source's GGUF made into `kind` (Q4_K_M, ...) once with llama-quantize, from its F32 copy (as a user
+    would from a full-precision file), in a folder of its own under the build's models/: a model folder for
+    `--model`."""
+    f32 = model_file("llama-server-f32", source)
+    target = llama_home() / "models" / kind / f"{f32.stem.removesuffix('.F32')}.{kind}.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        log(f"making {target.name} once with llama-quantize ({kind})")
+        done = subprocess.run([str(binary("llama-quantize")), str(f32), str(partial), kind],
+                              capture_output=True, text=True, env=_env())
+        if done.returncode != 0:
+            raise Unavailable(f"llama-quantize {kind} failed (rc {done.returncode}): {done.stderr[-600:]}")
+        partial.rename(target)
+    return target
+
+
 def _env() -> dict[str, str]:
     # the build copies the shared libraries next to the binaries
     lib = str(llama_home() / "bin")
