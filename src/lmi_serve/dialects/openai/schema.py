@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
+from lmi_serve import echo
 from lmi_serve.dialects.common.validation import FieldProblem, field_problems
 from lmi_serve.dialects.openai.vllm import VllmChatFields, VllmCompletionFields, refuse
 from lmi_serve.errors import InvalidRequest
@@ -379,7 +380,8 @@ def _describe(problem: FieldProblem) -> tuple[str, str | None]:
     union-branch names pydantic puts in its location."""
     loc = [str(part) for part in problem.loc if not str(part).startswith(("function-after", "union"))]
     param = ".".join(loc) or None
-    return (f"{param}: {problem.message}" if param else problem.message), param
+    message = echo.short(problem.message, echo.TEXT_CHARS)  # it may quote a value the client sent
+    return (f"{echo.short(param)}: {message}" if param else message), (echo.short(param) if param else None)
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
@@ -398,5 +400,5 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
         count = len(problems)
         raise InvalidRequest(f"{count} validation error{'s' if count > 1 else ''}: {message}", param=param) from None
     if parsed.model_extra:
-        log.warning("Ignored unknown request field(s): %s", sorted(parsed.model_extra))
+        log.warning("Ignored unknown request field(s): %s", echo.names(parsed.model_extra))
     return parsed
