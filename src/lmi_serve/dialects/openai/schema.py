@@ -317,13 +317,23 @@ class EmbeddingRequest(_Lenient):
     `truncation_side` (applied in routes.embeddings), `embed_dtype` and `endianness` (the layout of
     `base64` vectors; a float list is unchanged by them, as in vLLM), `use_activation` and its older
     spelling `normalize` (whether the vectors are L2-normalised; unset: as the checkpoint declares),
-    `prompt_name` (one of the model's sentence-transformers prompts); `add_special_tokens: false` and
-    a `priority` are refused."""
+    `prompt_name` (one of the model's sentence-transformers prompts), `request_id` (the response's
+    id, `embd-<request_id>`), `cache_salt` (no KV cache is shared between embedding requests, so
+    the isolation it asks for holds); `add_special_tokens: false`, a `priority`, `padding:
+    max_length` and `mm_processor_kwargs` are refused (see vllm_refused). Every field vLLM's
+    EmbeddingCompletionRequest declares is one of these (tests/unit/dialects/test_openai_vllm_pooling.py)."""
 
     vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
         "add_special_tokens": ("texts are always embedded with the tokenizer's special tokens, as the model was "
                                "trained; send token ids to choose every token", (None, True)),
-        "priority": ("requests are served first come, first served; there is no priority scheduling", (None, 0))}
+        "priority": ("requests are served first come, first served; there is no priority scheduling", (None, 0)),
+        # vLLM's `max_length` embeds the pad tokens as part of the input (for models trained at a fixed
+        # length without an attention mask); padding every input to the model's limit costs that many
+        # tokens of compute, and the padded ids can be sent as token ids instead: the same result.
+        "padding": ("inputs are embedded as they are (vLLM's `do_not_pad`); to embed pad tokens, send the padded "
+                    "token ids as `input`", (None, "do_not_pad")),
+        "mm_processor_kwargs": ("the embedding models served here take text only; there is no multimodal "
+                                "processor to pass arguments to", (None, {}))}
 
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
@@ -340,6 +350,10 @@ class EmbeddingRequest(_Lenient):
     prompt_name: str | None = None
     add_special_tokens: bool | None = None
     priority: int | None = None
+    padding: str | None = None
+    mm_processor_kwargs: dict | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @property
     def normalized(self) -> bool | None:
