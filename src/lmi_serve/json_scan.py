@@ -1,5 +1,5 @@
-"""One pass over a JSON body before it is decoded: nesting depth, surrogate escapes, and (for
-Triton's repository index) the body's outer levels. Linear in time, small and bounded in memory.
+"""One pass over a JSON body before it is decoded: nesting depth, surrogate escapes, the number
+of object keys, and (for Triton's repository index) the body's outer levels. Linear in time, small and bounded in memory.
 
 The body is read in fixed-size chunks, each vectorised with numpy, carrying three facts from one
 chunk to the next: whether the scan is inside a string, how many backslashes ended the chunk (an
@@ -7,7 +7,9 @@ odd run escapes the next byte), and the nesting level. Per chunk:
 - a byte is escaped when an odd run of backslashes comes right before it;
 - an unescaped `"` opens or closes a string, so the parity of their running count says which
   bytes lie inside strings (brackets there do not count);
-- the running sum of +1 per `[`/`{` and -1 per `]`/`}` outside strings is the nesting level.
+- the running sum of +1 per `[`/`{` and -1 per `]`/`}` outside strings is the nesting level;
+- each `:` outside strings is one object key (json_body refuses a body of more keys than a route
+  can use before the decoder builds millions of entries with the GIL held).
 A regular expression stripping strings (the former way) backtracks per character: a 64 MiB string
 took 7.8 GiB and 6-20 s with the GIL held. Here the extra memory is a few times `CHUNK`, whatever
 the body, and numpy releases the GIL inside each step while other threads run between chunks.
@@ -25,7 +27,7 @@ import numpy as np
 
 CHUNK = 256 * 1024  # bytes per step: ~20 bytes of scratch per byte, so a few MiB whatever the body
 
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_QUOTE, _BACKSLASH, _COLON = ord('"'), ord("\\"), ord(":")
 _STEP = np.zeros(256, dtype=np.int8)  # byte -> +1 opens a level, -1 closes one
 _STEP[list(b"[{")] = 1
 _STEP[list(b"]}")] = -1
@@ -45,25 +47,27 @@ class BodyScan:
     surrogate_escape: bool
     outline: bytes | None = None
     outline_depth: int | None = None
+    keys: int = 0  # object keys in the whole body (colons outside strings)
 
     def of_outline(self) -> "BodyScan":
         """The scan of `outline` itself, known without scanning it again (the surrogate hint is
         the body's: a hint may say yes when the answer is no)."""
         if self.outline is None or self.outline_depth is None:
             raise ValueError("this scan kept no outline")
-        return BodyScan(min(self.depth, self.outline_depth), self.surrogate_escape)
+        return BodyScan(min(self.depth, self.outline_depth), self.surrogate_escape, keys=self.keys)
 
 
 class _Carry:
     """The state one chunk hands to the next."""
 
-    __slots__ = ("in_string", "backslashes", "level", "deepest")
+    __slots__ = ("in_string", "backslashes", "level", "deepest", "keys")
 
     def __init__(self) -> None:
         self.in_string = False
         self.backslashes = 0  # length of the run of backslashes that ended the previous chunk
         self.level = 0
         self.deepest = 0
+        self.keys = 0
 
 
 def _escaped(codes: np.ndarray, carried_backslashes: int) -> tuple[np.ndarray, int]:
@@ -105,9 +109,12 @@ def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes
         inside += carry.in_string
         inside &= 1
         carry.in_string = bool(inside[-1])
-        steps *= (inside == 0)
-    else:
+        outside = inside == 0
+        steps *= outside
+        carry.keys += int(np.count_nonzero((codes == _COLON) & outside))
+    else:  # no string starts, ends or runs here: every byte is outside strings
         _carry_trailing_backslashes(chunk, has_backslash, carry)
+        carry.keys += chunk.count(b":")
     levels = np.cumsum(steps, dtype=np.int32)
     levels += carry.level
     carry.deepest = max(carry.deepest, int(levels.max()))
@@ -136,5 +143,5 @@ def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHU
             reach = view[start:start + chunk_size + _SURROGATE_ESCAPE_TAIL]
             surrogate_escape = _SURROGATE_ESCAPE.search(reach) is not None
     if outline is None:
-        return BodyScan(carry.deepest, surrogate_escape)
-    return BodyScan(carry.deepest, surrogate_escape, bytes(outline), outline_depth)
+        return BodyScan(carry.deepest, surrogate_escape, keys=carry.keys)
+    return BodyScan(carry.deepest, surrogate_escape, bytes(outline), outline_depth, carry.keys)

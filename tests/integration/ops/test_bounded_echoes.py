@@ -64,3 +64,18 @@ def test_a_hundred_thousand_unknown_names_cost_a_few_kib(server, case):
     assert requests.get(server.url("/ping"), timeout=30).status_code == 200
     grown = log_size(server) - before
     assert grown < MAX_LOG_GROWTH, server.output()[-2000:]
+
+
+# route -> (its cap on object keys, the status its dialect gives a body it refuses as JSON)
+KEY_CAPS = {"/invocations": (262_144, (400, 424)), "/v1/completions": (262_144, (400,)),
+            "/generate": (131_072, (400, 422)), f"/v2/models/{LLM}/generate": (131_072, (400,))}
+
+
+@pytest.mark.parametrize("path", list(KEY_CAPS))
+def test_one_key_over_the_routes_cap_is_refused_naming_it(server, path):
+    """Counted by the body scan and refused before a dict of that many entries is built."""
+    cap, statuses = KEY_CAPS[path]
+    body = "{" + ",".join(f'"{i:x}":0' for i in range(cap + 1)) + "}"
+    response = requests.post(server.url(path), data=body, timeout=300, headers={"Content-Type": "application/json"})
+    assert response.status_code in statuses, response.text[:500]
+    assert f"takes at most {cap:,}" in response.text and len(response.content) < MAX_ANSWER, response.text

@@ -225,7 +225,8 @@ def parse_json(data: bytes, scanned: BodyScan | None = None) -> Any:
     `scanned` is `json_scan.scan(data)` when the caller has it (one scan of the body in all)."""
     facts = scanned if scanned is not None else json_scan.scan(data)
     check_depth(facts)
-    return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts)
+    return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts,
+                           max_keys=json_body.FIXED_SCHEMA_KEYS)  # Triton's bodies: tensors, a few keys
 
 
 def check_parameter(key: str, value: Any) -> None:
