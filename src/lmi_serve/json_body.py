@@ -87,7 +87,7 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH,
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if not raw or raw.isspace():  # (raw.strip() would copy the body)
         raise InvalidJson("empty body", "The request body is empty; a JSON value is required")
-    facts = scanned if scanned is not None else scan(raw)
+    facts = scanned if scanned is not None else scan(raw, max_keys=max_keys)
     if facts.depth > max_depth:
         raise InvalidJson(f"nested {facts.depth} levels deep; at most {max_depth} levels are allowed")
     if facts.keys > max_keys:

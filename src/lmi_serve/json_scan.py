@@ -89,12 +89,22 @@ def _carry_trailing_backslashes(chunk: bytes, has_backslash: bool, carry: _Carry
     carry.backslashes = carry.backslashes + trailing if trailing == len(chunk) else trailing
 
 
+def _has_bracket(chunk: bytes) -> bool:
+    return b"[" in chunk or b"]" in chunk or b"{" in chunk or b"}" in chunk
+
+
 def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes | None:
     """Advance `carry` over `chunk`; return the chunk's bytes at or above `outline_depth` if asked."""
     has_quote = _QUOTE in chunk
     has_backslash = _BACKSLASH in chunk
     if not has_quote and carry.in_string and outline_depth is None:  # all inside one string
         _carry_trailing_backslashes(chunk, has_backslash, carry)
+        return None
+    if not has_quote and not carry.in_string and outline_depth is None and not _has_bracket(chunk):
+        # outside strings and no level changes (a long array of numbers): nothing for numpy to do
+        _carry_trailing_backslashes(chunk, has_backslash, carry)
+        carry.keys += chunk.count(b":")
+        carry.deepest = max(carry.deepest, carry.level)
         return None
     codes = np.frombuffer(chunk, dtype=np.uint8)
     steps = _STEP[codes]
@@ -125,9 +135,12 @@ def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes
     return codes[levels <= outline_depth].tobytes()
 
 
-def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHUNK) -> BodyScan:
+def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHUNK,
+         max_keys: int | None = None) -> BodyScan:
     """One pass over `data` (see the module docstring); `outline_depth` also keeps the outline.
-    `chunk_size` (at most CHUNK) only changes where chunks end, never the result."""
+    `chunk_size` (at most CHUNK) only changes where chunks end, never the result. With `max_keys`,
+    the pass stops at the chunk where the keys exceed it: the body will be refused for that, and the
+    rest need not be read (its depth and outline are then those of the part read)."""
     if not 0 < chunk_size <= CHUNK:
         raise ValueError(f"chunk_size must be 1 to {CHUNK}")
     carry = _Carry()
@@ -142,6 +155,8 @@ def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHU
         if not surrogate_escape:
             reach = view[start:start + chunk_size + _SURROGATE_ESCAPE_TAIL]
             surrogate_escape = _SURROGATE_ESCAPE.search(reach) is not None
+        if max_keys is not None and carry.keys > max_keys:
+            break
     if outline is None:
         return BodyScan(carry.deepest, surrogate_escape, keys=carry.keys)
     return BodyScan(carry.deepest, surrogate_escape, bytes(outline), outline_depth, carry.keys)

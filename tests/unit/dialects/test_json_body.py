@@ -89,3 +89,11 @@ def test_more_keys_than_the_route_takes_are_refused_before_decoding(monkeypatch)
     monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("decoded"))
     with pytest.raises(json_body.InvalidJson, match="21 object keys; this route takes at most 20"):
         json_body.loads(body[:-1] + b',"one":1}', max_keys=20)
+
+
+def test_a_scan_with_a_key_cap_stops_once_over_it():
+    body = b"[" + b'{"k":0},' * 1000 + b"[[[[[[0]]]]]]]"
+    assert json_scan.scan(body).depth == 7
+    stopped = json_scan.scan(body, chunk_size=64, max_keys=10)
+    assert 10 < stopped.keys < 1000 and stopped.depth == 2  # the deep tail was never read
+    assert json_scan.scan(body, chunk_size=64, max_keys=5000) == json_scan.scan(body)
