@@ -13,11 +13,13 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    fork; it then runs once per body, where the former routes ran it up to five times, so the
    baseline here flatters it.
 3. With --decode, instead: the decoder's shapes (millions of keys, one array of millions of
-   numbers) against two servers, this tree with its key cap ignored (the tree before the cap) and
-   as it is, in the same run: stream gap, /ping and RSS peak as above.
+   numbers) against two servers in the same run, before and after: this tree as it is, and before
+   it either the source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`,
+   then DIR/src) or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak
+   as above.
 
     .venv/bin/python -m benchmarks.bench_body_scan [--size BYTES] [--skip-servers]
-    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108863
+    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src]
 """
 
 from __future__ import annotations
@@ -127,9 +129,13 @@ def in_process(size: int) -> None:
 
 # --- 2. against servers ------------------------------------------------------------------------
 
-def start_server(port: int, size: int, old: bool, mode: str | None = None) -> subprocess.Popen:
-    """This script as a server (`--serve`), with the old scan or the new (or `mode`), once /ping answers 200."""
+def start_server(port: int, size: int, old: bool, mode: str | None = None,
+                 source: str | None = None) -> subprocess.Popen:
+    """This script as a server (`--serve`), with the old scan or the new (or `mode`), once /ping
+    answers 200; `source`: the lmi_serve source folder to import first (a former tree)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "LMI_SERVE_", "SAGEMAKER_"))}
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join([source, str(ROOT)])
     env["LMI_SERVE_MAX_REQUEST_BYTES"] = str(size)
     log = tempfile.NamedTemporaryFile(prefix="lmi-bench-body-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_body_scan", "--serve", mode or ("old" if old else "new"),
@@ -183,11 +189,12 @@ def against_servers(size: int, port: int) -> None:
 DECODE_ROUTES = ("/invocations", "/v1/chat/completions", "/generate", "/v2/models/simple/infer")
 
 
-def decode_against_servers(size: int, port: int) -> None:
-    """Part 3 of the module docstring: the key cap ignored (before) against this tree (after)."""
+def decode_against_servers(size: int, port: int, before_src: str | None) -> None:
+    """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree (after)."""
     rows = {}
     for mode in ("nocap", "new"):
-        proc = start_server(port, size, False, mode)
+        former = before_src if mode == "nocap" else None
+        proc = start_server(port, size, False, "new" if former else mode, former)
         try:
             worker = worker_process(proc.pid)
             for route in DECODE_ROUTES:
@@ -196,7 +203,8 @@ def decode_against_servers(size: int, port: int) -> None:
         finally:
             stop_server(proc)
     print(f"\n## One {size / 2**20:.0f} MiB body of small values at a time, a stream running on the same worker\n")
-    print("before: no key cap (the previous tree); after: this tree. `keys` is 13 bytes per key.\n")
+    print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree. `keys` is 13 bytes per key, "
+          "`numbers` one flat array of `0`s.\n")
     print("| route | body | status before/after | request s before/after | stream gap s before/after | "
           "/ping s before/after | RSS peak growth MiB before/after |")
     print("|---|---|---|---|---|---|---|")
@@ -215,6 +223,7 @@ def main() -> int:
     parser.add_argument("--skip-servers", action="store_true", help="only the in-process figures")
     parser.add_argument("--decode", action="store_true",
                         help="only the decoder's shapes, without the key cap and with it (part 3)")
+    parser.add_argument("--before-src", help="with --decode: the lmi_serve source folder of the tree to compare with")
     parser.add_argument("--serve", choices=("old", "new", "nocap"), help=argparse.SUPPRESS)  # this script as a server
     args = parser.parse_args()
     if args.serve:
@@ -227,7 +236,7 @@ def main() -> int:
         return serve(["--port", str(args.port)])
     if args.decode:
         print(f"# Decoding bodies of small values, no key cap against the cap\n\nCPU: {cpu_summary()}")
-        decode_against_servers(args.size, args.port)
+        decode_against_servers(args.size, args.port, args.before_src)
         return 0
     print(f"# Body scan, old (regex + numpy) against new (json_scan)\n\nCPU: {cpu_summary()}")
     in_process(args.size)

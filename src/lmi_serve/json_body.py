@@ -7,6 +7,8 @@ Every dialect decodes its bodies here, so one rule holds on every route:
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not valid Unicode) is
   refused, since no tokenizer, encoder or renderer can take it;
 - `NaN`, `Infinity` and `-Infinity` (not JSON) are refused;
+- a long array of numbers is decoded a piece at a time (json_bulk), letting the worker's other
+  threads run between pieces;
 - a body with more object keys than the route can use (`max_keys`: MAX_KEYS, or a route's own
   cap) is refused *before* decoding, counted by the same pass: the decoder holds the GIL while it
   builds every entry (3.3 million keys held a worker 13-16 s; orjson and msgspec, measured, hold it
@@ -21,6 +23,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from lmi_serve import json_bulk
 from lmi_serve.json_scan import BodyScan, scan
 
 MAX_DEPTH = 128  # far beyond any real request (JSON Schemas, tool parameters, tensors of rank 8)
@@ -92,12 +95,15 @@ def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH,
         raise InvalidJson(f"nested {facts.depth} levels deep; at most {max_depth} levels are allowed")
     if facts.keys > max_keys:
         raise InvalidJson(f"{facts.keys:,} object keys; this route takes at most {max_keys:,}")
+    piecewise = bool(facts.flat_runs) and not isinstance(data, str)  # long arrays of numbers (json_bulk)
     try:
-        text = data if isinstance(data, str) else raw.decode("utf-8")  # RFC 8259: UTF-8, never sniffed
+        text = data if isinstance(data, str) or piecewise else raw.decode("utf-8")  # RFC 8259: UTF-8, never sniffed
+        if piecewise:
+            value = json_bulk.loads(raw, facts.flat_runs, _reject_constant, object_pairs_hook)
+        else:
+            value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
     except UnicodeDecodeError as exc:
         raise InvalidJson(str(exc), "The request body is not valid UTF-8") from None
-    try:
-        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
     except InvalidJson:
         raise
     except (ValueError, RecursionError) as exc:

@@ -48,19 +48,22 @@ class BodyScan:
     outline: bytes | None = None
     outline_depth: int | None = None
     keys: int = 0  # object keys in the whole body (colons outside strings)
+    # (start, end) byte ranges of whole chunks with no string and no bracket inside an array or
+    # object: a long flat array's numbers, which json_bulk decodes piecewise
+    flat_runs: tuple[tuple[int, int], ...] = ()
 
     def of_outline(self) -> "BodyScan":
         """The scan of `outline` itself, known without scanning it again (the surrogate hint is
         the body's: a hint may say yes when the answer is no)."""
         if self.outline is None or self.outline_depth is None:
             raise ValueError("this scan kept no outline")
-        return BodyScan(min(self.depth, self.outline_depth), self.surrogate_escape, keys=self.keys)
+        return BodyScan(min(self.depth, self.outline_depth), self.surrogate_escape, keys=self.keys)  # no runs
 
 
 class _Carry:
     """The state one chunk hands to the next."""
 
-    __slots__ = ("in_string", "backslashes", "level", "deepest", "keys")
+    __slots__ = ("in_string", "backslashes", "level", "deepest", "keys", "flat")
 
     def __init__(self) -> None:
         self.in_string = False
@@ -68,6 +71,7 @@ class _Carry:
         self.level = 0
         self.deepest = 0
         self.keys = 0
+        self.flat = False  # the last chunk had no string and no bracket
 
 
 def _escaped(codes: np.ndarray, carried_backslashes: int) -> tuple[np.ndarray, int]:
@@ -97,6 +101,7 @@ def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes
     """Advance `carry` over `chunk`; return the chunk's bytes at or above `outline_depth` if asked."""
     has_quote = _QUOTE in chunk
     has_backslash = _BACKSLASH in chunk
+    carry.flat = False
     if not has_quote and carry.in_string and outline_depth is None:  # all inside one string
         _carry_trailing_backslashes(chunk, has_backslash, carry)
         return None
@@ -105,6 +110,7 @@ def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes
         _carry_trailing_backslashes(chunk, has_backslash, carry)
         carry.keys += chunk.count(b":")
         carry.deepest = max(carry.deepest, carry.level)
+        carry.flat = True
         return None
     codes = np.frombuffer(chunk, dtype=np.uint8)
     steps = _STEP[codes]
@@ -146,6 +152,7 @@ def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHU
     carry = _Carry()
     outline = bytearray() if outline_depth is not None else None
     surrogate_escape = False
+    runs: list[tuple[int, int]] = []
     view = memoryview(data).cast("B")
     for start in range(0, len(view), chunk_size):
         chunk = bytes(view[start:start + chunk_size])
@@ -155,8 +162,17 @@ def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHU
         if not surrogate_escape:
             reach = view[start:start + chunk_size + _SURROGATE_ESCAPE_TAIL]
             surrogate_escape = _SURROGATE_ESCAPE.search(reach) is not None
+        if carry.flat and carry.level > 0:
+            _extend_runs(runs, start, start + len(chunk))
         if max_keys is not None and carry.keys > max_keys:
             break
     if outline is None:
-        return BodyScan(carry.deepest, surrogate_escape, keys=carry.keys)
+        return BodyScan(carry.deepest, surrogate_escape, keys=carry.keys, flat_runs=tuple(runs))
     return BodyScan(carry.deepest, surrogate_escape, bytes(outline), outline_depth, carry.keys)
+
+
+def _extend_runs(runs: list[tuple[int, int]], start: int, end: int) -> None:
+    if runs and runs[-1][1] == start:
+        runs[-1] = (runs[-1][0], end)
+    else:
+        runs.append((start, end))
