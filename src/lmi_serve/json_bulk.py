@@ -19,8 +19,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-PIECE = 1 << 20  # bytes decoded per call: ~0.05 s with the GIL held on a slow core
-MIN_RUN = 2 * PIECE  # a shorter stretch is decoded with the rest
+# Bytes decoded per call: ~3 ms with the GIL held on a slow core. Small, because a thread that wants
+# the GIL (the engine's, between two torch ops of a step) waits for the whole call: with 1 MiB pieces
+# (~50 ms) a running stream's longest gap was still 2-4.5 s beside a 64 MiB array (bench_body_scan).
+PIECE = 64 * 1024
+MIN_RUN = 1 << 20  # a shorter stretch is decoded with the rest
 
 
 class _Marker:
