@@ -12,13 +12,20 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    The former scan is put back into a server by replacing `json_scan.scan` before the workers
    fork; it then runs once per body, where the former routes ran it up to five times, so the
    baseline here flatters it.
+3. With --decode, instead: the decoder's shapes (millions of keys, one array of millions of
+   numbers) against two servers in the same run, before and after: this tree as it is, and before
+   it either the source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`,
+   then DIR/src) or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak
+   as above.
 
     .venv/bin/python -m benchmarks.bench_body_scan [--size BYTES] [--skip-servers]
+    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -35,7 +42,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from benchmarks.benchmark.body_probe import ROUTES, SHAPES, body, probe, worker_process  # noqa: E402
+from benchmarks.benchmark.body_probe import DECODE_SHAPES, ROUTES, SHAPES, body, probe, worker_process  # noqa: E402
 from benchmarks.benchmark.common import cpu_summary  # noqa: E402
 from lmi_serve import json_scan
 from lmi_serve.json_scan import BodyScan  # noqa: E402
@@ -68,6 +75,19 @@ def install_old_scan() -> None:
 
     json_scan.scan = old_scan
     json_body.scan = old_scan
+
+
+def install_no_key_cap() -> None:
+    """Make every route of this process decode as before the key cap: the scan reports no keys."""
+    from lmi_serve import json_body
+
+    scan = json_scan.scan
+
+    def uncounted(data: bytes, *args, **kwargs) -> BodyScan:
+        return dataclasses.replace(scan(data, *args, **kwargs), keys=0)
+
+    json_scan.scan = uncounted
+    json_body.scan = uncounted
 
 
 # --- 1. in process -----------------------------------------------------------------------------
@@ -109,12 +129,16 @@ def in_process(size: int) -> None:
 
 # --- 2. against servers ------------------------------------------------------------------------
 
-def start_server(port: int, size: int, old: bool) -> subprocess.Popen:
-    """This script as a server (`--serve`), with the old scan or the new, once /ping answers 200."""
+def start_server(port: int, size: int, old: bool, mode: str | None = None,
+                 source: str | None = None) -> subprocess.Popen:
+    """This script as a server (`--serve`), with the old scan or the new (or `mode`), once /ping
+    answers 200; `source`: the lmi_serve source folder to import first (a former tree)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPTION_", "SERVING_", "LMI_SERVE_", "SAGEMAKER_"))}
+    if source:
+        env["PYTHONPATH"] = os.pathsep.join([source, str(ROOT)])
     env["LMI_SERVE_MAX_REQUEST_BYTES"] = str(size)
     log = tempfile.NamedTemporaryFile(prefix="lmi-bench-body-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_body_scan", "--serve", "old" if old else "new",
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_body_scan", "--serve", mode or ("old" if old else "new"),
                              "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -162,19 +186,58 @@ def against_servers(size: int, port: int) -> None:
                   f"{a.rss_growth / 2**20:.0f}/{b.rss_growth / 2**20:.0f} |")
 
 
+DECODE_ROUTES = ("/invocations", "/v1/chat/completions", "/generate", "/v2/models/simple/infer")
+
+
+def decode_against_servers(size: int, port: int, before_src: str | None) -> None:
+    """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree (after)."""
+    rows = {}
+    for mode in ("nocap", "new"):
+        former = before_src if mode == "nocap" else None
+        proc = start_server(port, size, False, "new" if former else mode, former)
+        try:
+            worker = worker_process(proc.pid)
+            for route in DECODE_ROUTES:
+                for shape in DECODE_SHAPES:
+                    rows[mode, route, shape] = probe(f"http://127.0.0.1:{port}", worker, route, shape, size)
+        finally:
+            stop_server(proc)
+    print(f"\n## One {size / 2**20:.0f} MiB body of small values at a time, a stream running on the same worker\n")
+    print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree. `keys` is 13 bytes per key, "
+          "`numbers` one flat array of `0`s.\n")
+    print("| route | body | status before/after | request s before/after | stream gap s before/after | "
+          "/ping s before/after | RSS peak growth MiB before/after |")
+    print("|---|---|---|---|---|---|---|")
+    for route in DECODE_ROUTES:
+        for shape in DECODE_SHAPES:
+            a, b = rows["nocap", route, shape], rows["new", route, shape]
+            print(f"| {route} | {shape} | {a.status}/{b.status} | {a.seconds:.2f}/{b.seconds:.2f} | "
+                  f"{a.stream_gap:.2f}/{b.stream_gap:.2f} | {a.ping_max:.2f}/{b.ping_max:.2f} | "
+                  f"{a.rss_growth / 2**20:.0f}/{b.rss_growth / 2**20:.0f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=16 * 2**20, help="body size and server body limit (16 MiB)")
     parser.add_argument("--port", type=int, default=8397)
     parser.add_argument("--skip-servers", action="store_true", help="only the in-process figures")
-    parser.add_argument("--serve", choices=("old", "new"), help=argparse.SUPPRESS)  # this script as a server
+    parser.add_argument("--decode", action="store_true",
+                        help="only the decoder's shapes, without the key cap and with it (part 3)")
+    parser.add_argument("--before-src", help="with --decode: the lmi_serve source folder of the tree to compare with")
+    parser.add_argument("--serve", choices=("old", "new", "nocap"), help=argparse.SUPPRESS)  # this script as a server
     args = parser.parse_args()
     if args.serve:
         if args.serve == "old":
             install_old_scan()
+        elif args.serve == "nocap":
+            install_no_key_cap()
         from lmi_serve.__main__ import main as serve
 
         return serve(["--port", str(args.port)])
+    if args.decode:
+        print(f"# Decoding bodies of small values, no key cap against the cap\n\nCPU: {cpu_summary()}")
+        decode_against_servers(args.size, args.port, args.before_src)
+        return 0
     print(f"# Body scan, old (regex + numpy) against new (json_scan)\n\nCPU: {cpu_summary()}")
     in_process(args.size)
     if not args.skip_servers:

@@ -4,7 +4,8 @@ and a sampler the worker's peak RSS. Used by benchmarks/bench_body_scan.py and
 tests/integration/ops/test_body_scan.py.
 
 Every body is valid JSON of `size` bytes exactly: a small real request of the route plus one
-padding field (`zz_pad`) shaped as one long string, nesting at a given depth, or many keys.
+padding field (`zz_pad`) shaped as one long string, nesting at a given depth, many keys, or (a
+DECODE_SHAPES shape, for the decoder's cost rather than the scan's) one flat array of numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ROUTES = {
     "/v2/repository/index": ({"ready": True}, 100),
 }
 SHAPES = ("string", "deep_under", "deep_over", "keys")
+DECODE_SHAPES = ("keys", "numbers")  # millions of small values: what the JSON decoder spends its time on
 
 
 def body(route: str, shape: str, size: int) -> bytes:
@@ -47,6 +49,8 @@ def body(route: str, shape: str, size: int) -> bytes:
         pad = b"[" * levels + _numbers(room - 2 * levels) + b"]" * levels
     elif shape == "keys":
         pad = _keys(room)
+    elif shape == "numbers":
+        pad = b"[" + _numbers(room - 2) + b"]"
     else:
         raise ValueError(f"unknown shape {shape!r}")
     data = head + pad + b"}"

@@ -6,7 +6,13 @@ Every dialect decodes its bodies here, so one rule holds on every route:
   one linear, bounded-memory pass (`json_scan`) that also hints at surrogate escapes;
 - a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not valid Unicode) is
   refused, since no tokenizer, encoder or renderer can take it;
-- `NaN`, `Infinity` and `-Infinity` (not JSON) are refused.
+- `NaN`, `Infinity` and `-Infinity` (not JSON) are refused;
+- a long array of numbers is decoded a piece at a time (json_bulk), letting the worker's other
+  threads run between pieces;
+- a body with more object keys than the route can use (`max_keys`: MAX_KEYS, or a route's own
+  cap) is refused *before* decoding, counted by the same pass: the decoder holds the GIL while it
+  builds every entry (3.3 million keys held a worker 13-16 s; orjson and msgspec, measured, hold it
+  too, 2-2.5 s), so the other requests of the worker would wait that long.
 Failures raise `InvalidJson` (a ValueError) with a message for the client; callers let it go, and
 each dialect's error table renders it (Triton in its own words).
 """
@@ -17,9 +23,16 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from lmi_serve import json_bulk
 from lmi_serve.json_scan import BodyScan, scan
 
 MAX_DEPTH = 128  # far beyond any real request (JSON Schemas, tool parameters, tensors of rank 8)
+# Object keys in one body, all objects together. The largest object a request can use is OpenAI's
+# `logit_bias`, one key per token of the vocabulary (256k for the largest served here); a custom
+# handler on /invocations gets the same room. Decoding this many takes ~0.3 s.
+MAX_KEYS = 262_144
+# TGI's and Triton's bodies have fixed schemas (tens of keys, plus a grammar or request parameters).
+FIXED_SCHEMA_KEYS = 131_072
 
 
 class InvalidJson(ValueError):
@@ -68,23 +81,29 @@ def _lone_surrogate(value: Any) -> str | None:
 
 def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH,
           object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
-          scanned: BodyScan | None = None) -> Any:
+          scanned: BodyScan | None = None, max_keys: int = MAX_KEYS) -> Any:
     """Decode `data` under the rules of the module docstring; raises InvalidJson.
     `object_pairs_hook` builds each object from its (key, value) pairs, as in `json.loads`
     (e.g. to notice a key given twice); the result must still be a dict. `scanned` is
-    `json_scan.scan(data)` when the caller has it already (the body is then not scanned again)."""
+    `json_scan.scan(data)` when the caller has it already (the body is then not scanned again).
+    `max_keys`: the route's cap on object keys (module docstring)."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if not raw or raw.isspace():  # (raw.strip() would copy the body)
         raise InvalidJson("empty body", "The request body is empty; a JSON value is required")
-    facts = scanned if scanned is not None else scan(raw)
+    facts = scanned if scanned is not None else scan(raw, max_keys=max_keys)
     if facts.depth > max_depth:
         raise InvalidJson(f"nested {facts.depth} levels deep; at most {max_depth} levels are allowed")
+    if facts.keys > max_keys:
+        raise InvalidJson(f"{facts.keys:,} object keys; this route takes at most {max_keys:,}")
+    piecewise = bool(facts.flat_runs) and not isinstance(data, str)  # long arrays of numbers (json_bulk)
     try:
-        text = data if isinstance(data, str) else raw.decode("utf-8")  # RFC 8259: UTF-8, never sniffed
+        text = data if isinstance(data, str) or piecewise else raw.decode("utf-8")  # RFC 8259: UTF-8, never sniffed
+        if piecewise:
+            value = json_bulk.loads(raw, facts.flat_runs, _reject_constant, object_pairs_hook)
+        else:
+            value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
     except UnicodeDecodeError as exc:
         raise InvalidJson(str(exc), "The request body is not valid UTF-8") from None
-    try:
-        value = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
     except InvalidJson:
         raise
     except (ValueError, RecursionError) as exc:

@@ -1,6 +1,7 @@
-"""One server for two ops modules that each need one non-default setting: test_access_log.py (JSON
-logs, LMI_SERVE_LOG_FORMAT=json) and test_body_scan.py (a 4 MiB body limit, LMI_SERVE_MAX_REQUEST_BYTES).
-Neither depends on the other's setting being absent: the access log's requests are small, and the body
+"""One server for the ops modules that each need one non-default setting: test_access_log.py (JSON
+logs, LMI_SERVE_LOG_FORMAT=json) and test_body_scan.py (a 4 MiB body limit, LMI_SERVE_MAX_REQUEST_BYTES);
+test_bounded_echoes.py needs the limit (its bodies are ~2 MB) and reads only how much the log grows.
+None depends on another's setting being absent: the access log's requests are small, and the body
 probes only read status codes, timings and memory, never the log.
 
 The store is the whole embedded default store: loading MiniLM's checkpoint makes transformers warn

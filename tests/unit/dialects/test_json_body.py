@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from lmi_serve import json_body, json_scan
 from lmi_serve.json_body import MAX_DEPTH, InvalidJson, loads, nesting_depth
 
 
@@ -74,3 +75,25 @@ def test_an_object_pairs_hook_sees_every_pair_and_the_rules_still_hold():
         loads(b'{"a": {"b": "\\ud800"}}', object_pairs_hook=dict)
     with pytest.raises(InvalidJson, match="nested 3 levels deep"):
         loads(b'{"a": {"b": {}}}', max_depth=2, object_pairs_hook=dict)
+
+
+def test_keys_are_counted_outside_strings_whatever_the_chunks():
+    body = b'{"a": 1, "b:c": [{"d": "x:y"}, ":"], "e\\":": {}}'
+    assert json_scan.scan(body).keys == 4
+    assert all(json_scan.scan(body, chunk_size=size).keys == 4 for size in (1, 2, 3, 7))
+
+
+def test_more_keys_than_the_route_takes_are_refused_before_decoding(monkeypatch):
+    body = ("{" + ",".join(f'"k{i}":{{"v":{i}}}' for i in range(10)) + "}").encode()
+    assert len(json_body.loads(body, max_keys=20)) == 10  # 10 outer keys and 10 inner: at the cap
+    monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("decoded"))
+    with pytest.raises(json_body.InvalidJson, match="21 object keys; this route takes at most 20"):
+        json_body.loads(body[:-1] + b',"one":1}', max_keys=20)
+
+
+def test_a_scan_with_a_key_cap_stops_once_over_it():
+    body = b"[" + b'{"k":0},' * 1000 + b"[[[[[[0]]]]]]]"
+    assert json_scan.scan(body).depth == 7
+    stopped = json_scan.scan(body, chunk_size=64, max_keys=10)
+    assert 10 < stopped.keys < 1000 and stopped.depth == 2  # the deep tail was never read
+    assert json_scan.scan(body, chunk_size=64, max_keys=5000) == json_scan.scan(body)

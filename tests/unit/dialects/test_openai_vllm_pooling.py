@@ -101,8 +101,40 @@ def test_a_truncation_that_cannot_apply_is_a_400_naming_the_field(handler, keep,
     assert caught.value.param == "truncate_prompt_tokens"
 
 
+# Every field vLLM's EmbeddingCompletionRequest declares (vllm/entrypoints/pooling/base/protocol.py: the
+# PoolingBasicRequestMixin, CompletionRequestMixin and EmbedRequestMixin it is made of); `normalize` is
+# its older spelling of use_activation.
+VLLM_EMBEDDING_FIELDS = ("model", "user", "truncate_prompt_tokens", "padding", "truncation_side", "request_id",
+                         "priority", "mm_processor_kwargs", "cache_salt", "input", "add_special_tokens",
+                         "encoding_format", "embed_dtype", "endianness", "dimensions", "use_activation")
+
+
+def test_every_vllm_embedding_field_is_honoured_or_refused_never_ignored():
+    """A field vLLM declares is one of the request's own (honoured, or refused by `vllm_refused` past
+    its neutral values): none falls through to the unknown fields that are logged and ignored."""
+    assert set(VLLM_EMBEDDING_FIELDS) <= set(EmbeddingRequest.model_fields)
+    assert set(EmbeddingRequest.vllm_refused) <= set(EmbeddingRequest.model_fields)
+
+
+@pytest.mark.parametrize("padding", ["max_length", "longest", "MAX_LENGTH", True])
+def test_padding_other_than_do_not_pad_is_a_400_naming_it(padding):
+    with pytest.raises(InvalidRequest) as caught:
+        request(padding=padding)
+    assert caught.value.param == "padding" and "`padding`" in str(caught.value)
+    for neutral in ("do_not_pad", None):
+        assert request(padding=neutral).model_extra == {}
+
+
+def test_request_id_and_cache_salt_are_taken():
+    assert request(request_id="r1", cache_salt="salt").request_id == "r1"
+    with pytest.raises(InvalidRequest) as caught:
+        request(cache_salt="")
+    assert caught.value.param == "cache_salt"
+
+
 @pytest.mark.parametrize("body,param", [({"add_special_tokens": False}, "add_special_tokens"),
                                         ({"priority": 3}, "priority"),
+                                        ({"mm_processor_kwargs": {"size": 2}}, "mm_processor_kwargs"),
                                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                                         ({"truncation_side": "middle"}, "truncation_side"),
                                         ({"embed_dtype": "int8"}, "embed_dtype"),
@@ -115,7 +147,7 @@ def test_values_that_cannot_be_honoured_are_a_400_naming_the_field(body, param):
 
 def test_the_neutral_values_are_accepted():
     for body in ({"use_activation": True}, {"use_activation": None}, {"normalize": True}, {"normalize": False},
-                 {"add_special_tokens": True}, {"priority": 0}):
+                 {"add_special_tokens": True}, {"priority": 0}, {"mm_processor_kwargs": {}}):
         assert request(**body).model_extra == {}
 
 

@@ -103,3 +103,24 @@ def test_the_launcher_silences_the_gguf_conversions_tqdm_bar():
     bare = subprocess.run([sys.executable, "-c", code.replace("os.environ.setdefault(key, value)", "pass")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert "Converting and de-quantizing GGUF tensors" in bare.stderr
+
+
+@pytest.mark.parametrize("log_format", logs.FORMATS)
+def test_no_line_is_longer_than_the_cap(log_format):
+    """A message quoting a client's 1 MB field and a traceback of one are cut; a JSON line stays JSON
+    (its message kept from the start); an ordinary line is written whole."""
+    form = logs.formatter(log_format)
+    huge = "x" * 1_000_000
+    try:
+        raise ValueError(huge)
+    except ValueError:
+        failed = logging.LogRecord("lmi_serve.x", logging.ERROR, __file__, 1, "field %s refused", (huge,),
+                                   sys.exc_info())
+    for rec in (record("unknown " + huge), failed):
+        out = form.format(rec)
+        assert max(len(line) for line in out.split("\n")) <= logs.LINE_CHARS
+        assert "more characters]" in out
+        if log_format == "json":
+            assert "\n" not in out and json.loads(out)["message"].startswith(rec.getMessage()[:100])
+    short = record("ping", status=200)
+    assert form.format(short) == logs.formatter(log_format).inner.format(short)

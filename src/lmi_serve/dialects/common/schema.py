@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lmi_serve import echo
 from lmi_serve.dialects.common import guided
 from lmi_serve.dialects.common.validation import field_problems
 from lmi_serve.engine.policy import MAX_SEED, fit_to_context, sequence_seeds  # MAX_SEED: others import it here too
@@ -91,7 +92,7 @@ class DynamicBatchRequest:
 
 
 def _describe(error: ValidationError, prefix: str) -> str:
-    return "; ".join(f"{problem.where(prefix)}: {problem.message}" for problem in field_problems(error))
+    return echo.listing([f"{problem.where(prefix)}: {problem.message}" for problem in field_problems(error)])
 
 
 def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
@@ -100,9 +101,9 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
         payload = {"inputs": payload}
     if not isinstance(payload, dict):
         raise LmiRequestError("The request body must be a JSON object with an 'inputs' field")
-    unknown = sorted(set(payload) - {"inputs", "parameters"})
+    unknown = echo.unknown(payload, {"inputs", "parameters"})
     if unknown:
-        raise LmiRequestError(f"Unsupported field(s) {unknown}: the dynamic-batch schema has 'inputs' and 'parameters'")
+        raise LmiRequestError(f"Unsupported field(s) {echo.names(unknown)}: the dynamic-batch schema has 'inputs' and 'parameters'")
     if "inputs" not in payload:
         raise LmiRequestError("Missing required field 'inputs'")
     inputs = payload["inputs"]
@@ -117,10 +118,10 @@ def parse_dynamic_batch_request(payload: Any) -> DynamicBatchRequest:
     if isinstance(raw.get("stop_sequences"), str):
         raw["stop_sequences"] = [raw["stop_sequences"]]
     supported = set(DynamicBatchParameters.model_fields)
-    unsupported = sorted(set(raw) - supported)
+    unsupported = echo.unknown(raw, supported)
     if unsupported:
         raise LmiRequestError(
-            f"Unsupported parameter(s) {unsupported} with dynamic batching (rolling_batch=disable); "
+            f"Unsupported parameter(s) {echo.names(unsupported)} with dynamic batching (rolling_batch=disable); "
             f"supported: {sorted(supported)}")
     try:
         params = DynamicBatchParameters.model_validate(raw, strict=False)
@@ -318,9 +319,9 @@ def parse_generation_parameters(raw: Any, *, stream: bool = False) -> Generation
         raise LmiRequestError("'parameters' must be a JSON object")
     raw = _normalise_parameters(raw)
     supported = set(GenerationParameters.model_fields)
-    unsupported = sorted(set(raw) - supported)
+    unsupported = echo.unknown(raw, supported)
     if unsupported:
-        raise LmiRequestError(f"Unsupported parameter(s) {unsupported} with rolling batch; "
+        raise LmiRequestError(f"Unsupported parameter(s) {echo.names(unsupported)} with rolling batch; "
                               f"supported: {sorted(supported)}")
     try:
         params = GenerationParameters.model_validate(raw, strict=False)
@@ -335,9 +336,9 @@ def parse_rolling_request(payload: Any) -> RollingRequest:
     if not isinstance(payload, dict):
         raise LmiRequestError("The request body must be a JSON object such as "
                               '{"inputs": "...", "parameters": {...}}')
-    unknown = sorted(set(payload) - set(_ROLLING_FIELDS))
+    unknown = echo.unknown(payload, _ROLLING_FIELDS)
     if unknown:
-        raise LmiRequestError(f"Unsupported field(s) {unknown}: the rolling-batch schema has "
+        raise LmiRequestError(f"Unsupported field(s) {echo.names(unknown)}: the rolling-batch schema has "
                               "'inputs', 'parameters', 'stream' and 'adapters'")
     if "inputs" not in payload:
         raise LmiRequestError("Missing required field 'inputs'")

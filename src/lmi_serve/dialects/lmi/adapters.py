@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lmi_serve import echo
 from lmi_serve.engine.adapters import (
     Adapter, AdapterExists, Adapters, SourceRefused, check_source, model_adapters_folder,
 )
@@ -53,9 +54,9 @@ def _flag(args: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def _check_args(args: Mapping[str, str], allowed: set[str]) -> None:
-    unknown = sorted(set(args) - allowed)
+    unknown = echo.unknown(args, allowed)
     if unknown:
-        raise InvalidRequest(f"Unsupported argument(s) {unknown}; this API takes {sorted(allowed)}")
+        raise InvalidRequest(f"Unsupported argument(s) {echo.names(unknown)}; this API takes {sorted(allowed)}")
 
 
 def source_root(service: ModelService, adapters_root: str | None) -> Path | None:

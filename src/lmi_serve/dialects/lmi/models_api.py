@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from flask import current_app, request
 
+from lmi_serve import echo
 from lmi_serve.json_body import loads
 from lmi_serve.errors import InvalidRequest
 from lmi_serve.serving.multi_model import ModelLoader
@@ -43,17 +44,18 @@ def load_request(body: bytes, args: Mapping[str, str]) -> tuple[str, str]:
         payload = loads(body)
         if not isinstance(payload, dict):
             raise InvalidRequest('The body must be a JSON object {"model_name": ..., "url": ...}')
-        unknown = sorted(set(payload) - {"model_name", "url"})
+        unknown = echo.unknown(payload, {"model_name", "url"})
         if unknown:
-            raise InvalidRequest(f"Unsupported field(s) {unknown}: the body has model_name and url", param=unknown[0])
+            raise InvalidRequest(f"Unsupported field(s) {echo.names(unknown)}: the body has model_name and url",
+                                 param=echo.first(unknown))
         name, url = payload.get("model_name"), payload.get("url")
     else:
         url = args.get("url")
         name = args.get("model_name") or (url.rstrip("/").rsplit("/", 1)[-1] if url else None)
-        unknown = sorted(set(args) - {"url", "model_name", "synchronous"})
+        unknown = echo.unknown(args, {"url", "model_name", "synchronous"})
         if unknown:  # DJL's engine, batch_size, job_queue_size...: set them in the folder's serving.properties
-            raise InvalidRequest(f"Unsupported parameter(s) {unknown}: put a model's options in its folder's "
-                                 "serving.properties", param=unknown[0])
+            raise InvalidRequest(f"Unsupported parameter(s) {echo.names(unknown)}: put a model's options in its "
+                                 "folder's serving.properties", param=echo.first(unknown))
         if args.get("synchronous", "true").lower() != "true":
             raise InvalidRequest("synchronous=false is not supported: the call returns once the model is loaded",
                                  param="synchronous")

@@ -17,6 +17,7 @@ import json
 import struct
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -182,7 +183,8 @@ def embeddings() -> Response:
              "embedding": _encode(vector, parsed.encoding_format, parsed.embed_dtype, parsed.endianness)}
             for i, vector in enumerate(vectors)]
     total = sum(counts)
-    return Response(json.dumps({"object": "list", "data": data, "model": service.name,
+    ident = f"embd-{parsed.request_id or uuid.uuid4().hex}"  # vLLM's id: the client's request_id when it names one
+    return Response(json.dumps({"id": ident, "object": "list", "data": data, "model": service.name,
                                 "usage": {"prompt_tokens": total, "total_tokens": total}}), mimetype="application/json")
 
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
+from lmi_serve import echo
 from lmi_serve.dialects.common.validation import FieldProblem, field_problems
 from lmi_serve.dialects.openai.vllm import VllmChatFields, VllmCompletionFields, refuse
 from lmi_serve.errors import InvalidRequest
@@ -316,13 +317,23 @@ class EmbeddingRequest(_Lenient):
     `truncation_side` (applied in routes.embeddings), `embed_dtype` and `endianness` (the layout of
     `base64` vectors; a float list is unchanged by them, as in vLLM), `use_activation` and its older
     spelling `normalize` (whether the vectors are L2-normalised; unset: as the checkpoint declares),
-    `prompt_name` (one of the model's sentence-transformers prompts); `add_special_tokens: false` and
-    a `priority` are refused."""
+    `prompt_name` (one of the model's sentence-transformers prompts), `request_id` (the response's
+    id, `embd-<request_id>`), `cache_salt` (no KV cache is shared between embedding requests, so
+    the isolation it asks for holds); `add_special_tokens: false`, a `priority`, `padding:
+    max_length` and `mm_processor_kwargs` are refused (see vllm_refused). Every field vLLM's
+    EmbeddingCompletionRequest declares is one of these (tests/unit/dialects/test_openai_vllm_pooling.py)."""
 
     vllm_refused: ClassVar[dict[str, tuple[str, tuple]]] = {
         "add_special_tokens": ("texts are always embedded with the tokenizer's special tokens, as the model was "
                                "trained; send token ids to choose every token", (None, True)),
-        "priority": ("requests are served first come, first served; there is no priority scheduling", (None, 0))}
+        "priority": ("requests are served first come, first served; there is no priority scheduling", (None, 0)),
+        # vLLM's `max_length` embeds the pad tokens as part of the input (for models trained at a fixed
+        # length without an attention mask); padding every input to the model's limit costs that many
+        # tokens of compute, and the padded ids can be sent as token ids instead: the same result.
+        "padding": ("inputs are embedded as they are (vLLM's `do_not_pad`); to embed pad tokens, send the padded "
+                    "token ids as `input`", (None, "do_not_pad")),
+        "mm_processor_kwargs": ("the embedding models served here take text only; there is no multimodal "
+                                "processor to pass arguments to", (None, {}))}
 
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
@@ -339,6 +350,10 @@ class EmbeddingRequest(_Lenient):
     prompt_name: str | None = None
     add_special_tokens: bool | None = None
     priority: int | None = None
+    padding: str | None = None
+    mm_processor_kwargs: dict | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @property
     def normalized(self) -> bool | None:
@@ -379,7 +394,8 @@ def _describe(problem: FieldProblem) -> tuple[str, str | None]:
     union-branch names pydantic puts in its location."""
     loc = [str(part) for part in problem.loc if not str(part).startswith(("function-after", "union"))]
     param = ".".join(loc) or None
-    return (f"{param}: {problem.message}" if param else problem.message), param
+    message = echo.short(problem.message, echo.TEXT_CHARS)  # it may quote a value the client sent
+    return (f"{echo.short(param)}: {message}" if param else message), (echo.short(param) if param else None)
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
@@ -398,5 +414,5 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
         count = len(problems)
         raise InvalidRequest(f"{count} validation error{'s' if count > 1 else ''}: {message}", param=param) from None
     if parsed.model_extra:
-        log.warning("Ignored unknown request field(s): %s", sorted(parsed.model_extra))
+        log.warning("Ignored unknown request field(s): %s", echo.names(parsed.model_extra))
     return parsed

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from flask import Response
 
-from lmi_serve import json_body
+from lmi_serve import echo, json_body
 from lmi_serve.dialects.common.schema import GenerationParameters, RollingRequest, parse_generation_parameters
 from lmi_serve.dialects.common.tgi_shapes import TGI_ERROR_PREFIX, tgi_error_body, tgi_response, tgi_stream_frame
 from lmi_serve.errors import (
@@ -46,9 +46,9 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
     payload = decode_body(body)
     if not isinstance(payload, dict) or not isinstance(payload.get("inputs"), str) or not payload["inputs"]:
         raise InvalidRequest("`inputs` must be a non-empty string", param="inputs")
-    unknown = sorted(set(payload) - set(BODY_FIELDS))
+    unknown = echo.unknown(payload, BODY_FIELDS)
     if unknown:
-        raise InvalidRequest(f"unknown field(s) {unknown}", param=unknown[0])
+        raise InvalidRequest(f"unknown field(s) {echo.names(unknown)}", param=echo.first(unknown))
     if payload.get("stream") is not None and not isinstance(payload["stream"], bool):
         raise InvalidRequest("`stream` must be true or false", param="stream")
     stream = stream_route or bool(payload.get("stream"))
@@ -70,8 +70,9 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
 
 
 def decode_body(body: bytes) -> Any:
-    """The body as JSON; NotJson (TGI's 400) when it is not JSON we accept."""
-    return json_body.loads(body)
+    """The body as JSON; NotJson (TGI's 400) when it is not JSON we accept (more object keys than
+    TGI's fixed schema can use included: json_body.FIXED_SCHEMA_KEYS)."""
+    return json_body.loads(body, max_keys=json_body.FIXED_SCHEMA_KEYS)
 
 
 def check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:

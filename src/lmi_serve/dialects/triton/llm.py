@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lmi_serve import json_body
+from lmi_serve import echo, json_body
 from lmi_serve.dialects.common.schema import GenerationParameters, to_generation_requests
 from lmi_serve.dialects.common.validation import field_problems
 from lmi_serve.engine.engine import Engine
@@ -102,9 +102,9 @@ def _sampling_source(tensors: dict[str, WireTensor], parameters: dict[str, Any])
         raise InvalidRequest(f"input 'sampling_parameters' must be a JSON object string: {exc.reason}") from None
     if not isinstance(values, dict):
         raise InvalidRequest("input 'sampling_parameters' must be a JSON object string")
-    unknown = sorted(set(values) - set(SAMPLING_NAMES))
+    unknown = echo.unknown(values, SAMPLING_NAMES)
     if unknown:
-        raise InvalidRequest(f"sampling_parameters: unsupported key(s) {unknown}; "
+        raise InvalidRequest(f"sampling_parameters: unsupported key(s) {echo.names(unknown)}; "
                              f"supported: {sorted(SAMPLING_NAMES)}")
     return {SAMPLING_NAMES[k]: v for k, v in values.items() if v is not None}
 
@@ -129,8 +129,9 @@ def _parameters(values: dict[str, Any]) -> GenerationParameters:
     try:
         parameters = GenerationParameters.model_validate(values, strict=False)
     except ValidationError as exc:  # named as the client sent them (max_tokens, not max_new_tokens)
-        problems = [f"{_FIELD_NAMES.get(p.field, p.field)}: {p.message} (got {p.input!r})" for p in field_problems(exc)]
-        raise InvalidRequest("invalid sampling parameter: " + "; ".join(problems)) from None
+        problems = [f"{_FIELD_NAMES.get(p.field, p.field)}: {p.message} (got {echo.short(repr(p.input))})"
+                    for p in field_problems(exc)]
+        raise InvalidRequest("invalid sampling parameter: " + echo.listing(problems)) from None
     return parameters
 
 

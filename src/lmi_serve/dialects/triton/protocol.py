@@ -223,9 +223,10 @@ def parse_json(data: bytes, scanned: BodyScan | None = None) -> Any:
     duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first; other
     refusals raise json_body.InvalidJson, which `render_error` words as Triton does.
     `scanned` is `json_scan.scan(data)` when the caller has it (one scan of the body in all)."""
-    facts = scanned if scanned is not None else json_scan.scan(data)
+    facts = scanned if scanned is not None else json_scan.scan(data, max_keys=json_body.FIXED_SCHEMA_KEYS)
     check_depth(facts)
-    return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts)
+    return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts,
+                           max_keys=json_body.FIXED_SCHEMA_KEYS)  # Triton's bodies: tensors, a few keys
 
 
 def check_parameter(key: str, value: Any) -> None:

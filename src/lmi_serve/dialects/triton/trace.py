@@ -17,6 +17,7 @@ import re
 import threading
 from typing import Any
 
+from lmi_serve import echo
 from lmi_serve.dialects.triton.protocol import BadRequest
 
 LEVELS = ("TIMESTAMPS", "TENSORS")  # in the order Triton lists them; "OFF" stands alone
@@ -71,7 +72,7 @@ def _trace_level(value: Any) -> list[str]:
     unknown = [level for level in levels if level not in LEVELS]
     if unknown or not levels:
         raise BadRequest(f"Unable to parse 'trace_level': expected ['OFF'] or one or more of "
-                         f"{list(LEVELS)}, got {levels}")
+                         f"{list(LEVELS)}, got {echo.names(levels)}")
     return [level for level in LEVELS if level in levels]
 
 
@@ -90,9 +91,9 @@ def parse_update(body: Any) -> dict[str, Any]:
     """A POST body as {setting: new value, or None to clear it}; raises BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("Unable to parse the trace setting request: expected a JSON object")
-    unknown = sorted(set(body) - set(_PARSERS))
+    unknown = echo.unknown(body, _PARSERS)
     if unknown:
-        raise BadRequest(f"Unknown trace setting(s) {unknown}; the settings are {sorted(_PARSERS)}")
+        raise BadRequest(f"Unknown trace setting(s) {echo.names(unknown)}; the settings are {sorted(_PARSERS)}")
     return {name: None if value is None else _PARSERS[name](value) for name, value in body.items()}
 
 

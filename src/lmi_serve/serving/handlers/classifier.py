@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from lmi_serve import echo
 from lmi_serve.config.sources import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
@@ -59,10 +60,10 @@ def _row(value, where: str) -> Row:
     if isinstance(value, str):
         return value, None
     if isinstance(value, dict) and isinstance(value.get("text"), str):
-        unknown = sorted(set(value) - {"text", "text_pair"})
+        unknown = echo.unknown(value, {"text", "text_pair"})
         pair = value.get("text_pair")
         if unknown or not (pair is None or isinstance(pair, str)):
-            raise ValueError(f"{where}: a pair is {{\"text\": str, \"text_pair\": str}}; got keys {sorted(value)}")
+            raise ValueError(f"{where}: a pair is {{\"text\": str, \"text_pair\": str}}; got keys {echo.names(value)}")
         return value["text"], pair
     raise ValueError(f"{where} must be a text or {{\"text\": ..., \"text_pair\": ...}}, not {type(value).__name__}")
 
@@ -71,17 +72,17 @@ def parse_request(payload) -> Request:
     """The pipeline's request rules; a ValueError names what is wrong (a 424 for this request alone)."""
     parameters = {}
     if isinstance(payload, dict) and "inputs" in payload:
-        unknown = sorted(set(payload) - {"inputs", "parameters"})
+        unknown = echo.unknown(payload, {"inputs", "parameters"})
         if unknown:
-            raise ValueError(f"Unsupported field(s) {unknown}: a text-classification request has 'inputs' and "
+            raise ValueError(f"Unsupported field(s) {echo.names(unknown)}: a text-classification request has 'inputs' and "
                              "'parameters'")
         parameters = payload.get("parameters") or {}
         payload = payload["inputs"]
     if not isinstance(parameters, dict):
         raise ValueError("'parameters' must be an object")
-    unknown = sorted(set(parameters) - _PARAMETERS)
+    unknown = echo.unknown(parameters, _PARAMETERS)
     if unknown:
-        raise ValueError(f"Unsupported parameter(s) {unknown}: this model is a {TASK} model, which takes "
+        raise ValueError(f"Unsupported parameter(s) {echo.names(unknown)}: this model is a {TASK} model, which takes "
                          f"{sorted(_PARAMETERS)} (text-generation parameters do not apply)")
     if isinstance(payload, list):
         if not payload:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from lmi_serve import echo
 from lmi_serve.config.sources import ModelConfig, options_not_taken
 from lmi_serve.handler_api import Input, Output
 from lmi_serve.handler_utils import parse_batch, read_payload
@@ -62,9 +63,9 @@ def _parse(item: Input) -> Request:
     payload = read_payload(item)
     fields = {}
     if isinstance(payload, dict):
-        unknown = sorted(set(payload) - _FIELDS)
+        unknown = echo.unknown(payload, _FIELDS)
         if unknown:
-            raise ValueError(f"Unsupported field(s) {unknown}: the embedding schema has {sorted(_FIELDS)}")
+            raise ValueError(f"Unsupported field(s) {echo.names(unknown)}: the embedding schema has {sorted(_FIELDS)}")
         if "inputs" not in payload:
             raise ValueError("Missing required field 'inputs'")
         fields = {k: v for k, v in payload.items() if k != "inputs" and v is not None}

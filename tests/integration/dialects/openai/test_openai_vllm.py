@@ -328,10 +328,16 @@ def test_unnormalised_vectors_are_the_same_direction_at_their_own_length(client,
     assert abs(norm - 1) > 1e-3 and max(abs(a / norm - b) for a, b in zip(raw, unit, strict=True)) < 1e-6
 
 
-@pytest.mark.parametrize("field,refused,neutral", [("add_special_tokens", False, True), ("priority", 2, 0)])
+@pytest.mark.parametrize("field,refused,neutral", [("add_special_tokens", False, True), ("priority", 2, 0),
+                                                   ("padding", "max_length", "do_not_pad")])
 def test_embedding_fields_that_cannot_be_honoured_are_refused_and_neutral_values_change_nothing(client, field,
                                                                                                  refused, neutral):
     with pytest.raises(openai.BadRequestError) as caught:
         embed(client, **{field: refused})
     assert caught.value.param == field and f"`{field}`" in caught.value.message
     assert embed(client, **{field: neutral}).data[0].embedding == embed(client).data[0].embedding
+
+
+def test_an_embedding_response_is_named_by_the_request_id(default_server):
+    body = {"model": EMBEDDER, "input": "x", "request_id": "mine-1"}
+    assert requests.post(default_server.url("/v1/embeddings"), json=body, timeout=60).json()["id"] == "embd-mine-1"
