@@ -36,7 +36,7 @@ from lmi_serve.model.quantized.weights import IntWeight, dequantize
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = "2"  # bump when the folder's contents change for the same checkpoint
+LAYOUT_VERSION = "3"  # bump when the folder's contents change for the same checkpoint
 # where older tools declared the quantization: beside config.json, not in it
 SIDE_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 INDEX = "model.safetensors.index.json"
