@@ -2,7 +2,8 @@
 
 Every dialect that streams renders its chunks (dicts, or text it already framed as JSON) and
 hands them here; only this module knows the framing: `data: <json>\\n\\n` per SSE event,
-optionally ending with OpenAI's `data: [DONE]`, and one JSON document per line for JSON lines.
+optionally ending with OpenAI's `data: [DONE]`, or named by the event's type (`event: <type>`, as
+Anthropic frames its events), and one JSON document per line for JSON lines.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def sse(chunks: Iterable[Any], *, done: bool = False) -> Iterator[str]:
         yield sse_event(chunk)
     if done:
         yield sse_event(DONE)
+
+
+def named_sse(events: Iterable[dict]) -> Iterator[str]:
+    """Each event as one SSE event named by its `type` field: `event: <type>\\ndata: <json>\\n\\n`."""
+    for event in events:
+        yield f"event: {event['type']}\n{sse_event(event)}"
 
 
 def json_line(data: Any) -> str:
