@@ -1,5 +1,5 @@
-"""The OpenAI dialect's tiny-model store (tests/integration/dialects/openai/conftest.py serves it once
-for the package): its model names and options, and how its reasoning model is built."""
+"""The tiny-model store of the OpenAI and Anthropic dialects' tests (tests/integration/dialects/conftest.py
+serves it once for the session): its model names and options, and how its reasoning model is built."""
 
 from __future__ import annotations
 

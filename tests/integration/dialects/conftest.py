@@ -1,7 +1,8 @@
-"""One server for the OpenAI dialect's tiny-model modules (reasoning, tool-call parser, chat template,
-rerank and classify, embedding checkpoints, vision): a store of nine models, started once for the package instead of once
-per module (each start costs ~7-9 s of imports on 2 cores). Each module still has its own models,
-folder and options; the vision module's text model is the reasoner, which it only asks for a refusal."""
+"""One server for the tiny-model modules of the OpenAI and Anthropic dialects (reasoning, tool-call parser,
+chat template, rerank and classify, embedding checkpoints, vision; Anthropic's Messages API): a store of
+nine models, started once for the session instead of once per module or package (each start costs ~7-9 s
+of imports on 2 cores). Each module still has its own models, folder and options; the vision module's
+text model is the reasoner, which it only asks for a refusal."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tiny_embedders import write as write_embedder
 from tiny_store import OPERATOR_TEMPLATE, REASONER, TEMPLATED, TOOL_PARSER, VLMS, write_reasoner
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def classifiers(tmp_path_factory) -> dict[str, Path]:
     """`rr` (a one-label cross-encoder) and `senti` (a two-label classifier) (test_rerank_server.py)."""
     return two_classifiers(tmp_path_factory.mktemp("classifiers"))
@@ -26,13 +27,13 @@ def classifiers(tmp_path_factory) -> dict[str, Path]:
 EMBEDDERS = {"emb-cls-dense": "cls-dense", "emb-decoder": "decoder-lasttoken"}
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def embedders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("embedders")
     return {name: write_embedder(root / name, kind, seed=7) for name, kind in EMBEDDERS.items()}
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def tiny_store(tmp_path_factory, classifiers, embedders) -> Path:
     """The store's folder: the served names are its folder names (tests/tiny_store.py), and the
     vision module builds its transformers reference from the same checkpoints."""
@@ -63,8 +64,8 @@ def tiny_store(tmp_path_factory, classifiers, embedders) -> Path:
     return store
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def tiny_models_server(tiny_store):
-    """Shared by the package's tiny-model modules: one start (~9 s) instead of one per module."""
+    """Shared by the OpenAI and Anthropic tiny-model modules: one start (~9 s) instead of one per module."""
     with serving("--model-store", str(tiny_store)) as server:
         yield server
