@@ -104,7 +104,8 @@ def test_a_tool_call_is_a_tool_use_block_whose_input_streams_as_json():
 def test_two_calls_are_two_blocks():
     events = run(split(CALL + "\n" + CALL.replace("Paris", "Rome")), tools=True)
     blocks = whole_message(events)["content"]
-    assert [(b["type"], b["input"]) for b in blocks] == [("tool_use", {"city": "Paris"}), ("tool_use", {"city": "Rome"})]
+    assert [(b["type"], b["input"]) for b in blocks] == [("tool_use", {"city": "Paris"}),
+                                                         ("tool_use", {"city": "Rome"})]
     assert len({b["id"] for b in blocks}) == 2
     assert same(whole_message(events), client_view(events))
 

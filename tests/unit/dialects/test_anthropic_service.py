@@ -141,3 +141,20 @@ def test_closing_a_stream_cancels_its_generation(smollm2_tokenizer):
     assert not engine.handles[0].cancelled
     events.close()  # what the WSGI server does when the client goes away
     assert engine.handles[0].cancelled
+
+
+def test_a_client_gone_while_nothing_is_written_stops_the_stream_at_the_next_step(smollm2_tokenizer, monkeypatch):
+    from lmi_serve.dialects.anthropic import service as service_module
+
+    class LeavesAfterTheFirstStep:
+        checks = 0
+
+        def closed(self):
+            self.checks += 1
+            return self.checks > 1
+
+    monkeypatch.setattr(service_module.ClientConnection, "current", classmethod(lambda cls: LeavesAfterTheFirstStep()))
+    engine = ScriptedEngine(smollm2_tokenizer, output=TEXT[:2])  # more to come: generation still running
+    events = list(create(engine, stream=True).events)  # ends by itself: no write had to fail
+    assert [e["type"] for e in events][-1] == "content_block_delta"  # the first step's text, then nothing
+    assert engine.handles[0].cancelled

@@ -288,9 +288,12 @@ def _path(problem: FieldProblem) -> str:
     """The dotted path of `problem`, without the names pydantic gives a union's branches (`str`,
     `list[...]`, a block's `type` tag)."""
     loc = [str(part) for part in problem.loc]
+
+    def tag(i: int) -> bool:  # a block's or a source's `type`, which pydantic puts in the path of its fields
+        return loc[i] in _BLOCK_TAGS and 0 < i < len(loc) - 1 and (loc[i - 1].isdigit() or loc[i - 1] == "source")
+
     kept = [part for i, part in enumerate(loc)
-            if not ("[" in part or part in _BRANCH_TYPES or part.startswith(("function-", "union"))
-                    or (part in _BLOCK_TAGS and 0 < i < len(loc) - 1 and (loc[i - 1].isdigit() or loc[i - 1] == "source")))]
+            if not ("[" in part or part in _BRANCH_TYPES or part.startswith(("function-", "union")) or tag(i))]
     return ".".join(kept)
 
 

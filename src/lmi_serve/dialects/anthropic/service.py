@@ -5,8 +5,9 @@ reasoning split as for a chat completion; this module adds Anthropic's rules (th
 the model thinks; max_tokens capped at the context left, which then ends the message as
 `model_context_window_exceeded`) and renders events. A stream awaits its first event before the
 status line, so a failure before generation still gets its status; a later one ends the stream
-with an `error` event, and closing the stream (the client gone) cancels generation. A whole
-message waits watching the client's socket, and is what its stream would add up to.
+with an `error` event; a client gone (its socket looked at every step, or a write that fails) ends
+the stream, which cancels generation. A whole message waits watching the client's socket, and is
+what its stream would add up to.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lmi_serve.dialects.anthropic.errors import kind_body
 from lmi_serve.dialects.anthropic.render import MessageMeta, MessageStream, whole_message
 from lmi_serve.dialects.anthropic.schema import CountTokensRequest, ImageBlock, MessagesRequest
 from lmi_serve.dialects.common import reasoning
-from lmi_serve.dialects.common.disconnect import wait_for_results
+from lmi_serve.dialects.common.disconnect import ClientConnection, wait_for_results
 from lmi_serve.dialects.openai.generation import submit
 from lmi_serve.dialects.openai.reasoning import ReasoningSettings
 from lmi_serve.dialects.openai.service import OpenAIService, PreparedChat
@@ -59,7 +60,8 @@ class MessagesService:
                 result.events[-1].raise_failure()
             return Reply(body=whole_message(_events(stream, job, result.events)))
         generation.start()  # a failure before the first token raises here, before any status line
-        return Reply(events=_guarded(_events(stream, job, _engine_events(generation)), generation))
+        engine_events = _while_connected(_engine_events(generation), ClientConnection.current())
+        return Reply(events=_guarded(_events(stream, job, engine_events), generation))
 
     @property
     def engine(self):
@@ -94,6 +96,16 @@ def _engine_events(generation: Generation) -> Iterator[TokenEvent]:
     for _, event in generation.events():
         if event.error:
             event.raise_failure()
+        yield event
+
+
+def _while_connected(events: Iterator[TokenEvent], connection: ClientConnection | None) -> Iterator[TokenEvent]:
+    """`events` until the client goes away. A stream notices that when a write fails, but some steps
+    write nothing (thinking with `display: omitted`, an answer held until it shows whether it is a
+    tool call), so the socket is looked at (a peek, nothing read) at every step."""
+    for event in events:
+        if connection is not None and connection.closed():
+            return  # the stream ends, which cancels the generation
         yield event
 
 

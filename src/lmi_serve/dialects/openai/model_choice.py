@@ -92,4 +92,5 @@ def chat_service(name: str | None, route: str = "the OpenAI routes") -> OpenAISe
                          adapter=name if owner is not None else None,
                          reasoning=reasoning_settings(getattr(service, "config", None)),
                          tool_call_parser=getattr(getattr(service, "config", None), "tool_call_parser", None),
-                         vision=getattr(service, "vision", None), trust_request_template=trusts_request_template(service))
+                         vision=getattr(service, "vision", None),
+                         trust_request_template=trusts_request_template(service))

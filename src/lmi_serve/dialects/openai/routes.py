@@ -30,7 +30,8 @@ from lmi_serve.dialects.openai.generation import check_token_ids
 from lmi_serve.dialects.openai.model_choice import EMBEDDING_TASK, adapter_owner as _adapter_owner
 from lmi_serve.dialects.openai.model_choice import adapters_of as _adapters_of
 from lmi_serve.dialects.openai.model_choice import chat_service as _generation
-from lmi_serve.dialects.openai.model_choice import choose_service  # noqa: F401 (tokenize, scoring and tests import it here)
+# tokenize.py, scoring.py and tests import choose_service from here
+from lmi_serve.dialects.openai.model_choice import choose_service  # noqa: F401
 from lmi_serve.dialects.openai.model_choice import ready_service as _service
 from lmi_serve.dialects.openai.model_choice import registry as _registry
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse

@@ -123,7 +123,8 @@ class OpenAIService:
             ids, pictures = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids, None
         return prompt_text, ids, pictures
 
-    def prepare_chat(self, request: ChatCompletionRequest, *, over: Literal["refuse", "cap"] = "refuse") -> PreparedChat:
+    def prepare_chat(self, request: ChatCompletionRequest, *,
+                     over: Literal["refuse", "cap"] = "refuse") -> PreparedChat:
         """What the engine is asked for a chat request (nothing is queued yet). More tokens than the
         context leaves are refused (OpenAI's rule), or capped with `over="cap"`."""
         prompt_text, ids, pictures = self.chat_prompt(request)

@@ -1,8 +1,8 @@
 """Anthropic's Messages API over HTTP with the official `anthropic` client, unchanged (strict response
 validation: every body and every stream event must parse as its own types), on the shared tiny store
 (dialects/conftest.py): text whole and streamed, stop sequences, count_tokens, `thinking` on the
-reasoner, a tool round trip (tool_use, then tool_result), images (base64 and url) on a tiny VLM, errors in Anthropic's shape,
-and a client leaving mid-stream. Greedy where a stream must equal a whole answer (`temperature`
+reasoner, a tool round trip (tool_use, then tool_result), images (base64 and url) on a tiny VLM,
+errors in Anthropic's shape, and a client leaving mid-stream. Greedy where a stream must equal a whole answer (`temperature`
 travels in extra_body: this client version no longer names it); the tiny models' random weights
 make the texts meaningless, and the tests check only what the server does with them."""
 
@@ -218,7 +218,8 @@ def engine_stats(server) -> dict:
 def test_a_client_leaving_mid_stream_frees_the_engine(server):
     wait_for(lambda: engine_stats(server)["running"] == 0, timeout=120)
     steps = engine_stats(server)["steps"]
-    body = {"model": REASONER, "max_tokens": 3000, "messages": COUNT, "stream": True, "temperature": 0}  # greedy: no EOS
+    # greedy: the tiny reasoner repeats itself, never ending with EOS before it is cancelled
+    body = {"model": REASONER, "max_tokens": 3000, "messages": COUNT, "stream": True, "temperature": 0}
     with requests.post(server.url("/v1/messages"), stream=True, timeout=60, json=body) as response:
         lines = response.iter_lines()
         assert next(lines) == b"event: message_start"
