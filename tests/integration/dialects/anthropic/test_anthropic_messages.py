@@ -226,3 +226,17 @@ def test_a_client_leaving_mid_stream_frees_the_engine(server):
         wait_for(lambda: engine_stats(server)["running"] == 1, timeout=60)
     wait_for(lambda: engine_stats(server)["running"] == 0, timeout=60)  # no longer generating
     assert engine_stats(server)["steps"] - steps < 3000  # dropped, not finished
+
+
+def test_the_routes_are_counted_as_the_anthropic_dialect(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def answered() -> float:
+        text = requests.get(server.url("/metrics"), timeout=30).text
+        labels = {"dialect": "anthropic", "route": "/v1/messages/count_tokens", "model_name": REASONER}
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "lmi_serve:http_requests_total" and labels.items() <= sample.labels.items())
+
+    before = answered()
+    client.messages.count_tokens(model=REASONER, messages=COUNT)
+    assert answered() == before + 1
