@@ -1,6 +1,6 @@
 """Anthropic's Messages API over HTTP with the official `anthropic` client, unchanged (strict response
 validation: every body and every stream event must parse as its own types), on the shared tiny store
-(dialects/conftest.py): text whole and streamed, stop sequences, count_tokens, `thinking` on the
+(integration/conftest.py): text whole and streamed, stop sequences, count_tokens, `thinking` on the
 reasoner, a tool round trip (tool_use, then tool_result), images (base64 and url) on a tiny VLM,
 errors in Anthropic's shape, and a client leaving mid-stream. Greedy where a stream must equal a whole answer (`temperature`
 travels in extra_body: this client version no longer names it); the tiny models' random weights
@@ -31,7 +31,7 @@ ADD = {"name": "add", "description": "Add a number", "input_schema": {
 
 @pytest.fixture(scope="module")
 def server(tiny_models_server):
-    return tiny_models_server  # the shared tiny store (dialects/conftest.py): the reasoner, smolvlm, llama-json
+    return tiny_models_server  # the shared tiny store (integration/conftest.py): the reasoner, smolvlm, llama-json
 
 
 @pytest.fixture(scope="module")
