@@ -158,3 +158,16 @@ def test_a_client_gone_while_nothing_is_written_stops_the_stream_at_the_next_ste
     events = list(create(engine, stream=True).events)  # ends by itself: no write had to fail
     assert [e["type"] for e in events][-1] == "content_block_delta"  # the first step's text, then nothing
     assert engine.handles[0].cancelled
+
+
+def test_a_schema_the_grammar_compiler_refuses_names_the_anthropic_field(smollm2_tokenizer):
+    from lmi_serve.engine.sampling.grammar import GrammarError
+
+    engine = ScriptedEngine(smollm2_tokenizer, refusal=GrammarError("unsupported keyword"))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    with pytest.raises(InvalidRequest) as caught:
+        create(engine, output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert caught.value.param == "output_config.format" and "unsupported keyword" in caught.value.message
+    with pytest.raises(InvalidRequest) as caught:
+        create(engine, tools=[{"name": "f", "input_schema": schema}])
+    assert caught.value.message.startswith("tools: invalid or unsupported schema")

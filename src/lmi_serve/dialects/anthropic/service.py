@@ -19,9 +19,8 @@ from lmi_serve.dialects.anthropic.convert import chat_request
 from lmi_serve.dialects.anthropic.errors import kind_body
 from lmi_serve.dialects.anthropic.render import MessageMeta, MessageStream, whole_message
 from lmi_serve.dialects.anthropic.schema import CountTokensRequest, ImageBlock, MessagesRequest
-from lmi_serve.dialects.common import reasoning
+from lmi_serve.dialects.common import guided, reasoning
 from lmi_serve.dialects.common.disconnect import ClientConnection, wait_for_results
-from lmi_serve.dialects.openai.generation import submit
 from lmi_serve.dialects.openai.reasoning import ReasoningSettings
 from lmi_serve.dialects.openai.service import OpenAIService, PreparedChat
 from lmi_serve.engine.generation import Generation
@@ -50,7 +49,7 @@ class MessagesService:
     def create(self, request: MessagesRequest) -> Reply:
         self._check(request)
         job = self.chat.prepare_chat(chat_request(request), over="cap")
-        generation = submit(self.engine, job.requests)
+        generation = guided.generate(self.engine, job.requests, _grammar_fields(request))
         meta = MessageMeta.new(self.chat.model_name, len(job.prompt), capped=job.max_new_tokens < request.max_tokens)
         show = request.thinking is None or request.thinking.display != "omitted"
         stream = MessageStream(meta, self.chat.tool_format if job.tools_enabled else None, show_thinking=show)
@@ -89,6 +88,13 @@ class MessagesService:
             raise InvalidRequest("thinking.budget_tokens: this model writes its reasoning markers as plain text, so "
                                  "no token budget can bound its thinking; use thinking of type 'adaptive'",
                                  param="thinking.budget_tokens")
+
+
+def _grammar_fields(request: MessagesRequest) -> str:
+    """The fields a grammar the compiler refuses came from: a tool's input_schema, the output format."""
+    fields = (["tools"] if request.tools else []) + (
+        ["output_config.format"] if request.output_config is not None and request.output_config.format else [])
+    return " or ".join(fields) or "messages"
 
 
 def _engine_events(generation: Generation) -> Iterator[TokenEvent]:
