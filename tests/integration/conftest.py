@@ -76,10 +76,32 @@ def tiny_store(tmp_path_factory, classifiers, embedders) -> Path:
     return write_store(tmp_path_factory.mktemp("tiny-store"), {**classifiers, **embedders})
 
 
+TINY_SERVER = "tiny_models_server"
+_running_tiny_server: list = []  # the tiny-model server while it runs (stopped after its last test)
+
+
 @pytest.fixture(scope="session")
 def tiny_models_server(tiny_store):
     """Shared by the OpenAI and Anthropic tiny-model modules: one start (~9 s) instead of one per module."""
     from server_process import serving
 
     with serving("--model-store", str(tiny_store)) as server:
+        _running_tiny_server.append(server)
         yield server
+
+
+def pytest_collection_modifyitems(items):
+    """The tests on the tiny-model server run one after the other (the Anthropic and OpenAI folders are
+    apart in file order), so that the server can stop after the last of them (below) instead of holding
+    its ~3 GiB through the rest of the session, whose servers size their KV caches by the memory left."""
+    users = [item for item in items if TINY_SERVER in getattr(item, "fixturenames", ())]
+    if users:
+        first = items.index(users[0])
+        others = [item for item in items if TINY_SERVER not in getattr(item, "fixturenames", ())]
+        items[:] = others[:first] + users + others[first:]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _running_tiny_server and TINY_SERVER in item.fixturenames and (
+            nextitem is None or TINY_SERVER not in nextitem.fixturenames):
+        _running_tiny_server.pop().stop()  # its session teardown later finds it stopped
