@@ -95,7 +95,7 @@ EXTRA_KEYS = ["extra", "", "inputs", "parameters", "stream", "model", "messages"
 @dataclass(frozen=True)
 class Route:
     path: str
-    dialect: str  # "lmi", "openai", "tgi" or "triton"
+    dialect: str  # "lmi", "openai", "tgi", "triton" or "anthropic"
     seeds: tuple[Any, ...]
     # Generation length and stop fields: a case mutates at most one path of each group, so an
     # accepted request always keeps a small budget or a stop string (no context-long generation).
@@ -153,6 +153,18 @@ RESPONSES_TURN = {"model": TEXT_MODEL, "max_output_tokens": 2, "stop": STOPS, "t
                             {"type": "function_call_output", "call_id": "c1", "output": "1"}]}
 RESPONSES_GUARDS = (("max_output_tokens", "stop"),)
 
+MESSAGES = {"model": TEXT_MODEL, "max_tokens": 2, "system": "Be brief.", "stop_sequences": STOPS, "temperature": 0.5,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "stream": False}
+TOOL = {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer", "maximum": 5}}}}
+MESSAGES_OPTIONAL = {"top_p": 0.9, "top_k": 5, "metadata": {"user_id": "u"}, "service_tier": "auto",
+                     "tools": [TOOL], "tool_choice": {"type": "none"}, "thinking": {"type": "disabled"},
+                     "cache_control": {"type": "ephemeral"}, "stream": True}
+MESSAGES_GUARDS = (("max_tokens", "stop_sequences"),)
+COUNT_TOKENS = {"model": TEXT_MODEL, "system": [{"type": "text", "text": "Be brief."}], "tools": [TOOL],
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "2"}]}]}
+
 SIMPLE_JSON = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},
                           {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [1] * 16}],
                "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": False}}, {"name": "OUTPUT1"}],
@@ -209,6 +221,10 @@ ROUTES = [
                                         "encoding_format": "base64", "instruction": "Embed:", "user": "u"},
                                        {"input": [[101, 102], [2003]], "dimensions": 384}),
           text="input.0", number="dimensions", nest="input"),
+    Route("/v1/messages", "anthropic", (MESSAGES,), guards=MESSAGES_GUARDS, streams=True,
+          text="messages.0.content.0.text", number="max_tokens", nest="metadata"),
+    Route("/v1/messages/count_tokens", "anthropic", (COUNT_TOKENS,), text="messages.0.content",
+          number="tools.0.input_schema.properties.x.maximum", nest="tools.0.input_schema"),
     Route(f"{V2}/{TENSOR_MODEL}/infer", "triton", (SIMPLE_JSON, SIMPLE_BINARY), binary=True,
           text="inputs.0.datatype", number="inputs.0.data.0"),
     Route(f"{V2}/{TEXT_MODEL}/versions/1/infer", "triton", (LLM_INFER,), guards=INFER_GUARDS, binary=True,
@@ -229,14 +245,16 @@ ROUTES = [
           text="parameters.unload_dependents", number="parameters.unload_dependents"),
 ]
 TEXT_ROUTES = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
-               "/v1/chat/completions", "/v1/completions"}
+               "/v1/chat/completions", "/v1/completions", "/v1/messages"}
 
 
 def _add_optional(draw, route: Route, doc: Any) -> None:
     """Valid optional fields on top of a text seed's required ones (at most four, drawn per case)."""
     if route.path not in TEXT_ROUTES or not isinstance(doc, dict):
         return
-    if "messages" in doc:
+    if route.dialect == "anthropic":
+        optional, target = MESSAGES_OPTIONAL, doc
+    elif "messages" in doc:
         optional, target = CHAT_OPTIONAL, doc
     elif "prompt" in doc:
         optional, target = COMPLETION_OPTIONAL, doc

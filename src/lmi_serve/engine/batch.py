@@ -74,8 +74,9 @@ class Row:
         alternatives = tuple(TopToken(t, self.token_text(t), lp, t in self.special_ids) for t, lp in top)
         prompt, self.prompt_tokens = self.prompt_tokens, None
         prompt_top, self.prompt_top_tokens = self.prompt_top_tokens, None
+        stop_string = self.detokenizer.stopped_by if finish is FinishReason.STOP_SEQUENCE else None
         return TokenEvent(token_id, text, logprob, token_id in self.special_ids, finish, alternatives, prompt,
-                          prompt_top_tokens=prompt_top)
+                          prompt_top_tokens=prompt_top, stop_sequence=stop_string)
 
 
 def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None,

@@ -39,6 +39,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
         self._released = 0
+        self.stopped_by: str | None = None  # the stop string that ended the text, once one has
 
     def _decode_next(self, token_id: int) -> str:
         if self._stream is not None:
@@ -66,6 +67,7 @@ class IncrementalDetokenizer:
                     if (pos := self.text.find(s, max(self._released, before - len(s) + 1))) >= 0]
             if hits:
                 pos, stop = min(hits)
+                self.stopped_by = stop
                 end = pos + len(stop) if self._include_stop else pos
                 self.text = self.text[:end]
                 return self._release(end), True

@@ -143,6 +143,7 @@ class TokenEvent:
     prompt_top_tokens: tuple[tuple[TopToken, ...], ...] | None = None
     error: str | None = None
     error_kind: type[ServingError] = GenerationFailed  # with `error`: which kind of failure ended it
+    stop_sequence: str | None = None  # with STOP_SEQUENCE: the stop string that ended it (Anthropic names it)
 
     @classmethod
     def failure(cls, message: str, kind: type[ServingError] = GenerationFailed) -> "TokenEvent":

@@ -16,6 +16,7 @@ from flask import Flask, Response, g, has_request_context, request
 
 from lmi_serve.config.sources import ServerConfig
 from lmi_serve.cpu_budget import CpuBudget, cpu_budget
+from lmi_serve.dialects.anthropic import routes as anthropic_routes
 from lmi_serve.dialects.lmi import routes as lmi_routes
 from lmi_serve.dialects.lmi.front_end import lmi_front_end
 from lmi_serve.dialects.openai import routes as openai_routes
@@ -149,6 +150,7 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.register_blueprint(triton_routes.blueprint)
     app.register_blueprint(tokenize_routes.blueprint)
     app.register_blueprint(scoring_routes.blueprint)  # /score, /rerank, /classify (vLLM's)
+    app.register_blueprint(anthropic_routes.blueprint)  # /v1/messages (Anthropic's Messages API)
     app.register_blueprint(openapi_blueprint)  # /openapi.json, /docs
 
     install_request_hooks(app, config, metrics, registry)

@@ -15,6 +15,8 @@ from werkzeug.exceptions import HTTPException
 
 from lmi_serve.config.sources import ServerConfig
 from lmi_serve.json_body import InvalidJson
+from lmi_serve.dialects.anthropic import errors as anthropic_errors
+from lmi_serve.dialects.anthropic import routes as anthropic_routes
 from lmi_serve.dialects.lmi import errors as lmi_errors
 from lmi_serve.dialects.openai import errors as openai_errors
 from lmi_serve.dialects.openai import routes as openai_routes
@@ -42,6 +44,7 @@ LMI_ERRORS = ErrorRenderers(lmi_errors.error_response, lmi_errors.render_kind)
 TGI_ERRORS = ErrorRenderers(tgi_protocol.error_response, tgi_protocol.render_kind)
 OPENAI_ERRORS = ErrorRenderers(openai_errors.error_response, openai_errors.render_kind)
 TRITON_ERRORS = ErrorRenderers(triton_protocol.app_error_response, triton_protocol.render_kind)
+ANTHROPIC_ERRORS = ErrorRenderers(anthropic_errors.error_response, anthropic_errors.render_kind)
 
 # URL prefix -> the dialect answering errors there. Longest prefix wins; "" is LMI, which also
 # answers paths that no dialect owns.
@@ -52,6 +55,7 @@ ERROR_RENDERERS: dict[str, ErrorRenderers] = {
     **{prefix: OPENAI_ERRORS for prefix in tokenize_routes.ERROR_PREFIXES},
     **{prefix: OPENAI_ERRORS for prefix in scoring_routes.ERROR_PREFIXES},  # /v2/rerank beats Triton's /v2
     **{prefix: TRITON_ERRORS for prefix in triton_routes.ERROR_PREFIXES},
+    **{prefix: ANTHROPIC_ERRORS for prefix in anthropic_routes.ERROR_PREFIXES},  # /v1/messages beats OpenAI's /v1
 }
 
 # Exact (method, path) pairs owned by a dialect other than their prefix's: TGI's `POST /`.

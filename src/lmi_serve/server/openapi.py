@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from lmi_serve import __version__
+from lmi_serve.dialects.anthropic.schema import CountTokensRequest, MessagesRequest
 from lmi_serve.dialects.openai import scoring_schema as scoring
 from lmi_serve.dialects.openai import tokenize as vllm_tokenize
 from lmi_serve.dialects.openai.responses.request import ResponsesRequest
@@ -63,6 +64,10 @@ def _tgi(summary: str, **kw) -> Operation:
 
 def _openai(summary: str, **kw) -> Operation:
     return Operation(summary, "OpenAI / vLLM", doc.OpenAIError, **kw)
+
+
+def _anthropic(summary: str, **kw) -> Operation:
+    return Operation(summary, "Anthropic", doc.AnthropicError, **kw)
 
 
 def _triton(summary: str, **kw) -> Operation:
@@ -174,6 +179,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                response=(scoring.RerankResponse,)) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
     **{(path, "POST"): _openai("Classify texts (vLLM)", request=(scoring.ClassifyRequest,),
                                response=(scoring.ClassifyResponse,)) for path in ("/classify", "/v1/classify")},
+    # Anthropic
+    ("/v1/messages", "POST"): _anthropic("Create a message (Anthropic's Messages API)", request=(MessagesRequest,),
+                                         response=(doc.AnthropicMessage,), media=_STREAM,
+                                         description="A stream (`stream: true`) is SSE events named by type. "
+                                                     "Headers anthropic-version and anthropic-beta are accepted."),
+    ("/v1/messages/count_tokens", "POST"): _anthropic("Count a message's input tokens",
+                                                      request=(CountTokensRequest,),
+                                                      response=(doc.AnthropicTokenCount,)),
     # Triton / KServe v2
     ("/v2", "GET"): _triton("Server metadata", response=(doc.ServerMetadata,)),
     ("/v2/health/live", "GET"): _triton("Liveness"),
@@ -280,13 +293,15 @@ def build_document(app: Flask) -> dict[str, Any]:
         paths.setdefault(path, {})[method.lower()] = _operation(op, parameters, operation_id)
     document = {"openapi": "3.1.0",
                 "info": {"title": "lmi-serve", "version": __version__,
-                         "description": "One server, four dialects: LMI / SageMaker, TGI, OpenAI (with vLLM's "
-                                        "extensions) and Triton / KServe v2."},
+                         "description": "One server, five dialects: LMI / SageMaker, TGI, OpenAI (with vLLM's "
+                                        "extensions), Anthropic's Messages API and Triton / KServe v2."},
                 "paths": paths, "components": {"schemas": _schemas()}}
     access = app.extensions.get("lmi_serve.server.security")
     if access is not None and access.keys_required:  # API keys (security.py): every route but the exempt ones
-        document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
-        document["security"] = [{"apiKey": []}]
+        document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"},
+                                                     "apiKeyHeader": {"type": "apiKey", "in": "header",
+                                                                      "name": "x-api-key"}}
+        document["security"] = [{"apiKey": []}, {"apiKeyHeader": []}]  # either one
         for rule, method in served_operations(app) & set(OPERATIONS):
             if (rule, method) in open_routes(access):
                 paths[openapi_path(rule)[0]][method.lower()]["security"] = []

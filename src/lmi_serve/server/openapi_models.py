@@ -49,6 +49,16 @@ class TritonError(BaseModel):
     error: str
 
 
+class AnthropicErrorObject(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorObject
+
+
 # ---- LMI ----------------------------------------------------------------------------------------
 
 class LmiRequest(_Open):
@@ -357,3 +367,27 @@ class InferResponse(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = None
     outputs: list[InferOutputTensor]
+
+
+# ---- Anthropic ----------------------------------------------------------------------------------
+
+class AnthropicUsage(_Open):
+    input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessage(_Open):
+    """A whole message; a stream sends Anthropic's events (message_start ... message_stop) instead."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]] = Field(description="text, thinking and tool_use blocks")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicTokenCount(BaseModel):
+    input_tokens: int

@@ -9,9 +9,11 @@ matched or not, before any view and before the body is read:
    `option.enable_management_api` is false, and needs an admin key when `option.admin_api_keys` is set;
 3. any other request needs one of `option.api_keys` (or an admin key) when keys are set.
 
-A refused request is a 401 (missing or wrong key, with `WWW-Authenticate: Bearer`) or a 403 in
-its route's dialect (app.py's renderers); no model is touched. The gate keys on the app's own
-URL rules, so a route added later is guarded by default: only the short list below is exempt.
+A key is sent as `Authorization: Bearer <key>` (OpenAI's clients and most others) or as
+`x-api-key: <key>` (Anthropic's); either one that matches opens the route. A refused request is a
+401 (missing or wrong key, with `WWW-Authenticate: Bearer`) or a 403 in its route's dialect
+(app.py's renderers); no model is touched. The gate keys on the app's own URL rules, so a route
+added later is guarded by default: only the short list below is exempt.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() or None
 
 
+def presented_keys(headers) -> tuple[str | None, str | None]:
+    """The keys a request presents: its `Authorization: Bearer` token and its `x-api-key` header
+    (Anthropic's clients send their key there)."""
+    return bearer_token(headers.get("Authorization")), (headers.get("x-api-key") or "").strip() or None
+
+
 def open_routes(security: SecurityConfig) -> frozenset[tuple[str, str]]:
     """The (rule, method) pairs that answer without a key under `security`."""
     return EXEMPT | ({METRICS} if security.public_metrics else frozenset())
@@ -92,17 +100,20 @@ def install(app, security: SecurityConfig, refuse: Callable[[int, str, str], Any
                 return refuse(403, "ForbiddenException", "The management API is off: this route changes what the "
                               "server serves; set option.enable_management_api=true to allow it")
             digests = security.admin_key_digests or digests
-        if not digests or key_matches(bearer_token(request.headers.get("Authorization")), digests):
+        if not digests or any(key_matches(key, digests) for key in presented_keys(request.headers)):
             return None
-        response = refuse(401, "UnauthorizedException", _unauthorized_message(request.headers.get("Authorization")))
+        response = refuse(401, "UnauthorizedException", _unauthorized_message(request.headers))
         response.headers["WWW-Authenticate"] = 'Bearer realm="lmi-serve"'
         return response
 
 
-def _unauthorized_message(authorization: str | None) -> str:
+def _unauthorized_message(headers) -> str:
     # Never echo what was sent: a wrong key may be a real key for another service.
+    authorization = headers.get("Authorization")
+    if headers.get("x-api-key"):
+        return "Invalid API key"
     if not authorization:
-        return "Missing API key: send it as `Authorization: Bearer <key>`"
+        return "Missing API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)"
     if bearer_token(authorization) is None:
         return "The Authorization header must be `Bearer <key>`"
     return "Invalid API key"

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every POST route of the four dialects against the real default server.
+"""Property-based fuzzing of every POST route of the five dialects against the real default server.
 
 For each route, a fixed catalog of hostile requests (one test each: NaN/Infinity/1e309, 2**63,
 lone surrogates, invalid UTF-8, 1,000 and 5,000 levels of nesting, every field with a wrong type or
@@ -35,11 +35,12 @@ ALLOWED_5XX = {
     504: "waited longer than predict_timeout (docs/lmi.md, Errors)",
     507: "out of memory in a handler (docs/lmi.md, Errors)",
 }
+ANTHROPIC_ALLOWED_5XX = {529: "waiting queue full, Anthropic's overloaded_error (docs/anthropic.md, Errors)"}
 TRITON_ALLOWED_5XX = {501: "unsupported Content-Encoding on /infer (docs/triton.md: 501 Unsupported compression type)"}
 # Examples per route: generation routes cost a prefill and two tokens for each accepted request.
 EXAMPLES = {"cheap": 100, "generation": 40}
 GENERATION = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
-              "/v1/chat/completions", "/v1/completions", "/v1/responses",
+              "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
               f"/v2/models/{TEXT_MODEL}/versions/1/infer", f"/v2/models/{TEXT_MODEL}/generate",
               f"/v2/models/{TEXT_MODEL}/generate_stream"}
 
@@ -81,6 +82,11 @@ def assert_error_shape(dialect: str, status: int, body) -> None:
             f"not TGI's {{'error', 'error_type'}}: {body!r}"
     elif dialect == "triton":
         assert set(body) == {"error"} and isinstance(body["error"], str), f"not Triton's {{'error': str}}: {body!r}"
+    elif dialect == "anthropic":
+        error = body.get("error")
+        assert body.get("type") == "error" and isinstance(error, dict) and set(error) == {"type", "message"}, \
+            f"not Anthropic's {{'type': 'error', 'error': {{type, message}}}}: {body!r}"
+        assert isinstance(error["type"], str) and isinstance(error["message"], str), body
     else:  # LMI: a handler's failure {"code", "message", "error"} (any code a handler chooses: 424 by
         # default, 507 out of memory, 400 from a tensor model's get_tensors); the server's own errors
         # {"code", "type", "message"} (with "error" too since issue 9)
@@ -123,6 +129,10 @@ def assert_stream_frames(dialect: str, content_type: str, text: str) -> None:
         if isinstance(value, dict) and "error" in value and dialect in ("openai", "tgi", "triton"):
             if dialect != "openai" or isinstance(value["error"], dict):
                 assert_error_shape(dialect, 500, value)
+        if dialect == "anthropic":  # every event names its type; an `error` event is the error object
+            assert isinstance(value, dict) and isinstance(value.get("type"), str), f"not an Anthropic event: {frame!r}"
+            if value["type"] == "error":
+                assert_error_shape(dialect, 500, value)
 
 
 def assert_binary_infer(response: requests.Response) -> None:
@@ -134,7 +144,8 @@ def assert_binary_infer(response: requests.Response) -> None:
 
 def check_answer(server, route: Route, case: Case, response: requests.Response) -> None:
     status, content_type = response.status_code, response.headers.get("Content-Type", "")
-    allowed = {**ALLOWED_5XX, **(TRITON_ALLOWED_5XX if route.dialect == "triton" else {})}
+    allowed = {**ALLOWED_5XX, **(TRITON_ALLOWED_5XX if route.dialect == "triton" else {}),
+               **(ANTHROPIC_ALLOWED_5XX if route.dialect == "anthropic" else {})}
     assert status < 500 or status in allowed, (
         f"POST {route.path} answered {status} to {case!r}: {response.text[:500]!r}\n"
         f"server log tail:\n{_server_tail(server)}")
@@ -201,6 +212,7 @@ GOOD = [
     ("/generate", {"inputs": "Hello", "parameters": {"max_new_tokens": 2}}, "generated_text"),
     ("/v1/completions", {"model": TEXT_MODEL, "prompt": "Hello", "max_tokens": 2}, "choices"),
     ("/v1/responses", {"model": TEXT_MODEL, "input": "Hello", "max_output_tokens": 2}, "output"),
+    ("/v1/messages", {"model": TEXT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}, "content"),
     ("/v1/embeddings", {"model": EMBEDDING_MODEL, "input": "a cat"}, "data"),
     (f"/v2/models/{TEXT_MODEL}/generate", {"text_input": "Hello", "max_tokens": 2}, "text_output"),
     (f"/v2/models/{TENSOR_MODEL}/generate", {"INPUT0": list(range(16)), "INPUT1": [1] * 16}, "OUTPUT0"),
@@ -225,6 +237,7 @@ ROUTING = [("POST", "/no-such-route", 404, "lmi"), ("GET", "/invocations", 405, 
            ("PUT", "/v1/responses", 405, "openai"), ("GET", "/v1/responses/resp_none", 404, "openai"),
            ("DELETE", "/v1/responses/%ff%00", 404, "openai"),
            ("POST", "/v1/completions?x=%ff", None, "openai"),
+           ("GET", "/v1/messages", 405, "anthropic"), ("POST", "/v1/messages/batches", 404, "anthropic"),
            ("GET", f"/v2/models/{TENSOR_MODEL}/infer", 405, "triton"), ("POST", "/v2/no-such-route", 404, "triton"),
            ("POST", "/v2/models/no-such-model/infer", 404, "triton"),
            ("POST", "/metrics", 405, "lmi"), ("DELETE", "/metrics", 405, "lmi")]

@@ -177,9 +177,11 @@ def test_earliest_of_several_stops_wins(make_tokenizer, smollm2_tokenizer):
     text = "alpha beta gamma delta"
     ids = encode(smollm2_tokenizer, text)
     detok = IncrementalDetokenizer(make_tokenizer, ["delta", "beta"])
+    assert detok.stopped_by is None
     releases, stop_at = run(detok, ids)
     assert stop_at is not None
     assert "".join(releases) == "alpha "
+    assert detok.stopped_by == "beta"  # which one ended it (Anthropic's `stop_sequence` names it)
 
 
 def test_stop_not_present_releases_everything_on_flush(make_tokenizer, smollm2_tokenizer):

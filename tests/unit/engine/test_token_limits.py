@@ -100,6 +100,7 @@ def test_min_new_tokens_defers_stop_strings(tiny_model, smollm2_tokenizer, promp
     assert first_text.strip()  # premise: the first token shows text
     early = run_batch(tiny_model, smollm2_tokenizer, [req(prompt_ids[1], 12, stop_sequences=(first_text,))])[0]
     assert early.finish_reason is FinishReason.STOP_SEQUENCE and early.generated_tokens == 1
+    assert early.events[-1].stop_sequence == first_text  # the finishing event names the stop string
     late = run_batch(tiny_model, smollm2_tokenizer,
                      [req(prompt_ids[1], 12, stop_sequences=(first_text,), min_new_tokens=4)])[0]
     assert late.generated_tokens > 4

@@ -48,8 +48,10 @@ def test_with_api_keys_the_document_says_which_routes_need_one():
     keyed = create_app(build_server_config({"HF_MODEL_ID": "org/tiny", "LMI_SERVE_API_KEYS": "k"}), ModelRegistry([]))
     document = build_document(keyed)
     validate(document)
-    assert document["security"] == [{"apiKey": []}]
+    assert document["security"] == [{"apiKey": []}, {"apiKeyHeader": []}]  # either header opens a route
     assert document["components"]["securitySchemes"]["apiKey"] == {"type": "http", "scheme": "bearer"}
+    assert document["components"]["securitySchemes"]["apiKeyHeader"] == {"type": "apiKey", "in": "header",
+                                                                          "name": "x-api-key"}
     assert document["paths"]["/ping"]["get"]["security"] == []  # health: no key
     assert "security" not in document["paths"]["/invocations"]["post"]  # the document-wide requirement
     assert "security" not in build_document(app())

@@ -126,6 +126,8 @@ def every_route(app) -> list[tuple[str, str, str]]:
 
 def shape(path: str, method: str, body: dict) -> str:
     """Which dialect's error body this is."""
+    if body.get("type") == "error" and set(body["error"]) == {"type", "message"}:
+        return "anthropic"
     if isinstance(body.get("error"), dict):
         return "openai"
     if set(body) == {"error", "error_type"}:
@@ -137,6 +139,8 @@ def shape(path: str, method: str, body: dict) -> str:
 
 
 def expected_shape(path: str, method: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
     if path.startswith(("/v1", "/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/classify")):
         return "openai"
     if path.startswith(("/generate", "/info", "/health")) or (path, method) == ("/", "POST"):
@@ -172,6 +176,24 @@ def test_the_refusals_say_what_to_send() -> None:
         "The Authorization header must be")
     assert client.get("/no/such/route").status_code == 401  # unknown paths too: no route discovery
     assert client.head("/ping").status_code != 401 and client.get("/v2/health/ready").status_code != 401
+
+
+def test_anthropics_x_api_key_header_opens_routes_as_a_bearer_token_does() -> None:
+    client = make_app(LMI_SERVE_API_KEYS=",".join(KEYS)).test_client()
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    for path in ("/v1/messages", "/v1/models", "/invocations"):  # any route: a key is a key
+        refused = client.post(path, json=body, headers={"x-api-key": "not-a-key"})
+        assert refused.status_code == 401 and "not-a-key" not in refused.get_data(as_text=True)
+        # past the gate: no model is served here, or the route takes no POST
+        assert client.post(path, json=body, headers={"x-api-key": KEYS[0]}).status_code not in (401, 403)
+    # Anthropic's shape on its routes, and the refusal says both ways to send a key
+    missing = client.post("/v1/messages", json=body).get_json()
+    assert missing["type"] == "error" and missing["error"]["type"] == "authentication_error"
+    assert "x-api-key" in missing["error"]["message"] and "Authorization: Bearer" in missing["error"]["message"]
+    assert client.post("/v1/messages", json=body, headers={"x-api-key": "nope", "Authorization": f"Bearer {KEYS[1]}"}
+                       ).status_code == 404  # either header that holds a key opens the route
+    wrong = client.post("/v1/messages", json=body, headers={"x-api-key": "nope"}).get_json()
+    assert wrong["error"] == {"type": "authentication_error", "message": "Invalid API key"}
 
 
 def test_metrics_is_public_only_when_the_option_says_so() -> None:

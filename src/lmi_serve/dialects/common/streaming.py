@@ -2,8 +2,8 @@
 
 Every dialect that streams renders its chunks (dicts, or text it already framed as JSON) and
 hands them here; only this module knows the framing: `data: <json>\\n\\n` per SSE event,
-optionally ending with OpenAI's `data: [DONE]` (or, for typed events such as the Responses API's,
-`event: <type>` before each), and one JSON document per line for JSON lines.
+optionally ending with OpenAI's `data: [DONE]`, or named by the event's type (`event: <type>`, as
+the Responses API and Anthropic frame their events), and one JSON document per line for JSON lines.
 """
 
 from __future__ import annotations

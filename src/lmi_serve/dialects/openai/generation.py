@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from lmi_serve.dialects.common import guided
 from lmi_serve.dialects.openai.schema import SamplingFields
@@ -46,14 +47,16 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 
 
 def fit_to_context(prompt: Sequence[int], max_tokens: int | None, max_model_len: int, *, where: str,
-                   param: str, truncate: bool = False) -> tuple[tuple[int, ...], int]:
+                   param: str, truncate: bool = False,
+                   over: Literal["refuse", "cap"] = "refuse") -> tuple[tuple[int, ...], int]:
     """(prompt ids, max new tokens) within the context; max_tokens None means all that is left.
     More than fits is refused (OpenAI's ContextOverflow), unless `truncate` (completions'
-    `error_behavior: truncate`) may drop the prompt's first tokens to make room for max_tokens."""
+    `error_behavior: truncate`) may drop the prompt's first tokens to make room for max_tokens, or
+    `over="cap"` (Anthropic's rule) gives what is left."""
     prompt = tuple(prompt)
     if truncate and max_tokens is not None and len(prompt) + max_tokens > max_model_len and max_tokens < max_model_len:
         prompt = prompt[len(prompt) + max_tokens - max_model_len:]
-    return policy.fit_to_context(prompt, max_tokens, max_model_len, over="refuse", where=where, param=param)
+    return policy.fit_to_context(prompt, max_tokens, max_model_len, over=over, where=where, param=param)
 
 
 def build_requests(engine: Engine, fields: SamplingFields, prompt: tuple[int, ...], max_new_tokens: int, *,

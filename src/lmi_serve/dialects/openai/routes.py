@@ -18,10 +18,9 @@ import struct
 import sys
 import time
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 
 from lmi_serve import json_body
 from lmi_serve.dialects.common import streaming
@@ -29,22 +28,21 @@ from lmi_serve.json_body import InvalidJson
 from lmi_serve.dialects.openai import vllm
 from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.generation import check_token_ids
-from lmi_serve.dialects.openai.reasoning import reasoning_settings
+from lmi_serve.dialects.openai.model_choice import EMBEDDING_TASK, adapter_owner as _adapter_owner
+from lmi_serve.dialects.openai.model_choice import adapters_of as _adapters_of
+from lmi_serve.dialects.openai.model_choice import chat_service as _generation
+# tokenize.py, scoring.py and tests import choose_service from here
+from lmi_serve.dialects.openai.model_choice import choose_service  # noqa: F401
+from lmi_serve.dialects.openai.model_choice import ready_service as _service
+from lmi_serve.dialects.openai.model_choice import registry as _registry
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, parse
-from lmi_serve.dialects.openai.service import OpenAIService, Reply
-from lmi_serve.dialects.openai.templates import trusts_request_template
+from lmi_serve.dialects.openai.service import Reply
 from lmi_serve.errors import ContextOverflow, GenerationFailed, InvalidRequest, NotFound, ServingError
 from lmi_serve.handler_api import Input
-from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService
 
 blueprint = Blueprint("openai", __name__, url_prefix="/v1")
 ERROR_PREFIXES = ("/v1",)
-_GENERATION_TASK, _EMBEDDING_TASK = "text-generation", "text-embedding"
-
-
-def _registry() -> ModelRegistry:
-    return current_app.extensions["lmi_serve.serving.registry"]
 
 
 @blueprint.errorhandler(ServingError)
@@ -57,83 +55,6 @@ def _serving_error(exc: ServingError | InvalidJson) -> Response:
 def _body() -> Any:
     """The decoded body; too deep, lone surrogates, NaN and non-JSON are a 400 (json_body's rules)."""
     return json_body.loads(request.get_data())
-
-
-def _serves(service: ModelService, task: str) -> bool:
-    return service.generates_text if task == _GENERATION_TASK else service.task == task
-
-
-def choose_service(services: Mapping[str, ModelService], name: str | None, task: str, *,
-                   strict: bool) -> ModelService:
-    """The model a request's `model` field selects for a route of `task` (docs/openai.md, "Model names"):
-    - a served name selects that model (of another task: 400);
-    - no name: the first model of the task;
-    - an unknown name, when exactly one text-generation model is served and `strict` is off: that
-      model (TGI serves one model and reads no name; clients built on a base URL send `dummy`);
-      otherwise a 404 listing the names of the task's models."""
-    if name and name in services:
-        service = services[name]
-        if not _serves(service, task):
-            raise InvalidRequest(f"The model `{name}` serves {service.task}, not {task}", param="model")
-        return service
-    candidates = [s for s in services.values() if _serves(s, task)]
-    if not name and candidates:
-        return candidates[0]
-    if not name:
-        raise NotFound(f"No {task} model is served", param="model")
-    if not strict and task == _GENERATION_TASK and len(candidates) == 1:
-        return candidates[0]
-    served = ", ".join(f"`{s.name}`" for s in candidates) or "none"
-    raise NotFound(f"The model `{name}` does not exist; {task} models served: {served}", param="model")
-
-
-def _service(name: str | None, task: str) -> ModelService:
-    # With LoRA adapters served, `model` names an adapter or a model: an unknown name is a 404, never the base.
-    strict = current_app.config.get("STRICT_MODEL_NAMES", False) or (
-        task == _GENERATION_TASK and any(_adapters_of(s) is not None for s in _registry().services.values()))
-    service = choose_service(_registry().services, name, task, strict=strict)
-    service.require_ready()
-    return service
-
-
-def _adapters_of(service: ModelService):
-    """The service's LoRA adapters (engine/adapters.py), or None when it serves none."""
-    return getattr(getattr(service, "engine", None), "adapters", None)
-
-
-def _adapter_owner(name: str | None) -> ModelService | None:
-    """The model whose registered LoRA adapter `name` is (vLLM's convention: `model` names the adapter),
-    or None when `name` is a model's name or no adapter's."""
-    services = _registry().services
-    if not name or name in services:
-        return None
-    return next((s for s in services.values() if (adapters := _adapters_of(s)) is not None and name in adapters),
-                None)
-
-
-def generation_target(name: str | None) -> tuple[ModelService, str | None]:
-    """(the text-generation model `model` selects, the LoRA adapter it names or None), ready to serve."""
-    owner = _adapter_owner(name)
-    if owner is not None:
-        owner.require_ready()
-        return owner, name
-    return _service(name, _GENERATION_TASK), None
-
-
-def openai_service(service: ModelService, adapter: str | None = None) -> OpenAIService:
-    """The chat and completions service over `service`'s engine (as `adapter`, when one is named)."""
-    return OpenAIService(service.rolling_engine("the OpenAI routes", param="model"), service.name, adapter=adapter,
-                         reasoning=reasoning_settings(getattr(service, "config", None)),
-                         tool_call_parser=_tool_call_parser(service), vision=getattr(service, "vision", None),
-                         trust_request_template=trusts_request_template(service))
-
-
-def _generation(name: str | None) -> OpenAIService:
-    return openai_service(*generation_target(name))
-
-
-def _tool_call_parser(service) -> str | None:
-    return getattr(getattr(service, "config", None), "tool_call_parser", None)
 
 
 def _reply(reply: Reply) -> Response:
@@ -157,7 +78,7 @@ def completions() -> Response:
 @blueprint.post("/embeddings")
 def embeddings() -> Response:
     parsed: EmbeddingRequest = parse(EmbeddingRequest, _body())
-    service = _service(parsed.model, _EMBEDDING_TASK)
+    service = _service(parsed.model, EMBEDDING_TASK)
     handler = service.capabilities
     if handler.count_tokens is None or handler.embedding_limits is None:
         raise InvalidRequest(f"The model `{service.name}`'s handler does not expose count_tokens and "

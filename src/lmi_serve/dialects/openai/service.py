@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from lmi_serve.dialects.common import streaming
 from lmi_serve.dialects.common.disconnect import wait_for_results
@@ -22,7 +23,7 @@ from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRe
 from lmi_serve.dialects.openai.templates import check_request_template
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
-from lmi_serve.engine.types import GenerationRequest, TokenEvent
+from lmi_serve.engine.types import GenerationRequest, ImageInputs, TokenEvent
 from lmi_serve.errors import GenerationFailed, InvalidRequest, ServingError
 
 Chunk = dict
@@ -69,6 +70,20 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
         generation.close()
 
 
+@dataclass
+class PreparedChat:
+    """A chat request made ready for the engine: its prompt ids, the new tokens it may generate, the
+    sequences to queue, how its output splits into reasoning and answer, whether tool calls are parsed,
+    and the alternatives reported per token."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    requests: list[GenerationRequest]
+    thinking: ChatReasoning
+    tools_enabled: bool
+    top_logprobs: int = 0
+
+
 class OpenAIService:
     def __init__(self, engine: Engine, model_name: str, adapter: str | None = None,
                  reasoning: ReasoningSettings | None = None, tool_call_parser: str | None = None, vision=None,
@@ -95,7 +110,9 @@ class OpenAIService:
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def chat(self, request: ChatCompletionRequest) -> Reply:
+    def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int], ImageInputs | None]:
+        """The conversation as the model reads it: the chat template's text, its token ids (each
+        image placeholder expanded) and the images' tensors (None without images)."""
         if self.vision is None:
             images.refuse_images(images.image_parts(request))
         prompt_text = chat.render_prompt(self.tokenizer, request, tool_format=self.tool_format, vision=self.vision,
@@ -104,9 +121,16 @@ class OpenAIService:
             ids, pictures = images.prompt_with_images(self.vision, prompt_text, request)
         else:
             ids, pictures = self.tokenizer(prompt_text, add_special_tokens=request.add_special_tokens).input_ids, None
+        return prompt_text, ids, pictures
+
+    def prepare_chat(self, request: ChatCompletionRequest, *,
+                     over: Literal["refuse", "cap"] = "refuse") -> PreparedChat:
+        """What the engine is asked for a chat request (nothing is queued yet). More tokens than the
+        context leaves are refused (OpenAI's rule), or capped with `over="cap"`."""
+        prompt_text, ids, pictures = self.chat_prompt(request)
         ids = vllm.truncate_prompt(ids, request, self.engine.max_model_len)
         prompt, max_tokens = fit_to_context(ids, request.requested_max_tokens, self.engine.max_model_len,
-                                            where="messages", param="messages")
+                                            where="messages", param="messages", over=over)
         top = request.top_logprobs or 0 if request.logprobs else 0
         thinking = ChatReasoning(self.tokenizer, self.reasoning, prompt_text, request)
         requests = thinking.constrain(build_requests(self.engine, request, prompt, max_tokens, count=request.n,
@@ -114,8 +138,13 @@ class OpenAIService:
                                                      adapter=self.adapter))
         if pictures is not None:  # every sequence of the request sees the same images
             requests = [replace(r, images=pictures) for r in requests]
-        generation = submit(self.engine, requests)
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
+        return PreparedChat(prompt, max_tokens, requests, thinking, tools_enabled, top)
+
+    def chat(self, request: ChatCompletionRequest) -> Reply:
+        job = self.prepare_chat(request)
+        prompt, thinking, top, tools_enabled = job.prompt, job.thinking, job.top_logprobs, job.tools_enabled
+        generation = submit(self.engine, job.requests)
         meta = vllm.response_meta(ResponseMeta.new("chatcmpl", self.model_name), request)
         states = [ChoiceState(len(prompt), index=i) for i in range(request.n)]
         if not request.stream:

@@ -1,5 +1,5 @@
 """option.chat_template and a request's `chat_template` through the real server and the official
-`openai` client. `templated` (the package's store, conftest.py) is SmolLM2 with an operator's template
+`openai` client. `templated` (the shared tiny store, integration/conftest.py) is SmolLM2 with an operator's template
 file in its folder and option.trust_request_chat_template=true; `llama-json` is SmolLM2 as shipped,
 which does not trust requests' templates (the default)."""
 
@@ -19,7 +19,7 @@ CLIENT_TEMPLATE = "{% for m in messages %}<<client>> {{ m.content }}{% endfor %}
 
 @pytest.fixture(scope="module")
 def server(tiny_models_server):
-    return tiny_models_server  # the package's store (conftest.py): TEMPLATED and UNTRUSTING among its models
+    return tiny_models_server  # the shared tiny store (integration/conftest.py): TEMPLATED, UNTRUSTING among it
 
 
 def tokenize(server, model: str, **body) -> dict:

@@ -2,7 +2,7 @@
 model with two Dense layers and a decoder-only last-token model with an instruction prompt. Through the
 official `openai` client and LMI's /invocations, alone and as concurrent requests sharing forwards,
 every vector is `SentenceTransformer(folder).encode()`'s; `prompt_name` and `dimensions` are honoured,
-and what cannot be is a 400 naming the field. On the package's tiny-model server (conftest.py)."""
+and what cannot be is a 400 naming the field. On the shared tiny-model server (integration/conftest.py)."""
 
 from __future__ import annotations
 

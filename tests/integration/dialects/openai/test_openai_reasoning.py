@@ -1,4 +1,4 @@
-"""A reasoning model over HTTP (the package's shared store, conftest.py): a tiny random Llama with SmolLM2's vocabulary plus `<think>` /
+"""A reasoning model over HTTP (the shared tiny store, integration/conftest.py): a tiny random Llama with SmolLM2's vocabulary plus `<think>` /
 `</think>` tokens and the real DeepSeek-R1-Distill-Qwen chat template (its prompt opens the block).
 A seed makes every run alike. A token budget (option.max_reasoning_tokens, which vLLM's
 `thinking_token_budget` may lower) makes the grammar close the block after a few tokens, and
@@ -28,7 +28,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
 
 @pytest.fixture(scope="module")
 def server(tiny_models_server):
-    return tiny_models_server  # the package's store (conftest.py): this module's model is `tiny`
+    return tiny_models_server  # the shared tiny store (integration/conftest.py): this module's model is `tiny`
 
 
 @pytest.mark.parametrize("budget", [None, 1])

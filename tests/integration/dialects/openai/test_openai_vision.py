@@ -4,7 +4,7 @@ tiny text model. An `image_url` data URI (PNG or JPEG) answers what transformers
 makes from the same chat template, processor and pixels; other pixels answer otherwise. Refusals are
 400s in OpenAI's shape naming the part: a loopback URL under option.image_fetch=public, bytes that are not an
 image, more images than the limit, and any image to a text model. The store is the package's
-(conftest.py); its text model is the reasoner (tests/tiny_store.py)."""
+(integration/conftest.py); its text model is the reasoner (tests/tiny_store.py)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ def user(*urls: str, text: str = QUESTION) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def store(tiny_store):
-    return tiny_store  # the package's store (conftest.py): `smolvlm`, `llava` and the reasoner among its models
+    return tiny_store  # the shared tiny store (integration/conftest.py): `smolvlm`, `llava`, the reasoner among it
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models_server):
-    return tiny_models_server  # one start for the package's tiny-model modules (conftest.py)
+    return tiny_models_server  # one start for the tiny-model modules (integration/conftest.py)
 
 
 def reference(folder, messages_for_template, images) -> str:

@@ -29,7 +29,7 @@ def models(classifiers):
 
 @pytest.fixture(scope="module")
 def server(tiny_models_server):
-    return tiny_models_server  # the package's store (conftest.py), with `rr` and `senti` among its models
+    return tiny_models_server  # the shared tiny store (integration/conftest.py), with `rr` and `senti` among its models
 
 
 def post(server, path: str, body) -> requests.Response:

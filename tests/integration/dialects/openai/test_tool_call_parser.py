@@ -23,7 +23,7 @@ FORCED = {"tools": [WEATHER], "tool_choice": "required", "temperature": 0, "max_
 
 @pytest.fixture(scope="module")
 def server(tiny_models_server):
-    return tiny_models_server  # the package's store (conftest.py), where MODEL has the option
+    return tiny_models_server  # the shared tiny store (integration/conftest.py), where MODEL has the option
 
 
 def test_calls_are_written_and_read_in_the_named_format(server, openai_client):

@@ -1,6 +1,6 @@
 """`POST /v1/responses`, `GET` and `DELETE /v1/responses/<id>` (OpenAI's Responses API, as vLLM serves it).
 
-The model is chosen as on chat completions (routes.generation_target: a served name, a LoRA adapter,
+The model is chosen as on chat completions (model_choice.generation_target: a served name, a LoRA adapter,
 or the only text-generation model); errors are OpenAI's envelope (errors.py). A stream is SSE with
 each event's type as its `event:` name, as OpenAI sends it, and no `[DONE]`.
 """
@@ -18,7 +18,7 @@ from lmi_serve.dialects.openai.errors import render_kind
 from lmi_serve.dialects.openai.responses.request import ResponsesRequest
 from lmi_serve.dialects.openai.responses.service import ResponsesService
 from lmi_serve.dialects.openai.responses.store import ResponseStore, find
-from lmi_serve.dialects.openai.routes import generation_target, openai_service
+from lmi_serve.dialects.openai.model_choice import generation_target, openai_service
 from lmi_serve.dialects.openai.schema import parse
 from lmi_serve.errors import InvalidRequest, ServingError
 from lmi_serve.json_body import InvalidJson
