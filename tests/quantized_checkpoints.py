@@ -110,6 +110,3 @@ def quantized_checkpoint(tmp_path: Path, name: str) -> tuple[Path, Path]:
     config["quantization_config"] = quant_config
     (quantized_dir / "config.json").write_text(json.dumps(config))
     return quantized_dir, reference_dir
-
-
-FOUR_BIT = ("awq", "gptq-v1-desc_act", "gptq-v1-g64", "ct-w4a16")  # the formats with a Q4 form

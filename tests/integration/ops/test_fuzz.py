@@ -38,7 +38,7 @@ ALLOWED_5XX = {
 ANTHROPIC_ALLOWED_5XX = {529: "waiting queue full, Anthropic's overloaded_error (docs/anthropic.md, Errors)"}
 TRITON_ALLOWED_5XX = {501: "unsupported Content-Encoding on /infer (docs/triton.md: 501 Unsupported compression type)"}
 # Examples per route: generation routes cost a prefill and two tokens for each accepted request.
-EXAMPLES = {"cheap": 100, "generation": 40}
+EXAMPLES = {"cheap": 100, "generation": 30}  # 30: fourteen generation routes now, each example a prefill and tokens
 GENERATION = {"/invocations", f"/predictions/{TEXT_MODEL}", "/", "/generate", "/generate_stream",
               "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
               f"/v2/models/{TEXT_MODEL}/versions/1/infer", f"/v2/models/{TEXT_MODEL}/generate",
