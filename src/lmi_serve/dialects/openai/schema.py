@@ -43,6 +43,14 @@ REJECTED_FIELDS = {
 }
 
 
+def non_empty_stops(value):
+    """`stop` as given (a string or a list of them), after checking no stop string is empty."""
+    stops = [value] if isinstance(value, str) else value or []
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return value
+
+
 class _Lenient(BaseModel):
     """Unknown fields are kept aside (and logged by `parse`), not rejected."""
 
@@ -72,10 +80,7 @@ class SamplingFields(_Lenient):
     @field_validator("stop")
     @classmethod
     def _non_empty_stops(cls, value):
-        stops = [value] if isinstance(value, str) else value or []
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return value
+        return non_empty_stops(value)
 
     @field_validator("logit_bias")
     @classmethod

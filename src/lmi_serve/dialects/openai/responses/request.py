@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lmi_serve.dialects.openai.schema import INT64_MAX, INT64_MIN
+from lmi_serve.dialects.openai.schema import INT64_MAX, INT64_MIN, non_empty_stops
 from lmi_serve.errors import InvalidRequest
 
 # field -> (why it cannot be honoured, the values that ask for nothing and are accepted); schema.parse
@@ -183,10 +183,7 @@ class ResponsesRequest(_Lenient):
     @field_validator("stop")
     @classmethod
     def _non_empty_stops(cls, value):
-        stops = [value] if isinstance(value, str) else value or []
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return value
+        return non_empty_stops(value)
 
     @model_validator(mode="after")
     def _rules(self):
