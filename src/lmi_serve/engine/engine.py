@@ -54,6 +54,7 @@ class EngineStats:
     max_batch_size: int
     mixed_steps: int  # steps whose joiners' prompts rode in the decode forward (kv/mixed.py)
     phases: PhaseTimes  # where the steps' time went (phases.py): seconds and counts per phase
+    kv_cache_bytes: int = 0  # K/V storage the running rows held at the last step's end
     prefix_cache: PrefixStats | None = None  # with prefix caching: lookups, hits, tokens reused, memory
     speculation: SpeculationStats | None = None  # with n-gram speculation: verifying steps, drafts, accepted
 
@@ -221,6 +222,7 @@ class Engine:
                            prefills=s.prefills, admitted=s.admitted, largest_batch=s.largest_batch,
                            failed_steps=s.failed_steps, max_batch_size=self.scheduler.max_batch_size,
                            mixed_steps=s.mixed_steps, phases=self.scheduler.phases.snapshot(),
+                           kv_cache_bytes=s.kv_cache_bytes,
                            prefix_cache=replace(prefixes.stats) if prefixes is not None else None,
                            speculation=replace(speculation.stats) if speculation is not None else None)
 

@@ -75,6 +75,7 @@ class SchedulerStats:
     largest_batch: int = 0
     failed_steps: int = 0
     mixed_steps: int = 0  # steps whose prompts rode in the decode forward (`_mixed_step`)
+    kv_cache_bytes: int = 0  # K/V storage the batch held at the last step's end (kv/protocol.py held_bytes)
 
 
 class Scheduler:
@@ -272,10 +273,11 @@ class Scheduler:
     def _report(self, decoded: int) -> None:
         prefixes = self.prefixes.stats if self.prefixes is not None else PrefixStats()
         speculated = self.speculation.stats if self.speculation is not None else SpeculationStats()
+        self.stats.kv_cache_bytes = held_bytes(self.batch.kv if self.batch else None)
         self.observer.step_finished(StepReport(
             batch_size=decoded, running=self.running, waiting=len(self.waiting) + len(self.beams.waiting),
             prefix_query_tokens=prefixes.prompt_tokens, prefix_hit_tokens=prefixes.hit_tokens,
-            prefix_cache_bytes=prefixes.bytes, kv_cache_bytes=held_bytes(self.batch.kv if self.batch else None),
+            prefix_cache_bytes=prefixes.bytes, kv_cache_bytes=self.stats.kv_cache_bytes,
             draft_tokens=speculated.draft_tokens, accepted_draft_tokens=speculated.accepted_tokens))
 
     def _admit_beams(self) -> None:

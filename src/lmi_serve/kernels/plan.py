@@ -30,6 +30,7 @@ from typing import Any, Callable
 from torch import nn
 
 from lmi_serve.kernels.attention import use_decode_kernel
+from lmi_serve.kernels.footprint import WeightFootprint, weight_footprint
 from lmi_serve.kernels.host import Host
 from lmi_serve.kernels.layers import linear_kernels as linear
 from lmi_serve.kernels.layers.fused_norms import FusedRMSNorm
@@ -59,6 +60,7 @@ class KernelPlan:
     uses: dict[str, str] = field(default_factory=dict)
     quantized: QuantizeReport | None = None
     linear: linear.LinearKernelReport | None = None
+    memory: WeightFootprint | None = None  # the weights' bytes in the forms the plan left (footprint.py)
 
     def describe(self) -> dict[str, Any]:
         """The plan as JSON (GET /models/<m>, the engine section's `kernels`)."""
@@ -104,6 +106,8 @@ def plan_kernels(model: nn.Module, config: Any, host: Host, *, device: Any, gene
         _step(plan, "decode_attention", lambda: use_decode_kernel(model, on),
               lambda kernel: "the decode kernel" if kernel else f"SDPA ({why_not})")
     plan.uses = kernel_uses(model, plan, config, generates)
+    row_copies = report.row_kernel.nbytes if report.row_kernel is not None else 0
+    plan.memory = weight_footprint(model, row_copies)
     return plan
 
 

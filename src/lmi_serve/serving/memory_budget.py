@@ -9,6 +9,9 @@ model that would not fit is refused instead of the container being OOM-killed.
                cgroups' v2 memory.max and v1 memory.limit_in_bytes, else MemTotal)
     fits     = the estimates of the models loaded + this one <= limit
 
+Once a model has loaded, what it holds grows by the row kernel's copies of its fp32 Linear weights
+(multi_model.kernel_copies; kernels/footprint.py), known only after the kernel plan ran on this host.
+
 On a CPU the K/V grows with the rows' real lengths instead of being reserved up front, so the K/V term
 is an allowance for a busy model, not its worst case (every row at the full context).
 """
@@ -143,6 +146,10 @@ class MemoryBudget:
         """Count `estimate` bytes for `name` whatever the limit (a model already in memory)."""
         with self._lock:
             self._held[name] = estimate
+
+    def held(self, name: str) -> int:
+        with self._lock:
+            return self._held.get(name, 0)
 
     def release(self, name: str) -> None:
         with self._lock:

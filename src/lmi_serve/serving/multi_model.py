@@ -57,7 +57,7 @@ class ModelLoader:
             for name in self.loaded_at_startup:
                 service = self.registry.services.get(name)
                 if service is not None:
-                    self.budget.hold(name, estimate(service.config))
+                    self.budget.hold(name, estimate(service.config) + kernel_copies(service))
 
     def load(self, name: str, url: str) -> ModelService:
         """Load the model in folder `url` as `name` and serve it; raises the kind the dialect renders."""
@@ -96,6 +96,7 @@ class ModelLoader:
             self.budget.release(name)
             _give_memory_back()
             raise
+        self.budget.hold(name, self.budget.held(name) + kernel_copies(service))  # now that they are known
         self.registry.add(service)
         self.urls[name] = url
         heap.settle()
@@ -149,6 +150,13 @@ def estimate(config: ModelConfig) -> int:
     if (config.task or "text-generation") in ("text-generation", "text2text-generation"):
         total += max((kv_bytes(f / "config.json", config.max_rolling_batch_size, dtype) for f in folders), default=0)
     return total
+
+
+def kernel_copies(service: ModelService) -> int:
+    """The bytes a loaded model holds beyond its weights at the load dtype: the row kernel's copies
+    (kernels/footprint.py), which the estimate before loading cannot know (they depend on the host)."""
+    footprint = getattr(service.kernels, "memory", None)
+    return footprint.row_copies if footprint is not None else 0
 
 
 def _give_memory_back() -> None:

@@ -19,6 +19,7 @@ from lmi_serve.dialects.lmi.errors import error_response
 from lmi_serve.engine.adapters import AdapterExists, SourceRefused
 from lmi_serve.errors import InvalidRequest
 from lmi_serve.handler_api import Input, Output
+from lmi_serve.serving.memory_report import ModelMemory, model_memory
 from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService, ModelStatus
 
@@ -177,6 +178,8 @@ def _describe(service: ModelService) -> dict:
         if stats else None,
         # the worker's CPU threads: how many, and which limit decided them (cpu_budget.py)
         **({"cpuThreads": current_app.config["CPU_THREADS"]} if "CPU_THREADS" in current_app.config else {}),
+        # the worker's resident bytes and this model's parts of them (serving/memory_report.py)
+        "memory": _memory(model_memory(service)),
         # what runs the forward on this host (kernels/plan.py): in the engine section, or alone for an encoder
         **({"engine": {**_engine_stats(service.engine.stats()), **_kernels(service)}} if service.engine
            else _kernels(service)),
@@ -184,6 +187,13 @@ def _describe(service: ModelService) -> dict:
         **({"adapters": [a.describe() for a in service.engine.adapters.list()]}
            if getattr(service.engine, "adapters", None) is not None else {}),
     }
+
+
+def _memory(memory: ModelMemory) -> dict:
+    parts = {"weightsBytes": memory.weights, "rowKernelCopiesBytes": memory.row_copies,
+             "kvCacheBytes": memory.kv_cache, "prefixCacheBytes": memory.prefix_cache,
+             "prefixCacheBudgetBytes": memory.prefix_cache_budget}
+    return {"workerResidentBytes": memory.resident, **{k: v for k, v in parts.items() if v is not None}}
 
 
 def _kernels(service: ModelService) -> dict:

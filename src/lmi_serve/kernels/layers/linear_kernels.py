@@ -94,6 +94,11 @@ class OneDnnLinear(nn.Module):
         """The weight [out, in] as a plain tensor (a copy: the packed one is opaque)."""
         return self._packed.to_dense()
 
+    def stored_bytes(self) -> int:
+        """Its packed weight and bias (kernels/footprint.py); the row kernel's copy is counted apart."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self._packed.numel() * self._packed.element_size() + bias
+
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=onednn, {dtype}"

@@ -60,6 +60,14 @@ def test_models_listing_and_description(default_server):
     assert set(kernels["kernels"]) >= {"row", "decode_attention", "column_copy"} and "bf16" in kernels["host"]
     embedding = requests.get(default_server.url(f"/models/{EMBEDDING_MODEL}"), timeout=10).json()[0]["models"][0]
     assert "decode_attention" not in [step["name"] for step in embedding["kernels"]["steps"]]
+    # the worker's resident memory and this model's parts of it (serving/memory_report.py): SmolLM2-135M's
+    # ~135M weights in fp32 (the GGUF dequantized), its row-kernel copies, the prefix cache within its bound
+    memory = entry["memory"]
+    assert 135e6 * 4 * 0.9 < memory["weightsBytes"] < 135e6 * 4 * 1.5
+    assert memory["workerResidentBytes"] > memory["weightsBytes"] + memory["rowKernelCopiesBytes"]
+    assert memory["kvCacheBytes"] >= 0 and memory["prefixCacheBudgetBytes"] == 512 * 2**20
+    assert 0 <= memory["prefixCacheBytes"] <= memory["prefixCacheBudgetBytes"]
+    assert embedding["memory"]["weightsBytes"] > 0 and "kvCacheBytes" not in embedding["memory"]
 
 
 def test_greedy_capital_of_france(default_server):
