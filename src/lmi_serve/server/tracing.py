@@ -113,14 +113,16 @@ def finish_reasons(tally: RequestTally) -> list[str]:
 
 
 def outcome(status: int, tally: RequestTally) -> str:
-    """`error` (a 5xx, or a generation that failed, a stream's after its 200 included), `client_error`
-    (a 4xx: refused input, an unknown model, a full queue on TGI's routes), `cancelled` (the client
-    left), else `ok`."""
-    if status >= 500 or FinishReason.ERROR in tally.finish_reasons:
+    """`error` (a 5xx, or a generation that failed, a stream's after its 200 included), `cancelled`
+    (the client left: a 499, a sequence cancelled, or a stream that closed before its sequences
+    ended, whose cancellation the engine takes at its next step), `client_error` (any other 4xx:
+    refused input, an unknown model, a full queue on TGI's routes), else `ok`."""
+    reasons = tally.finish_reasons
+    if status >= 500 or FinishReason.ERROR in reasons:
         return "error"
-    if status >= 400:
-        return "client_error"
-    return "cancelled" if FinishReason.CANCELLED in tally.finish_reasons else "ok"
+    if status == 499 or FinishReason.CANCELLED in reasons or len(reasons) < tally.sequences:
+        return "cancelled"
+    return "client_error" if status >= 400 else "ok"
 
 
 def span_attributes(values: dict[str, Any], tally: RequestTally, dialect: str,

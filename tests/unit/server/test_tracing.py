@@ -136,13 +136,15 @@ def test_get_requests_and_unsampled_parents_make_no_span(memory):
     assert spans() == {}
 
 
-@pytest.mark.parametrize(("status", "reasons", "expected"), [
-    (200, [FinishReason.EOS_TOKEN, FinishReason.LENGTH], "ok"), (200, [], "ok"),
-    (200, [FinishReason.LENGTH, FinishReason.CANCELLED], "cancelled"), (200, [FinishReason.ERROR], "error"),
-    (503, [], "error"), (429, [], "client_error"), (400, [], "client_error"),
+@pytest.mark.parametrize(("status", "sequences", "reasons", "expected"), [
+    (200, 2, [FinishReason.EOS_TOKEN, FinishReason.LENGTH], "ok"), (200, 0, [], "ok"),
+    (200, 2, [FinishReason.LENGTH, FinishReason.CANCELLED], "cancelled"),
+    (200, 1, [], "cancelled"),  # a stream closed before its sequence ended: the client left
+    (499, 1, [FinishReason.CANCELLED], "cancelled"), (200, 1, [FinishReason.ERROR], "error"),
+    (503, 0, [], "error"), (429, 0, [], "client_error"), (400, 0, [], "client_error"),
 ])
-def test_outcome(status, reasons, expected):
-    assert outcome(status, RequestTally(finish_reasons=reasons)) == expected
+def test_outcome(status, sequences, reasons, expected):
+    assert outcome(status, RequestTally(sequences=sequences, finish_reasons=reasons)) == expected
 
 
 def test_a_workers_exit_exports_the_spans_still_queued_over_otlp_http(monkeypatch):
