@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -83,19 +84,25 @@ def check_request_span(found: dict, parent: str, route: str, dialect: str, promp
 
 
 def test_an_openai_stream_and_an_lmi_request_continue_their_callers_traces(server, otlp_receiver, openai_client):
+    """The two requests run at once (one batch, and two spans that must not mix)."""
     chat_trace, chat_parent, chat_header = caller()
-    stream = openai_client(server, strict=False).chat.completions.create(
-        model=LLM, messages=[{"role": "user", "content": f"Say {SECRET} twice."}], max_tokens=8, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-        extra_headers={"traceparent": chat_header, "x-request-id": "trace-chat-1"})
-    chunks = list(stream)
+    lmi_trace, lmi_parent, lmi_header = caller()
+
+    def lmi_request() -> requests.Response:
+        return requests.post(server.url("/invocations"), timeout=120,
+                             headers={"traceparent": lmi_header, "x-request-id": "trace-lmi-1"}, json={
+            "inputs": f"Tell me about {SECRET}.", "parameters": {"max_new_tokens": 6, "details": True}})
+
+    with ThreadPoolExecutor(1) as pool:
+        lmi_answer = pool.submit(lmi_request)
+        stream = openai_client(server, strict=False).chat.completions.create(
+            model=LLM, messages=[{"role": "user", "content": f"Say {SECRET} twice."}], max_tokens=8, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+            extra_headers={"traceparent": chat_header, "x-request-id": "trace-chat-1"})
+        chunks = list(stream)
+        answer = lmi_answer.result()
     usage = chunks[-1].usage
     chat_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-    lmi_trace, lmi_parent, lmi_header = caller()
-    answer = requests.post(server.url("/invocations"), timeout=120,
-                           headers={"traceparent": lmi_header, "x-request-id": "trace-lmi-1"}, json={
-        "inputs": f"Tell me about {SECRET}.", "parameters": {"max_new_tokens": 6, "details": True}})
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert requests.get(server.url("/ping"), headers={"traceparent": caller()[2]}, timeout=30).status_code == 200
