@@ -78,7 +78,8 @@ def check_request_span(found: dict, parent: str, route: str, dialect: str, promp
     assert span.start_time_unix_nano < first.time_unix_nano <= finish.time_unix_nano <= span.end_time_unix_nano
     prefill, decode = found["prefill"], found["decode"]
     assert prefill.parent_span_id == decode.parent_span_id == span.span_id
-    assert span.start_time_unix_nano <= prefill.start_time_unix_nano < prefill.end_time_unix_nano == first.time_unix_nano
+    assert span.start_time_unix_nano <= prefill.start_time_unix_nano < prefill.end_time_unix_nano
+    assert prefill.end_time_unix_nano == first.time_unix_nano
     assert (decode.start_time_unix_nano, decode.end_time_unix_nano) == (first.time_unix_nano, finish.time_unix_nano)
     return facts
 
