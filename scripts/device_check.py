@@ -45,6 +45,7 @@ DROPPED = {
     "boto3": "S3 model sources only (accelerate imports it only where it is installed)",
     "numpy": "any numpy transformers accepts; the image's torch build has its own",
     "numba": "the CPU decode attention kernel only (kernels/cpu/decode_kernel.py; without it SDPA attends)",
+    "opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http": "the HTTP server's traces only (server/tracing.py)",
 }
 IMAGE_ROOTS = ("torch",)
 NOT_CARRIED = {"numpy", "typing-extensions"}  # the image has them; their wheels are large or torch-bound

@@ -20,6 +20,7 @@ FILES = {
     "tiny_vlm": ROOT / "tests" / "tiny_vlm.py",
     "tp_model": ROOT / "tests" / "tp_model.py",
     "engine_prompts": ROOT / "tests" / "unit" / "engine" / "engine_prompts.py",
+    "otlp_receiver": ROOT / "tests" / "otlp_receiver.py",
 }
 
 

@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -197,7 +198,19 @@ class ServerConfig(BaseModel):
     model_url_root: str = "/opt/ml/models"  # the folder POST /models may load from (SageMaker's)
     # The server's CPU threads at most (option.cpu_threads; cpu_budget.py: the quota and affinity may lower it)
     cpu_threads: int | None = Field(None, ge=1)
+    # OpenTelemetry traces (server/tracing.py): the OTLP/HTTP endpoint spans go to; None: no tracing
+    otlp_traces_endpoint: str | None = None
     models: tuple[ModelConfig, ...] = ()
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("is not an http(s) URL: OTLP/HTTP's full traces URL, such as "
+                                 "http://collector:4318/v1/traces")
+        return url
 
     @field_validator("models")
     @classmethod

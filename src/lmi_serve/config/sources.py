@@ -40,10 +40,11 @@ PORT (SAGEMAKER_BIND_TO_PORT also means host 0.0.0.0 unless a host was given); w
 SAGEMAKER_NUM_MODEL_WORKERS, SERVING_MAX_WORKERS; max_request_size <- option.max_request_bytes
 (below), SAGEMAKER_MAX_REQUEST_SIZE (bytes), SAGEMAKER_MAX_PAYLOAD_IN_MB (MiB); threads <- SERVING_THREADS; cache_dir <-
 LMI_SERVE_CACHE_DIR; graceful_timeout <- SERVING_GRACEFUL_TIMEOUT (seconds a SIGTERM leaves in-flight
-requests to finish, drain.py).
+requests to finish, drain.py); otlp_traces_endpoint <- option.otlp_traces_endpoint (below), then
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (tracing, server/tracing.py).
 
 Server-wide ``option.*`` keys (access control, security.py; ``option.max_request_bytes``;
-``option.cpu_threads``, cpu_budget.py) are read from the models' options (serving.properties, else
+``option.cpu_threads``, cpu_budget.py; ``option.otlp_traces_endpoint``) are read from the models' options (serving.properties, else
 ``OPTION_<KEY>``), else ``LMI_SERVE_<KEY>``; models that set one must agree.
 """
 
@@ -98,7 +99,8 @@ _OPTION_FIELDS: dict[str, str] = {
 # read from the models' options (security.py, and the body limit below)
 # Server-wide options of multi-model endpoints (serving/multi_model.py): the models' options may name them
 _MME_KEYS = frozenset({"multi_model", "mme_memory_limit", "model_url_root"})
-_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", "cpu_threads", *_MME_KEYS})
+_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", "cpu_threads", "otlp_traces_endpoint",
+                                  *_MME_KEYS})
 #: serving.properties keys that LMI also accepts without the ``option.`` prefix
 _BARE_KEYS = frozenset({"batch_size", "max_dynamic_batch_size", "max_batch_delay", "job_queue_size",
                         "minWorkers", "min_workers", "maxWorkers", "max_workers", "engine", "model_name"})
@@ -380,6 +382,11 @@ def _take_server_options(values: dict[str, Any], keys: dict[str, str], env: Mapp
     bare = _first(env, "OPTION_CPU_THREADS")
     if threads or bare:
         values["cpu_threads"], keys["cpu_threads"] = threads or (bare[1], bare[0])
+    # OpenTelemetry traces (server/tracing.py): our option first, then OpenTelemetry's own variable
+    otel = _first(env, "OPTION_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    endpoint = server_option("otlp_traces_endpoint", env, model_options) or (otel and (otel[1], otel[0]))
+    if endpoint:
+        values["otlp_traces_endpoint"], keys["otlp_traces_endpoint"] = endpoint
     # Keys stay out of what handlers receive (handler_properties) once they are digested here.
     values["models"] = tuple(m.model_copy(update={"options": {k: v for k, v in m.options.items()
                                                                if k not in _SECURITY_KEYS}})

@@ -7,15 +7,16 @@ the scheduler thread, so an observer must be quick: a histogram observe per toke
 
 `SequenceClock` keeps one sequence's times; its RequestHandle feeds it every event it pushes. A
 clock made while a `RequestTally` is current (`CURRENT_TALLY`, set by whoever serves one client
-request) also adds its sequence to that tally: the request's own counts and first-token time,
-read once the request is over (the access log).
+request) also adds its sequence to that tally: the request's own counts, times (admission, first
+token, last event) and how its sequences ended, read once the request is over (the access log, and
+the request's trace span: server/tracing.py).
 """
 
 from __future__ import annotations
 
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmi_serve.engine.types import FinishReason, TokenEvent
 from lmi_serve.errors import ServingError
@@ -74,13 +75,35 @@ class RequestTally:
     prompt_tokens: int = 0  # per sequence, as lmi_serve:prompt_tokens_total counts (n=2 counts twice)
     generated_tokens: int = 0
     submitted: float | None = None  # the first sequence's submission
+    admitted: float | None = None  # the earliest admission of any sequence into the batch
     first_token: float | None = None  # the earliest first token of any sequence
+    finished: float | None = None  # the last sequence's last event
+    finish_reasons: list[FinishReason] = field(default_factory=list)  # one per sequence ended, in order
+    error_kind: type[ServingError] | None = None  # the first failed sequence's kind
 
     def add(self, prompt_tokens: int, submitted: float) -> None:
         self.sequences += 1
         self.prompt_tokens += prompt_tokens
         if self.submitted is None or submitted < self.submitted:
             self.submitted = submitted
+
+    def admit(self, now: float) -> None:
+        if self.admitted is None or now < self.admitted:
+            self.admitted = now
+
+    def end(self, reason: FinishReason, now: float, error_kind: type[ServingError] | None) -> None:
+        self.finish_reasons.append(reason)
+        if error_kind is not None and self.error_kind is None:
+            self.error_kind = error_kind
+        if self.finished is None or now > self.finished:
+            self.finished = now
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """Submission to the first admission into the batch; None when no sequence was admitted."""
+        if self.admitted is None or self.submitted is None:
+            return None
+        return self.admitted - self.submitted
 
     @property
     def ttft_seconds(self) -> float | None:
@@ -113,6 +136,8 @@ class SequenceClock:
 
     def admit(self) -> None:
         self.admitted = time.monotonic()
+        if self.tally is not None:
+            self.tally.admit(self.admitted)
         self.observer.sequence_admitted(self.admitted - self.submitted)
 
     def event(self, event: TokenEvent) -> None:
@@ -134,6 +159,8 @@ class SequenceClock:
 
     def _finish(self, event: TokenEvent, now: float) -> None:
         failed = event.finish_reason is FinishReason.ERROR
+        if self.tally is not None:
+            self.tally.end(event.finish_reason, now, event.error_kind if failed else None)
         self.observer.sequence_finished(SequenceReport(
             finish_reason=event.finish_reason, error_kind=event.error_kind if failed else None,
             prompt_tokens=self.prompt_tokens, generated_tokens=self.tokens, e2e_seconds=now - self.submitted,

@@ -8,12 +8,16 @@ sequence of the rolling batch (health, metadata, embeddings, dynamic batching, b
 Nothing a client sent is written: no text, no headers, no query; the one exception is SageMaker's own
 X-Amzn-SageMaker-Target-Model on a multi-model endpoint's invoke (`target_model`, the model archive
 InvokeEndpoint named, which AWS forwards for logging), on those lines only.
+
+The same record (the line's values, the tally, the clock) then goes to `then`, when given: the
+request's trace span (server/tracing.py) is made from it, so nothing is counted twice.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Response, g, request
@@ -38,9 +42,13 @@ def request_torn_down() -> None:
         CURRENT_TALLY.reset(token)
 
 
-def response_ready(response: Response) -> None:
+#: After the line is written: (its values, the tally, the request's start, its end), times time.monotonic()
+RequestOver = Callable[[dict[str, Any], RequestTally, float, float], None]
+
+
+def response_ready(response: Response, then: RequestOver | None = None) -> None:
     """after_request: write the line when the response is closed (after its last byte, or when the
-    client went away), with what is known now (the request context is gone by then)."""
+    client went away), with what is known now (the request context is gone by then); then call `then`."""
     started = g.get("access_started")
     if started is None:
         return
@@ -50,7 +58,7 @@ def response_ready(response: Response) -> None:
     if g.get("target_model"):
         fields["target_model"] = g.target_model
     tally = g.access_tally
-    response.call_on_close(lambda: write(fields, tally, started))
+    response.call_on_close(lambda: over(fields, tally, started, then))
 
 
 def line_fields(fields: dict[str, Any], tally: RequestTally, started: float, now: float) -> dict[str, Any]:
@@ -64,7 +72,10 @@ def line_fields(fields: dict[str, Any], tally: RequestTally, started: float, now
             "total_s": round(now - started, 6)}
 
 
-def write(fields: dict[str, Any], tally: RequestTally, started: float) -> None:
-    values = line_fields(fields, tally, started, time.monotonic())
+def over(fields: dict[str, Any], tally: RequestTally, started: float, then: RequestOver | None) -> None:
+    now = time.monotonic()
+    values = line_fields(fields, tally, started, now)
     text = " ".join(f"{key}={'-' if value is None else value}" for key, value in values.items())
     log.info(text, extra=values)
+    if then is not None:
+        then(values, tally, started, now)

@@ -80,9 +80,22 @@ def count_response(metrics: ServingMetrics, response: Response) -> None:
                            g.get("error_kind"))
 
 
+def start_tracing(app: Flask, config: ServerConfig):
+    """This worker's RequestTracing when an OTLP endpoint is configured (its module, and the
+    OpenTelemetry SDK, are imported only then); None otherwise."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    from lmi_serve.server.tracing import RequestTracing
+
+    tracing = app.extensions["lmi_serve.server.tracing"] = RequestTracing(config.otlp_traces_endpoint)
+    log.info("Worker %d: tracing to %s (OTLP/HTTP)", os.getpid(), config.otlp_traces_endpoint)
+    return tracing
+
+
 def install_request_hooks(app: Flask, config: ServerConfig, metrics: ServingMetrics, registry: ModelRegistry) -> None:
     """What runs around every view, in order: drain tracking, the request id, the access gate (API
-    keys), refusing new work after SIGTERM; afterwards the id echoed, the count and the access line.
+    keys), refusing new work after SIGTERM; afterwards the id echoed, the count, the access line and
+    the trace span (when tracing is on).
     GET /metrics is here too: it reads counter files only, so it answers while models load."""
 
     @app.get("/metrics")
@@ -106,11 +119,13 @@ def install_request_hooks(app: Flask, config: ServerConfig, metrics: ServingMetr
     def refuse_work_while_draining() -> None:
         drain.refuse_new_work(request.method)  # after SIGTERM: a POST is a 503 in its route's dialect
 
+    tracing = start_tracing(app, config)
+
     @app.after_request
     def echo_request_id(response: Response) -> Response:
         response.headers.setdefault("x-request-id", getattr(g, "request_id", ""))
         count_response(metrics, response)
-        access_log.response_ready(response)
+        access_log.response_ready(response, tracing.request_over() if tracing is not None else None)
         return response
 
     app.teardown_request(lambda exc: access_log.request_torn_down())

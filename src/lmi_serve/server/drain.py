@@ -115,16 +115,29 @@ class WorkerDrain:
                 service.engine.stop(reason, NotReady)
 
 
-def on_worker_sigterm(wsgi, stop_worker: Callable[[], None]) -> None:
-    """A worker's SIGTERM handler: drain the worker's app (`wsgi`: the Flask app, or boot.BootingApp
-    holding it), or, while the app is not built yet (nothing can be in flight), stop at once."""
+def app_extensions(wsgi) -> dict:
+    """The extensions of a worker's Flask app (`wsgi`: the app, or boot.BootingApp holding it); empty
+    while the app is not built yet."""
     app = getattr(wsgi, "app", None) or wsgi
-    extensions = getattr(app, "extensions", None) or {}
-    drain = extensions.get("lmi_serve.server.drain")
+    return getattr(app, "extensions", None) or {}
+
+
+def on_worker_sigterm(wsgi, stop_worker: Callable[[], None]) -> None:
+    """A worker's SIGTERM handler: drain the worker's app, or, while the app is not built yet
+    (nothing can be in flight), stop at once."""
+    drain = app_extensions(wsgi).get("lmi_serve.server.drain")
     if drain is None:
         stop_worker()
     else:
         drain.begin(stop_worker)
+
+
+def on_worker_exit(worker) -> None:
+    """gunicorn's worker_exit hook, in the worker once its loop has ended (drained, or stopped at
+    once): export the trace spans still queued (server/tracing.py), which would die with the process."""
+    tracing = app_extensions(getattr(worker, "wsgi", None)).get("lmi_serve.server.tracing")
+    if tracing is not None:
+        tracing.shutdown()
 
 
 class DrainingArbiter(Arbiter):

@@ -24,7 +24,7 @@ def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_di
     """gunicorn's settings for this server: the bind, workers and threads from the config, the
     timeouts, logging through logs.py, the hooks that keep multiprocess metrics right, and those
     that give each worker a slot and its own GPUs (gpus.py)."""
-    from lmi_serve.server import metrics
+    from lmi_serve.server import drain, metrics
 
     plan = gpu_plan or GpuPlan(config.workers)
 
@@ -52,6 +52,7 @@ def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_di
         # A dead worker's live gauges (running, waiting) must leave the sums; its counts stay.
         "child_exit": lambda server, worker: metrics.worker_exited(worker.pid),
         "on_exit": lambda server: metrics.remove_multiprocess_dir(metrics_dir),
+        "worker_exit": lambda server, worker: drain.on_worker_exit(worker),  # flush trace spans (tracing.py)
         # A worker's slot (a replacement takes the dead one's) and, after the fork, that slot's GPUs.
         "pre_fork": lambda server, worker: gpus.assign_slot(server, worker, plan),
         "post_fork": lambda server, worker: gpus.enter_slot(worker, plan),
