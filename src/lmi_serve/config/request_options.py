@@ -15,7 +15,7 @@ from lmi_serve.config.fields import Options, choice, parse_bool, text
 # `<think>` markers where the chat template or the vocabulary has them; none = all answer; vLLM's parser names.
 ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
 # How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
-ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 _CHOICES = {"reasoning_parser": get_args(ReasoningParser), "tool_call_parser": get_args(ToolCallParser)}
 
 
