@@ -28,6 +28,7 @@ from lmi_serve.engine.engine import Engine
 TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
 FAMILIES = {  # format -> its family's template
     "qwen3_coder": "Qwen3-Coder.jinja",
+    "openai": "openai-gpt-oss-120b.jinja",
 }
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -57,7 +58,7 @@ def history(tokenizer, calls: list[tuple[str, dict]]) -> str:
     """The family's template rendering an assistant turn that made `calls` (no generation prompt)."""
     turn = {"role": "assistant", "content": "", "tool_calls": [
         {"id": CALL_ID, "type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
-    before = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True)
+    before = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], tokenize=False)
     after = tokenizer.apply_chat_template([*QUESTION, turn], tools=[WEATHER, TIME], tokenize=False)
     assert after.startswith(before)
     return after[len(before):]
@@ -107,6 +108,112 @@ def test_qwen3_coder_values_are_typed_and_text_stays_content():
         {"a": 12, "b": True, "c": "line one\nline two", "d": {"x": [1]}}
     for other in ("Hello", text[:-3], "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"):
         assert chat.parse_tool_calls(other, fmt).content == other
+
+
+# ---- gpt-oss harmony: channels split into reasoning, calls and content ------------------------------
+
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final"
+                  "<|message|>It is sunny.")
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+
+
+def _split_in_pieces(text: str, cuts: list[int]):
+    from lmi_serve.dialects.common import reasoning
+
+    splitter = reasoning.splitter(reasoning.HARMONY, "maybe")
+    parts = [splitter.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [splitter.finish()]
+    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+
+
+@pytest.mark.parametrize("text", [HARMONY_ANSWER, HARMONY_CALL, "Plain text, no harmony"])
+def test_harmony_output_splits_alike_in_any_pieces(text):
+    whole = _split_in_pieces(text, [])
+    assert _split_in_pieces(text, list(range(1, len(text)))) == whole  # a character at a time
+    for cut in range(1, len(text)):
+        assert _split_in_pieces(text, [cut]) == whole
+    if text is HARMONY_ANSWER:
+        assert whole == ("Let me think.", "It is sunny.")
+    elif text is HARMONY_CALL:
+        assert whole[0] == "Need the weather."
+        parsed = chat.parse_tool_calls(whole[1], FORMATS["openai"])
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == \
+            [("get_weather", '{"city": "Paris"}')]
+    else:
+        assert whole == ("", text)
+
+
+def test_harmony_raw_output_is_read_with_its_analysis_skipped():
+    fmt = FORMATS["openai"]
+    parsed = chat.parse_tool_calls(HARMONY_CALL, fmt)
+    assert parsed.content is None and parsed.tool_calls[0]["function"]["name"] == "get_weather"
+    assert chat.parse_tool_calls(HARMONY_ANSWER, fmt).content == HARMONY_ANSWER  # a final message is no call
+
+
+def test_harmony_markers_are_gpt_oss_tokens_in_the_grammar(smollm2_model_dir):
+    """With gpt-oss's special tokens in the vocabulary, the grammar takes them as those tokens and
+    the output, decoded with special tokens kept, parses as the call."""
+    from tokenizers import AddedToken
+
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    specials = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>", "<|return|>"]
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    fmt = FORMATS["openai"]
+    tokens = fmt.marker_tokens(tokenizer)
+    assert set(tokens) == set(fmt.markers)
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "auto"})
+    guided = chat.guided_decoding(request, fmt, tokens)
+    for text in ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
+                 'commentary json<|message|>{"city": "Paris"}',
+                 "<|channel|>final<|message|>It is sunny."):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(guided)._matcher
+        assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting(), text
+        decoded = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert decoded == text
+
+
+# ---- Mistral v11+: `[TOOL_CALLS]name[ARGS]{...}` ------------------------------------------------
+
+def _mistral_v11(smollm2_model_dir):
+    """SmolLM2's tokenizer holding v11's markers as special tokens, wearing Mistral Small 3.2's template."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("[TOOL_CALLS]", "[ARGS]")],
+                         special_tokens=True)
+    tokenizer.chat_template = (TEMPLATES / "Mistral-Small-3.2-24B-Instruct-2506.jinja").read_text()
+    return tokenizer
+
+
+def test_mistral_v11_calls_from_its_template_parse_stream_and_are_what_its_grammar_writes(smollm2_model_dir):
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    tokenizer, fmt = _mistral_v11(smollm2_model_dir), FORMATS["mistral"]
+    assert chat.tool_format_for(tokenizer).name == "mistral"
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"utc": True})]
+    written = history(tokenizer, calls).removesuffix(tokenizer.eos_token)  # `[TOOL_CALLS]f[CALL_ID]id[ARGS]{...}`
+    assert "[CALL_ID]" in written and "[ARGS]" in written
+    parsed = chat.parse_tool_calls(written, fmt)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
+
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'  # what v11 models write
+    stream, fragments = ToolCallStream(fmt), []
+    for end in range(1, len(text) + 1):
+        fragments += [d["function"]["arguments"] for d in stream.deltas(text[:end])]
+    assert len([f for f in fragments if f]) >= 3 and "".join(fragments) == '{"city": "Paris", "days": 3}'
+
+    tokens = fmt.marker_tokens(tokenizer)
+    assert set(tokens) == {"[TOOL_CALLS]", "[ARGS]"}
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required"})
+    guided = chat.guided_decoding(request, fmt, tokens)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert set(tokens.values()) <= set(ids)
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(guided)._matcher
+    assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    assert tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == text
 
 
 # ---- through OpenAIService on a tiny random-weights model ---------------------------------------
