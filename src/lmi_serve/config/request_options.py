@@ -12,10 +12,11 @@ from lmi_serve.config import chat_template
 from lmi_serve.config.fields import Options, choice, parse_bool, text
 
 # How a reasoning model's output splits into reasoning and answer (dialects/common/reasoning.py): auto =
-# `<think>` markers where the chat template or the vocabulary has them; none = all answer; vLLM's parser names.
-ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3"]
+# gpt-oss channels or `<think>` markers where the chat template or vocabulary has them; none = all answer;
+# vLLM's parser names.
+ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "openai_gptoss"]
 # How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
-ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai"]
 _CHOICES = {"reasoning_parser": get_args(ReasoningParser), "tool_call_parser": get_args(ToolCallParser)}
 
 
@@ -30,8 +31,9 @@ class RequestOptions(Options):
     tgi_compat: bool = Field(False, description="TGI-shaped bodies and errors on the LMI routes (rolling batch)")
     reasoning_parser: ReasoningParser = Field(
         "auto",
-        description="chat: the reasoning block returned as `reasoning_content` (`auto`: `<think>` markers when "
-                    "the chat template or vocabulary has them; `deepseek_r1`/`qwen3`: those markers; `none`: off)",
+        description="chat: the reasoning returned as `reasoning_content` (`auto`: gpt-oss channels or `<think>` "
+                    "markers, as the chat template or vocabulary shows; `deepseek_r1`/`qwen3`: `<think>` markers; "
+                    "`openai_gptoss`: gpt-oss's analysis channel; `none`: off)",
     )
     max_reasoning_tokens: int | None = Field(
         None, ge=1,

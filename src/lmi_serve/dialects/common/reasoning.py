@@ -25,11 +25,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Literal
 
+from lmi_serve.dialects.common import harmony
 from lmi_serve.engine.sampling.grammar import JSON_LAYOUT
 from lmi_serve.engine.types import GuidedDecoding
 
 Start = Literal["inside", "maybe", "answer"]
-PARSERS = ("auto", "none", "deepseek_r1", "qwen3")  # vLLM's names for the `<think>` families
+PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss")  # vLLM's names
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,12 @@ class Markers:
     open: str
     close: str
     tokens: bool = False  # both markers are tokens of their own (what a token budget needs)
+    harmony: bool = False  # gpt-oss channels (harmony.py), not a block between two markers
 
 
 THINK = ("<think>", "</think>")
+# gpt-oss: analysis messages are the reasoning; the tool format's grammar carries them (no wrapping)
+HARMONY = Markers(harmony.CHANNEL + "analysis" + harmony.MESSAGE, harmony.END, harmony=True)
 _detected: "weakref.WeakKeyDictionary[object, Markers | None]" = weakref.WeakKeyDictionary()
 
 
@@ -56,6 +60,8 @@ def markers(tokenizer, parser: str = "auto") -> Markers | None:
     says; None when its output is all answer."""
     if parser == "none":
         return None
+    if parser == "openai_gptoss":
+        return HARMONY
     try:
         cached = _detected[tokenizer]
     except (KeyError, TypeError):
@@ -63,6 +69,7 @@ def markers(tokenizer, parser: str = "auto") -> Markers | None:
         template = getattr(tokenizer, "chat_template", None)
         template = " ".join(template.values()) if isinstance(template, dict) else template or ""
         cached = Markers(*THINK, tokens=tokens) if tokens or THINK[0] in template else None
+        cached = HARMONY if harmony.CHANNEL in template else cached
         try:
             _detected[tokenizer] = cached
         except TypeError:  # not weak-referenceable: detected again next time
@@ -76,6 +83,8 @@ def markers(tokenizer, parser: str = "auto") -> Markers | None:
 def start_state(prompt: str, found: Markers | None) -> Start:
     if found is None:
         return "answer"
+    if found.harmony:
+        return "maybe"  # the output's messages tell
     tail = prompt.rstrip()
     if tail.endswith(found.open):
         return "inside"
@@ -152,11 +161,16 @@ class Splitter:
         return "".join(reasoning), "".join(content)
 
 
+def splitter(found: Markers | None, start: Start) -> Splitter | harmony.Splitter:
+    """The splitter of one choice's output (both kinds have `feed`, `finish`, `reasoning_tokens`)."""
+    return harmony.Splitter() if found is not None and found.harmony else Splitter(found, start)
+
+
 def split(text: str, found: Markers | None, start: Start) -> tuple[str, str]:
     """(reasoning, content) of a whole output."""
-    splitter = Splitter(found, start)
-    reasoning, content = splitter.feed(text, token=False)
-    rest = splitter.finish()
+    splitter_ = splitter(found, start)
+    reasoning, content = splitter_.feed(text, token=False)
+    rest = splitter_.finish()
     return reasoning + rest[0], content + rest[1]
 
 
@@ -181,7 +195,7 @@ def _lark_regex(pattern: str) -> str:
     return "/" + "".join(out) + "/"
 
 
-def _answer(guided: GuidedDecoding | None) -> str:
+def as_lark(guided: GuidedDecoding | None) -> str:
     """The original grammar as one Lark expression."""
     if guided is None:
         return "/(.|\\n)*/"
@@ -196,7 +210,7 @@ def wrap_grammar(guided: GuidedDecoding | None, found: Markers | None, start: St
                  budget: int | None = None) -> GuidedDecoding | None:
     """`guided` applying only after the reasoning block (None stays None unless a budget bounds the
     block). With `budget`, the block holds at most that many tokens; it needs `found.tokens`."""
-    if found is None or start == "answer" or (guided is None and budget is None):
+    if found is None or found.harmony or start == "answer" or (guided is None and budget is None):
         return guided
     if found.tokens:  # llguidance reads added tokens as special ones: `<name>` names them
         opening, closing = f"<{found.open[1:-1]}>", f"<{found.close[1:-1]}>"
@@ -211,4 +225,4 @@ def wrap_grammar(guided: GuidedDecoding | None, found: Markers | None, start: St
         head = f"start: {block} {_WS} answer"
     else:
         head = f"start: ({opening} {block} {_WS})? answer"
-    return GuidedDecoding(lark="\n".join([head, f"answer: {_answer(guided)}", *rules]) + "\n")
+    return GuidedDecoding(lark="\n".join([head, f"answer: {as_lark(guided)}", *rules]) + "\n")

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lmi_serve.dialects.common import guided
+from lmi_serve.dialects.common import guided, reasoning
 from lmi_serve.dialects.openai import tool_formats, vllm
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, NamedToolChoice, Tool
 from lmi_serve.dialects.openai.tool_formats.base import LAYOUT as _LAYOUT
@@ -168,29 +168,41 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
     fmt = tool_format or tool_formats.DEFAULT
     constraint = response_constraint(request)
     choice = request.effective_tool_choice
+    prefix, prefix_rules = fmt.answer_rules(marker_tokens)
     if constraint is not None and (not request.tools or choice == "none"):
-        return constraint
+        return _after(prefix, prefix_rules, constraint)
     if constraint is not None and constraint.json_schema is None:
         raise InvalidRequest("response_format: a regex cannot be combined with tools; use a JSON schema or "
                              "tool_choice none", param="response_format")
     schema = json.loads(constraint.json_schema) if constraint is not None else None
     if not request.tools:
         return None
+    # Free text: anything after the format's answer opening, else text that cannot start a call.
+    text = ["TEXT: /(.|\\n)*/"] if prefix else [text_rule(fmt.openers)]
     if choice == "none":  # tools are known to the conversation but must not be called
-        return GuidedDecoding(lark=f"start: TEXT\n{text_rule(fmt.openers)}\n")
+        return GuidedDecoding(lark="\n".join([f"start: {prefix} TEXT", *text, *prefix_rules]) + "\n")
     tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function["name"]]
     rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel, marker_tokens)
     if choice == "auto":
         if schema is not None:
-            rules.insert(0, f"start: calls | %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
+            rules.insert(0, f"start: calls | {prefix} %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
         else:
-            rules.insert(0, "start: calls | TEXT")
-            rules.append(text_rule(fmt.openers))
+            rules.insert(0, f"start: calls | {prefix} TEXT")
+            rules.extend(text)
+        rules.extend(r for r in prefix_rules if r not in rules)
     else:
         rules.insert(0, "start: calls")
     return GuidedDecoding(lark="\n".join(rules) + "\n")
+
+
+def _after(prefix: str, rules: list[str], constraint: GuidedDecoding | None) -> GuidedDecoding | None:
+    """`constraint` (None: any text) written after the format's answer opening `prefix` (none: as it is)."""
+    if not prefix:
+        return constraint
+    return GuidedDecoding(lark="\n".join([f"start: {prefix} answer", f"answer: {reasoning.as_lark(constraint)}",
+                                          *rules]) + "\n")
 
 
 @dataclass

@@ -63,9 +63,15 @@ class ChatReasoning:
 
     # ---- per choice -------------------------------------------------------------------------------
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must be decoded with special tokens kept (gpt-oss: every channel
+        marker is one)."""
+        return self.markers is not None and self.markers.harmony
+
     def _splitter(self, index: int) -> reasoning.Splitter:
         if index not in self._splitters:
-            self._splitters[index] = reasoning.Splitter(self.markers, self.start)
+            self._splitters[index] = reasoning.splitter(self.markers, self.start)
         return self._splitters[index]
 
     def split_event(self, index: int, event: TokenEvent) -> tuple[str, TokenEvent]:

@@ -23,7 +23,7 @@ from lmi_serve.dialects.openai.schema import ChatCompletionRequest, CompletionRe
 from lmi_serve.dialects.openai.templates import check_request_template
 from lmi_serve.engine.engine import Engine
 from lmi_serve.engine.generation import Generation
-from lmi_serve.engine.types import GenerationRequest, ImageInputs, TokenEvent
+from lmi_serve.engine.types import DetokenizeParams, GenerationRequest, ImageInputs, TokenEvent
 from lmi_serve.errors import GenerationFailed, InvalidRequest, ServingError
 
 Chunk = dict
@@ -68,6 +68,9 @@ def _guarded(chunks: Iterator[Chunk], generation: Generation) -> Iterator[Chunk]
         yield kind_body(exc)
     finally:
         generation.close()
+
+
+_KEEP_SPECIAL = DetokenizeParams(skip_special_tokens=False, spaces_between_special_tokens=False)
 
 
 @dataclass
@@ -139,6 +142,9 @@ class OpenAIService:
         if pictures is not None:  # every sequence of the request sees the same images
             requests = [replace(r, images=pictures) for r in requests]
         tools_enabled = bool(request.tools) and request.effective_tool_choice != "none"
+        if thinking.keeps_special_tokens or (tools_enabled and self.tool_format.keeps_special_tokens):
+            # The format's markers are special tokens its reader needs in the text (gpt-oss's channels).
+            requests = [replace(r, detokenize=_KEEP_SPECIAL) for r in requests]
         return PreparedChat(prompt, max_tokens, requests, thinking, tools_enabled, top)
 
     def chat(self, request: ChatCompletionRequest) -> Reply:

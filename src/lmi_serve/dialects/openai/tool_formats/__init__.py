@@ -2,6 +2,7 @@
 
 `option.tool_call_parser` names one (vLLM's names); otherwise the chat template tells, by the
 markers it writes: `[TOOL_CALLS]` Mistral, a pythonic call example Llama 3.2/4 pythonic,
+`<function=` Qwen3-Coder XML, `<|channel|>` gpt-oss harmony (`openai`),
 `<tool_call>` Hermes/Qwen, `<|python_tag|>` or the `"parameters"` call format Llama 3.x JSON.
 A template with none of them (or none at all) gets Hermes, the format most open models follow.
 """
@@ -9,20 +10,26 @@ A template with none of them (or none at all) gets Hermes, the format most open 
 from __future__ import annotations
 
 from lmi_serve.dialects.openai.tool_formats.base import Call, Scan, ToolFormat
+from lmi_serve.dialects.openai.tool_formats.harmony import Harmony
 from lmi_serve.dialects.openai.tool_formats.hermes import Hermes
 from lmi_serve.dialects.openai.tool_formats.llama3_json import Llama3Json
 from lmi_serve.dialects.openai.tool_formats.mistral import Mistral
 from lmi_serve.dialects.openai.tool_formats.pythonic import Pythonic
+from lmi_serve.dialects.openai.tool_formats.qwen3_coder import Qwen3Coder
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Pythonic())}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral(), Pythonic(), Qwen3Coder(),
+                                                  Harmony())}
 NAMES = tuple(FORMATS)
 DEFAULT = FORMATS["hermes"]
 
-# Checked in order: a Llama pythonic template also mentions the ipython environment, and a Qwen
-# template may quote JSON with "parameters" in its tool listing.
+# Checked in order: a Llama pythonic template also mentions the ipython environment, a Qwen
+# template may quote JSON with "parameters" in its tool listing, and Qwen3-Coder's XML calls sit
+# inside `<tool_call>` too.
 _MARKERS = (
+    ("openai", ("<|channel|>",)),
     ("mistral", ("[TOOL_CALLS]",)),
     ("pythonic", ("func_name1(", "[func_name(")),
+    ("qwen3_coder", ("<function=",)),
     ("hermes", ("<tool_call>",)),
     ("llama3_json", ("<|python_tag|>", '"parameters": dictionary', "\"parameters\": ' ")),
 )

@@ -133,11 +133,17 @@ class ToolFormat:
     streams_arguments: bool = True  # arguments are JSON text the model writes, so they stream as written
     markers: tuple[str, ...] = ()  # the marker texts the grammar writes, which a tokenizer may hold as tokens
     reads_markers: bool = False  # the parser needs the markers in the text (else it reads calls without them)
+    keeps_special_tokens: bool = False  # the output is decoded with special tokens kept (its markers are some)
 
     def calls_rules(self, tools, parallel: bool, tokens: Mapping[str, int] = NO_TOKENS) -> list[str]:
         """Lark rules defining `calls`: one call, or several where `parallel` and the format allow.
         `tokens`: the markers to write as the model's own tokens (`marker_tokens`)."""
         raise NotImplementedError
+
+    def answer_rules(self, tokens: Mapping[str, int] = NO_TOKENS) -> tuple[str, list[str]]:
+        """(Lark expression written before an answer that is not a call, the rules it uses): nothing
+        where an answer is bare text (it then must not start like a call); gpt-oss's final channel."""
+        return "", []
 
     def marker_tokens(self, tokenizer) -> dict[str, int]:
         """The format's markers that `tokenizer` holds as one added token each (Qwen's `<tool_call>`,

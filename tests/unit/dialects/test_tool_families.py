@@ -1,0 +1,255 @@
+"""Tool-call formats of today's open families (Qwen3-Coder XML, gpt-oss harmony, Mistral v11,
+DeepSeek V3.1, Granite), each against its family's published chat template
+(tests/fixtures/chat_templates/). The family's own shape is the template's: a call the template
+renders as history is what the format reads, and what the format's grammar makes a model write is
+the template's rendering of that call, byte for byte. Through OpenAIService on a tiny random-weights
+model, forced calls parse, validate against the tool schema, and stream in argument deltas that add
+up to the whole response."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionToolParam
+from transformers import AutoTokenizer
+
+from lmi_serve.dialects.openai import chat
+from lmi_serve.dialects.openai.schema import ChatCompletionRequest, parse
+from lmi_serve.dialects.openai.service import OpenAIService
+from lmi_serve.dialects.openai.tool_formats import FORMATS
+from lmi_serve.dialects.openai.tool_stream import ToolCallStream
+from lmi_serve.engine.engine import Engine
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
+FAMILIES = {  # format -> its family's template
+    "qwen3_coder": "Qwen3-Coder.jinja",
+    "openai": "openai-gpt-oss-120b.jinja",
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now",
+    "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+CALL_ID = "a1b2c3d4e"  # 9 letters and digits: Mistral's templates demand it
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smollm2_model_dir):
+    """SmolLM2's tokenizer (the tiny model's vocabulary) wearing each family's template."""
+    loaded = {}
+    for family, name in FAMILIES.items():
+        tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+        tokenizer.chat_template = (TEMPLATES / name).read_text()
+        loaded[family] = tokenizer
+    return loaded
+
+
+def history(tokenizer, calls: list[tuple[str, dict]]) -> str:
+    """The family's template rendering an assistant turn that made `calls` (no generation prompt)."""
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": CALL_ID, "type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
+    before = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], tokenize=False)
+    after = tokenizer.apply_chat_template([*QUESTION, turn], tools=[WEATHER, TIME], tokenize=False)
+    assert after.startswith(before)
+    return after[len(before):]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_template_implies_the_format(tokenizers, family):
+    assert chat.tool_format_for(tokenizers[family]).name == family
+    assert chat.tool_format_for(tokenizers[family], "hermes").name == "hermes"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_calls_the_template_renders_are_read_and_rendered_alike(tokenizers, family):
+    fmt = FORMATS[family]
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"utc": True})]
+    calls = calls if fmt.parallel else calls[:1]
+    written = history(tokenizers[family], calls)
+    assert fmt.render_calls(calls) in written  # the format writes what the template writes
+    turn = fmt.render_calls(calls)
+    parsed = chat.parse_tool_calls(turn, fmt)
+    assert parsed.content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                       for c in parsed.tool_calls] == calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_arguments_stream_in_deltas_that_add_up(family):
+    fmt = FORMATS[family]
+    text = fmt.render_calls([("get_weather", {"city": "Paris", "days": 3})])
+    stream, fragments, first = ToolCallStream(fmt), [], None
+    for end in range(1, len(text) + 1):
+        for delta in stream.deltas(text[:end]):
+            first = first or delta
+            fragments.append(delta["function"]["arguments"])
+    fragments += [d["function"]["arguments"] for d in stream.deltas(text, final=True)]
+    assert first["function"]["name"] == "get_weather" and first["id"] and first["index"] == 0
+    assert len([f for f in fragments if f]) >= 3  # a piece at a time, not one whole call at the end
+    assert "".join(fragments) == chat.parse_tool_calls(text, fmt).tool_calls[0]["function"]["arguments"]
+
+
+def test_qwen3_coder_values_are_typed_and_text_stays_content():
+    fmt = FORMATS["qwen3_coder"]
+    text = ("<tool_call>\n<function=f>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\nTrue\n</parameter>\n"
+            "<parameter=c>\nline one\nline two\n</parameter>\n<parameter=d>\n{\"x\": [1]}\n</parameter>\n"
+            "</function>\n</tool_call>")
+    parsed = chat.parse_tool_calls(text, fmt)
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == \
+        {"a": 12, "b": True, "c": "line one\nline two", "d": {"x": [1]}}
+    for other in ("Hello", text[:-3], "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"):
+        assert chat.parse_tool_calls(other, fmt).content == other
+
+
+# ---- gpt-oss harmony: channels split into reasoning, calls and content ------------------------------
+
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final"
+                  "<|message|>It is sunny.")
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+
+
+def _split_in_pieces(text: str, cuts: list[int]):
+    from lmi_serve.dialects.common import reasoning
+
+    splitter = reasoning.splitter(reasoning.HARMONY, "maybe")
+    parts = [splitter.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [splitter.finish()]
+    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+
+
+@pytest.mark.parametrize("text", [HARMONY_ANSWER, HARMONY_CALL, "Plain text, no harmony"])
+def test_harmony_output_splits_alike_in_any_pieces(text):
+    whole = _split_in_pieces(text, [])
+    assert _split_in_pieces(text, list(range(1, len(text)))) == whole  # a character at a time
+    for cut in range(1, len(text)):
+        assert _split_in_pieces(text, [cut]) == whole
+    if text is HARMONY_ANSWER:
+        assert whole == ("Let me think.", "It is sunny.")
+    elif text is HARMONY_CALL:
+        assert whole[0] == "Need the weather."
+        parsed = chat.parse_tool_calls(whole[1], FORMATS["openai"])
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == \
+            [("get_weather", '{"city": "Paris"}')]
+    else:
+        assert whole == ("", text)
+
+
+def test_harmony_raw_output_is_read_with_its_analysis_skipped():
+    fmt = FORMATS["openai"]
+    parsed = chat.parse_tool_calls(HARMONY_CALL, fmt)
+    assert parsed.content is None and parsed.tool_calls[0]["function"]["name"] == "get_weather"
+    assert chat.parse_tool_calls(HARMONY_ANSWER, fmt).content == HARMONY_ANSWER  # a final message is no call
+
+
+def test_harmony_markers_are_gpt_oss_tokens_in_the_grammar(smollm2_model_dir):
+    """With gpt-oss's special tokens in the vocabulary, the grammar takes them as those tokens and
+    the output, decoded with special tokens kept, parses as the call."""
+    from tokenizers import AddedToken
+
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    specials = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>", "<|return|>"]
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    fmt = FORMATS["openai"]
+    tokens = fmt.marker_tokens(tokenizer)
+    assert set(tokens) == set(fmt.markers)
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "auto"})
+    guided = chat.guided_decoding(request, fmt, tokens)
+    for text in ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
+                 'commentary json<|message|>{"city": "Paris"}',
+                 "<|channel|>final<|message|>It is sunny."):
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(guided)._matcher
+        assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting(), text
+        decoded = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert decoded == text
+
+
+# ---- Mistral v11+: `[TOOL_CALLS]name[ARGS]{...}` ------------------------------------------------
+
+def _mistral_v11(smollm2_model_dir):
+    """SmolLM2's tokenizer holding v11's markers as special tokens, wearing Mistral Small 3.2's template."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("[TOOL_CALLS]", "[ARGS]")],
+                         special_tokens=True)
+    tokenizer.chat_template = (TEMPLATES / "Mistral-Small-3.2-24B-Instruct-2506.jinja").read_text()
+    return tokenizer
+
+
+def test_mistral_v11_calls_from_its_template_parse_stream_and_are_what_its_grammar_writes(smollm2_model_dir):
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    tokenizer, fmt = _mistral_v11(smollm2_model_dir), FORMATS["mistral"]
+    assert chat.tool_format_for(tokenizer).name == "mistral"
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"utc": True})]
+    written = history(tokenizer, calls).removesuffix(tokenizer.eos_token)  # `[TOOL_CALLS]f[CALL_ID]id[ARGS]{...}`
+    assert "[CALL_ID]" in written and "[ARGS]" in written
+    parsed = chat.parse_tool_calls(written, fmt)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls] == calls
+
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'  # what v11 models write
+    stream, fragments = ToolCallStream(fmt), []
+    for end in range(1, len(text) + 1):
+        fragments += [d["function"]["arguments"] for d in stream.deltas(text[:end])]
+    assert len([f for f in fragments if f]) >= 3 and "".join(fragments) == '{"city": "Paris", "days": 3}'
+
+    tokens = fmt.marker_tokens(tokenizer)
+    assert set(tokens) == {"[TOOL_CALLS]", "[ARGS]"}
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required"})
+    guided = chat.guided_decoding(request, fmt, tokens)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert set(tokens.values()) <= set(ids)
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(guided)._matcher
+    assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    assert tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == text
+
+
+# ---- through OpenAIService on a tiny random-weights model ---------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, smollm2_tokenizer):
+    engine = Engine(tiny_model, smollm2_tokenizer, torch.device("cpu"), max_batch_size=8).start()
+    yield engine
+    engine.stop()
+
+
+def service_for(engine, tokenizer, family) -> OpenAIService:
+    service = OpenAIService(engine, "m", tool_call_parser=family)
+    service.tokenizer = tokenizer  # same vocabulary as the engine's; this family's template
+    return service
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forced_calls_are_the_templates_shape_parse_and_stream(engine, tokenizers, family):
+    service = service_for(engine, tokenizers[family], family)
+    body = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 50,
+            "temperature": 0, "parallel_tool_calls": False}
+    whole = service.chat(parse(ChatCompletionRequest, {**body, "logprobs": True})).body
+    text = "".join(t["token"] for t in whole["choices"][0]["logprobs"]["content"])  # what the model wrote
+    message = ChatCompletion.model_validate(whole).choices[0].message
+    assert whole["choices"][0]["finish_reason"] == "tool_calls" and message.content is None
+    (call,) = message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    # What the grammar made the model write is the template's own rendering of that call.
+    assert text.strip() in history(tokenizers[family], [(call.function.name, json.loads(call.function.arguments))])
+
+    chunks = list(service.chat(parse(ChatCompletionRequest, {**body, "stream": True})).chunks)
+    state = ChatCompletionStreamState(input_tools=[ChatCompletionToolParam(**WEATHER), ChatCompletionToolParam(**TIME)])
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
