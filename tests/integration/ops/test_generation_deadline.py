@@ -127,7 +127,6 @@ def cut(tiny_models_server, openai_client):
         futures = {name: pool.submit(call) for name, call in calls.items()}
         answers = {name: future.result() for name, future in futures.items()}
     answers["elapsed"] = time.monotonic() - started
-    print("DEADLINE-ELAPSED", answers["elapsed"], "counted-before", before)
     answers["counted"] = counted(server) - before
     answers["server"] = server
     return answers
