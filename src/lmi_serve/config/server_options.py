@@ -4,7 +4,9 @@ the process-wide settings are `ServerConfig`'s."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, field_validator
 
 from lmi_serve.config.fields import Options
 
@@ -18,6 +20,15 @@ class ServerOptions(Options):
             "seconds a request may wait + run (dynamic batch); may wait for a free row (rolling batch: once "
             "generating, it runs to the end)"
         ),
+    )
+    generation_deadline: float | None = Field(
+        None, gt=0,
+        description=(
+            "seconds a request may generate (rolling batch) before it ends with what it has: finish reason "
+            "`length`, header `X-LMI-Deadline-Exceeded` ([SageMaker's 60-second limit]"
+            "(operations.md#sagemakers-60-second-limit)); `off`: never"
+        ),
+        json_schema_extra={"doc_default": "`55` on a SageMaker real-time endpoint, else `off`"},
     )
     model_loading_timeout: float = Field(240.0, gt=0, description="seconds before a loading model counts as failed")
     job_queue_size: int = Field(1000, ge=1, description="waiting requests per model before 503 (TGI routes: 429)")
@@ -40,3 +51,11 @@ class ServerOptions(Options):
     )
     min_workers: int = Field(1, ge=0, description="validated; replicas are server-wide (below)")
     max_workers: int = Field(1, ge=1, description="validated; replicas are server-wide (below)")
+
+    @field_validator("generation_deadline", mode="before")
+    @classmethod
+    def _deadline_off(cls, value: Any) -> Any:
+        """`off` (or `none`, `false`, `0`) switches the deadline off, also where SageMaker would set one."""
+        if isinstance(value, str) and value.strip().lower() in ("off", "none", "false", "0", "0.0"):
+            return None
+        return None if value == 0 else value

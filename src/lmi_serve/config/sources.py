@@ -32,6 +32,7 @@ entry_point             OPTION_ENTRY_POINT, OPTION_ENTRYPOINT, DJL_ENTRY_POINT
 predict_timeout         OPTION_PREDICT_TIMEOUT, PREDICT_TIMEOUT, SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS
 model_loading_timeout   OPTION_MODEL_LOADING_TIMEOUT, MODEL_LOADING_TIMEOUT, SAGEMAKER_STARTUP_TIMEOUT
 name                    OPTION_MODEL_NAME
+generation_deadline     OPTION_GENERATION_DEADLINE; unset: 55 on SageMaker endpoints (sagemaker.py)
 (any other field)       OPTION_<FIELD>
 ======================  ==========================================================================
 
@@ -60,6 +61,7 @@ from lmi_serve.config.models import (
     KIND_NAMES, NOT_TAKEN, ConfigError, ModelConfig, ServerConfig, _validated, options_not_taken,
     tensor_parallel_conflict,
 )
+from lmi_serve.config.sagemaker import default_generation_deadline
 from lmi_serve.config.security import OPTION_KEYS as _SECURITY_KEYS
 from lmi_serve.config.sizes import parse_bytes
 from lmi_serve.config.security import SecurityError, build_security, server_option
@@ -221,6 +223,10 @@ def load_model_config(model_dir: Path | None, env: Mapping[str, str],
         values["name"] = model_dir.name if model_dir else _name_from_id(values.get("model_id") or "model")
         keys["name"] = "model_dir" if model_dir else keys.get("model_id", "name")
 
+    if "generation_deadline" not in values:  # SageMaker's real-time endpoints answer within 60 s
+        deadline = default_generation_deadline(env)
+        if deadline is not None:
+            values["generation_deadline"], keys["generation_deadline"] = deadline
     ignored = _leave_out_not_taken(values, keys, options, file_fields) if one_of_many else ()
     unknown = tuple(sorted(k for k in options if k not in _OPTION_FIELDS and k not in _KNOWN_WITHOUT_FIELD))
     data = {**values, "model_dir": str(model_dir) if model_dir else None,

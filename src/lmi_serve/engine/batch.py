@@ -10,6 +10,7 @@ neighbours, so a row's greedy output does not depend on the batch it runs in.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,13 +45,14 @@ class Row:
     token_ids: list[int] = field(default_factory=list)  # generated so far (banned sequences look back)
     watermark: Watermark | None = None  # the engine's watermark, when the request asks for one
     adapter_slot: int | None = None  # the LoRA slot its forwards use (engine/adapters.py); None: the base model
+    cutoff: float | None = None  # monotonic time its generation deadline ends it (RequestHandle.cutoff)
 
     def advance(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenEvent:
         """Account one chosen token: stop checks and detokenization, in that order."""
         self.generated += 1
         self.token_ids.append(token_id)
         stop = self.request.stop
-        finish = None
+        finish, cut = None, False
         if (token_id in stop.eos_token_ids and not stop.ignore_eos) or token_id in stop.stop_token_ids:
             finish, text = FinishReason.EOS_TOKEN, self.detokenizer.flush()
         else:
@@ -70,13 +72,16 @@ class Row:
             elif self.generated >= stop.max_new_tokens:
                 finish = FinishReason.LENGTH
                 text += self.detokenizer.flush()
+            elif self.cutoff is not None and time.monotonic() >= self.cutoff:  # ends as at its token limit
+                finish, cut = FinishReason.LENGTH, True
+                text += self.detokenizer.flush()
         self.finished = finish is not None
         alternatives = tuple(TopToken(t, self.token_text(t), lp, t in self.special_ids) for t, lp in top)
         prompt, self.prompt_tokens = self.prompt_tokens, None
         prompt_top, self.prompt_top_tokens = self.prompt_top_tokens, None
         stop_string = self.detokenizer.stopped_by if finish is FinishReason.STOP_SEQUENCE else None
         return TokenEvent(token_id, text, logprob, token_id in self.special_ids, finish, alternatives, prompt,
-                          prompt_top_tokens=prompt_top, stop_sequence=stop_string)
+                          prompt_top_tokens=prompt_top, stop_sequence=stop_string, deadline_cut=cut)
 
 
 def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constraint: Constraint | None = None,
@@ -87,7 +92,8 @@ def make_row(request: GenerationRequest, tokenizer, owner: Any = None, constrain
                                          skip_special_tokens=options.skip_special_tokens,
                                          spaces_between_special_tokens=options.spaces_between_special_tokens)
     return Row(request, detokenizer, lambda t: tokenizer.decode([t]), frozenset(tokenizer.all_special_ids), owner,
-               constraint=constraint, watermark=watermark, adapter_slot=adapter_slot)
+               constraint=constraint, watermark=watermark, adapter_slot=adapter_slot,
+               cutoff=getattr(owner, "cutoff", None))
 
 
 def _prompt_logprobs(logits: torch.Tensor, row: Row) -> None:

@@ -130,7 +130,7 @@ def build_engine(model: Any, tokenizer: Any, device: Any, config: ModelConfig, s
                     max_model_len=serving.max_model_len, name=config.name, watermark=watermark,
                     adapters=serving.adapters, kv_tokens=budget.tokens if budget is not None else None,
                     speculation=_speculation(config, serving.kv_layout), mixed_steps=mixed_steps(config, device),
-                    step_seconds=step_seconds(config, device))
+                    step_seconds=step_seconds(config, device), generation_deadline=config.generation_deadline)
     if tp_group is not None:
         tp_group.on_failure(engine.fail)  # a dead rank fails the model: /ping unhealthy, requests end
     return engine

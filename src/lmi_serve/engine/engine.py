@@ -66,14 +66,15 @@ class Engine:
                  prefix_cache: PrefixCache | None = None, watermark: Watermark | None = None,
                  adapters: Adapters | None = None, kv_tokens: int | None = None,
                  speculation: NgramSpeculation | None = None, mixed_steps: bool = True,
-                 step_seconds: float | None = None):
+                 step_seconds: float | None = None, generation_deadline: float | None = None):
         """`adapters`: the model's LoRA adapters (adapters.py; the model wrapped by model/lora.py), which
         requests name in `GenerationRequest.adapter`; None: LoRA is off and such requests are refused.
         `kv_tokens`: the K/V budget in tokens (kv/budget.py, on a GPU); None: no bound. `speculation`:
         n-gram drafts for a batch of one row (speculation.py); None: off. `mixed_steps`: joiners' prompts go
         through the running rows' decode forward where the KV layout can pack them (kv/mixed.py).
         `step_seconds`: what a step that prefills may take, its prompt-token budget paced to it (pace.py);
-        None: tokens alone."""
+        None: tokens alone. `generation_deadline`: seconds from submission after which a sequence ends
+        with what it has, LENGTH with `TokenEvent.deadline_cut` (beam searches excepted); None: never."""
         check_supported(model)  # UnsupportedModel: a model the engine would answer wrongly never loads
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.name = name
@@ -82,6 +83,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.max_model_len = capped_model_len(model, max_model_len)
         self.predict_timeout = predict_timeout
+        self.generation_deadline = generation_deadline
         self.vocab_size = vocab_size(model, tokenizer)  # the logits' width
         self.grammars = GrammarCompiler(tokenizer, max(self.vocab_size, len(tokenizer)), self.eos_token_ids)
         self.watermark = watermark  # None: requests asking for a watermark are refused
@@ -136,7 +138,9 @@ class Engine:
             raise InvalidRequest("This model is an encoder-decoder model: its prompt is the encoder's input, which "
                                  "gets no logprobs (decoder_input_details, prompt_logprobs, echo with logprobs)")
         constraint = self.grammars.constraint(request.guided) if request.guided is not None else None
-        deadline = time.monotonic() + self.predict_timeout if self.predict_timeout else None
+        now = time.monotonic()
+        deadline = now + self.predict_timeout if self.predict_timeout else None
+        cutoff = now + self.generation_deadline if self.generation_deadline else None
         if request.sampling.watermark and self.watermark is None:
             raise InvalidRequest("This model's engine has no watermark configured")
         if request.images is not None and not self.takes_images:
@@ -144,7 +148,7 @@ class Engine:
         watermark = self.watermark if request.sampling.watermark else None
         adapter = self._lease(request.adapter) if request.adapter is not None else None
         handle = RequestHandle(request, deadline, constraint, sink=sink, index=index, watermark=watermark,
-                               observer=self.observer, adapter=adapter, adapters=self.adapters)
+                               observer=self.observer, adapter=adapter, adapters=self.adapters, cutoff=cutoff)
         try:
             self.scheduler.add(handle)
         except BaseException:

@@ -27,12 +27,15 @@ class RequestHandle:
 
     def __init__(self, request: GenerationRequest, deadline: float | None, constraint=None, *,
                  sink: Sink | None = None, index: int = 0, watermark=None,
-                 observer: EngineObserver | None = None, adapter=None, adapters=None):
+                 observer: EngineObserver | None = None, adapter=None, adapters=None,
+                 cutoff: float | None = None):
         self.id = next(_ids)
         self.request = request
         self.constraint = constraint  # the engine's grammar state for a guided request
         self.watermark = watermark  # the engine's Watermark for a request that asks for one
         self.deadline = deadline  # monotonic time by which the request must have been admitted
+        # Monotonic time at which it ends with what it has (the generation deadline); None: never.
+        self.cutoff = cutoff
         self.submitted_at = time.monotonic()
         self.cancelled = False
         self.index = index
@@ -62,6 +65,10 @@ class RequestHandle:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
+
+    def cut_off(self, now: float) -> bool:
+        """Its generation deadline has passed."""
+        return self.cutoff is not None and now >= self.cutoff
 
     def __iter__(self) -> Iterator[TokenEvent]:
         """This handle's events, for a handle made alone (its sink is its own)."""

@@ -35,6 +35,7 @@ class SequenceReport:
     first_token_seconds: float | None  # submission to the first token
     decode_seconds: float | None  # first token to last token (for the time per output token)
     adapter: str | None = None  # the LoRA adapter it ran on (None: the base model)
+    deadline_cut: bool = False  # its generation deadline ended it (finish_reason LENGTH)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class RequestTally:
     finished: float | None = None  # the last sequence's last event
     finish_reasons: list[FinishReason] = field(default_factory=list)  # one per sequence ended, in order
     error_kind: type[ServingError] | None = None  # the first failed sequence's kind
+    deadline_cuts: int = 0  # sequences their generation deadline ended
 
     def add(self, prompt_tokens: int, submitted: float) -> None:
         self.sequences += 1
@@ -161,9 +163,12 @@ class SequenceClock:
         failed = event.finish_reason is FinishReason.ERROR
         if self.tally is not None:
             self.tally.end(event.finish_reason, now, event.error_kind if failed else None)
+        if event.deadline_cut and self.tally is not None:
+            self.tally.deadline_cuts += 1
         self.observer.sequence_finished(SequenceReport(
             finish_reason=event.finish_reason, error_kind=event.error_kind if failed else None,
             prompt_tokens=self.prompt_tokens, generated_tokens=self.tokens, e2e_seconds=now - self.submitted,
             queue_seconds=None if self.admitted is None else self.admitted - self.submitted,
             first_token_seconds=None if self.first is None else self.first - self.submitted,
-            decode_seconds=None if self.first is None else self.last - self.first, adapter=self.adapter))
+            decode_seconds=None if self.first is None else self.last - self.first, adapter=self.adapter,
+            deadline_cut=event.deadline_cut))

@@ -1,9 +1,10 @@
 """The rolling batch: a bounded waiting queue and the step loop that owns the model.
 
 Order of operations in `Scheduler.step`:
-1. drop cancelled requests and beam searches (waiting or running) and fail waiting requests past
-   their deadline; start waiting beam searches whose beams fit in the free rows (beams/jobs.py: the
-   first one waiting holds the free rows until it fits);
+1. drop cancelled requests and beam searches (waiting or running), fail waiting requests past
+   their deadline, and end those past their generation deadline still waiting or prefilling in chunks
+   (a running row ends at its next token: batch.py `Row.advance`); start waiting beam searches whose
+   beams fit in the free rows (beams/jobs.py: the first one waiting holds the free rows until it fits);
 2. admit waiting requests (first come, first served) while there are free rows and their prompt
    tokens fit the per-step prefill budget (less the prompts of beam searches starting this step):
    a prefill stalls every running row, so the budget bounds the longest gap between two tokens of
@@ -297,6 +298,9 @@ class Scheduler:
                 if handle.cancelled:
                     handle.push(TokenEvent.cancelled())
                     continue
+                if handle.cut_off(now):  # its generation deadline: it ends with nothing, as a request of 0 tokens
+                    handle.push(TokenEvent.deadline_reached())
+                    continue
                 if handle.expired(now):
                     handle.push(TokenEvent.failure(
                         f"Request waited {now - handle.submitted_at:.1f} s for a free slot, over predict_timeout",
@@ -304,8 +308,9 @@ class Scheduler:
                     continue
                 keep.append(handle)
             self.waiting = keep
-        if self.chunking is not None and self.chunking.row.owner.cancelled:
-            self.chunking.row.owner.push(TokenEvent.cancelled())
+        owner = self.chunking.row.owner if self.chunking is not None else None
+        if owner is not None and (owner.cancelled or owner.cut_off(now)):
+            owner.push(TokenEvent.cancelled() if owner.cancelled else TokenEvent.deadline_reached())
             self.chunking = None
         if self.batch:
             for row in self.batch.rows:

@@ -144,6 +144,8 @@ class TokenEvent:
     error: str | None = None
     error_kind: type[ServingError] = GenerationFailed  # with `error`: which kind of failure ended it
     stop_sequence: str | None = None  # with STOP_SEQUENCE: the stop string that ended it (Anthropic names it)
+    # With LENGTH: the request's generation deadline ended it (Engine `generation_deadline`), not its token limit.
+    deadline_cut: bool = False
 
     @classmethod
     def failure(cls, message: str, kind: type[ServingError] = GenerationFailed) -> "TokenEvent":
@@ -153,6 +155,12 @@ class TokenEvent:
         """Raise this event's failure as its kind, if it is one."""
         if self.error is not None:
             raise self.error_kind(self.error)
+
+    @classmethod
+    def deadline_reached(cls, text: str = "") -> "TokenEvent":
+        """Ends a request its generation deadline caught without a new token (waiting for a row, or
+        prefilling): LENGTH with `deadline_cut`, and `text` the detokenizer still held, if any."""
+        return cls(-1, text, 0.0, False, FinishReason.LENGTH, deadline_cut=True)
 
     @classmethod
     def cancelled(cls) -> "TokenEvent":
@@ -178,6 +186,11 @@ class GenerationResult:
     @property
     def error(self) -> str | None:
         return self.events[-1].error if self.events else None
+
+    @property
+    def deadline_cut(self) -> bool:
+        """The generation deadline ended it (finish_reason LENGTH)."""
+        return bool(self.events) and self.events[-1].deadline_cut
 
     @property
     def tokens(self) -> list[TokenEvent]:

@@ -1,8 +1,9 @@
 """The access log: one line per request once its response is over (a stream: when it ends).
 
 Fields: request_id, method, route (the URL rule, e.g. `/v2/models/<model>/infer`, never the query),
-model, status, prompt_tokens, generated_tokens, ttft_s, total_s. Tokens and the time to the first
-token are the engine's (observer.RequestTally: every sequence the request submitted, counted by
+model, status, prompt_tokens, generated_tokens, ttft_s, total_s, and `deadline_exceeded` (True) only on
+the lines of requests their generation deadline cut (option.generation_deadline). Tokens and the time to
+the first token are the engine's (observer.RequestTally: every sequence the request submitted, counted by
 their SequenceClocks), never a dialect's rendering; they are null for a request that ran no
 sequence of the rolling batch (health, metadata, embeddings, dynamic batching, beam search).
 Nothing a client sent is written: no text, no headers, no query; the one exception is SageMaker's own
@@ -65,11 +66,14 @@ def line_fields(fields: dict[str, Any], tally: RequestTally, started: float, now
     """The access line's fields, in their order."""
     counted = tally.sequences > 0
     ttft = tally.ttft_seconds
-    return {**fields,
+    line = {**fields,
             "prompt_tokens": tally.prompt_tokens if counted else None,
             "generated_tokens": tally.generated_tokens if counted else None,
             "ttft_s": round(ttft, 6) if ttft is not None else None,
             "total_s": round(now - started, 6)}
+    if tally.deadline_cuts:
+        line["deadline_exceeded"] = True
+    return line
 
 
 def over(fields: dict[str, Any], tally: RequestTally, started: float, then: RequestOver | None) -> None:

@@ -25,6 +25,7 @@ from lmi_serve.dialects.openai import scoring as scoring_routes
 from lmi_serve.dialects.openai import tokenize as tokenize_routes
 from lmi_serve.dialects.tgi import routes as tgi_routes
 from lmi_serve.dialects.triton import routes as triton_routes
+from lmi_serve.handler_api import CUSTOM_ATTRIBUTES_HEADER
 from lmi_serve.server import access_log, logs
 from lmi_serve.server import security
 from lmi_serve.server.body_limit import ServingRequest
@@ -38,6 +39,10 @@ from lmi_serve.serving.registry import ModelRegistry
 from lmi_serve.serving.service import ModelService
 
 log = logging.getLogger(__name__)
+
+#: On a response a sequence of which its generation deadline ended (option.generation_deadline)
+DEADLINE_HEADER = "X-LMI-Deadline-Exceeded"
+DEADLINE_ATTRIBUTE = "lmi-deadline-exceeded=true"  # in SageMaker's custom attributes, `k=v;k=v`
 
 
 def configure_threads(budget: CpuBudget, workers: int) -> int:
@@ -92,6 +97,21 @@ def start_tracing(app: Flask, config: ServerConfig):
     return tracing
 
 
+def mark_deadline_cut(response: Response) -> None:
+    """Say on the response that the generation deadline ended one of its sequences: DEADLINE_HEADER, and
+    DEADLINE_ATTRIBUTE added to X-Amzn-SageMaker-Custom-Attributes, the one response header InvokeEndpoint
+    hands its caller. The engine's count (the request's tally, observer.py) is complete for a whole
+    response; a stream's headers leave before its cut is known (unless it came before the first event),
+    so a stream says it by its finish reason."""
+    tally = g.get("access_tally")
+    if tally is None or not tally.deadline_cuts:
+        return
+    response.headers[DEADLINE_HEADER] = "true"
+    attributes = response.headers.get(CUSTOM_ATTRIBUTES_HEADER)
+    response.headers[CUSTOM_ATTRIBUTES_HEADER] = (f"{attributes};{DEADLINE_ATTRIBUTE}" if attributes
+                                                  else DEADLINE_ATTRIBUTE)
+
+
 def install_request_hooks(app: Flask, config: ServerConfig, metrics: ServingMetrics, registry: ModelRegistry) -> None:
     """What runs around every view, in order: drain tracking, the request id, the access gate (API
     keys), refusing new work after SIGTERM; afterwards the id echoed, the count, the access line and
@@ -124,6 +144,7 @@ def install_request_hooks(app: Flask, config: ServerConfig, metrics: ServingMetr
     @app.after_request
     def echo_request_id(response: Response) -> Response:
         response.headers.setdefault("x-request-id", getattr(g, "request_id", ""))
+        mark_deadline_cut(response)
         count_response(metrics, response)
         access_log.response_ready(response, tracing.request_over() if tracing is not None else None)
         return response

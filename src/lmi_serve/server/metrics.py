@@ -94,6 +94,8 @@ class ServingMetrics:
         self.success = self._counter("request_success", "Sequences finished normally, by reason (stop, length)",
                                      model + ("finished_reason",))
         self.cancelled = self._counter("request_cancelled", "Sequences cancelled (the client left)", model)
+        self.deadline_cuts = self._counter("generation_deadline_exceeded", "Sequences their generation deadline "
+                                           "ended (option.generation_deadline; also counted as length)", model)
         self.failures = self._counter("generation_failures", "Sequences the engine ended with a failure, by kind",
                                       model + ("kind",))
         self.lora_requests = self._counter("lora_requests", "Sequences finished on a LoRA adapter, by adapter",
@@ -172,6 +174,7 @@ class ModelMetrics(EngineObserver):
         self._prompt, self._generated = metrics.prompt_tokens.labels(name), metrics.generation_tokens.labels(name)
         self._running, self._waiting = metrics.running.labels(name), metrics.waiting.labels(name)
         self._cancelled = metrics.cancelled.labels(name)
+        self._deadline_cuts = metrics.deadline_cuts.labels(name)
         self._prefix_queries, self._prefix_hits = metrics.prefix_queries.labels(name), metrics.prefix_hits.labels(name)
         self._prefix_bytes = metrics.prefix_cache_bytes.labels(name)
         self._kv_bytes = metrics.kv_cache_bytes.labels(name)
@@ -212,6 +215,8 @@ class ModelMetrics(EngineObserver):
             self._metrics.failures.labels(self.name, report.error_kind.__name__).inc()
         else:
             self._metrics.success.labels(self.name, SUCCESS_REASONS[reason]).inc()
+            if report.deadline_cut:
+                self._deadline_cuts.inc()
 
     def step_finished(self, report: StepReport) -> None:
         if report.batch_size:

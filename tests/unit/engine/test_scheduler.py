@@ -250,6 +250,32 @@ def test_request_waiting_past_predict_timeout_ends_with_a_timeout_event(make_eng
     assert ids_of(result(engine.submit(request))) == alone(tiny_model, smollm2_tokenizer, request)
 
 
+def test_generation_deadline_ends_a_running_request_with_its_greedy_tokens_so_far(make_engine, tiny_model,
+                                                                                   smollm2_tokenizer, prompt_ids):
+    engine = make_engine(generation_deadline=0.3)
+    cut = result(engine.submit(greedy(prompt_ids[1], 100_000)))
+    last = cut.events[-1]
+    assert last.finish_reason is FinishReason.LENGTH and last.deadline_cut and cut.deadline_cut
+    assert last.token_id >= 0 and 0 < cut.generated_tokens < 100_000  # it ends on a real token, as at its limit
+    assert ids_of(cut) == alone(tiny_model, smollm2_tokenizer, greedy(prompt_ids[1], cut.generated_tokens))
+    assert not any(event.deadline_cut for event in cut.events[:-1])
+    limited = result(engine.submit(greedy(prompt_ids[1], 2)))  # ended by its limit before the deadline
+    assert limited.finish_reason is FinishReason.LENGTH and not limited.deadline_cut
+
+
+def test_generation_deadline_ends_a_waiting_request_with_nothing(make_engine, prompt_ids):
+    engine = make_engine(max_batch_size=1)
+    blocker = engine.submit(greedy(prompt_ids[2], 100_000))  # no deadline: it holds the only row
+    within(lambda: next(iter(blocker)))
+    engine.generation_deadline = 0.2
+    late = engine.submit(greedy(prompt_ids[0], 3))
+    (ended,) = within(lambda: list(late))  # its one event: no token, LENGTH, cut by the deadline
+    assert (ended.token_id, ended.text, ended.finish_reason, ended.deadline_cut) == (-1, "", FinishReason.LENGTH, True)
+    assert ended.error is None and engine.stats().waiting == 0
+    blocker.cancel()
+    poll(lambda: idle(engine), what="idle engine")
+
+
 # -- fault isolation ---------------------------------------------------------------------------
 
 

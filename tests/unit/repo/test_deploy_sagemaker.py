@@ -147,6 +147,7 @@ def test_the_environment_is_what_lmi_serve_resolves(tmp_path, monkeypatch):
     assert (model.enable_lora, model.max_loras, model.max_rolling_batch_size) == (True, 8, 64)
     assert (model.model_loading_timeout, model.max_model_len) == (900, 8192)
     assert model.unknown_options == ()  # no OPTION_* name lmi-serve would only pass through
+    assert model.generation_deadline == 55  # a real-time endpoint answers within SageMaker's 60 s
     assert (server.graceful_timeout, server.host, server.port) == (45, "0.0.0.0", deploy_script.CONTAINER_PORT)
     # SageMaker's health check outlasts the server's own loading timeout
     assert recipe.production_variant().container_startup_health_check_timeout_in_seconds > model.model_loading_timeout

@@ -38,9 +38,15 @@ def test_async_endpoint_config_and_payload_limit(session):
         "--model-id", "/opt/ml/model/llama3", "--no-wait", "--max-payload-mb", "512",
         "--async-output-path", "s3://bucket/async/out/", "--async-failure-path", "s3://bucket/async/failed/",
         "--async-max-concurrent", "32"))
-    env = {"OPTION_MODEL_NAME": "llama3", "HF_MODEL_ID": "/opt/ml/model/llama3", "SAGEMAKER_MAX_PAYLOAD_IN_MB": "512"}
+    env = {"OPTION_MODEL_NAME": "llama3", "HF_MODEL_ID": "/opt/ml/model/llama3", "SAGEMAKER_MAX_PAYLOAD_IN_MB": "512",
+           "OPTION_GENERATION_DEADLINE": "off"}
     assert recipe.environment() == env
-    assert build_server_config(env).max_request_size == 512 * 2**20  # the body limit lmi-serve enforces
+    served = build_server_config(env)
+    assert served.max_request_size == 512 * 2**20  # the body limit lmi-serve enforces
+    # an invocation may take an hour: no 55 s deadline, though the instance looks like a real-time endpoint's
+    assert served.models[0].generation_deadline is None
+    endpoint = build_server_config({**env, "SAGEMAKER_BIND_TO_PORT": "8080"})
+    assert endpoint.models[0].generation_deadline is None
     variant = {"VariantName": "AllTraffic", "ModelName": "llama3", "InitialInstanceCount": 1,
                "InstanceType": "ml.g5.12xlarge", "ContainerStartupHealthCheckTimeoutInSeconds": 540}
     with Stubber(_sagemaker(session)) as stub:

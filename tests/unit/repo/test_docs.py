@@ -103,7 +103,7 @@ def test_every_option_field_has_a_description() -> None:
 SAMPLES = {"name": "renamed", "model_id": "/models/other", "min_workers": "0", "max_workers": "2",
            "tensor_parallel_degree": "max", "output_formatter": "sse", "entry_point": "custom.py", "handler": "run",
            "gguf_file": "other.gguf", "device_map": "auto", "revision": "v2", "max_rolling_batch_step_seconds": "0.3",
-           "chat_template": "{{ messages[0].content }}"}
+           "chat_template": "{{ messages[0].content }}", "generation_deadline": "2.5"}
 # Fields that take effect only beside another option, which the config refuses to leave out: that option.
 COMPANIONS = {"spec_length": ("draft_model_id", "ngram")}
 

@@ -38,8 +38,8 @@ def stop_reason(event: TokenEvent, calls_complete: bool, capped: bool) -> tuple[
     """(Anthropic's stop_reason, the stop sequence that ended the message) for its last event."""
     if calls_complete:
         return "tool_use", None
-    if event.finish_reason is FinishReason.LENGTH:
-        return ("model_context_window_exceeded" if capped else "max_tokens"), None
+    if event.finish_reason is FinishReason.LENGTH:  # the generation deadline's cut reads as the token limit's
+        return ("model_context_window_exceeded" if capped and not event.deadline_cut else "max_tokens"), None
     if event.finish_reason is FinishReason.STOP_SEQUENCE:
         return "stop_sequence", event.stop_sequence
     return "end_turn", None
