@@ -16,7 +16,8 @@ from lmi_serve.config.fields import Options, choice, parse_bool, text
 # vLLM's parser names.
 ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "openai_gptoss"]
 # How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
-ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai"]
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "deepseek_v3",
+                         "deepseek_v31"]
 _CHOICES = {"reasoning_parser": get_args(ReasoningParser), "tool_call_parser": get_args(ToolCallParser)}
 
 
