@@ -198,16 +198,18 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
     # Free text: anything after the format's answer opening, else text that cannot start a call.
     text = ["TEXT: /(.|\\n)*/"] if prefix else [text_rule(fmt.openers)]
     if choice == "none":  # tools are known to the conversation but must not be called
-        return GuidedDecoding(lark="\n".join([f"start: {prefix} TEXT", *text, *prefix_rules]) + "\n")
+        return GuidedDecoding(lark="\n".join([f"start: {prefix + ' ' if prefix else ''}TEXT", *text, *prefix_rules])
+                              + "\n")
     tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function["name"]]
     rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel, marker_tokens)
     if choice == "auto":
         if schema is not None:
-            rules.insert(0, f"start: calls | {prefix} %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
+            rules.insert(0, f"start: calls | {prefix + ' ' if prefix else ''}%json "
+                            f"{json.dumps({**schema, 'x-guidance': _LAYOUT})}")
         else:
-            rules.insert(0, f"start: calls | {prefix} TEXT")
+            rules.insert(0, f"start: calls | {prefix + ' ' if prefix else ''}TEXT")
             rules.extend(text)
         rules.extend(r for r in prefix_rules if r not in rules)
     else:
