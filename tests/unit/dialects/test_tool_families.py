@@ -1,5 +1,5 @@
 """Tool-call formats of today's open families (Qwen3-Coder XML, gpt-oss harmony, Mistral v11,
-DeepSeek V3.1, Granite), each against its family's published chat template
+DeepSeek V3/R1 and V3.1, Granite 3.x), each against its family's published chat template
 (tests/fixtures/chat_templates/). The family's own shape is the template's: a call the template
 renders as history is what the format reads, and what the format's grammar makes a model write is
 the template's rendering of that call, byte for byte. Through OpenAIService on a tiny random-weights
@@ -9,6 +9,7 @@ up to the whole response."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -19,6 +20,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from transformers import AutoTokenizer
 
 from lmi_serve.dialects.openai import chat
+from lmi_serve.dialects.openai.reasoning import ReasoningSettings
 from lmi_serve.dialects.openai.schema import ChatCompletionRequest, parse
 from lmi_serve.dialects.openai.service import OpenAIService
 from lmi_serve.dialects.openai.tool_formats import FORMATS
@@ -29,7 +31,17 @@ TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
 FAMILIES = {  # format -> its family's template
     "qwen3_coder": "Qwen3-Coder.jinja",
     "openai": "openai-gpt-oss-120b.jinja",
+    "deepseek_v3": "deepseek_r1_distill_qwen.jinja",  # R1's template; V3's writes calls alike
+    "deepseek_v31": "deepseek-ai-DeepSeek-V3.1.jinja",
+    "granite": "ibm-granite-granite-3.3-2B-Instruct.jinja",
 }
+# One forced generation per family (V3's grammar is checked on its tokens below, without a model).
+FORCED = [f for f in FAMILIES if f != "deepseek_v3"]
+# Granite 3.3's template mentions `<think>`, so the grammar lets a block open first (a random model
+# takes it); this test is about the calls.
+NO_REASONING = {"granite"}
+# DeepSeek's markers are not in SmolLM2's vocabulary: spelled in its byte tokens they are long.
+MAX_TOKENS = {"deepseek_v31": 110}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -55,11 +67,17 @@ def tokenizers(smollm2_model_dir):
 
 
 def history(tokenizer, calls: list[tuple[str, dict]]) -> str:
-    """The family's template rendering an assistant turn that made `calls` (no generation prompt)."""
-    turn = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": CALL_ID, "type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}
-    before = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], tokenize=False)
-    after = tokenizer.apply_chat_template([*QUESTION, turn], tools=[WEATHER, TIME], tokenize=False)
+    """The family's template rendering an assistant turn that made `calls` (no generation prompt),
+    sent back as a client does (arguments as JSON text), through chat.render_prompt: a template that
+    renders `tool_calls` gets them (as strings where it joins them to text: DeepSeek's), another
+    (Granite's) gets them in the turn's content in the format."""
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": CALL_ID, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        for name, args in calls]}
+    def render(messages):
+        request = parse(ChatCompletionRequest, {"messages": messages, "tools": [WEATHER, TIME]})
+        return chat.render_prompt(tokenizer, request, add_generation_prompt=False)
+    before, after = render(QUESTION), render([*QUESTION, turn])
     assert after.startswith(before)
     return after[len(before):]
 
@@ -108,6 +126,93 @@ def test_qwen3_coder_values_are_typed_and_text_stays_content():
         {"a": 12, "b": True, "c": "line one\nline two", "d": {"x": [1]}}
     for other in ("Hello", text[:-3], "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"):
         assert chat.parse_tool_calls(other, fmt).content == other
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_templates_render_past_calls_sent_back(tokenizers, family):
+    """DeepSeek's templates add a past call's arguments to text: they get the request's JSON string
+    (a mapping would make the template fail), and the turn renders as the format writes it."""
+    args = '{"city": "Paris", "days": 3}'
+    request = parse(ChatCompletionRequest, {"tools": [WEATHER], "messages": [
+        *QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": CALL_ID, "content": "Sunny"}]})
+    prompt = chat.render_prompt(tokenizers[family], request)
+    assert FORMATS[family].render_calls([("get_weather", json.loads(args))]) in prompt and "Sunny" in prompt
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_grammar_takes_its_marker_tokens_and_writes_the_templates_calls(smollm2_model_dir, family):
+    """With DeepSeek's markers as added (not special) tokens, as its tokenizers hold them, the grammar
+    names them as those tokens, accepts the calls as the template renders them, and decoding keeps them."""
+    from tokenizers import AddedToken
+
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    fmt = FORMATS[family]
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    tokenizer.add_tokens([AddedToken(m, special=False, normalized=False) for m in fmt.markers])
+    tokenizer.chat_template = (TEMPLATES / FAMILIES[family]).read_text()
+    tokens = fmt.marker_tokens(tokenizer)
+    assert set(tokens) == set(fmt.markers)
+    calls = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"utc": True})]
+    text = fmt.render_calls(calls)
+    assert text in history(tokenizer, calls)
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required"})
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert set(tokens.values()) <= set(ids)
+    matcher = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).constraint(
+        chat.guided_decoding(request, fmt, tokens))._matcher
+    assert all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    assert tokenizer.decode(ids) == text
+
+
+def test_deepseek_calls_read_with_space_between_and_partial_text_stays_content():
+    v3, v31 = FORMATS["deepseek_v3"], FORMATS["deepseek_v31"]
+    two = v31.render_calls([("get_weather", {"city": "Paris"}), ("get_time", {})])
+    spaced = two.replace("<｜tool▁call▁end｜><｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>")
+    assert [c["function"]["name"] for c in chat.parse_tool_calls(spaced, v31).tool_calls] == ["get_weather", "get_time"]
+    one = v3.render_calls([("get_time", {"utc": True})])
+    assert chat.parse_tool_calls(one.removesuffix("<｜tool▁calls▁end｜>"), v3).tool_calls  # ended by end-of-turn
+    for text, fmt in ((one[:-40], v3), (one.replace("```json", "```"), v3), ("Hello", v31), (two + " more", v31),
+                      (two.replace("get_weather<｜tool▁sep｜>", "get_weather"), v31)):
+        assert chat.parse_tool_calls(text, fmt).content == text
+
+
+# ---- Granite 3.x: `<|tool_call|>[...]`, and Granite 3.2's reasoning phrases ----------------------
+
+def test_granite_lists_the_tools_and_reads_calls_with_or_without_its_marker(tokenizers):
+    fmt, tokenizer = FORMATS["granite"], tokenizers["granite"]
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER]})
+    prompt = chat.render_prompt(tokenizer, request)
+    assert "<|start_of_role|>available_tools<|end_of_role|>" in prompt and '"get_weather"' in prompt
+    text = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    for written in (text, text.removeprefix("<|tool_call|>")):  # a special marker is dropped from the text
+        parsed = chat.parse_tool_calls(written, fmt)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == \
+            [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    for other in ("Hello", text[:-1], text + " and more"):
+        assert chat.parse_tool_calls(other, fmt).content == other
+
+
+GRANITE_THOUGHT = "Here is my thought process:\nThe user wants weather.\n\nHere is my response:\nIt is sunny."
+
+
+def test_granite_reasoning_phrases_split_alike_in_any_pieces(smollm2_model_dir):
+    from lmi_serve.dialects.common import reasoning
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    tokenizer.chat_template = "{{ 'Write your thoughts after \\'Here is my thought process:\\'' }}"
+    found = reasoning.markers(tokenizer)  # auto: the template asks for the phrases
+    assert found == reasoning.markers(tokenizer, "granite") == reasoning.GRANITE
+    assert reasoning.markers(AutoTokenizer.from_pretrained(str(smollm2_model_dir)), "granite") == reasoning.GRANITE
+    whole = reasoning.split(GRANITE_THOUGHT, found, "maybe")
+    assert whole == ("The user wants weather.\n\n", "It is sunny.")
+    for cut in range(1, len(GRANITE_THOUGHT)):
+        splitter = reasoning.splitter(found, "maybe")
+        parts = [splitter.feed(GRANITE_THOUGHT[:cut]), splitter.feed(GRANITE_THOUGHT[cut:]), splitter.finish()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == whole
+    assert reasoning.split("Plain answer.", found, "maybe") == ("", "Plain answer.")
 
 
 # ---- gpt-oss harmony: channels split into reasoning, calls and content ------------------------------
@@ -226,24 +331,33 @@ def engine(tiny_model, smollm2_tokenizer):
 
 
 def service_for(engine, tokenizer, family) -> OpenAIService:
-    service = OpenAIService(engine, "m", tool_call_parser=family)
+    settings = ReasoningSettings("none") if family in NO_REASONING else None
+    service = OpenAIService(engine, "m", tool_call_parser=family, reasoning=settings)
     service.tokenizer = tokenizer  # same vocabulary as the engine's; this family's template
     return service
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def ascii_shape(text: str) -> str:
+    return re.sub("[^\x00-\x7f]+", "?", text)
+
+
+@pytest.mark.parametrize("family", FORCED)
 def test_forced_calls_are_the_templates_shape_parse_and_stream(engine, tokenizers, family):
     service = service_for(engine, tokenizers[family], family)
-    body = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 50,
+    body = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "max_tokens": MAX_TOKENS.get(family, 50),
             "temperature": 0, "parallel_tool_calls": False}
     whole = service.chat(parse(ChatCompletionRequest, {**body, "logprobs": True})).body
     text = "".join(t["token"] for t in whole["choices"][0]["logprobs"]["content"])  # what the model wrote
     message = ChatCompletion.model_validate(whole).choices[0].message
-    assert whole["choices"][0]["finish_reason"] == "tool_calls" and message.content is None
+    assert whole["choices"][0]["finish_reason"] == "tool_calls" and message.content is None, text
     (call,) = message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     # What the grammar made the model write is the template's own rendering of that call.
-    assert text.strip() in history(tokenizers[family], [(call.function.name, json.loads(call.function.arguments))])
+    # (Compared with each run of non-ASCII characters as one `?`: DeepSeek's markers, spelled in
+    # SmolLM2's byte tokens, split inside UTF-8 characters, which a token's own text shows as U+FFFD.)
+    rendered = history(tokenizers[family], [(call.function.name, json.loads(call.function.arguments))])
+    assert ascii_shape(text.strip()) in ascii_shape(rendered)
 
     chunks = list(service.chat(parse(ChatCompletionRequest, {**body, "stream": True})).chunks)
     state = ChatCompletionStreamState(input_tools=[ChatCompletionToolParam(**WEATHER), ChatCompletionToolParam(**TIME)])

@@ -1,6 +1,8 @@
 """Reasoning models: the block a model thinks in before it answers, told apart from the answer.
 
-Qwen3, SmolLM3 and the DeepSeek-R1 distills write `<think> ... </think>` and then the answer. This
+Qwen3, SmolLM3 and the DeepSeek-R1 distills write `<think> ... </think>` and then the answer; Granite
+3.2 (thinking on) "Here is my thought process:" ... "Here is my response:", plain text, where its
+template asks for them (`granite`). This
 module knows only text and grammars (the engine never learns about reasoning):
 - `markers(tokenizer, parser)`: which markers a model uses, from `option.reasoning_parser` or, on
   `auto`, from the model itself (the chat template mentions `<think>`, or the vocabulary holds both
@@ -30,7 +32,7 @@ from lmi_serve.engine.sampling.grammar import JSON_LAYOUT
 from lmi_serve.engine.types import GuidedDecoding
 
 Start = Literal["inside", "maybe", "answer"]
-PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss")  # vLLM's names
+PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite")  # vLLM's names
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class Markers:
 THINK = ("<think>", "</think>")
 # gpt-oss: analysis messages are the reasoning; the tool format's grammar carries them (no wrapping)
 HARMONY = Markers(harmony.CHANNEL + "analysis" + harmony.MESSAGE, harmony.END, harmony=True)
+# Granite 3.2 with `thinking` on (its template asks for them); Granite 3.3 writes `<think>` instead.
+GRANITE = Markers("Here is my thought process:", "Here is my response:")
+_BY_NAME = {"openai_gptoss": HARMONY, "granite": GRANITE}
 _detected: "weakref.WeakKeyDictionary[object, Markers | None]" = weakref.WeakKeyDictionary()
 
 
@@ -60,8 +65,8 @@ def markers(tokenizer, parser: str = "auto") -> Markers | None:
     says; None when its output is all answer."""
     if parser == "none":
         return None
-    if parser == "openai_gptoss":
-        return HARMONY
+    if parser in _BY_NAME:
+        return _BY_NAME[parser]
     try:
         cached = _detected[tokenizer]
     except (KeyError, TypeError):
@@ -69,6 +74,7 @@ def markers(tokenizer, parser: str = "auto") -> Markers | None:
         template = getattr(tokenizer, "chat_template", None)
         template = " ".join(template.values()) if isinstance(template, dict) else template or ""
         cached = Markers(*THINK, tokens=tokens) if tokens or THINK[0] in template else None
+        cached = GRANITE if GRANITE.open in template else cached
         cached = HARMONY if harmony.CHANNEL in template else cached
         try:
             _detected[tokenizer] = cached

@@ -18,6 +18,7 @@ role, so a round trip reads naturally to the model.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,15 @@ from lmi_serve.engine.types import GuidedDecoding
 from lmi_serve.errors import InvalidRequest
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN"]
+
+# A template that joins a past call's arguments to text with `+` (DeepSeek V3 / R1 / V3.1) needs
+# them as a string: Jinja cannot add a mapping to a string.
+_JOINS_ARGUMENTS = re.compile(r"""\[['"]arguments['"]\]\s*\+|\.arguments\s*\+""")
+
+
+def joins_arguments(template) -> bool:
+    """Whether `template` writes past calls' arguments by string concatenation (wants them as text)."""
+    return isinstance(template, str) and _JOINS_ARGUMENTS.search(template) is not None
 
 
 def tool_format_for(tokenizer, option: str | None = None) -> ToolFormat:
@@ -52,10 +62,11 @@ def _tool_instructions(tools: list[Tool], choice, tool_format: ToolFormat) -> st
 
 def template_messages(request: ChatCompletionRequest, template_knows_tools: bool,
                       tool_format: ToolFormat = tool_formats.DEFAULT, template_renders_calls: bool = False,
-                      parts: bool = False) -> list[dict]:
+                      parts: bool = False, string_arguments: bool = False) -> list[dict]:
     """The conversation as plain dicts with string content, ready for apply_chat_template.
     Past calls go to a template that renders `tool_calls` as such (arguments decoded, as
-    transformers' templates expect); otherwise into the content, written in `tool_format`.
+    transformers' templates expect, or as the request's JSON text where `string_arguments`: a
+    template that concatenates them); otherwise into the content, written in `tool_format`.
     `parts` (a vision-language model's template, which iterates content parts): every content a
     list of `{"type": "text"}` and `{"type": "image"}` parts, images where the request put them."""
     messages = []
@@ -64,7 +75,8 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
         calls = None
         if message.tool_calls and template_renders_calls:
             calls = [{"id": c.id, "type": "function",
-                      "function": {"name": c.function.name, "arguments": arguments_value(c.function.arguments)}}
+                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments,
+                                                                                    string_arguments)}}
                      for c in message.tool_calls]
         elif message.tool_calls:
             content += tool_format.render_calls([(c.function.name, arguments_value(c.function.arguments))
@@ -98,6 +110,12 @@ def template_messages(request: ChatCompletionRequest, template_knows_tools: bool
     return messages
 
 
+def _arguments(arguments, as_text: bool):
+    if not as_text:
+        return arguments_value(arguments)
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
 def _parts(message, content: str) -> list[dict]:
     """A message's content as template parts: the request's own parts in order (an image part as
     `{"type": "image"}`, the placeholder the processor expands), else `content` as one text part.
@@ -129,7 +147,7 @@ def render_prompt(tokenizer, request: ChatCompletionRequest, *, add_generation_p
     knows_tools = isinstance(template, str) and "tools" in template
     renders_calls = isinstance(template, str) and "tool_calls" in template
     messages = template_messages(request, knows_tools, tool_format or tool_formats.detect(template), renders_calls,
-                                 parts=vision is not None)
+                                 parts=vision is not None, string_arguments=joins_arguments(template))
     # The processor's or the request's template, not the tokenizer's.
     extra = {"chat_template": template} if vision is not None or request_template else {}
     if knows_tools and request.tools and request.effective_tool_choice != "none":
@@ -180,16 +198,18 @@ def guided_decoding(request: ChatCompletionRequest, tool_format: ToolFormat | No
     # Free text: anything after the format's answer opening, else text that cannot start a call.
     text = ["TEXT: /(.|\\n)*/"] if prefix else [text_rule(fmt.openers)]
     if choice == "none":  # tools are known to the conversation but must not be called
-        return GuidedDecoding(lark="\n".join([f"start: {prefix} TEXT", *text, *prefix_rules]) + "\n")
+        return GuidedDecoding(lark="\n".join([f"start: {prefix + ' ' if prefix else ''}TEXT", *text, *prefix_rules])
+                              + "\n")
     tools = request.tools
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function["name"]]
     rules = fmt.calls_rules(tools, request.parallel_tool_calls and fmt.parallel, marker_tokens)
     if choice == "auto":
         if schema is not None:
-            rules.insert(0, f"start: calls | {prefix} %json {json.dumps({**schema, 'x-guidance': _LAYOUT})}")
+            rules.insert(0, f"start: calls | {prefix + ' ' if prefix else ''}%json "
+                            f"{json.dumps({**schema, 'x-guidance': _LAYOUT})}")
         else:
-            rules.insert(0, f"start: calls | {prefix} TEXT")
+            rules.insert(0, f"start: calls | {prefix + ' ' if prefix else ''}TEXT")
             rules.extend(text)
         rules.extend(r for r in prefix_rules if r not in rules)
     else:

@@ -78,6 +78,26 @@ def json_call(text: str, pos: int, keys: tuple[str, ...]) -> tuple[Call | None, 
     return Call(name, text[start:end], done=True), close
 
 
+def json_array_calls(text: str, pos: int | None, keys: tuple[str, ...] = ("arguments",)) -> Scan:
+    """A JSON array of call objects (`[{"name": ..., "arguments": {...}}, ...]`) opening at `pos`
+    (None: no array there): complete when the array is closed and nothing but space follows."""
+    scan = Scan()
+    pos = expect(text, pos, "[") if pos is not None else None
+    while pos is not None:
+        call, end = json_call(text, skip_space(text, pos), keys)
+        if call is None:
+            return scan
+        scan.calls.append(call)
+        if end is None:
+            return scan
+        pos = skip_space(text, end)
+        if text.startswith("]", pos):
+            scan.complete = skip_space(text, pos + 1) == len(text)
+            return scan
+        pos = expect(text, pos, ",")
+    return scan
+
+
 def arguments_value(arguments):
     """A call's arguments from a request as JSON: the decoded string, or, when it does not
     decode (OpenAI accepts any string there, e.g. a model's broken output replayed), the string."""

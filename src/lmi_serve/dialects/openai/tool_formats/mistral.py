@@ -16,8 +16,8 @@ import json
 import secrets
 import string
 
-from lmi_serve.dialects.openai.tool_formats.base import (LAYOUT, NO_TOKENS, Call, Scan, ToolFormat, call_schema, expect,
-                                                         json_call, marker, skip_space)
+from lmi_serve.dialects.openai.tool_formats.base import (LAYOUT, NO_TOKENS, Call, Scan, ToolFormat, call_schema,
+                                                         json_array_calls, marker, skip_space)
 
 MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _DECODER = json.JSONDecoder()
@@ -73,25 +73,12 @@ class Mistral(ToolFormat):
                 f"call: %json {json.dumps(call_schema(tools, 'arguments'))}"]
 
     def scan(self, text: str) -> Scan:
-        scan, pos = Scan(), skip_space(text, 0)
+        pos = skip_space(text, 0)
         if text.startswith(MARKER, pos) and not text.startswith("[", skip_space(text, pos + len(MARKER))):
             return _scan_v11(text, pos)
         if text.startswith(MARKER, pos):
             pos = skip_space(text, pos + len(MARKER))
-        pos = expect(text, pos, "[")
-        while pos is not None:
-            call, end = json_call(text, skip_space(text, pos), ("arguments",))
-            if call is None:
-                return scan
-            scan.calls.append(call)
-            if end is None:
-                return scan
-            pos = skip_space(text, end)
-            if text.startswith("]", pos):
-                scan.complete = skip_space(text, pos + 1) == len(text)
-                return scan
-            pos = expect(text, pos, ",")
-        return scan
+        return json_array_calls(text, pos)
 
     def render_calls(self, calls) -> str:
         return f"{MARKER} " + json.dumps([{"name": name, "arguments": args} for name, args in calls])
