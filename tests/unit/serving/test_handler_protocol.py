@@ -296,7 +296,7 @@ def test_typed_values_reach_the_model_loader_and_the_engine(no_model):
                              "max_model_len": 1024, "name": "typed-model",  # max_model_len capped at the window
                              "kv_layout": DYNAMIC, "adapters": None,  # no LoRA
                              "kv_tokens": None, "mixed_steps": False,  # a CPU: no GPU memory budget
-                             "step_seconds": 0.3}
+                             "step_seconds": 0.3, "generation_deadline": None}  # not on a SageMaker endpoint
     assert type(engine.kwargs["max_batch_size"]) is int and type(engine.kwargs["predict_timeout"]) is float
     assert rolling.args == (engine,)
     assert rolling.kwargs == {"max_input_len": 200, "tgi_compat": True, "output_formatter": "jsonlines",
