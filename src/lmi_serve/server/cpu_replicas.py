@@ -16,6 +16,8 @@ its own cores:
   worker pins itself (`sched_setaffinity`, which every thread it starts inherits: torch's OpenMP pool sizes
   itself from it) and reads the layout from LAYOUT_ENV later (`worker_layout`: server/app.py sizes torch by
   it and GET /models/<m> shows it). A replacement worker takes the dead one's slot (gpus.py), so its cores.
+- **Memory**: each replica loads its own model from the memory-mapped safetensors cache; the row kernel's
+  `auto` makes its copies only where every replica's fit a quarter of the memory available (REPLICAS_ENV).
 
 Unset, the workers (SAGEMAKER_NUM_MODEL_WORKERS) run unpinned as before. Stdlib only: the launcher imports it.
 """
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CORES_PER_AUTO_REPLICA = 8
 LAYOUT_ENV = "LMI_SERVE_REPLICA_LAYOUT"  # the layout as JSON, set in each pinned worker
+REPLICAS_ENV = "LMI_SERVE_REPLICAS"  # kernels/cpu/row_kernel.py's name for it (kernels import no server module)
 KEY = "option.engine_replicas"
 
 
@@ -158,7 +161,9 @@ def enter_core_set(worker: Any, layout: ReplicaLayout, environ: dict[str, str] |
     slot = getattr(worker, "lmi_slot", 0)
     cores = layout.core_sets[slot]
     os.sched_setaffinity(0, cores)
-    (os.environ if environ is None else environ)[LAYOUT_ENV] = layout.to_env()
+    env = os.environ if environ is None else environ
+    env[LAYOUT_ENV] = layout.to_env()
+    env[REPLICAS_ENV] = str(layout.replicas)  # the row kernel's `auto` counts every replica's copies
     log.info("Worker %s (slot %d) pinned to CPUs %s, %d torch thread(s)", worker.pid, slot, cpu_list(cores),
              layout.threads)
     return cores

@@ -117,9 +117,10 @@ def test_a_worker_pins_itself_and_leaves_the_layout_for_its_app():
     code = ("import os, sys; from types import SimpleNamespace as N; from lmi_serve.server import cpu_replicas as c; "
             f"layout = c.ReplicaLayout.from_env({layout.to_env()!r}); env = {{}}; "
             "cores = c.enter_core_set(N(pid=os.getpid(), lmi_slot=0), layout, env); "
-            "print(sorted(os.sched_getaffinity(0)) == list(cores), c.worker_layout(env) == layout)")
+            "print(sorted(os.sched_getaffinity(0)) == list(cores), c.worker_layout(env) == layout, "
+            "env[c.REPLICAS_ENV])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["True", "True"], done.stderr
+    assert done.stdout.split() == ["True", "True", "2"], done.stderr
     env: dict[str, str] = {}
     assert enter_core_set(SimpleNamespace(pid=1, lmi_slot=0), ReplicaLayout(1, 2), env) == () and env == {}
     assert worker_layout({}) is None
@@ -151,3 +152,14 @@ def test_the_launcher_sets_the_workers_from_the_option_and_logs_the_layout():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 2 and "option.engine_replicas: 2 replicas need a CPU thread each" in done.stderr
     assert cpu_replicas.KEY == "option.engine_replicas"
+
+
+def test_the_row_kernels_auto_counts_every_replicas_copies(monkeypatch):
+    from lmi_serve.kernels.cpu import row_kernel
+
+    assert row_kernel.REPLICAS_ENV == cpu_replicas.REPLICAS_ENV
+    monkeypatch.setattr(row_kernel.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 * 2**30))
+    monkeypatch.delenv(row_kernel.REPLICAS_ENV, raising=False)
+    assert row_kernel.available_share() == 8 * 2**30
+    monkeypatch.setenv(row_kernel.REPLICAS_ENV, "4")
+    assert row_kernel.available_share() == 2 * 2**30  # four replicas' copies must fit a quarter of the 8 GiB
