@@ -19,6 +19,7 @@ from lmi_serve.config.sources import KIND_NAMES, ConfigError, build_server_confi
 from lmi_serve.cpu_budget import cpu_budget
 from lmi_serve.server import logs
 from lmi_serve.server import security
+from lmi_serve.server.cpu_replicas import affinity_cpus, plan_replicas
 from lmi_serve.server.gpus import count_gpus, plan_gpus
 from lmi_serve.server.gunicorn_app import run_gunicorn
 
@@ -84,18 +85,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    # Each worker's own GPUs (server/gpus.py): too many workers for them is a configuration error too.
-    workers_key = "--workers" if args.workers else next(
-        (name for name in ("SAGEMAKER_NUM_MODEL_WORKERS", "SERVING_MAX_WORKERS") if env.get(name, "").strip()),
-        "workers")
+    # Each worker's own GPUs (server/gpus.py) and, with option.engine_replicas, its own CPUs
+    # (server/cpu_replicas.py): too many workers for either is a configuration error too.
+    workers_set = "--workers" if args.workers else next(
+        (name for name in ("SAGEMAKER_NUM_MODEL_WORKERS", "SERVING_MAX_WORKERS") if env.get(name, "").strip()), None)
+    budget = cpu_budget(config.cpu_threads, env)
     try:
-        gpu_plan = plan_gpus(config, count_gpus(env), env, workers_key)
+        gpus = count_gpus(env)
+        layout = plan_replicas(config, budget, affinity_cpus(), gpus=gpus or 0,
+                               workers_key=workers_set)
+        config = config.model_copy(update={"workers": layout.replicas})
+        gpu_plan = plan_gpus(config, gpus, env, workers_set or "workers")
     except ConfigError as exc:
         print(f"lmi-serve: invalid configuration: {exc}", file=sys.stderr)
         return 2
     log.info("Configuration:\n%s", config.describe())
     log.info("%s", gpu_plan.describe())
-    log.info("%s", cpu_budget(config.cpu_threads, env).describe(config.workers))  # each worker sizes torch by it
+    log.info("%s", budget.describe(config.workers))  # each worker sizes torch by it
+    log.info("%s", layout.describe())
     security.log_startup(config.security)
     for model in config.models:
         if model.unknown_options:
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("Model %s: %s ignored: not for %s models (the variable applies to every model of the "
                         "store; set it in a model's serving.properties to name one)", model.name,
                         ", ".join(model.ignored_options), KIND_NAMES.get(model.task or "", model.task))
-    run_gunicorn(config, args, gpu_plan)
+    run_gunicorn(config, args, gpu_plan, layout)
     return 0
 
 

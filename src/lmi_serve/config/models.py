@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -198,6 +198,9 @@ class ServerConfig(BaseModel):
     model_url_root: str = "/opt/ml/models"  # the folder POST /models may load from (SageMaker's)
     # The server's CPU threads at most (option.cpu_threads; cpu_budget.py: the quota and affinity may lower it)
     cpu_threads: int | None = Field(None, ge=1)
+    # Engine replicas pinned to their own cores (option.engine_replicas; server/cpu_replicas.py): a number,
+    # "auto" (from the CPU budget), or None: the workers as set, unpinned
+    engine_replicas: int | Literal["auto"] | None = None
     # OpenTelemetry traces (server/tracing.py): the OTLP/HTTP endpoint spans go to; None: no tracing
     otlp_traces_endpoint: str | None = None
     models: tuple[ModelConfig, ...] = ()
@@ -211,6 +214,16 @@ class ServerConfig(BaseModel):
                 raise ValueError("is not an http(s) URL: OTLP/HTTP's full traces URL, such as "
                                  "http://collector:4318/v1/traces")
         return url
+
+    @field_validator("engine_replicas", mode="before")
+    @classmethod
+    def _replicas(cls, value: Any) -> Any:
+        text = str(value).strip().lower() if value is not None else None
+        if text is None or text == "auto":
+            return text
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError("is neither `auto` nor a number of replicas >= 1")
+        return int(text)
 
     @field_validator("models")
     @classmethod

@@ -45,7 +45,7 @@ requests to finish, drain.py); otlp_traces_endpoint <- option.otlp_traces_endpoi
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (tracing, server/tracing.py).
 
 Server-wide ``option.*`` keys (access control, security.py; ``option.max_request_bytes``;
-``option.cpu_threads``, cpu_budget.py; ``option.otlp_traces_endpoint``) are read from the models' options (serving.properties, else
+``option.cpu_threads``, cpu_budget.py; ``option.engine_replicas``, server/cpu_replicas.py; ``option.otlp_traces_endpoint``) are read from the models' options (serving.properties, else
 ``OPTION_<KEY>``), else ``LMI_SERVE_<KEY>``; models that set one must agree.
 """
 
@@ -101,8 +101,8 @@ _OPTION_FIELDS: dict[str, str] = {
 # read from the models' options (security.py, and the body limit below)
 # Server-wide options of multi-model endpoints (serving/multi_model.py): the models' options may name them
 _MME_KEYS = frozenset({"multi_model", "mme_memory_limit", "model_url_root"})
-_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", "cpu_threads", "otlp_traces_endpoint",
-                                  *_MME_KEYS})
+_KNOWN_WITHOUT_FIELD = frozenset({"engine", *_SECURITY_KEYS, "max_request_bytes", "cpu_threads", "engine_replicas",
+                                  "otlp_traces_endpoint", *_MME_KEYS})
 #: serving.properties keys that LMI also accepts without the ``option.`` prefix
 _BARE_KEYS = frozenset({"batch_size", "max_dynamic_batch_size", "max_batch_delay", "job_queue_size",
                         "minWorkers", "min_workers", "maxWorkers", "max_workers", "engine", "model_name"})
@@ -383,11 +383,12 @@ def _take_server_options(values: dict[str, Any], keys: dict[str, str], env: Mapp
         raise ConfigError(str(exc)) from None
     if limit:
         values["max_request_size"], keys["max_request_size"] = limit
-    # The thread budget (cpu_budget.py); OPTION_CPU_THREADS also where a multi-model endpoint starts with no model
-    threads = server_option("cpu_threads", env, model_options)
-    bare = _first(env, "OPTION_CPU_THREADS")
-    if threads or bare:
-        values["cpu_threads"], keys["cpu_threads"] = threads or (bare[1], bare[0])
+    # The thread budget (cpu_budget.py) and the engine replicas (server/cpu_replicas.py); OPTION_* also where
+    # a multi-model endpoint starts with no model
+    for key in ("cpu_threads", "engine_replicas"):
+        found, bare = server_option(key, env, model_options), _first(env, f"OPTION_{key.upper()}")
+        if found or bare:
+            values[key], keys[key] = found or (bare[1], bare[0])
     # OpenTelemetry traces (server/tracing.py): our option first, then OpenTelemetry's own variable
     otel = _first(env, "OPTION_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     endpoint = server_option("otlp_traces_endpoint", env, model_options) or (otel and (otel[1], otel[0]))

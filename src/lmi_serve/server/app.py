@@ -29,8 +29,10 @@ from lmi_serve.handler_api import CUSTOM_ATTRIBUTES_HEADER
 from lmi_serve.server import access_log, logs
 from lmi_serve.server import security
 from lmi_serve.server.body_limit import ServingRequest
+from lmi_serve.server.cpu_replicas import worker_layout
 from lmi_serve.server.drain import WorkerDrain
 from lmi_serve.server.error_routing import install_error_handlers, render_error
+from lmi_serve.server.gpus import SLOT_ENV
 from lmi_serve.server.metrics import ServingMetrics
 from lmi_serve.server.openapi import blueprint as openapi_blueprint
 from lmi_serve.serving import front_end, heap
@@ -161,8 +163,12 @@ def create_app(config: ServerConfig, registry: ModelRegistry | None = None) -> F
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_size
     app.config["TRITON_SERVER_NAME"] = config.triton_server_name
     app.config["STRICT_MODEL_NAMES"] = config.strict_model_names
-    budget = cpu_budget(config.cpu_threads, os.environ)
+    # A pinned replica (cpu_replicas.py) reads the budget over the whole layout's CPUs, not its own slice
+    layout = worker_layout(os.environ)
+    budget = cpu_budget(config.cpu_threads, os.environ, affinity=layout.cpus if layout else None)
     app.config["CPU_THREADS"] = budget.as_json(config.workers)  # GET /models/<m> shows it
+    if layout is not None:
+        app.config["CPU_THREADS"] |= layout.as_json(int(os.environ.get(SLOT_ENV, "0")))
     if registry is None:
         threads = configure_threads(budget, config.workers)
         logs.route_library_logs()

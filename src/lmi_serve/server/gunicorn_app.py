@@ -15,18 +15,20 @@ import tempfile
 from typing import Any
 
 from lmi_serve.config.sources import ServerConfig
-from lmi_serve.server import gpus, logs
+from lmi_serve.server import cpu_replicas, gpus, logs
+from lmi_serve.server.cpu_replicas import ReplicaLayout
 from lmi_serve.server.gpus import GpuPlan
 
 
 def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_dir: str,
-                      gpu_plan: GpuPlan | None = None) -> dict[str, Any]:
+                      gpu_plan: GpuPlan | None = None, layout: ReplicaLayout | None = None) -> dict[str, Any]:
     """gunicorn's settings for this server: the bind, workers and threads from the config, the
     timeouts, logging through logs.py, the hooks that keep multiprocess metrics right, and those
-    that give each worker a slot and its own GPUs (gpus.py)."""
+    that give each worker a slot, its own GPUs (gpus.py) and its own CPUs (cpu_replicas.py)."""
     from lmi_serve.server import drain, metrics
 
     plan = gpu_plan or GpuPlan(config.workers)
+    cores = layout or ReplicaLayout(config.workers, 1)  # unpinned
 
     return {
         "bind": f"{config.host}:{config.port}",
@@ -53,13 +55,15 @@ def gunicorn_settings(config: ServerConfig, args: argparse.Namespace, metrics_di
         "child_exit": lambda server, worker: metrics.worker_exited(worker.pid),
         "on_exit": lambda server: metrics.remove_multiprocess_dir(metrics_dir),
         "worker_exit": lambda server, worker: drain.on_worker_exit(worker),  # flush trace spans (tracing.py)
-        # A worker's slot (a replacement takes the dead one's) and, after the fork, that slot's GPUs.
+        # A worker's slot (a replacement takes the dead one's) and, after the fork, that slot's GPUs and CPUs.
         "pre_fork": lambda server, worker: gpus.assign_slot(server, worker, plan),
-        "post_fork": lambda server, worker: gpus.enter_slot(worker, plan),
+        "post_fork": lambda server, worker: (gpus.enter_slot(worker, plan),
+                                             cpu_replicas.enter_core_set(worker, cores)),
     }
 
 
-def run_gunicorn(config: ServerConfig, args: argparse.Namespace, gpu_plan: GpuPlan | None = None) -> None:
+def run_gunicorn(config: ServerConfig, args: argparse.Namespace, gpu_plan: GpuPlan | None = None,
+                 layout: ReplicaLayout | None = None) -> None:
     from gunicorn.app.base import BaseApplication
 
     from lmi_serve.server.boot import BootingApp
@@ -74,7 +78,7 @@ def run_gunicorn(config: ServerConfig, args: argparse.Namespace, gpu_plan: GpuPl
 
     class Server(BaseApplication):
         def load_config(self) -> None:
-            for key, value in gunicorn_settings(config, args, metrics_dir, gpu_plan).items():
+            for key, value in gunicorn_settings(config, args, metrics_dir, gpu_plan, layout).items():
                 self.cfg.set(key, value)
 
         def load(self):

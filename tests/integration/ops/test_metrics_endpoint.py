@@ -1,5 +1,7 @@
 """/metrics on a real server with two gunicorn workers: known traffic moves every counter by exactly
-that much, the histograms count it, and both workers' values add up (multiprocess mode).
+that much, the histograms count it, and both workers' values add up (multiprocess mode). The two
+workers are engine replicas (option.engine_replicas=2, server/cpu_replicas.py): each pinned to its own
+half of the CPUs, both answering through the one port.
 
 Traffic goes to whichever worker accepts it; the sums must be exact all the same. Every wait is a
 poll of /metrics with a deadline (server_process.wait_for), never a sleep."""
@@ -28,7 +30,10 @@ P = "lmi_serve:"
 
 @pytest.fixture(scope="module")
 def server():
-    server = ServerProcess("--model-dir", str(DEFAULT_STORE / LLM), "--workers", "2")
+    # The layout whose weights stay in the memory-mapped cache file, so the replicas share them (and no
+    # row-kernel copies to make: seconds of start-up)
+    server = ServerProcess("--model-dir", str(DEFAULT_STORE / LLM), env={
+        "OPTION_ENGINE_REPLICAS": "2", "OPTION_LINEAR_KERNEL": "torch", "OPTION_ROW_KERNEL": "off"})
     try:
         server.wait_for_ping()
         # /ping answers once one worker is ready; the other may still load (its count comes with it).
@@ -137,6 +142,43 @@ def test_two_workers_add_up(server):
         samples = scrape(server)
         assert total(samples, P + "model_loads_total", model_name=LLM) == 2
         assert total(samples, P + "model_load_time_seconds", model_name=LLM) > 0
+
+
+def test_two_replicas_pinned_to_their_own_cpus_answer_through_one_port(server):
+    """Each replica runs on its own contiguous half of the launcher's CPUs (the kernel's affinity, as the
+    worker set it), and GET /models/<m> from either says which half answered: both do, on one port."""
+    master = server.proc.pid
+    pids = [int(pid) for pid in open(f"/proc/{master}/task/{master}/children").read().split()]
+    cpus = sorted(os.sched_getaffinity(master))
+    half = len(cpus) // 2
+    assert sorted(sorted(os.sched_getaffinity(pid)) for pid in pids) == [cpus[:len(cpus) - half], cpus[-half:]]
+    seen: dict[tuple[int, ...], dict] = {}
+    for _ in range(200):  # a fresh connection each: whichever worker accepts it answers
+        shown = requests.get(server.url(f"/models/{LLM}"), timeout=30).json()[0]["models"][0]["cpuThreads"]
+        seen[tuple(shown["coreSet"])] = shown
+        if len(seen) == 2:
+            break
+    assert sorted(seen) == [tuple(cpus[:len(cpus) - half]), tuple(cpus[-half:])]
+    assert all(shown["replicas"] == 2 and shown["threadsPerWorker"] == shown["threads"] // 2 for shown in seen.values())
+    assert "Engine replicas: 2 (option.engine_replicas=2)" in server.output()
+    # One copy of the weights: the cache file's pages are resident in both and shared by them
+    weights = [safetensors_pages(pid) for pid in pids]
+    assert all(rss > 100 * 2**10 and shared > 0.9 * rss for rss, shared in weights), weights
+
+
+def safetensors_pages(pid: int) -> tuple[int, int]:
+    """kB of `pid`'s memory-mapped .safetensors files: resident, and of that shared with another process."""
+    rss = shared = 0
+    mapped = False
+    for line in open(f"/proc/{pid}/smaps").read().splitlines():
+        words = line.split()
+        if "-" in words[0] and not words[0].endswith(":"):  # a mapping's header: range, perms, ..., path
+            mapped = words[-1].endswith(".safetensors")
+        elif mapped and words[0] == "Rss:":
+            rss += int(words[1])
+        elif mapped and words[0] in ("Shared_Clean:", "Shared_Dirty:"):
+            shared += int(words[1])
+    return rss, shared
 
 
 def worker_pids(server) -> list[int]:

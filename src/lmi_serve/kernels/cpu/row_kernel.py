@@ -29,6 +29,7 @@ against 35.2 ms.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -314,17 +315,27 @@ class RowKernelReport:
                 f"rows ({self.nbytes / 2**20:.0f} MiB){unmatched}")
 
 
+REPLICAS_ENV = "LMI_SERVE_REPLICAS"  # engine replicas loading side by side (server/cpu_replicas.py sets it)
+
+
+def available_share() -> int:
+    """This process's share of the memory available now: each of the REPLICAS_ENV replicas makes its own
+    copies, so `auto` makes them where every replica's fit a quarter of it."""
+    replicas = os.environ.get(REPLICAS_ENV, "1")
+    return psutil.virtual_memory().available // max(1, int(replicas) if replicas.isdigit() else 1)
+
+
 def use_row_kernel(layers: list[tuple[str, nn.Module]], policy: str,
                    available_bytes: int | None = None) -> RowKernelReport:
     """Give fp32 `layers` (name, linear_kernels.OneDnnLinear) their copy for the row kernel
     (`layer.use_row_kernel`) as `policy` says: `on` all, `off` none, `auto` all where the copies fit in a
-    quarter of `available_bytes` (the memory available now when None). Raises ValueError for an unknown policy."""
+    quarter of `available_bytes` (this replica's share of the memory available now when None). Raises ValueError for an unknown policy."""
     if policy not in POLICIES:
         raise ValueError(f"option.row_kernel: {policy!r} is not one of {', '.join(POLICIES)}")
     report = RowKernelReport(policy)
     sizes = [laid_out_size(module.out_features, module.in_features) for _, module in layers]
     need = 4 * sum(sizes)
-    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    available = available_share() if available_bytes is None else available_bytes
     if policy == "off":
         report.why_not = "off"
     elif not layers:
