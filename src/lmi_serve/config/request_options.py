@@ -14,7 +14,7 @@ from lmi_serve.config.fields import Options, choice, parse_bool, text
 # How a reasoning model's output splits into reasoning and answer (dialects/common/reasoning.py): auto =
 # gpt-oss channels or `<think>` markers where the chat template or vocabulary has them; none = all answer;
 # vLLM's parser names.
-ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite", "gemma4"]
+ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite", "gemma4", "mistral"]
 # How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "deepseek_v3",
                          "deepseek_v31", "granite", "gemma4"]
@@ -35,7 +35,7 @@ class RequestOptions(Options):
         description="chat: the reasoning returned as `reasoning_content` (`auto`: gpt-oss channels or `<think>` "
                     "markers, as the chat template or vocabulary shows; `deepseek_r1`/`qwen3`: `<think>` markers; "
                     "`openai_gptoss`: gpt-oss's analysis channel; `granite`: Granite 3.2's phrases; `gemma4`: "
-                    "Gemma 4's thought channel; `none`: off)",
+                    "Gemma 4's thought channel; `mistral`: Magistral's `[THINK]`; `none`: off)",
     )
     max_reasoning_tokens: int | None = Field(
         None, ge=1,

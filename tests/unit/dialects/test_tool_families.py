@@ -241,7 +241,8 @@ def test_gemma4_history_renders_calls_and_results_through_its_template(tokenizer
     tokenizer, fmt = tokenizers["gemma4"], FORMATS["gemma4"]
     request = parse(ChatCompletionRequest, {"tools": [WEATHER], "messages": [
         *QUESTION, {"role": "assistant", "content": None, "tool_calls": [
-            {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(GEMMA_ARGS)}}]},
+            {"id": CALL_ID, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(GEMMA_ARGS)}}]},
         {"role": "tool", "tool_call_id": CALL_ID, "content": "Sunny"}]})
     prompt = chat.render_prompt(tokenizer, request)
     assert "<|tool>declaration:get_weather{" in prompt
@@ -263,7 +264,8 @@ def test_gemma4_grammar_takes_its_marker_tokens_and_writes_the_templates_calls(s
     tokens = fmt.marker_tokens(tokenizer)
     assert set(tokens) == set(fmt.markers)
     nested = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "required": ["city"],
-              "properties": {"city": WEATHER["function"]["parameters"]["properties"]["city"], "note": {"type": "string"},
+              "properties": {"city": WEATHER["function"]["parameters"]["properties"]["city"],
+                             "note": {"type": "string"},
                              "opts": {"type": "object", "required": ["on"], "properties": {
                                  "on": {"type": "boolean"}, "xs": {"type": "array", "items": {"type": "number"}}}},
                              "Any": {}}}}}
@@ -297,7 +299,8 @@ def test_gemma4_thought_channel_splits_alike_in_any_pieces(tokenizers, smollm2_m
     from lmi_serve.dialects.common import reasoning
 
     found = reasoning.markers(tokenizers["gemma4"])  # auto: the template writes the channel
-    assert found == reasoning.markers(AutoTokenizer.from_pretrained(str(smollm2_model_dir)), "gemma4") == reasoning.GEMMA4
+    named = reasoning.markers(AutoTokenizer.from_pretrained(str(smollm2_model_dir)), "gemma4")
+    assert found == named == reasoning.GEMMA4
     request = parse(ChatCompletionRequest, {"messages": QUESTION})
     off = chat.render_prompt(tokenizers["gemma4"], request)  # thinking off: the template closes an empty channel
     on = chat.render_prompt(tokenizers["gemma4"], request, template_kwargs={"enable_thinking": True})
@@ -337,6 +340,53 @@ def test_gemma4_channel_tokens_bound_the_thought_under_a_grammar(smollm2_model_d
     ids = tokenizer(thought, add_special_tokens=False).input_ids
     assert reasoning.split(tokenizer.decode(ids, skip_special_tokens=False), found, "maybe") == \
         ("The user wants weather.", '{"city": "Paris"}')
+
+
+# ---- Magistral: `[THINK] ... [/THINK]` special tokens, then the answer or v11 calls ---------------------
+
+MAGISTRAL_OUTPUT = '[THINK]The user wants weather.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+# The line of Magistral's published template (mistral-common's, tokenizer v13) that writes a thinking chunk.
+MAGISTRAL_TEMPLATE = ("{%- if block['type'] == 'thinking' %}{{- '[THINK]' + block['thinking'] + '[/THINK]' }}"
+                      "{%- endif %}")
+
+
+def test_magistral_think_tokens_split_before_its_calls_and_bound_the_grammar(smollm2_model_dir):
+    from tokenizers import AddedToken
+
+    from lmi_serve.dialects.common import reasoning
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    assert reasoning.markers(AutoTokenizer.from_pretrained(str(smollm2_model_dir)), "mistral") == reasoning.MISTRAL
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    specials = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]")
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tokenizer.chat_template = MAGISTRAL_TEMPLATE
+    found = reasoning.markers(tokenizer)  # auto: the template writes `[THINK]`
+    assert found == reasoning.markers(tokenizer, "mistral") and found.special
+    assert found.ids == tuple(tokenizer.convert_tokens_to_ids(t) for t in specials[:2])
+    ids = tokenizer(MAGISTRAL_OUTPUT, add_special_tokens=False).input_ids
+    text = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert text == MAGISTRAL_OUTPUT
+    whole = reasoning.split(text, found, "maybe")
+    assert whole[0] == "The user wants weather."
+    for cut in range(1, len(text)):
+        splitter = reasoning.splitter(found, "maybe")
+        parts = [splitter.feed(text[:cut]), splitter.feed(text[cut:]), splitter.finish()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == whole
+    parsed = chat.parse_tool_calls(whole[1], FORMATS["mistral"])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+
+    fmt = FORMATS["mistral"]
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "required"})
+    tools = chat.guided_decoding(request, fmt, fmt.marker_tokens(tokenizer))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def accepted(budget=None) -> bool:
+        matcher = compiler.constraint(reasoning.wrap_grammar(tools, found, "maybe", budget))._matcher
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert accepted() and accepted(budget=50) and not accepted(budget=2)
 
 
 # ---- gpt-oss harmony: channels split into reasoning, calls and content ------------------------------
