@@ -14,10 +14,10 @@ from lmi_serve.config.fields import Options, choice, parse_bool, text
 # How a reasoning model's output splits into reasoning and answer (dialects/common/reasoning.py): auto =
 # gpt-oss channels or `<think>` markers where the chat template or vocabulary has them; none = all answer;
 # vLLM's parser names.
-ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite"]
+ReasoningParser = Literal["auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite", "gemma4", "mistral"]
 # How a chat model writes tool calls (dialects/openai/tool_formats/, vLLM's names); unset: from the chat template.
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "deepseek_v3",
-                         "deepseek_v31", "granite"]
+                         "deepseek_v31", "granite", "gemma4"]
 _CHOICES = {"reasoning_parser": get_args(ReasoningParser), "tool_call_parser": get_args(ToolCallParser)}
 
 
@@ -34,7 +34,8 @@ class RequestOptions(Options):
         "auto",
         description="chat: the reasoning returned as `reasoning_content` (`auto`: gpt-oss channels or `<think>` "
                     "markers, as the chat template or vocabulary shows; `deepseek_r1`/`qwen3`: `<think>` markers; "
-                    "`openai_gptoss`: gpt-oss's analysis channel; `granite`: Granite 3.2's phrases; `none`: off)",
+                    "`openai_gptoss`: gpt-oss's analysis channel; `granite`: Granite 3.2's phrases; `gemma4`: "
+                    "Gemma 4's thought channel; `mistral`: Magistral's `[THINK]`; `none`: off)",
     )
     max_reasoning_tokens: int | None = Field(
         None, ge=1,

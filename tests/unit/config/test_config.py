@@ -204,7 +204,7 @@ def test_tool_call_parser_is_unset_by_default_and_checked(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as info:
         synth(OPTION_TOOL_CALL_PARSER="llama4_json")
     assert str(info.value) == ("OPTION_TOOL_CALL_PARSER: 'llama4_json' is not one of hermes, llama3_json, mistral, "
-                               "pythonic, qwen3_coder, openai, deepseek_v3, deepseek_v31, granite")
+                               "pythonic, qwen3_coder, openai, deepseek_v3, deepseek_v31, granite, gemma4")
 
 
 def test_kv_cache_is_slots_by_default_and_checked() -> None:

@@ -1,5 +1,5 @@
 """Tool-call formats of today's open families (Qwen3-Coder XML, gpt-oss harmony, Mistral v11,
-DeepSeek V3/R1 and V3.1, Granite 3.x), each against its family's published chat template
+DeepSeek V3/R1 and V3.1, Granite 3.x, Gemma 4), each against its family's published chat template
 (tests/fixtures/chat_templates/). The family's own shape is the template's: a call the template
 renders as history is what the format reads, and what the format's grammar makes a model write is
 the template's rendering of that call, byte for byte. Through OpenAIService on a tiny random-weights
@@ -34,6 +34,7 @@ FAMILIES = {  # format -> its family's template
     "deepseek_v3": "deepseek_r1_distill_qwen.jinja",  # R1's template; V3's writes calls alike
     "deepseek_v31": "deepseek-ai-DeepSeek-V3.1.jinja",
     "granite": "ibm-granite-granite-3.3-2B-Instruct.jinja",
+    "gemma4": "google-gemma-4-26B-A4B-it.jinja",
 }
 # One forced generation per family (V3's grammar is checked on its tokens below, without a model).
 FORCED = [f for f in FAMILIES if f != "deepseek_v3"]
@@ -41,7 +42,7 @@ FORCED = [f for f in FAMILIES if f != "deepseek_v3"]
 # takes it); this test is about the calls.
 NO_REASONING = {"granite"}
 # DeepSeek's markers are not in SmolLM2's vocabulary: spelled in its byte tokens they are long.
-MAX_TOKENS = {"deepseek_v31": 110}
+MAX_TOKENS = {"deepseek_v31": 110, "gemma4": 80}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -213,6 +214,179 @@ def test_granite_reasoning_phrases_split_alike_in_any_pieces(smollm2_model_dir):
         parts = [splitter.feed(GRANITE_THOUGHT[:cut]), splitter.feed(GRANITE_THOUGHT[cut:]), splitter.finish()]
         assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == whole
     assert reasoning.split("Plain answer.", found, "maybe") == ("", "Plain answer.")
+
+
+# ---- Gemma 4: `<|tool_call>call:name{key:<|"|>value<|"|>}<tool_call|>`, and its thought channel ----------
+
+GEMMA_ARGS = {"city": "Paris", "note": 'a, b} c:"d"', "days": -3, "opts": {"Unit": "C", "xs": [1.5, 2, None, True]},
+              "ids": [{"k": "v"}], "empty": {}}
+
+
+def test_gemma4_values_convert_to_json_and_malformed_text_stays_content():
+    fmt = FORMATS["gemma4"]
+    text = fmt.render_calls([("get_weather", GEMMA_ARGS)])
+    assert text == ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:-3,empty:{},ids:[{k:<|"|>v<|"|>}],'
+                    'note:<|"|>a, b} c:"d"<|"|>,opts:{Unit:<|"|>C<|"|>,xs:[1.5,2,None,true]}}<tool_call|>')
+    for written in (text, text + "<|tool_response>", text.replace("{city:", '{<|"|>city<|"|>:')):
+        parsed = chat.parse_tool_calls(written, fmt)
+        assert parsed.content is None and json.loads(parsed.tool_calls[0]["function"]["arguments"]) == GEMMA_ARGS
+    for other in ("Hello", text[:-5], text.replace("days:-3", "days:soon"), text.replace(",days", "days"),
+                  text + " and more", '<|tool_call>call:f{"a": 1}<tool_call|>'):
+        assert chat.parse_tool_calls(other, fmt).content == other
+
+
+def test_gemma4_history_renders_calls_and_results_through_its_template(tokenizers):
+    """A past call (arguments sent back as JSON text) and its tool result go through Gemma 4's own
+    template: the call as the format writes it, the result as a `<|tool_response>` named by the call."""
+    tokenizer, fmt = tokenizers["gemma4"], FORMATS["gemma4"]
+    request = parse(ChatCompletionRequest, {"tools": [WEATHER], "messages": [
+        *QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": CALL_ID, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(GEMMA_ARGS)}}]},
+        {"role": "tool", "tool_call_id": CALL_ID, "content": "Sunny"}]})
+    prompt = chat.render_prompt(tokenizer, request)
+    assert "<|tool>declaration:get_weather{" in prompt
+    assert prompt.endswith(fmt.render_calls([("get_weather", GEMMA_ARGS)])
+                           + '<|tool_response>response:get_weather{value:<|"|>Sunny<|"|>}<tool_response|>')
+
+
+def test_gemma4_grammar_takes_its_marker_tokens_and_writes_the_templates_calls(smollm2_model_dir):
+    """With Gemma 4's markers as special tokens, the grammar names them as those tokens and accepts
+    exactly the template's rendering: keys in its order, enums, bounds, nested values by schema."""
+    from tokenizers import AddedToken
+
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    fmt = FORMATS["gemma4"]
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    tokenizer.add_tokens([AddedToken(m, special=True, normalized=False) for m in fmt.markers], special_tokens=True)
+    tokenizer.chat_template = (TEMPLATES / FAMILIES["gemma4"]).read_text()
+    tokens = fmt.marker_tokens(tokenizer)
+    assert set(tokens) == set(fmt.markers)
+    nested = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "required": ["city"],
+              "properties": {"city": WEATHER["function"]["parameters"]["properties"]["city"],
+                             "note": {"type": "string"},
+                             "opts": {"type": "object", "required": ["on"], "properties": {
+                                 "on": {"type": "boolean"}, "xs": {"type": "array", "items": {"type": "number"}}}},
+                             "Any": {}}}}}
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [nested, WEATHER, TIME],
+                                            "tool_choice": "required"})
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    guided = chat.guided_decoding(request, fmt, tokens)
+
+    def accepted(text: str) -> bool:
+        matcher = compiler.constraint(guided)._matcher
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    calls = [("plan", {"city": "Rome", "note": "a, b}", "opts": {"on": True, "xs": [1.5, -2]}, "Any": {"k": [None]}}),
+             ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"utc": False})]
+    text = fmt.render_calls(calls)
+    assert text in history(tokenizer, calls) and accepted(text)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert set(tokens.values()) <= set(ids)
+    assert tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == text
+    paris = '<|"|>Paris<|"|>'
+    for wrong in (f"days:3,city:{paris}", "city:<|\"|>Lyon<|\"|>", f"city:{paris},days:9", "days:3",
+                  f"city:{paris},days:3,extra:1", f"city: {paris}"):  # unsorted, not in the enum, out of bounds,
+        assert not accepted(f"<|tool_call>call:get_weather{{{wrong}}}<tool_call|>")  # missing, unknown, spaced
+
+
+GEMMA_THOUGHT = "<|channel>thought\nThe user wants weather.<channel|>It is sunny."
+
+
+def test_gemma4_thought_channel_splits_alike_in_any_pieces(tokenizers, smollm2_model_dir):
+    from lmi_serve.dialects.common import reasoning
+
+    found = reasoning.markers(tokenizers["gemma4"])  # auto: the template writes the channel
+    named = reasoning.markers(AutoTokenizer.from_pretrained(str(smollm2_model_dir)), "gemma4")
+    assert found == named == reasoning.GEMMA4
+    request = parse(ChatCompletionRequest, {"messages": QUESTION})
+    off = chat.render_prompt(tokenizers["gemma4"], request)  # thinking off: the template closes an empty channel
+    on = chat.render_prompt(tokenizers["gemma4"], request, template_kwargs={"enable_thinking": True})
+    assert reasoning.start_state(off, found) == "answer" and reasoning.start_state(on, found) == "maybe"
+    whole = reasoning.split(GEMMA_THOUGHT, found, "maybe")
+    assert whole == ("The user wants weather.", "It is sunny.")
+    for cut in range(1, len(GEMMA_THOUGHT)):
+        splitter = reasoning.splitter(found, "maybe")
+        parts = [splitter.feed(GEMMA_THOUGHT[:cut]), splitter.feed(GEMMA_THOUGHT[cut:]), splitter.finish()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == whole
+
+
+def test_gemma4_channel_tokens_bound_the_thought_under_a_grammar(smollm2_model_dir):
+    """With `<|channel>` / `<channel|>` as special tokens (as Gemma 4's tokenizer holds them), a grammar
+    after the channel names them as tokens, so the model can think before a JSON answer, and a budget
+    bounds the thought."""
+    from tokenizers import AddedToken
+
+    from lmi_serve.dialects.common import guided, reasoning
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|channel>", "<channel|>")],
+                         special_tokens=True)
+    found = reasoning.markers(tokenizer, "gemma4")
+    assert found.tokens and found.special
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def accepted(text: str, budget=None) -> bool:
+        matcher = compiler.constraint(reasoning.wrap_grammar(guided.any_object(), found, "maybe", budget))._matcher
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    thought = '<|channel>thought\nThe user wants weather.<channel|>{"city": "Paris"}'
+    assert accepted(thought) and accepted('{"city": "Paris"}') and not accepted("It is sunny.")
+    assert not accepted(thought, budget=2) and accepted(thought, budget=50)
+    ids = tokenizer(thought, add_special_tokens=False).input_ids
+    assert reasoning.split(tokenizer.decode(ids, skip_special_tokens=False), found, "maybe") == \
+        ("The user wants weather.", '{"city": "Paris"}')
+
+
+# ---- Magistral: `[THINK] ... [/THINK]` special tokens, then the answer or v11 calls ---------------------
+
+MAGISTRAL_OUTPUT = '[THINK]The user wants weather.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+# The line of Magistral's published template (mistral-common's, tokenizer v13) that writes a thinking chunk.
+MAGISTRAL_TEMPLATE = ("{%- if block['type'] == 'thinking' %}{{- '[THINK]' + block['thinking'] + '[/THINK]' }}"
+                      "{%- endif %}")
+
+
+def test_magistral_think_tokens_split_before_its_calls_and_bound_the_grammar(smollm2_model_dir):
+    from tokenizers import AddedToken
+
+    from lmi_serve.dialects.common import reasoning
+    from lmi_serve.engine.sampling.grammar import GrammarCompiler
+
+    assert reasoning.markers(AutoTokenizer.from_pretrained(str(smollm2_model_dir)), "mistral") == reasoning.MISTRAL
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_model_dir))
+    specials = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]")
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tokenizer.chat_template = MAGISTRAL_TEMPLATE
+    found = reasoning.markers(tokenizer)  # auto: the template writes `[THINK]`
+    assert found == reasoning.markers(tokenizer, "mistral") and found.special
+    assert found.ids == tuple(tokenizer.convert_tokens_to_ids(t) for t in specials[:2])
+    ids = tokenizer(MAGISTRAL_OUTPUT, add_special_tokens=False).input_ids
+    text = tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert text == MAGISTRAL_OUTPUT
+    whole = reasoning.split(text, found, "maybe")
+    assert whole[0] == "The user wants weather."
+    for cut in range(1, len(text)):
+        splitter = reasoning.splitter(found, "maybe")
+        parts = [splitter.feed(text[:cut]), splitter.feed(text[cut:]), splitter.finish()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == whole
+    parsed = chat.parse_tool_calls(whole[1], FORMATS["mistral"])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+
+    fmt = FORMATS["mistral"]
+    request = parse(ChatCompletionRequest, {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "required"})
+    tools = chat.guided_decoding(request, fmt, fmt.marker_tokens(tokenizer))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+    def accepted(budget=None) -> bool:
+        matcher = compiler.constraint(reasoning.wrap_grammar(tools, found, "maybe", budget))._matcher
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert accepted() and accepted(budget=50) and not accepted(budget=2)
 
 
 # ---- gpt-oss harmony: channels split into reasoning, calls and content ------------------------------

@@ -2,7 +2,8 @@
 
 Qwen3, SmolLM3 and the DeepSeek-R1 distills write `<think> ... </think>` and then the answer; Granite
 3.2 (thinking on) "Here is my thought process:" ... "Here is my response:", plain text, where its
-template asks for them (`granite`). This
+template asks for them (`granite`); Gemma 4 `<|channel>thought ... <channel|>` (`gemma4`) and Magistral
+`[THINK] ... [/THINK]` (`mistral`), special tokens. This
 module knows only text and grammars (the engine never learns about reasoning):
 - `markers(tokenizer, parser)`: which markers a model uses, from `option.reasoning_parser` or, on
   `auto`, from the model itself (the chat template mentions `<think>`, or the vocabulary holds both
@@ -22,6 +23,7 @@ module knows only text and grammars (the engine never learns about reasoning):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from lmi_serve.engine.sampling.grammar import JSON_LAYOUT
 from lmi_serve.engine.types import GuidedDecoding
 
 Start = Literal["inside", "maybe", "answer"]
-PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite")  # vLLM's names
+PARSERS = ("auto", "none", "deepseek_r1", "qwen3", "openai_gptoss", "granite", "gemma4", "mistral")  # vLLM's names
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class Markers:
     close: str
     tokens: bool = False  # both markers are tokens of their own (what a token budget needs)
     harmony: bool = False  # gpt-oss channels (harmony.py), not a block between two markers
+    special: bool = False  # the markers are special tokens: the output is decoded with them kept
+    head: str = ""  # where `open` is a token and then text (Gemma 4's label): that token
+    ids: tuple[int, ...] = ()  # special markers' token ids (opening or its head, closing), where the tokenizer has them
 
 
 THINK = ("<think>", "</think>")
@@ -48,7 +53,12 @@ THINK = ("<think>", "</think>")
 HARMONY = Markers(harmony.CHANNEL + "analysis" + harmony.MESSAGE, harmony.END, harmony=True)
 # Granite 3.2 with `thinking` on (its template asks for them); Granite 3.3 writes `<think>` instead.
 GRANITE = Markers("Here is my thought process:", "Here is my response:")
-_BY_NAME = {"openai_gptoss": HARMONY, "granite": GRANITE}
+# Gemma 4 (`<|think|>` in the system turn): a thought channel, its `thought` label part of the opening.
+# Its template closes an empty one at the end of the prompt when thinking is off (all answer then).
+GEMMA4 = Markers("<|channel>thought", "<channel|>", special=True, head="<|channel>")
+# Magistral (tokenizer v13+): `[THINK]` / `[/THINK]` special tokens; its template writes them around thinking chunks.
+MISTRAL = Markers("[THINK]", "[/THINK]", special=True)
+_BY_NAME = {"openai_gptoss": HARMONY, "granite": GRANITE, "gemma4": GEMMA4, "mistral": MISTRAL}
 _detected: "weakref.WeakKeyDictionary[object, Markers | None]" = weakref.WeakKeyDictionary()
 
 
@@ -60,13 +70,24 @@ def _is_token(tokenizer, text: str) -> bool:
     return token_id is not None and token_id != getattr(tokenizer, "unk_token_id", None)
 
 
+def _with_tokens(tokenizer, found: Markers) -> Markers:
+    """Special markers (`found.special`) with their token ids where the tokenizer has both (the
+    opening's `head` and the closing), which grammars then name."""
+    if not found.special:
+        return found
+    texts = (found.head or found.open, found.close)
+    if not all(_is_token(tokenizer, t) for t in texts):
+        return found
+    return dataclasses.replace(found, tokens=True, ids=tuple(tokenizer.convert_tokens_to_ids(t) for t in texts))
+
+
 def markers(tokenizer, parser: str = "auto") -> Markers | None:
     """The reasoning markers of the model `tokenizer` belongs to, as `parser` (option.reasoning_parser)
     says; None when its output is all answer."""
     if parser == "none":
         return None
     if parser in _BY_NAME:
-        return _BY_NAME[parser]
+        return _with_tokens(tokenizer, _BY_NAME[parser])
     try:
         cached = _detected[tokenizer]
     except (KeyError, TypeError):
@@ -75,6 +96,8 @@ def markers(tokenizer, parser: str = "auto") -> Markers | None:
         template = " ".join(template.values()) if isinstance(template, dict) else template or ""
         cached = Markers(*THINK, tokens=tokens) if tokens or THINK[0] in template else None
         cached = GRANITE if GRANITE.open in template else cached
+        cached = _with_tokens(tokenizer, GEMMA4) if "<|channel>" in template else cached
+        cached = _with_tokens(tokenizer, MISTRAL) if MISTRAL.open in template else cached
         cached = HARMONY if harmony.CHANNEL in template else cached
         try:
             _detected[tokenizer] = cached
@@ -218,8 +241,13 @@ def wrap_grammar(guided: GuidedDecoding | None, found: Markers | None, start: St
     block). With `budget`, the block holds at most that many tokens; it needs `found.tokens`."""
     if found is None or found.harmony or start == "answer" or (guided is None and budget is None):
         return guided
-    if found.tokens:  # llguidance reads added tokens as special ones: `<name>` names them
-        opening, closing = f"<{found.open[1:-1]}>", f"<{found.close[1:-1]}>"
+    if found.tokens:  # llguidance reads added tokens as special ones: `<name>` or `<[id]>` names them
+        if found.ids:
+            opening, closing = (f"<[{i}]>" for i in found.ids)
+        else:
+            opening, closing = f"<{found.open[1:-1]}>", f"<{found.close[1:-1]}>"
+        if found.head:  # then the opening's text (Gemma 4's `thought` label)
+            opening += " " + json.dumps(found.open[len(found.head):])
         bound = f"[max_tokens={budget}]" if budget is not None else ""
         rules = [f"reason{bound}: REASON", "REASON: /(.|\\n)*/"]
         block = f"reason {closing}"

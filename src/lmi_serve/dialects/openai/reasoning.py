@@ -65,9 +65,9 @@ class ChatReasoning:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Whether the output must be decoded with special tokens kept (gpt-oss: every channel
-        marker is one)."""
-        return self.markers is not None and self.markers.harmony
+        """Whether the output must be decoded with special tokens kept (gpt-oss's and Gemma 4's
+        channel markers are such tokens)."""
+        return self.markers is not None and (self.markers.harmony or self.markers.special)
 
     def _splitter(self, index: int) -> reasoning.Splitter:
         if index not in self._splitters:
