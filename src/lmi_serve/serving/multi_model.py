@@ -155,7 +155,7 @@ def estimate(config: ModelConfig) -> int:
 def kernel_copies(service: ModelService) -> int:
     """The bytes a loaded model holds beyond its weights at the load dtype: the row kernel's copies
     (kernels/footprint.py), which the estimate before loading cannot know (they depend on the host)."""
-    footprint = getattr(service.kernels, "memory", None)
+    footprint = getattr(getattr(service, "kernels", None), "memory", None)  # a handler without a plan: none
     return footprint.row_copies if footprint is not None else 0
 
 

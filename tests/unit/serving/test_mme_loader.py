@@ -91,3 +91,25 @@ def test_unload_delists_before_stopping_and_then_is_404(loader):
     assert "a" not in loader.registry.services and loader.loader.budget.in_use == 0
     with pytest.raises(NotFound):
         loader.loader.unload("a", grace=0)
+
+
+def test_a_loaded_models_row_kernel_copies_count_against_the_limit(loader, monkeypatch):
+    """What the estimate before loading cannot know (the copies depend on the host) is held once they exist."""
+    from lmi_serve.kernels.footprint import WeightFootprint
+    from lmi_serve.serving.multi_model import estimate
+
+    loader.release.set()
+    service = loader.loader.load("a", str(loader.root / "a"))
+    before = loader.loader.budget.held("a")
+    assert before == estimate(service.config) > 0  # a stand-in without a kernel plan: the estimate alone
+    loader.loader.unload("a", 0)
+    original = StandIn.load
+
+    def planned(self):  # the handler's kernel plan made 3 MiB of row-kernel copies
+        original(self)
+        self.kernels = SimpleNamespace(memory=WeightFootprint(weights=1, row_copies=3 * 2**20))
+
+    monkeypatch.setattr(StandIn, "load", planned)
+    loader.loader.load("a", str(loader.root / "a"))
+    assert loader.loader.budget.held("a") == before + 3 * 2**20
+

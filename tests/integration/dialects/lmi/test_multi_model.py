@@ -67,7 +67,9 @@ def server(root):
     # Room for the reranker, SmolLM2 and two tiny generators, not a third
     limit = (estimates["reranker"] + estimates["smollm2"] + estimates["gen-a"] + estimates["gen-b"]
              + estimates["gen-c"] // 2)
-    env = {"SAGEMAKER_MULTI_MODEL": "true", "OPTION_MODEL_URL_ROOT": str(folder), "OPTION_MME_MEMORY_LIMIT": str(limit)}
+    # No row-kernel copies: the limit is the estimates' (weights and K/V), which a loaded model's copies would add to
+    env = {"SAGEMAKER_MULTI_MODEL": "true", "OPTION_MODEL_URL_ROOT": str(folder), "OPTION_MME_MEMORY_LIMIT": str(limit),
+           "OPTION_ROW_KERNEL": "off"}
     with serving(env=env) as running:
         running.root = folder
         yield running
@@ -194,9 +196,12 @@ def test_requests_in_flight_during_a_load_and_an_unload_lose_nothing(server):
 
     with ThreadPoolExecutor(3) as pool:
         clients = [pool.submit(keep_invoking) for _ in range(2)]
-        assert load(server, "gen-b").status_code == 200  # while gen-a serves
-        assert requests.delete(server.url("/models/reranker"), timeout=120).status_code == 200
-        stop.set()
+        try:
+            loaded = load(server, "gen-b")  # while gen-a serves
+            assert loaded.status_code == 200, loaded.text
+            assert requests.delete(server.url("/models/reranker"), timeout=120).status_code == 200
+        finally:  # the clients stop even when an assertion failed (else the pool's exit waits for ever)
+            stop.set()
         for client in clients:
             client.result()
     assert statuses and set(statuses) == {200}, statuses
