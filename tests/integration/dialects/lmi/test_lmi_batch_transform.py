@@ -18,8 +18,8 @@ pytestmark = pytest.mark.integration
 
 PAYLOAD_MB = 8
 ROWS = 6
-# A long answer, whole: 512 steps take about 20 s on a busy 2-core machine (1000 took over 40)
-LONG = 512
+# A long answer, whole (an async inference's): 256 steps, ~10 s on a busy 2-core machine (512 took 20, 1000 over 40)
+LONG = 256
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at"]
 
 
