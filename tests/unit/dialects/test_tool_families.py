@@ -26,6 +26,7 @@ from lmi_serve.dialects.openai.service import OpenAIService
 from lmi_serve.dialects.openai.tool_formats import FORMATS
 from lmi_serve.dialects.openai.tool_stream import ToolCallStream
 from lmi_serve.engine.engine import Engine
+from test_tool_formats import QUESTION, SCHEMAS, TIME, WEATHER  # the tools the older formats' tests use
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates"
 FAMILIES = {  # format -> its family's template
@@ -43,16 +44,6 @@ FORCED = [f for f in FAMILIES if f != "deepseek_v3"]
 NO_REASONING = {"granite"}
 # DeepSeek's markers are not in SmolLM2's vocabulary: spelled in its byte tokens they are long.
 MAX_TOKENS = {"deepseek_v31": 110, "gemma4": 80}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
-                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                   "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time now",
-    "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "additionalProperties": False}}}
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_ID = "a1b2c3d4e"  # 9 letters and digits: Mistral's templates demand it
 
 
