@@ -66,7 +66,19 @@ def venv(tmp_path_factory, wheel) -> Path:
     (site / "project_dependencies.pth").write_text("".join(f"{path}\n" for path in dependencies))
     run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
         "--disable-pip-version-check", wheel)
+    share_compiled_kernels(site / "lmi_serve")
     return root
+
+
+def share_compiled_kernels(package: Path) -> None:
+    """The checkout's numba cache (written by the servers started earlier) beside the installed kernels, as the
+    image build leaves one: numba keys it by the source's hash and the CPU, not the path, so the fresh server
+    loads what is still current instead of compiling it again (~30 s of a 2-core suite); stale or missing
+    entries are compiled as on any first start."""
+    for built in (ROOT / "src" / "lmi_serve").glob("kernels/**/__pycache__/*.nb[ic]"):
+        target = package / built.parent.relative_to(ROOT / "src" / "lmi_serve") / built.name
+        target.parent.mkdir(exist_ok=True)
+        shutil.copy2(built, target)
 
 
 def test_the_wheel_holds_the_handlers_and_the_defaults(wheel):
