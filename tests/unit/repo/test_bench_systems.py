@@ -274,3 +274,38 @@ def test_chat_ttft_ratio_line():
     rows = [row("rolling-no-prefix", 16, 50, ttft=1.5), row("rolling", 16, 60, ttft=0.3)]
     assert ttft_ratio(rows, 16).endswith("1.50 / 0.30 s = **5.00x** (target >= 3x) PASS")
     assert ttft_ratio(rows[:1], 16).endswith("not measured")
+
+
+def test_bf16_and_q4km_systems_are_held_against_their_own_peers():
+    """Issue 67's bf16 against vLLM's bf16, issue 61's Q4_K_M file against the Q4_1 path and llama-server on the
+    same file: each a target line of its own, only where the run measured those systems."""
+    rows = [row("rolling-bf16", 1, 44), row("vllm-cpu-bf16", 1, 40), row("rolling-bf16", 32, 300),
+            row("vllm-cpu-bf16", 32, 340), row("rolling-q4-bf16", 1, 80), row("rolling-q4km-bf16", 1, 78),
+            row("llama-server-q4km", 1, 90), row("rolling-q4-bf16", 32, 400), row("rolling-q4km-bf16", 32, 360)]
+    lines = "\n".join(target_checks(rows, 32, 16))
+    assert "rolling-bf16@1 vs vllm-cpu-bf16@1 tok/s: 44.0 / 40.0 = **1.10x** (target >= 1.1x) PASS" in lines
+    assert "rolling-bf16@32 vs vllm-cpu-bf16@32 tok/s: 300.0 / 340.0 = **0.88x** (target >= 1.1x) MISS" in lines
+    assert "- tok/s vs vllm-cpu-bf16 (340.0 tok/s) at 32 client(s): rolling-bf16 0.88x" in lines
+    assert ("rolling-q4km-bf16@1 vs rolling-q4-bf16@1 (the Q4_1 path) tok/s: 78.0 / 80.0 = **0.97x** "
+            "(target >= 0.95x) PASS") in lines
+    assert "rolling-q4km-bf16@32 vs rolling-q4-bf16@32 (the Q4_1 path) tok/s: 360.0 / 400.0 = **0.90x**" in lines
+    assert "rolling-q4km-bf16@1 vs llama-server-q4km@1 (the same file) tok/s: 78.0 / 90.0 = **0.87x**" in lines
+    [llama_line] = [line for line in lines.splitlines() if "vs llama-server-q4km (Q4_K_M, 90.0 tok/s) at 1" in line]
+    assert "rolling-q4-bf16 0.89x" in llama_line and "rolling-q4km-bf16 0.87x" in llama_line
+    plain = "\n".join(target_checks([row("rolling", 1, 20), row("rolling", 32, 100)], 32, 16))
+    assert "vllm-cpu-bf16" not in plain and "(the Q4_1 path)" not in plain and "(the same file)" not in plain
+
+
+def test_vllm_cpu_bf16_serves_in_bfloat16(tmp_path):
+    flags = vllm_cpu.command(tmp_path / "python", "/models/smol", 8123, 32, 512, "bfloat16")[3:]
+    assert dict(zip(flags[::2], flags[1::2]))["--dtype"] == "bfloat16"
+
+
+def test_q4km_systems_without_llama_quantize_are_skipped_with_the_build_hint(tmp_path, monkeypatch):
+    """Both serve the GGUF llama-quantize makes: without the llama.cpp build neither starts, and each says why."""
+    monkeypatch.setenv("LLAMA_CPP_HOME", str(tmp_path / "no-build"))
+    servers = Servers(tmp_path, ["rolling-q4km-bf16", "llama-server-q4km"], ServerSettings(), ModelSource())
+    assert servers.servers == {}
+    assert all("benchmarks/build_llama_server" in servers.skipped[name]
+               for name in ("rolling-q4km-bf16", "llama-server-q4km"))
+    assert our_options("rolling-q4km-bf16", ServerSettings())["quantize"] == "q4"
