@@ -23,7 +23,7 @@ its GGUF does not travel) a seeded random-weight model of its exact config and t
 .device_wheels/smollm2 (`--random-weights` forces it): lengths are forced (EOS ignored) and every kernel's
 work depends on the shapes only, so the tok/s is the real model's.
 
-Run: .venv/bin/python -m benchmarks.bench_cpu_scaling [--layouts 1,2,2x1,auto] [--clients 64] [--window 20]
+Run: .venv/bin/python -m benchmarks.bench_cpu_scaling [--layouts 1,2,2x1,auto] [--clients 64] [--window 15]
      (on the device machine through `scripts/device_check --cpu-scaling`, docs/gpu.md)
 """
 
@@ -162,7 +162,6 @@ def measure(layout: Layout, cpus: list[int], source: ModelSource, workdir: Path,
         result = drive(server.url("/invocations"), feed, args.clients, args.window, args.ramp_max,
                        longest=OUTPUT_TOKENS[1])
         row.update(result_fields(result))
-        row["requests_per_engine"] = requests_per_engine(server.output())
     except Exception as exc:  # noqa: BLE001 - reported in the row; the other layouts still run
         row["error"] = f"{type(exc).__name__}: {str(exc)[-600:]}"
         row["server_log_tail"] = server.output()[-3000:]
@@ -171,6 +170,7 @@ def measure(layout: Layout, cpus: list[int], source: ModelSource, workdir: Path,
         stopping = time.monotonic()
         server.stop()
         row["stop_s"] = round(time.monotonic() - stopping, 1)
+        row["requests_per_engine"] = requests_per_engine(server.output())  # streams cut at the stop are logged too
     row["layout_s"] = round(time.monotonic() - started, 1)
     return row
 

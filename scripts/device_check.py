@@ -207,10 +207,10 @@ def bench_rows(data: dict | None) -> tuple[list[list[str]], list[str]]:
     return rows, notes
 
 
-def prepared(python: str, imports: str) -> tuple[Path, dict, list[str], bool]:
+def prepared(python: str, imports: str) -> tuple[Path, dict, list[str], bool, bool]:
     """Both parts' start: $OUT (else a temporary folder), the environment printed, the carried wheels installed
     into OVERLAY, and `imports` tried once (a missing module named before anything runs). Returns (out, the
-    children's environment, the report's environment lines, whether CUDA is there)."""
+    children's environment, the report's environment lines, whether CUDA is there, whether `imports` imported)."""
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="device_check-"))
     out.mkdir(parents=True, exist_ok=True)
     env_lines, cuda = environment(python)
@@ -231,12 +231,12 @@ def prepared(python: str, imports: str) -> tuple[Path, dict, list[str], bool]:
     else:
         env_lines.append(f"WARNING: importing {imports} failed: {smoke.stderr.strip().splitlines()[-1]}")
     say(f"- {env_lines[-1]}")
-    return out, env, env_lines, cuda
+    return out, env, env_lines, cuda, smoke.returncode == 0
 
 
 def check(args) -> int:
     started = time.monotonic()
-    out, env, env_lines, cuda = prepared(args.python, "lmi_serve.engine.engine, lmi_serve.model.loader, pytest")
+    out, env, env_lines, cuda, _ = prepared(args.python, "lmi_serve.engine.engine, lmi_serve.model.loader, pytest")
 
     say("\n## GPU tests (pytest -m gpu tests/gpu)")
     junit = out / "junit.xml"
@@ -274,7 +274,7 @@ def cpu_scaling(args) -> int:
     """The CPU-only part (issue 65): benchmarks/bench_cpu_scaling.py on this host's CPUs, CUDA hidden, its table
     after the environment; `--scaling-args` go to the benchmark (docs/gpu.md has the call)."""
     started = time.monotonic()
-    out, env, env_lines, _ = prepared(args.python, "lmi_serve.server.app, flask, gunicorn, requests")
+    out, env, env_lines, _, imported = prepared(args.python, "lmi_serve.server.app, flask, gunicorn, requests")
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
     cores = subprocess.run(["lscpu", "-e=CPU,CORE,SOCKET,NODE"], capture_output=True, text=True).stdout if lscpu else ""
     (out / "lscpu.txt").write_text(lscpu + "\n" + cores)  # which CPU numbers share a core: the layouts' slices
@@ -283,12 +283,13 @@ def cpu_scaling(args) -> int:
     say("\n## CPU scaling (benchmarks/bench_cpu_scaling.py)")
     table = out / "cpu_scaling.md"
     table.unlink(missing_ok=True)
-    rc, took = run_logged([sys.executable, "-m", "benchmarks.bench_cpu_scaling", "--out", str(table),
-                           "--json", str(out / "cpu_scaling.json"), "--deadline", str(args.scaling_deadline),
-                           *args.scaling_args.split()], out / "cpu_scaling.log", dict(env, CUDA_VISIBLE_DEVICES=""),
-                          args.scaling_timeout)
+    bench = [sys.executable, "-m", "benchmarks.bench_cpu_scaling", "--out", str(table), "--json",
+             str(out / "cpu_scaling.json"), "--deadline", str(args.scaling_deadline), *args.scaling_args.split()]
+    rc, took = (run_logged(bench, out / "cpu_scaling.log", dict(env, CUDA_VISIBLE_DEVICES=""), args.scaling_timeout)
+                if imported else (2, 0.0))  # a server that cannot import would fail every layout the same way
     env_lines.append(f"cpu scaling: exit {rc if rc is not None else 'killed (timeout)'} in {took:.0f} s")
-    body = table.read_text() if table.is_file() else "(no table: see cpu_scaling.log)\n"
+    body = (table.read_text() if table.is_file() else "(no table: see cpu_scaling.log)\n" if imported
+            else "(not run: the server does not import here; see the WARNING above)\n")
     report = [f"# CPU scaling check, {time.strftime('%Y-%m-%d %H:%M')}, {time.monotonic() - started:.0f} s", ""]
     report += [f"- {line}" for line in env_lines] + ["", body]
     (out / "device_check_cpu.md").write_text("\n".join(report))
