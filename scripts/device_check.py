@@ -18,138 +18,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELS = ROOT / ".device_wheels"
-MANIFEST = WHEELS / "manifest.json"
-OVERLAY = Path(tempfile.gettempdir()) / "lmi-device-site"  # the wheels go here, ahead of the image's packages
-LIMIT_MIB = 64  # what one device call carries: the working tree plus .device_wheels
-TARGET_PYTHON = "3.12"  # the device image's python3 (Python 3.12.3, /opt/torch/.venv, as sessions saw it)
-PLATFORMS = ("manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
-             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
-# What the GPU tests and the benchmark import beyond torch / transformers / accelerate (the image's) and why.
-DEVICE_PACKAGES = {
-    "pytest": "runs tests/gpu",
-    "gguf": "transformers' GGUF reader: SmolLM2's GGUF, where one is given (LMI_SERVE_SMOLLM2_GGUF)",
-    "psutil": "engine/kv/select.py imports it",
-    "pydantic": "lmi_serve.config (option parsing: placement and memory-budget tests of issue 30 item 1)",
-    "llguidance": "engine/sampling/grammar.py: grammar rows (issue 30 item 2: masks on the device)",
-    "peft": "model/lora.py: LoRA rows",
-    # The first device run (2026-11-26) found transformers 5.17.0 in the image, whose sdpa_attention lacks
-    # pack_gqa: every engine import failed. So the pinned transformers and accelerate travel, with their needs.
-    "transformers": "the pin in pyproject.toml (the image's may be older)",
-    "accelerate": "the pin in pyproject.toml",
-}
-# The project's other dependencies, not carried: none of them is imported by tests/gpu or the benchmark.
-DROPPED = {
-    "flask, gunicorn, prometheus_client, python-json-logger, swagger-ui-py": "the HTTP server only",
-    "boto3": "S3 model sources only (accelerate imports it only where it is installed)",
-    "numpy": "any numpy transformers accepts; the image's torch build has its own",
-    "numba": "the CPU decode attention kernel only (kernels/cpu/decode_kernel.py; without it SDPA attends)",
-    "opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http": "the HTTP server's traces only (server/tracing.py)",
-}
-IMAGE_ROOTS = ("torch",)
-NOT_CARRIED = {"numpy", "typing-extensions"}  # the image has them; their wheels are large or torch-bound
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # device_wheels.py beside it, also when loaded by path
+from device_wheels import MANIFEST, OVERLAY, TARGET_PYTHON, WHEELS, prepare, say  # noqa: E402
+
 GPU_TESTS_TIMEOUT_S = 270
 BENCH_TIMEOUT_S = 260  # an H100 took ~200 s for the 9 rows (2026-11-26)
-
-
-def say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-# -- --prepare ---------------------------------------------------------------------------------------------
-
-
-def _requirements(dist_name: str, python: str) -> list[str]:
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    env = {"python_version": python, "python_full_version": python + ".0", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-           "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
-    names = []
-    for text in metadata.distribution(dist_name).requires or []:
-        requirement = Requirement(text)
-        if requirement.marker is None or requirement.marker.evaluate(env):
-            names.append(norm(requirement.name))
-    return names
-
-
-def _closure(roots, python: str) -> set[str]:
-    from importlib import metadata
-
-    seen: set[str] = set()
-    todo = [norm(r) for r in roots]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        try:
-            metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        seen.add(name)
-        todo.extend(_requirements(name, python))
-    return seen
-
-
-def tree_bytes() -> int:
-    """What travels besides .device_wheels: tracked files and untracked ones git does not ignore."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.split(b"\0")
-    return sum((ROOT / p.decode()).stat().st_size for p in listed if p and (ROOT / p.decode()).is_file())
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def prepare(python: str) -> int:
-    from importlib import metadata
-
-    sys.path.insert(0, str(ROOT / "src"))
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    image = _closure(IMAGE_ROOTS, python)
-    # The packages named are carried even where torch & co. depend on them too (the image may still lack them).
-    # So are pydantic's own parts: here huggingface_hub 2.x pulls them into torch & co.'s closure, the image's 1.x not.
-    wanted = sorted(((_closure(DEVICE_PACKAGES, python) - image) | {norm(name) for name in DEVICE_PACKAGES}
-                    | _closure(["pydantic"], python)) - NOT_CARRIED)
-    pins = [f"{name}=={metadata.version(name)}" for name in wanted]
-    shutil.rmtree(WHEELS, ignore_errors=True)
-    WHEELS.mkdir()
-    say(f"[prepare] {len(pins)} wheels for CPython {python} manylinux x86_64: {' '.join(pins)}")
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-               "--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", str(WHEELS)]
-    for tag in PLATFORMS:
-        command += ["--platform", tag]
-    subprocess.run(command + pins, check=True)
-    import device_models
-
-    copied = device_models.copy_tokenizer_files(WHEELS / "smollm2")
-    files = {}
-    for wheel in sorted(WHEELS.glob("*.whl")):
-        files[norm(wheel.name.split("-")[0])] = wheel.name
-    manifest = {"python": python, "made": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "packages": {name: {"version": metadata.version(name), "wheel": files.get(name)} for name in wanted},
-                "smollm2_files": [p.name for p in copied], "dropped": DROPPED}
-    MANIFEST.write_text(json.dumps(manifest, indent=2))
-    wheels, tree = folder_bytes(WHEELS), tree_bytes()
-    for wheel in sorted(WHEELS.glob("*.whl"), key=lambda p: -p.stat().st_size):
-        say(f"  {wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}")
-    say(f"  {folder_bytes(WHEELS / 'smollm2') / 2**20:7.2f} MiB  smollm2/ (tokenizer and config: {', '.join(p.name for p in copied)})")
-    say(f"[prepare] .device_wheels: {wheels / 2**20:.1f} MiB; the working tree: {tree / 2**20:.1f} MiB; "
-        f"together {(wheels + tree) / 2**20:.1f} MiB of the {LIMIT_MIB} MiB a device call carries")
-    for names, why in DROPPED.items():
-        say(f"[prepare] not carried: {names} ({why})")
-    if wheels + tree > LIMIT_MIB * 2**20:
-        say("[prepare] TOO BIG for one device call")
-        return 1
-    return 0
+# --cpu-scaling: 8 layouts of ~45 s each (start, ramp, 15 s window, stop) fit in the deadline; the kill after it
+# leaves the rows printed so far (docs/gpu.md has the arithmetic).
+SCALING_DEADLINE_S = 420
+SCALING_TIMEOUT_S = 500
 
 
 # -- the check -------------------------------------------------------------------------------------------
@@ -330,11 +207,13 @@ def bench_rows(data: dict | None) -> tuple[list[list[str]], list[str]]:
     return rows, notes
 
 
-def check(args) -> int:
+def prepared(python: str, imports: str) -> tuple[Path, dict, list[str], bool, bool]:
+    """Both parts' start: $OUT (else a temporary folder), the environment printed, the carried wheels installed
+    into OVERLAY, and `imports` tried once (a missing module named before anything runs). Returns (out, the
+    children's environment, the report's environment lines, whether CUDA is there, whether `imports` imported)."""
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(tempfile.mkdtemp(prefix="device_check-"))
     out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    env_lines, cuda = environment(args.python)
+    env_lines, cuda = environment(python)
     say("## Environment")
     for line in env_lines:
         say(f"- {line}")
@@ -343,16 +222,21 @@ def check(args) -> int:
     for line in install(env):
         env_lines.append(line)
         say(f"- {line}")
-    smoke = subprocess.run([sys.executable, "-c", "import lmi_serve.engine.engine, lmi_serve.model.loader, pytest, "
-                            "transformers, accelerate; print(transformers.__version__, accelerate.__version__)"],
+    smoke = subprocess.run([sys.executable, "-c", f"import {imports}, transformers, accelerate; "
+                            "print(transformers.__version__, accelerate.__version__)"],
                            cwd=ROOT, env=env, capture_output=True, text=True)
     if smoke.returncode == 0:
         seen = smoke.stdout.split()
-        env_lines.append(f"the tests import transformers {seen[0]} and accelerate {seen[1]} (the overlay's, else the image's)")
-        say(f"- {env_lines[-1]}")
+        env_lines.append(f"imports transformers {seen[0]} and accelerate {seen[1]} (the overlay's, else the image's)")
     else:
-        env_lines.append(f"WARNING: importing the engine failed: {smoke.stderr.strip().splitlines()[-1]}")
-        say(f"- {env_lines[-1]}")
+        env_lines.append(f"WARNING: importing {imports} failed: {smoke.stderr.strip().splitlines()[-1]}")
+    say(f"- {env_lines[-1]}")
+    return out, env, env_lines, cuda, smoke.returncode == 0
+
+
+def check(args) -> int:
+    started = time.monotonic()
+    out, env, env_lines, cuda, _ = prepared(args.python, "lmi_serve.engine.engine, lmi_serve.model.loader, pytest")
 
     say("\n## GPU tests (pytest -m gpu tests/gpu)")
     junit = out / "junit.xml"
@@ -386,15 +270,52 @@ def check(args) -> int:
     return 1 if failed else 0
 
 
+def cpu_scaling(args) -> int:
+    """The CPU-only part (issue 65): benchmarks/bench_cpu_scaling.py on this host's CPUs, CUDA hidden, its table
+    after the environment; `--scaling-args` go to the benchmark (docs/gpu.md has the call)."""
+    started = time.monotonic()
+    out, env, env_lines, _, imported = prepared(args.python, "lmi_serve.server.app, flask, gunicorn, requests")
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
+    cores = subprocess.run(["lscpu", "-e=CPU,CORE,SOCKET,NODE"], capture_output=True, text=True).stdout if lscpu else ""
+    (out / "lscpu.txt").write_text(lscpu + "\n" + cores)  # which CPU numbers share a core: the layouts' slices
+    flags = re.search(r"Flags:\s*(.+)", lscpu)
+    env_lines.append("lscpu flags: " + (flags.group(1).strip() if flags else "?"))
+    say("\n## CPU scaling (benchmarks/bench_cpu_scaling.py)")
+    table = out / "cpu_scaling.md"
+    table.unlink(missing_ok=True)
+    bench = [sys.executable, "-m", "benchmarks.bench_cpu_scaling", "--out", str(table), "--json",
+             str(out / "cpu_scaling.json"), "--deadline", str(args.scaling_deadline), *args.scaling_args.split()]
+    rc, took = (run_logged(bench, out / "cpu_scaling.log", dict(env, CUDA_VISIBLE_DEVICES=""), args.scaling_timeout)
+                if imported else (2, 0.0))  # a server that cannot import would fail every layout the same way
+    env_lines.append(f"cpu scaling: exit {rc if rc is not None else 'killed (timeout)'} in {took:.0f} s")
+    body = (table.read_text() if table.is_file() else "(no table: see cpu_scaling.log)\n" if imported
+            else "(not run: the server does not import here; see the WARNING above)\n")
+    report = [f"# CPU scaling check, {time.strftime('%Y-%m-%d %H:%M')}, {time.monotonic() - started:.0f} s", ""]
+    report += [f"- {line}" for line in env_lines] + ["", body]
+    (out / "device_check_cpu.md").write_text("\n".join(report))
+    say("\n" + "\n".join(report))
+    say(f"(files: {out})")
+    return 0 if rc == 0 else 1
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="GPU tests + GPU benchmark in one table (docs/gpu.md)")
+    p = argparse.ArgumentParser(description="GPU tests + GPU benchmark in one table; or, with --cpu-scaling, the "
+                                            "CPU scaling table (docs/gpu.md)")
     p.add_argument("--prepare", action="store_true", help="download the wheels and SmolLM2's tokenizer here")
     p.add_argument("--python", default=TARGET_PYTHON, help=f"--prepare: the device's Python (default {TARGET_PYTHON})")
     p.add_argument("--bench-args", default="", help="extra arguments for benchmarks/bench_gpu.py")
     p.add_argument("--tests-timeout", type=int, default=GPU_TESTS_TIMEOUT_S)
     p.add_argument("--bench-timeout", type=int, default=BENCH_TIMEOUT_S)
+    p.add_argument("--cpu-scaling", action="store_true",
+                   help="instead of the GPU part: served tok/s per CPU layout (benchmarks/bench_cpu_scaling.py)")
+    p.add_argument("--scaling-args", default="", help="extra arguments for benchmarks/bench_cpu_scaling.py")
+    p.add_argument("--scaling-deadline", type=int, default=SCALING_DEADLINE_S,
+                   help=f"start no layout past this many seconds of the benchmark (default {SCALING_DEADLINE_S})")
+    p.add_argument("--scaling-timeout", type=int, default=SCALING_TIMEOUT_S)
     args = p.parse_args(argv)
-    return prepare(args.python) if args.prepare else check(args)
+    if args.prepare:
+        return prepare(args.python)
+    return cpu_scaling(args) if args.cpu_scaling else check(args)
 
 
 if __name__ == "__main__":

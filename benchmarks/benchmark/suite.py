@@ -21,6 +21,7 @@ FILES = {
     "tp_model": ROOT / "tests" / "tp_model.py",
     "engine_prompts": ROOT / "tests" / "unit" / "engine" / "engine_prompts.py",
     "otlp_receiver": ROOT / "tests" / "otlp_receiver.py",
+    "device_models": ROOT / "tests" / "gpu" / "device_models.py",
 }
 
 

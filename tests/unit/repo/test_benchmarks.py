@@ -62,7 +62,8 @@ def test_every_script_is_in_the_readme() -> None:
 
 
 @pytest.mark.parametrize("entry, module", [("scripts/bench", "benchmarks.bench"), ("scripts/soak", "benchmarks.soak"),
-                                           ("scripts/device_check.py", "benchmarks.bench_gpu")])
+                                           ("scripts/device_check.py", "benchmarks.bench_gpu"),
+                                           ("scripts/device_check.py", "benchmarks.bench_cpu_scaling")])
 def test_entry_points_run_the_modules(entry: str, module: str) -> None:
     text = (ROOT / entry).read_text(encoding="utf-8")
     assert re.search(rf'-m"?,? "?{re.escape(module)}\b', text), f"{entry} does not run python -m {module}"
