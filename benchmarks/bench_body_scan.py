@@ -13,10 +13,11 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    fork; it then runs once per body, where the former routes ran it up to five times, so the
    baseline here flatters it.
 3. With --decode, instead: the decoder's shapes (millions of keys, one array of millions of
-   numbers) against two servers in the same run, before and after: this tree as it is, and before
-   it either the source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`,
-   then DIR/src) or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak
-   as above.
+   numbers, rows of 16 numbers) against two servers running side by side, before and after, one
+   body at a time, alternating which goes first: this tree as it is, and before it either the
+   source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`, then DIR/src)
+   or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak as above, the
+   stream's median gap before the body (the box's own pace), and the load average.
 
     .venv/bin/python -m benchmarks.bench_body_scan [--size BYTES] [--skip-servers]
     .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src]
@@ -190,30 +191,36 @@ DECODE_ROUTES = ("/invocations", "/v1/chat/completions", "/generate", "/v2/model
 
 
 def decode_against_servers(size: int, port: int, before_src: str | None) -> None:
-    """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree (after)."""
-    rows = {}
-    for mode in ("nocap", "new"):
-        former = before_src if mode == "nocap" else None
-        proc = start_server(port, size, False, "new" if former else mode, former)
-        try:
-            worker = worker_process(proc.pid)
-            for route in DECODE_ROUTES:
-                for shape in DECODE_SHAPES:
-                    rows[mode, route, shape] = probe(f"http://127.0.0.1:{port}", worker, route, shape, size)
-        finally:
+    """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree
+    (after), both servers up at once (ports `port` and `port + 1`) and probed in turn."""
+    rows, servers = {}, {}
+    try:
+        for offset, mode in enumerate(("nocap", "new")):
+            former = before_src if mode == "nocap" else None
+            proc = start_server(port + offset, size, False, "new" if former else mode, former)
+            servers[mode] = (proc, worker_process(proc.pid), f"http://127.0.0.1:{port + offset}")
+        for turn, (route, shape) in enumerate((r, s) for r in DECODE_ROUTES for s in DECODE_SHAPES):
+            for mode in ("nocap", "new") if turn % 2 == 0 else ("new", "nocap"):
+                _, worker, base = servers[mode]
+                rows[mode, route, shape] = probe(base, worker, route, shape, size)
+                rows[mode, route, shape].notes.append(f"load {os.getloadavg()[0]:.1f}")
+    finally:
+        for proc, _, _ in servers.values():
             stop_server(proc)
     print(f"\n## One {size / 2**20:.0f} MiB body of small values at a time, a stream running on the same worker\n")
-    print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree. `keys` is 13 bytes per key, "
-          "`numbers` one flat array of `0`s.\n")
+    print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree; both servers up, probed in "
+          "turn. `keys` is 13 bytes per key, `numbers` one flat array of `0`s, `rows` rows of 16 `0`s. `idle gap`: "
+          "the stream's median gap before the body; `load`: the 1-minute load average after each probe.\n")
     print("| route | body | status before/after | request s before/after | stream gap s before/after | "
-          "/ping s before/after | RSS peak growth MiB before/after |")
-    print("|---|---|---|---|---|---|---|")
+          "idle gap s before/after | /ping s before/after | RSS peak growth MiB before/after | load before/after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for route in DECODE_ROUTES:
         for shape in DECODE_SHAPES:
             a, b = rows["nocap", route, shape], rows["new", route, shape]
             print(f"| {route} | {shape} | {a.status}/{b.status} | {a.seconds:.2f}/{b.seconds:.2f} | "
-                  f"{a.stream_gap:.2f}/{b.stream_gap:.2f} | {a.ping_max:.2f}/{b.ping_max:.2f} | "
-                  f"{a.rss_growth / 2**20:.0f}/{b.rss_growth / 2**20:.0f} |")
+                  f"{a.stream_gap:.2f}/{b.stream_gap:.2f} | {a.idle_gap:.2f}/{b.idle_gap:.2f} | "
+                  f"{a.ping_max:.2f}/{b.ping_max:.2f} | {a.rss_growth / 2**20:.0f}/{b.rss_growth / 2**20:.0f} | "
+                  f"{a.notes[-1][5:]}/{b.notes[-1][5:]} |")
 
 
 def main() -> int:
@@ -222,7 +229,7 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8397)
     parser.add_argument("--skip-servers", action="store_true", help="only the in-process figures")
     parser.add_argument("--decode", action="store_true",
-                        help="only the decoder's shapes, without the key cap and with it (part 3)")
+                        help="only the decoder's shapes, before and after (part 3)")
     parser.add_argument("--before-src", help="with --decode: the lmi_serve source folder of the tree to compare with")
     parser.add_argument("--serve", choices=("old", "new", "nocap"), help=argparse.SUPPRESS)  # this script as a server
     args = parser.parse_args()
@@ -235,7 +242,8 @@ def main() -> int:
 
         return serve(["--port", str(args.port)])
     if args.decode:
-        print(f"# Decoding bodies of small values, no key cap against the cap\n\nCPU: {cpu_summary()}")
+        print(f"# Decoding bodies of small values, before against after\n\nCPU: {cpu_summary()}; "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         decode_against_servers(args.size, args.port, args.before_src)
         return 0
     print(f"# Body scan, old (regex + numpy) against new (json_scan)\n\nCPU: {cpu_summary()}")

@@ -55,20 +55,23 @@ class BodyScan:
     # (start, end) byte ranges of whole chunks with no string and no bracket inside an array or
     # object: a long flat array's numbers, which json_bulk decodes piecewise
     flat_runs: tuple[tuple[int, int], ...] = ()
+    outline_keys: int = 0  # the keys and commas of `outline` alone
+    outline_commas: int = 0
 
     def of_outline(self) -> "BodyScan":
         """The scan of `outline` itself, known without scanning it again (the surrogate hint is
         the body's: a hint may say yes when the answer is no)."""
         if self.outline is None or self.outline_depth is None:
             raise ValueError("this scan kept no outline")
-        return BodyScan(min(self.depth, self.outline_depth), self.surrogate_escape, keys=self.keys,
-                        commas=self.commas)  # no runs
+        return BodyScan(min(self.depth, self.outline_depth), self.surrogate_escape, keys=self.outline_keys,
+                        commas=self.outline_commas)  # no runs
 
 
 class _Carry:
     """The state one chunk hands to the next."""
 
-    __slots__ = ("in_string", "backslashes", "level", "deepest", "keys", "commas", "flat")
+    __slots__ = ("in_string", "backslashes", "level", "deepest", "keys", "commas", "outline_keys", "outline_commas",
+                 "flat")
 
     def __init__(self) -> None:
         self.in_string = False
@@ -77,6 +80,8 @@ class _Carry:
         self.deepest = 0
         self.keys = 0
         self.commas = 0
+        self.outline_keys = 0
+        self.outline_commas = 0
         self.flat = False  # the last chunk had no string and no bracket
 
 
@@ -121,6 +126,7 @@ def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes
         return None
     codes = np.frombuffer(chunk, dtype=np.uint8)
     steps = _STEP[codes]
+    outside = None  # every byte is outside strings
     if has_quote or carry.in_string:
         quotes = codes == _QUOTE
         if has_backslash or carry.backslashes:
@@ -147,7 +153,15 @@ def _scan_chunk(chunk: bytes, carry: _Carry, outline_depth: int | None) -> bytes
     if outline_depth is None:
         return None
     levels += steps < 0  # a closing bracket belongs to the level it closes
-    return codes[levels <= outline_depth].tobytes()
+    kept = levels <= outline_depth
+    if outside is not None:
+        kept_outside = kept & outside
+        carry.outline_keys += int(np.count_nonzero((codes == _COLON) & kept_outside))
+        carry.outline_commas += int(np.count_nonzero((codes == _COMMA) & kept_outside))
+    else:
+        carry.outline_keys += int(np.count_nonzero((codes == _COLON) & kept))
+        carry.outline_commas += int(np.count_nonzero((codes == _COMMA) & kept))
+    return codes[kept].tobytes()
 
 
 def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHUNK,
@@ -178,7 +192,8 @@ def scan(data: bytes, outline_depth: int | None = None, *, chunk_size: int = CHU
             break
     if outline is None:
         return BodyScan(carry.deepest, surrogate_escape, keys=carry.keys, commas=carry.commas, flat_runs=tuple(runs))
-    return BodyScan(carry.deepest, surrogate_escape, bytes(outline), outline_depth, carry.keys, carry.commas)
+    return BodyScan(carry.deepest, surrogate_escape, bytes(outline), outline_depth, carry.keys, carry.commas,
+                    outline_keys=carry.outline_keys, outline_commas=carry.outline_commas)
 
 
 def _extend_runs(runs: list[tuple[int, int]], start: int, end: int) -> None:
