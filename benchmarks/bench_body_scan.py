@@ -17,10 +17,11 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    body at a time, alternating which goes first: this tree as it is, and before it either the
    source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`, then DIR/src)
    or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak as above, the
-   stream's median gap before the body (the box's own pace), and the load average.
+   stream's median gap before the body (the box's own pace), and the load average; with --repeat N,
+   N rounds and their medians.
 
     .venv/bin/python -m benchmarks.bench_body_scan [--size BYTES] [--skip-servers]
-    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src]
+    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,37 +192,50 @@ def against_servers(size: int, port: int) -> None:
 DECODE_ROUTES = ("/invocations", "/v1/chat/completions", "/generate", "/v2/models/simple/infer")
 
 
-def decode_against_servers(size: int, port: int, before_src: str | None) -> None:
+def decode_against_servers(size: int, port: int, before_src: str | None, repeat: int = 1) -> None:
     """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree
-    (after), both servers up at once (ports `port` and `port + 1`) and probed in turn."""
+    (after), both servers up at once (ports `port` and `port + 1`) and probed in turn, `repeat` rounds."""
     rows, servers = {}, {}
     try:
         for offset, mode in enumerate(("nocap", "new")):
             former = before_src if mode == "nocap" else None
             proc = start_server(port + offset, size, False, "new" if former else mode, former)
             servers[mode] = (proc, worker_process(proc.pid), f"http://127.0.0.1:{port + offset}")
-        for turn, (route, shape) in enumerate((r, s) for r in DECODE_ROUTES for s in DECODE_SHAPES):
+        cells = [(r, s) for r in DECODE_ROUTES for s in DECODE_SHAPES]
+        for turn, (route, shape) in enumerate(cell for _ in range(repeat) for cell in cells):
             for mode in ("nocap", "new") if turn % 2 == 0 else ("new", "nocap"):
                 _, worker, base = servers[mode]
-                rows[mode, route, shape] = probe(base, worker, route, shape, size)
-                rows[mode, route, shape].notes.append(f"load {os.getloadavg()[0]:.1f}")
+                found = probe(base, worker, route, shape, size)
+                found.notes.append(f"{os.getloadavg()[0]:.1f}")
+                rows.setdefault((mode, route, shape), []).append(found)
     finally:
         for proc, _, _ in servers.values():
             stop_server(proc)
+    _print_decode_table(rows, size, before_src, repeat)
+
+
+def _print_decode_table(rows: dict, size: int, before_src: str | None, repeat: int) -> None:
+    def median(probes, attr: str, scale: float = 1.0) -> str:
+        values = [getattr(p, attr) / scale for p in probes]
+        return f"{statistics.median(values):.2f}" + (f" ({max(values):.2f})" if repeat > 1 else "")
+
     print(f"\n## One {size / 2**20:.0f} MiB body of small values at a time, a stream running on the same worker\n")
     print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree; both servers up, probed in "
           "turn. `keys` is 13 bytes per key, `numbers` one flat array of `0`s, `rows` rows of 16 `0`s. `idle gap`: "
-          "the stream's median gap before the body; `load`: the 1-minute load average after each probe.\n")
+          "the stream's median gap before the body; `load`: the 1-minute load average after the probes. "
+          f"Medians of {repeat} (the largest in brackets).\n")
     print("| route | body | status before/after | request s before/after | stream gap s before/after | "
           "idle gap s before/after | /ping s before/after | RSS peak growth MiB before/after | load before/after |")
     print("|---|---|---|---|---|---|---|---|---|")
     for route in DECODE_ROUTES:
         for shape in DECODE_SHAPES:
             a, b = rows["nocap", route, shape], rows["new", route, shape]
-            print(f"| {route} | {shape} | {a.status}/{b.status} | {a.seconds:.2f}/{b.seconds:.2f} | "
-                  f"{a.stream_gap:.2f}/{b.stream_gap:.2f} | {a.idle_gap:.2f}/{b.idle_gap:.2f} | "
-                  f"{a.ping_max:.2f}/{b.ping_max:.2f} | {a.rss_growth / 2**20:.0f}/{b.rss_growth / 2**20:.0f} | "
-                  f"{a.notes[-1][5:]}/{b.notes[-1][5:]} |")
+            cells = [f"{'/'.join(sorted({str(p.status) for p in a}))}/{'/'.join(sorted({str(p.status) for p in b}))}"]
+            cells += [f"{median(a, attr)} / {median(b, attr)}"
+                      for attr in ("seconds", "stream_gap", "idle_gap", "ping_max")]
+            cells.append(f"{max(p.rss_growth for p in a) / 2**20:.0f} / {max(p.rss_growth for p in b) / 2**20:.0f}")
+            cells.append(f"{','.join(p.notes[-1] for p in a)} / {','.join(p.notes[-1] for p in b)}")
+            print(f"| {route} | {shape} | " + " | ".join(cells) + " |")
 
 
 def main() -> int:
@@ -231,6 +246,7 @@ def main() -> int:
     parser.add_argument("--decode", action="store_true",
                         help="only the decoder's shapes, before and after (part 3)")
     parser.add_argument("--before-src", help="with --decode: the lmi_serve source folder of the tree to compare with")
+    parser.add_argument("--repeat", type=int, default=1, help="with --decode: rounds of probes (medians reported)")
     parser.add_argument("--serve", choices=("old", "new", "nocap"), help=argparse.SUPPRESS)  # this script as a server
     args = parser.parse_args()
     if args.serve:
@@ -244,7 +260,7 @@ def main() -> int:
     if args.decode:
         print(f"# Decoding bodies of small values, before against after\n\nCPU: {cpu_summary()}; "
               f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-        decode_against_servers(args.size, args.port, args.before_src)
+        decode_against_servers(args.size, args.port, args.before_src, args.repeat)
         return 0
     print(f"# Body scan, old (regex + numpy) against new (json_scan)\n\nCPU: {cpu_summary()}")
     in_process(args.size)
