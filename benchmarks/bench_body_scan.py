@@ -13,13 +13,15 @@ then numpy) against json_scan.scan (one chunked numpy pass), in the same run.
    fork; it then runs once per body, where the former routes ran it up to five times, so the
    baseline here flatters it.
 3. With --decode, instead: the decoder's shapes (millions of keys, one array of millions of
-   numbers) against two servers in the same run, before and after: this tree as it is, and before
-   it either the source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`,
-   then DIR/src) or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak
-   as above.
+   numbers, rows of 16 numbers) against two servers running side by side, before and after, one
+   body at a time, alternating which goes first: this tree as it is, and before it either the
+   source tree given by --before-src (e.g. `git archive <commit> src | tar -x -C DIR`, then DIR/src)
+   or, without it, this tree with its key cap ignored. Stream gap, /ping and RSS peak as above, the
+   stream's median gap before the body (the box's own pace), and the load average; with --repeat N,
+   N rounds and their medians.
 
     .venv/bin/python -m benchmarks.bench_body_scan [--size BYTES] [--skip-servers]
-    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src]
+    .venv/bin/python -m benchmarks.bench_body_scan --decode --size 67108864 [--before-src DIR/src] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,31 +192,50 @@ def against_servers(size: int, port: int) -> None:
 DECODE_ROUTES = ("/invocations", "/v1/chat/completions", "/generate", "/v2/models/simple/infer")
 
 
-def decode_against_servers(size: int, port: int, before_src: str | None) -> None:
-    """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree (after)."""
-    rows = {}
-    for mode in ("nocap", "new"):
-        former = before_src if mode == "nocap" else None
-        proc = start_server(port, size, False, "new" if former else mode, former)
-        try:
-            worker = worker_process(proc.pid)
-            for route in DECODE_ROUTES:
-                for shape in DECODE_SHAPES:
-                    rows[mode, route, shape] = probe(f"http://127.0.0.1:{port}", worker, route, shape, size)
-        finally:
+def decode_against_servers(size: int, port: int, before_src: str | None, repeat: int = 1) -> None:
+    """Part 3 of the module docstring: a former tree, or the key cap ignored (before), against this tree
+    (after), both servers up at once (ports `port` and `port + 1`) and probed in turn, `repeat` rounds."""
+    rows, servers = {}, {}
+    try:
+        for offset, mode in enumerate(("nocap", "new")):
+            former = before_src if mode == "nocap" else None
+            proc = start_server(port + offset, size, False, "new" if former else mode, former)
+            servers[mode] = (proc, worker_process(proc.pid), f"http://127.0.0.1:{port + offset}")
+        cells = [(r, s) for r in DECODE_ROUTES for s in DECODE_SHAPES]
+        for turn, (route, shape) in enumerate(cell for _ in range(repeat) for cell in cells):
+            for mode in ("nocap", "new") if turn % 2 == 0 else ("new", "nocap"):
+                _, worker, base = servers[mode]
+                found = probe(base, worker, route, shape, size)
+                found.notes.append(f"{os.getloadavg()[0]:.1f}")
+                rows.setdefault((mode, route, shape), []).append(found)
+    finally:
+        for proc, _, _ in servers.values():
             stop_server(proc)
+    _print_decode_table(rows, size, before_src, repeat)
+
+
+def _print_decode_table(rows: dict, size: int, before_src: str | None, repeat: int) -> None:
+    def median(probes, attr: str, scale: float = 1.0) -> str:
+        values = [getattr(p, attr) / scale for p in probes]
+        return f"{statistics.median(values):.2f}" + (f" ({max(values):.2f})" if repeat > 1 else "")
+
     print(f"\n## One {size / 2**20:.0f} MiB body of small values at a time, a stream running on the same worker\n")
-    print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree. `keys` is 13 bytes per key, "
-          "`numbers` one flat array of `0`s.\n")
+    print(f"before: {before_src or 'this tree, its key cap ignored'}; after: this tree; both servers up, probed in "
+          "turn. `keys` is 13 bytes per key, `numbers` one flat array of `0`s, `rows` rows of 16 `0`s. `idle gap`: "
+          "the stream's median gap before the body; `load`: the 1-minute load average after the probes. "
+          f"Medians of {repeat} (the largest in brackets).\n")
     print("| route | body | status before/after | request s before/after | stream gap s before/after | "
-          "/ping s before/after | RSS peak growth MiB before/after |")
-    print("|---|---|---|---|---|---|---|")
+          "idle gap s before/after | /ping s before/after | RSS peak growth MiB before/after | load before/after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for route in DECODE_ROUTES:
         for shape in DECODE_SHAPES:
             a, b = rows["nocap", route, shape], rows["new", route, shape]
-            print(f"| {route} | {shape} | {a.status}/{b.status} | {a.seconds:.2f}/{b.seconds:.2f} | "
-                  f"{a.stream_gap:.2f}/{b.stream_gap:.2f} | {a.ping_max:.2f}/{b.ping_max:.2f} | "
-                  f"{a.rss_growth / 2**20:.0f}/{b.rss_growth / 2**20:.0f} |")
+            cells = [f"{'/'.join(sorted({str(p.status) for p in a}))}/{'/'.join(sorted({str(p.status) for p in b}))}"]
+            cells += [f"{median(a, attr)} / {median(b, attr)}"
+                      for attr in ("seconds", "stream_gap", "idle_gap", "ping_max")]
+            cells.append(f"{max(p.rss_growth for p in a) / 2**20:.0f} / {max(p.rss_growth for p in b) / 2**20:.0f}")
+            cells.append(f"{','.join(p.notes[-1] for p in a)} / {','.join(p.notes[-1] for p in b)}")
+            print(f"| {route} | {shape} | " + " | ".join(cells) + " |")
 
 
 def main() -> int:
@@ -222,8 +244,9 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8397)
     parser.add_argument("--skip-servers", action="store_true", help="only the in-process figures")
     parser.add_argument("--decode", action="store_true",
-                        help="only the decoder's shapes, without the key cap and with it (part 3)")
+                        help="only the decoder's shapes, before and after (part 3)")
     parser.add_argument("--before-src", help="with --decode: the lmi_serve source folder of the tree to compare with")
+    parser.add_argument("--repeat", type=int, default=1, help="with --decode: rounds of probes (medians reported)")
     parser.add_argument("--serve", choices=("old", "new", "nocap"), help=argparse.SUPPRESS)  # this script as a server
     args = parser.parse_args()
     if args.serve:
@@ -235,8 +258,9 @@ def main() -> int:
 
         return serve(["--port", str(args.port)])
     if args.decode:
-        print(f"# Decoding bodies of small values, no key cap against the cap\n\nCPU: {cpu_summary()}")
-        decode_against_servers(args.size, args.port, args.before_src)
+        print(f"# Decoding bodies of small values, before against after\n\nCPU: {cpu_summary()}; "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        decode_against_servers(args.size, args.port, args.before_src, args.repeat)
         return 0
     print(f"# Body scan, old (regex + numpy) against new (json_scan)\n\nCPU: {cpu_summary()}")
     in_process(args.size)

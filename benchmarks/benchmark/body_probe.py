@@ -5,12 +5,14 @@ tests/integration/ops/test_body_scan.py.
 
 Every body is valid JSON of `size` bytes exactly: a small real request of the route plus one
 padding field (`zz_pad`) shaped as one long string, nesting at a given depth, many keys, or (a
-DECODE_SHAPES shape, for the decoder's cost rather than the scan's) one flat array of numbers.
+DECODE_SHAPES shape, for the decoder's cost rather than the scan's) one flat array of numbers or
+rows of 16 numbers (a tensor [-1, 16] sent nested).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ ROUTES = {
     "/v2/repository/index": ({"ready": True}, 100),
 }
 SHAPES = ("string", "deep_under", "deep_over", "keys")
-DECODE_SHAPES = ("keys", "numbers")  # millions of small values: what the JSON decoder spends its time on
+DECODE_SHAPES = ("keys", "numbers", "rows")  # millions of small values: what the JSON decoder spends its time on
 
 
 def body(route: str, shape: str, size: int) -> bytes:
@@ -51,6 +53,8 @@ def body(route: str, shape: str, size: int) -> bytes:
         pad = _keys(room)
     elif shape == "numbers":
         pad = b"[" + _numbers(room - 2) + b"]"
+    elif shape == "rows":
+        pad = b"[" + _rows(room - 2) + b"]"
     else:
         raise ValueError(f"unknown shape {shape!r}")
     data = head + pad + b"}"
@@ -62,6 +66,12 @@ def _numbers(length: int) -> bytes:
     """`0,0,...,0` padded with spaces to exactly `length` bytes (at least 1)."""
     count = (length + 1) // 2
     return (b"0," * count)[:2 * count - 1].ljust(length)
+
+
+def _rows(length: int) -> bytes:
+    """`[0,...,0],[0,...,0],...` (16 numbers a row) padded with spaces to exactly `length` bytes."""
+    row = b"[" + b",".join([b"0"] * 16) + b"]"
+    return b",".join([row] * ((length + 1) // (len(row) + 1))).ljust(length)
 
 
 def _keys(length: int) -> bytes:
@@ -82,6 +92,7 @@ class Probe:
     error: str = ""
     seconds: float = 0.0
     stream_gap: float = 0.0  # largest inter-token gap of the stream while the body was handled
+    idle_gap: float = 0.0  # median inter-token gap of the same stream before the body was sent
     ping_max: float = 0.0  # slowest /ping answer while the body was handled
     rss_growth: int = 0  # the worker's peak RSS while the body was handled, less its RSS before
     notes: list[str] = field(default_factory=list)
@@ -182,6 +193,8 @@ def probe(base: str, worker: psutil.Process, route: str, shape: str, size: int) 
     stream.join(timeout=30)
     result.seconds = end - start
     result.stream_gap = _largest_gap(stream.arrivals, start, end)
+    earlier = [t for t in stream.arrivals if t < start]
+    result.idle_gap = statistics.median([b - a for a, b in zip(earlier, earlier[1:])] or [0.0])
     result.ping_max = max((latency for sent, latency in pings.values if sent + latency >= start and sent <= end),
                           default=0.0)
     result.rss_growth = max(rss.values, default=baseline) - baseline

@@ -79,3 +79,18 @@ def test_one_key_over_the_routes_cap_is_refused_naming_it(server, path):
     response = requests.post(server.url(path), data=body, timeout=300, headers={"Content-Type": "application/json"})
     assert response.status_code in statuses, response.text[:500]
     assert f"takes at most {cap:,}" in response.text and len(response.content) < MAX_ANSWER, response.text
+
+
+# route -> (its cap on values, the status its dialect gives a body it refuses as JSON); the other routes'
+# caps (json_body.MAX_VALUES, 4,194,304) need bodies over this server's 4 MiB limit: tests/unit has them.
+VALUE_CAPS = {"/generate": (262_144, (400, 422)), f"/v2/models/{LLM}/generate": (262_144, (400,))}
+
+
+@pytest.mark.parametrize("path", list(VALUE_CAPS))
+def test_one_value_over_the_routes_cap_is_refused_naming_it(server, path):
+    """Counted by the body scan (commas outside strings) and refused before a list is built."""
+    cap, statuses = VALUE_CAPS[path]
+    body = '{"text_input": "Hi", "inputs": "Hi", "zz_pad": [' + ",".join(["0"] * (cap - 1)) + "]}"
+    response = requests.post(server.url(path), data=body, timeout=300, headers={"Content-Type": "application/json"})
+    assert response.status_code in statuses, response.text[:500]
+    assert f"at least {cap + 1:,} values" in response.text and f"takes at most {cap:,}" in response.text, response.text

@@ -97,3 +97,32 @@ def test_a_scan_with_a_key_cap_stops_once_over_it():
     stopped = json_scan.scan(body, chunk_size=64, max_keys=10)
     assert 10 < stopped.keys < 1000 and stopped.depth == 2  # the deep tail was never read
     assert json_scan.scan(body, chunk_size=64, max_keys=5000) == json_scan.scan(body)
+
+
+def test_values_are_counted_by_their_commas_outside_strings_whatever_the_chunks():
+    """Every array or object of n values has n - 1 commas, so a body has commas + 1 values that are
+    no container of others (numbers, strings, literals, empty containers)."""
+    body = b'{"a": [1, "b,c", {"d": [2, 3], "e": {}}], "f,": ","}'  # 1 "b,c" 2 3 {} ","
+    assert json_scan.scan(body).commas + 1 == 6
+    assert all(json_scan.scan(body, chunk_size=size).commas == 5 for size in (1, 2, 3, 7))
+
+
+def test_more_values_than_the_route_takes_are_refused_before_decoding(monkeypatch):
+    rows = b"[" + b",".join(b"[%d, %d]" % (i, -i) for i in range(10)) + b"]"  # 20 values
+    assert len(json_body.loads(rows, max_values=20)) == 10
+    flat = b'{"data": [' + b", ".join(b"7" for _ in range(200_000)) + b"]}"  # a long run for json_bulk
+    assert json_scan.scan(flat).flat_runs and len(json_body.loads(flat, max_values=200_000)["data"]) == 200_000
+    monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("decoded"))
+    monkeypatch.setattr(json_body.json_bulk, "loads", lambda *a, **k: pytest.fail("decoded"))
+    with pytest.raises(json_body.InvalidJson, match="at least 21 values in its arrays and objects; "
+                                                    "this route takes at most 20"):
+        json_body.loads(rows[:-1] + b", 1]", max_values=20)
+    with pytest.raises(json_body.InvalidJson, match="this route takes at most 199,999"):
+        json_body.loads(flat, max_values=199_999)
+
+
+def test_a_scan_with_a_comma_cap_stops_once_over_it():
+    body = b"[" + b"0," * 1000 + b"[[[[[[0]]]]]]]"
+    stopped = json_scan.scan(body, chunk_size=64, max_commas=10)
+    assert 10 < stopped.commas < 1000 and stopped.depth == 1  # the deep tail was never read
+    assert json_scan.scan(body, chunk_size=64, max_commas=5000) == json_scan.scan(body, chunk_size=64)

@@ -12,12 +12,15 @@ from hypothesis import strategies as st
 from lmi_serve.json_scan import CHUNK, scan
 
 
-def reference(data: bytes, outline_depth: int) -> tuple[int, bytes]:
-    """Depth and outline by walking the bytes one by one: slow, obviously right."""
-    depth = level = 0
+def reference(data: bytes, outline_depth: int) -> tuple[int, bytes, int, int]:
+    """Depth, outline, and the colons and commas outside strings, by walking the bytes one by one:
+    slow, obviously right."""
+    depth = level = keys = commas = 0
     in_string = escaped = False
     kept = bytearray()
     for byte in data:
+        keys += not in_string and byte == ord(":")
+        commas += not in_string and byte == ord(",")
         own = level
         if in_string:
             if escaped:
@@ -36,7 +39,7 @@ def reference(data: bytes, outline_depth: int) -> tuple[int, bytes]:
         depth = max(depth, level)
         if own <= outline_depth:
             kept.append(byte)
-    return depth, bytes(kept)
+    return depth, bytes(kept), keys, commas
 
 
 # Strings full of what confuses a scan: brackets, quotes, runs of backslashes, \u escapes.
@@ -55,7 +58,9 @@ json_values = st.recursive(
 def test_depth_and_outline_match_a_byte_by_byte_walk_for_any_chunking(value, ascii, chunk_size, outline_depth):
     data = json.dumps(value, ensure_ascii=ascii).encode("utf-8", "surrogatepass")
     found = scan(data, outline_depth=outline_depth, chunk_size=chunk_size)
-    assert (found.depth, found.outline) == reference(data, outline_depth)
+    assert (found.depth, found.outline, found.keys, found.commas) == reference(data, outline_depth)
+    assert scan(data, chunk_size=chunk_size).commas == found.commas  # the fast paths count the same
+    assert (found.of_outline().keys, found.of_outline().commas) == reference(found.outline, outline_depth)[2:]
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 7, CHUNK])

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flask import Flask
 
-from lmi_serve.dialects.triton.infer import infer_response, parse_infer_request
+from lmi_serve import json_body, json_scan
+from lmi_serve.dialects.triton.infer import infer_response, json_value_cap, parse_infer_request
 from lmi_serve.dialects.triton.llm import LLM_INPUTS, LLM_OUTPUTS
 from lmi_serve.dialects.triton.models import ModelContract, validate_inputs
 from lmi_serve.dialects.triton.protocol import TritonError, parse_json, read_body
@@ -118,6 +119,28 @@ def test_json_nesting_is_capped_at_100():
         parse_json(b"[" * 120 + b"]" * 120)
     with pytest.raises(TritonError, match=r"JSON nesting depth exceeds maximum allowed limit \(100\)"):
         parse_json(b"[" * 100000 + b"]" * 100000)
+
+
+def test_json_tensors_are_capped_by_the_declared_shapes_before_decoding(monkeypatch):
+    """A model whose every dimension is fixed takes its inputs' elements and a fixed schema's room
+    for the rest; one with a variable dimension json_body.MAX_VALUES (larger tensors go binary)."""
+    room = json_body.FIXED_SCHEMA_VALUES
+    fixed = ModelContract("tensor", (TensorSpec("A", "INT32", (2, 3)), TensorSpec("B", "FP32", (4,))), ())
+    assert json_value_cap(fixed) == 10 + room
+    assert json_value_cap(SIMPLE) == json_value_cap(EMBED) == json_body.MAX_VALUES + room
+    inputs = [{"name": "A", "shape": [2, 3], "datatype": "INT32", "data": [[1, 2, 3], [4, 5, 6]]},
+              {"name": "B", "shape": [4], "datatype": "FP32", "data": [0.5] * 4}]
+    header = {"inputs": inputs, "parameters": {"p": 1}}
+    values = json_scan.scan(json.dumps(header).encode()).commas + 1  # names, shapes... and 10 elements
+    header["padding"] = [0] * (json_value_cap(fixed) - values)
+    at_cap = json.dumps(header).encode()
+    assert json_scan.scan(at_cap).commas + 1 == json_value_cap(fixed)
+    assert parse_json(at_cap, max_values=json_value_cap(fixed))["parameters"] == {"p": 1}
+    monkeypatch.setattr(json_body.json, "loads", lambda *a, **k: pytest.fail("decoded"))
+    over = at_cap.replace(b'"p": 1', b'"p": 1, "q": 2')
+    with pytest.raises(json_body.InvalidJson, match=f"at least {json_value_cap(fixed) + 1:,} values in its arrays "
+                                                    f"and objects; this route takes at most {json_value_cap(fixed):,}"):
+        parse_infer_request(over, None, "m", fixed)
 
 
 def test_raw_requests_need_one_required_input():

@@ -70,9 +70,9 @@ def parse_request(body: bytes, *, default_full_text: bool, stream_route: bool) -
 
 
 def decode_body(body: bytes) -> Any:
-    """The body as JSON; NotJson (TGI's 400) when it is not JSON we accept (more object keys than
-    TGI's fixed schema can use included: json_body.FIXED_SCHEMA_KEYS)."""
-    return json_body.loads(body, max_keys=json_body.FIXED_SCHEMA_KEYS)
+    """The body as JSON; NotJson (TGI's 400) when it is not JSON we accept (more object keys or
+    values than TGI's fixed schema can use included: json_body.FIXED_SCHEMA_KEYS / _VALUES)."""
+    return json_body.loads(body, max_keys=json_body.FIXED_SCHEMA_KEYS, max_values=json_body.FIXED_SCHEMA_VALUES)
 
 
 def check_tgi_rules(parameters: GenerationParameters, stream: bool) -> None:

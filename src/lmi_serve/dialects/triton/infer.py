@@ -16,6 +16,7 @@ from typing import Any
 
 from flask import Response
 
+from lmi_serve import json_body
 from lmi_serve.dialects.triton.models import MODEL_VERSION, ModelContract
 from lmi_serve.dialects.triton.protocol import BadRequest, JsonObject, check_parameter, compress_for_client, parse_json
 from lmi_serve.tensors import (ELEMENT_SIZES, TensorError, WireTensor, check_datatype, parse_shape, tensor_from_binary,
@@ -153,12 +154,21 @@ def _tensor_or_400(build):
         raise BadRequest(str(exc)) from None
 
 
+def json_value_cap(contract: ModelContract) -> int:
+    """The values (counted by the body scan) a JSON request for `contract` may hold: its inputs'
+    elements as declared, or json_body.MAX_VALUES where a dimension is variable (a larger tensor
+    goes as binary data), plus a fixed schema's room for the rest (shapes, outputs, parameters)."""
+    shapes = [spec.shape for spec in contract.inputs]
+    variable = any(dim < 0 for shape in shapes for dim in shape)
+    return (json_body.MAX_VALUES if variable else sum(map(prod, shapes))) + json_body.FIXED_SCHEMA_VALUES
+
+
 def parse_infer_request(body: bytes, ihcl: str | None, model: str, contract: ModelContract) -> InferRequest:
     json_size = header_length(ihcl, len(body))
     if json_size == 0:
         return _raw_request(body, model, contract)
     json_size = len(body) if json_size is None else json_size
-    header = parse_json(body[:json_size])
+    header = parse_json(body[:json_size], max_values=json_value_cap(contract))
     if not isinstance(header, JsonObject):
         raise BadRequest("failed to parse the request JSON buffer: expected a JSON object")
     request_id = header.get("id", "")

@@ -218,15 +218,17 @@ def check_depth(scanned: BodyScan) -> None:
         raise BadRequest(f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})")
 
 
-def parse_json(data: bytes, scanned: BodyScan | None = None) -> Any:
+def parse_json(data: bytes, scanned: BodyScan | None = None, max_values: int = json_body.FIXED_SCHEMA_VALUES) -> Any:
     """JSON decoded by the shared `json_body` rules (no lone surrogates, NaN or Infinity), with
     duplicate keys remembered and Triton's nesting limit (in Triton's words) checked first; other
     refusals raise json_body.InvalidJson, which `render_error` words as Triton does.
-    `scanned` is `json_scan.scan(data)` when the caller has it (one scan of the body in all)."""
-    facts = scanned if scanned is not None else json_scan.scan(data, max_keys=json_body.FIXED_SCHEMA_KEYS)
+    `scanned` is `json_scan.scan(data)` when the caller has it (one scan of the body in all);
+    `max_values`: the route's cap on values (an inference request's follows its model's inputs)."""
+    keys = json_body.FIXED_SCHEMA_KEYS  # Triton's bodies: tensors, a few keys
+    facts = scanned if scanned is not None else json_scan.scan(data, max_keys=keys, max_commas=max_values)
     check_depth(facts)
     return json_body.loads(data, max_depth=MAX_JSON_DEPTH, object_pairs_hook=_object_hook, scanned=facts,
-                           max_keys=json_body.FIXED_SCHEMA_KEYS)  # Triton's bodies: tensors, a few keys
+                           max_keys=keys, max_values=max_values)
 
 
 def check_parameter(key: str, value: Any) -> None:
