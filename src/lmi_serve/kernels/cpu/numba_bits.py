@@ -32,6 +32,14 @@ def helper(function):
     return numba.njit(cache=True, inline="always")(function) if numba is not None else function
 
 
+def callee(function):
+    """A numba function kernels call without inlining it: compiled once (per literal argument where it asks
+    with `numba.literally`) and cached, however many kernels call it. Numba copies an inlined function's IR
+    into each caller, which for a tile function of a few hundred lines costs tens of seconds of compiling
+    per copy; a call per tile of 32 outputs costs nothing measurable."""
+    return numba.njit(cache=True, nogil=True)(function) if numba is not None else function
+
+
 if numba is not None:
     _I32 = ir.IntType(32)
 
@@ -48,6 +56,7 @@ if numba is not None:
     bf16_pointer = _pointer_to(ir.IntType(16), types.uint16)  # bf16 (or fp16) as its bits
     float32_pointer = _pointer_to(ir.FloatType(), types.float32)
     byte_pointer = _pointer_to(ir.IntType(8), types.uint8)  # a bool tensor's bytes
+    int64_pointer = _pointer_to(ir.IntType(64), types.int64)
 
     @intrinsic
     def float_bits(typingctx, value):

@@ -1,5 +1,5 @@
 """The layer half of kernels/cpu/layer_chain.py and kernels/cpu/q4_chain.py: a decoder layer's swapped children
-(FusedRMSNorm, stacked SharedInputSlice, row-kernel copies or Q4Linear) read into the arguments of the chain's
+(FusedRMSNorm, stacked SharedInputSlice, row-kernel copies or Q4Linear / BlockLinear) read into the arguments of the chain's
 three numba calls, and the calls made. lean_layers.py makes one per layer (`LayerChain.of`, `Q4LayerChain.of`);
 `takes` says whether a forward's rows go this way (at most the registry's rows for the chain).
 """
@@ -12,8 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.kernels.cpu import layer_chain, norm_kernel, q4_chain, q4_kernel, rotary_kernel, row_kernel
+from lmi_serve.kernels.cpu import block_matmul, layer_chain, norm_kernel, q4_chain, rotary_kernel, row_kernel
 from lmi_serve.kernels.cpu.numba_bits import match_torch_threads
+from lmi_serve.kernels.layers.block_linears import BlockLinear
 from lmi_serve.kernels.layers.fused_norms import FusedRMSNorm
 from lmi_serve.kernels.layers.gguf_linears import Q4Linear
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
@@ -192,20 +193,20 @@ class LayerChain:
         return out
 
 
-def _q4_weights(linear: nn.Module) -> q4_kernel.Q4Weights | None:
-    """`linear`'s Q4 kernel weights where its few rows are theirs alone: a Q4Linear with no bias or hook whose
-    outputs fill whole tiles."""
-    if type(linear) is not Q4Linear or linear._forward_hooks or linear._forward_pre_hooks:
+def _block_weights(linear: nn.Module) -> block_matmul.BlockWeights | None:
+    """`linear`'s block table where its few rows are the bf16 block kernels' alone: a Q4Linear on the Q4 kernel
+    (one Q4 part) or a BlockLinear, with no bias or hook, whose outputs fill whole tiles."""
+    if type(linear) not in (Q4Linear, BlockLinear) or linear._forward_hooks or linear._forward_pre_hooks:
         return None
     weights = linear.kernel_weights
     if weights is None or linear._parameters.get("bias") is not None or weights.width != weights.out_features:
         return None
-    return weights
+    return block_matmul.BlockWeights.of_q4(weights) if type(linear) is Q4Linear else weights
 
 
 class Q4LayerChain(LayerChain):
-    """One q4-bf16 decoder layer's three calls (module docstring): LayerChain on bf16 rows, the Q4 kernel's
-    weights and the norm kernel's upcast form."""
+    """One q4-bf16 decoder layer's three calls (module docstring): LayerChain on bf16 rows, the block kernels'
+    tables and the norm kernel's upcast form."""
 
     dtype = torch.bfloat16
     norm_form = "upcast"
@@ -216,9 +217,9 @@ class Q4LayerChain(LayerChain):
         return q4_chain.kernel()
 
     @staticmethod
-    def weights_of(linear: nn.Module) -> q4_kernel.Q4Weights | None:
-        return _q4_weights(linear)
+    def weights_of(linear: nn.Module) -> block_matmul.BlockWeights | None:
+        return _block_weights(linear)
 
     @staticmethod
-    def weight_arguments(weights: q4_kernel.Q4Weights) -> tuple:
-        return weights.packed.data_ptr(), weights.tiles
+    def weight_arguments(weights: block_matmul.BlockWeights) -> tuple:
+        return weights.table.data_ptr(), weights.parts, weights.tiles
