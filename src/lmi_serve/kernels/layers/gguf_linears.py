@@ -8,7 +8,9 @@
   scales and zeros in the activations' dtype: fp32 (exact relative to the GGUF; a scalar loop, slow) or bf16.
 - Q8Linear: Q8_0 blocks (w = d q, q int8, per 32 weights) with bf16 activations, on kernels/cpu/vnni_matmul.py's
   kernel (CPUs with AVX-512 VNNI only): SmolLM2's tied lm_head is Q8_0 in its GGUF, and a one-row step reads
-  it as 30 MB instead of a bf16 copy's 57 MB.
+  it as 30 MB instead of a bf16 copy's 57 MB. Q5_0 as int8 too, where the block kernel does not run.
+
+Q5_0, Q6_K, and stacks mixing formats: kernels/layers/block_linears.py (FewRowsLinear too).
 
 More than Q4_MAX_ROWS rows go to `dense` (the loaded weights on oneDNN's bf16 matmul) where given: the
 few-row kernels compute row by row (matrix-vector loops), and a GEMM wins above. Each few-row kernel

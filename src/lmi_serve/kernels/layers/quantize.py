@@ -7,27 +7,22 @@ modules are replaced, so every KV implementation and both batching modes work un
   ``linear_dynamic_fp16``), on every Linear including lm_head. The output equals fp32 ``F.linear``
   with the weights rounded to fp16. A tied lm_head gets its own fp16 copy: the input embedding
   keeps its fp32 weight.
-- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 / Q4_K blocks, or from a pre-quantized checkpoint's
-  AWQ / GPTQ / compressed-tensors W4A16 groups (their block file, kernels/layers/block_file.py, written at
-  load by model/quantized/convert.py: w = (code - z) s is (q - 8) s + (8 - z) s; their symmetric int8 layers,
-  W8A8 / W8A16, as Q8_0-like blocks on the VNNI kernel below), lossless relative to that GGUF:
-  Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
-  torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
-  w = d*(q - 8), zero = 0; Q4_K, per 32-weight sub-block j of a 256-weight super-block: w = d*sc_j*q -
-  dmin*m_j, so scale = d*sc_j, zero = 8*scale - dmin*m_j, in fp32). A Q4_K_M file's other types (Q6_K,
-  Q5_K: no 4-bit path) keep their loaded weights, named so in the report. Activations keep the model's
-  dtype: fp32 (exact relative to the GGUF, but the kernel has vector code for bf16 activations only, so fp32
-  is a slow scalar loop) or bf16
-  (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
-  kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
-  the CPU computes bf16, since the int4 kernel computes row by row). With bf16 activations on a CPU
-  with AVX-512 VNNI, layers the GGUF holds in Q8_0 (SmolLM2's lm_head, tied to a Q8_0 embedding) or Q5_0
-  (llama-quantize's fallback for Q4_K layers of a width not a multiple of 256: w = d (q - 16), int8 exactly) run
-  their own blocks at one or two rows (kernels/cpu/vnni_matmul.py); other types keep their loaded weights.
-  The layer classes are in kernels/layers/gguf_linears.py. Each packed layer is checked against the loaded
-  weight (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row
-  kernels compute each row on its own: a row's output does not depend on the others in the batch
-  (the bf16 copy's does).
+- ``q4``: the checkpoint's own quantized blocks, lossless relative to them: a GGUF's Q4_0 / Q4_1 / Q4_K as
+  group-32 int4, w = (q - 8) scale + zero (Q4_1: scale = d, zero = m + 8d; Q4_0: zero = 0; Q4_K, per 32-weight
+  sub-block j: scale = d sc_j, zero = 8 scale - dmin m_j, in fp32), or a pre-quantized checkpoint's AWQ / GPTQ /
+  compressed-tensors groups (their block file, kernels/layers/block_file.py, written at load by
+  model/quantized/convert.py: w = (code - z) s = (q - 8) s + (8 - z) s; symmetric int8 layers as Q8_0-like
+  blocks). Activations keep the model's dtype: fp32 (exact, but torch's int4 kernel runs a scalar loop there) or
+  bf16 (option.dtype=bf16: the fast path). With bf16 on a CPU with AVX-512 BF16, Q4 layers run on
+  kernels/cpu/q4_kernel.py, and a GGUF's Q5_0 (llama-quantize's fallback for Q4_K where a width is not a
+  multiple of 256: most of SmolLM2's Q4_K_M), Q6_K and Q8_0 blocks on kernels/cpu/block_matmul.py
+  (kernels/layers/block_linears.py), siblings of different formats as one stacked layer of parts; elsewhere
+  Q4 on torch's int4 kernel (bf16 scales) and Q5_0 as int8 on the VNNI kernel (kernels/cpu/vnni_matmul.py,
+  AVX-512 VNNI), where a lone Q8_0 layer (SmolLM2's tied lm_head) runs in any case. Other types (Q5_K, ...)
+  keep their loaded weights, named in the report. More than a few rows go to a bf16 oneDNN copy of the loaded
+  weights (the kernels compute row by row). Each packed layer is checked against the loaded weight (the
+  dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row kernels compute each
+  row on its own: a row's output does not depend on the others in the batch (the bf16 copy's does).
 
 Both run on CPU only (the kernels are CPU kernels).
 """
@@ -90,10 +85,10 @@ class QuantizeReport:
     def describe(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
         stacked = f" ({len(self.stacked)} of them stacked with siblings of the same input)" if self.stacked else ""
-        where = "; a few rows on: " + ", ".join(f"{kernel} {count}" for kernel, count in self.kernels.items()) \
-            if self.kernels else ""
-        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked}{where} in "
-                f"{self.seconds:.1f} s, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
+        where = " (a few rows on: " + ", ".join(f"{kernel} {count}" for kernel, count in self.kernels.items()) + \
+            ")" if self.kernels else ""
+        return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in "
+                f"{self.seconds:.1f} s{where}, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
                 f"{self.weight_bytes_after / 2**20:.0f} MiB; process RSS {self.rss_before / 2**20:.0f} -> "
                 f"{self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
 
