@@ -32,51 +32,58 @@ _FIELDS = 4  # a table row: format, first tile, the part's address less its firs
 try:
     import numba
 
-    from lmi_serve.kernels.cpu.numba_bits import bf16_pointer, byte_pointer, int64_pointer, match_torch_threads
+    from lmi_serve.kernels.cpu.numba_bits import bf16_pointer, byte_pointer, float32_pointer, held, int64_pointer
+    from lmi_serve.kernels.cpu.numba_bits import match_torch_threads
 except ImportError:  # pragma: no cover - a dependency; without it `kernel()` is None
     numba = None
 
 
 @helper
-def _any_tile(x, sums, sums16, table, parts, tile, blocks, rows, out, width):  # pragma: no cover - numba compiles it
-    """The tile's outputs of every row, by its part's format (each branch one format's code: `fmt` constant)."""
-    p = 0
-    while p + 1 < parts and tile >= table[_FIELDS * (p + 1) + 1]:
-        p += 1
-    fmt, weights = table[_FIELDS * p], byte_pointer(table[_FIELDS * p + 2])
-    if fmt == Q4:
-        q4_kernel.rows_tile(x, sums, weights, tile, blocks, rows, out, width)
-    elif fmt == Q5_0:
-        wide_kernel.rows_tile(Q5_0, x, sums, weights, tile, blocks, rows, out, width)
-    elif fmt == Q6_K:
-        wide_kernel.rows_tile(Q6_K, x, sums16, weights, tile, blocks, rows, out, width)
-    else:
-        wide_kernel.rows_tile(Q8_0, x, sums, weights, tile, blocks, rows, out, width)
+def _share(x, sums, sums16, table, parts, first_tile, end_tile, blocks, rows, out, width):  # pragma: no cover
+    """Tiles first_tile..end_tile - 1 of every row, each part's run by its format's tile function (one call
+    a part: `fmt` a constant in each)."""
+    for p in range(parts):
+        fmt, weights = table[_FIELDS * p], byte_pointer(table[_FIELDS * p + 2])
+        start = max(first_tile, table[_FIELDS * p + 1])
+        end = min(end_tile, table[_FIELDS * p + 1] + table[_FIELDS * p + 3])
+        if start >= end:
+            continue
+        if fmt == Q4:
+            q4_kernel.rows_tiles(x, sums, weights, start, end, blocks, rows, out, width)
+        elif fmt == Q5_0:
+            wide_kernel.rows_tiles(Q5_0, x, sums, weights, start, end, blocks, rows, out, width)
+        elif fmt == Q6_K:
+            wide_kernel.rows_tiles(Q6_K, x, sums16, weights, start, end, blocks, rows, out, width)
+        else:
+            wide_kernel.rows_tiles(Q8_0, x, sums, weights, start, end, blocks, rows, out, width)
 
 
 @helper
-def matmul(x, rows, table, parts, tiles, blocks, out):  # pragma: no cover - numba compiles it
+def matmul(x, rows, table, parts, tiles, blocks, out, threads):  # pragma: no cover - numba compiles it
     """out [rows, tiles * 32] = x [rows, blocks * 32] times the table's parts (bf16 pointers; table an int64
-    pointer to `parts` rows of BlockWeights.table)."""
+    pointer to `parts` rows of BlockWeights.table), in `threads` shares."""
     columns, per32, per16 = blocks * GROUP, 0, 0
     for p in range(parts):
         if table[_FIELDS * p] == Q6_K:
             per16 = 1
         else:
             per32 = 1
-    sums = np.empty(rows * blocks * per32, dtype=np.float32)  # the sums only where a part's format reads them
+    sums = np.empty(rows * blocks * (per32 + 2 * per16), dtype=np.float32)  # those a part's format reads
     if per32:
         q4_kernel.block_sums(x, rows, columns, sums)
-    sums16 = np.empty(rows * 2 * blocks * per16, dtype=np.float32)
     if per16:
-        wide_kernel.half_sums(x, rows, columns, sums16)
-    for tile in numba.prange(tiles):
-        _any_tile(x, sums, sums16, table, parts, tile, blocks, rows, out, tiles * TILE)
+        wide_kernel.half_sums(x, rows, columns, sums[rows * blocks * per32:])
+    # addresses: an array argument would be counted (an atomic, from both threads) on each call
+    at, at16 = float32_pointer(sums.ctypes.data), float32_pointer(sums.ctypes.data + 4 * rows * blocks * per32)
+    for thread in numba.prange(threads):  # a contiguous share of the tiles each, as prange's own split
+        _share(x, at, at16, table, parts, thread * tiles // threads, (thread + 1) * tiles // threads, blocks, rows,
+               out, tiles * TILE)
+    held(sums)
 
 
-def _block_rows(x_address, rows, table_address, parts, tiles, blocks, out_address):  # pragma: no cover - numba
+def _block_rows(x_address, rows, table_address, parts, tiles, blocks, out_address, threads):  # pragma: no cover
     matmul(bf16_pointer(x_address), rows, int64_pointer(table_address), parts, tiles, blocks,
-           bf16_pointer(out_address))
+           bf16_pointer(out_address), threads)
 
 
 class BlockWeights:
@@ -120,9 +127,8 @@ def _call(compiled: Any, weights: BlockWeights, x: torch.Tensor) -> torch.Tensor
         raise ValueError(f"the block kernel takes contiguous bf16 rows of {weights.in_features}, not {x.dtype} "
                          f"{list(shape)}")
     out = torch.empty((shape[0], weights.width), dtype=torch.bfloat16)
-    match_torch_threads()
     compiled(x.data_ptr(), shape[0], weights.table.data_ptr(), weights.parts, weights.tiles, weights.blocks,
-             out.data_ptr())
+             out.data_ptr(), match_torch_threads())
     return out if weights.width == weights.out_features else out[:, :weights.out_features]
 
 

@@ -47,17 +47,18 @@ def _add_rows(residual, out, length):  # pragma: no cover - numba compiles it
 
 
 @helper
-def _matmul(x, rows, width, table_address, parts, tiles, out):  # pragma: no cover - numba compiles it
+def _matmul(x, rows, width, table_address, parts, tiles, out, threads):  # pragma: no cover - numba compiles it
     """out = x times the layer whose block table is at `table_address` (block_matmul's kernel, inlined)."""
-    block_matmul.matmul(x, rows, int64_pointer(table_address), parts, tiles, width // block_matmul.GROUP, out)
+    block_matmul.matmul(x, rows, int64_pointer(table_address), parts, tiles, width // block_matmul.GROUP, out,
+                        threads)
 
 
 def _attention_in(x_address, rows, width, norm_address, eps, lanes, normed_address, table_address, parts, tiles,
                   out_address, cos_address, sin_address, cos_batch, batch, tokens, heads, dim,
-                  rotated_address):  # pragma: no cover - numba compiles it
+                  rotated_address, threads):  # pragma: no cover - numba compiles it
     x, normed, out = bf16_pointer(x_address), bf16_pointer(normed_address), bf16_pointer(out_address)
     norm_kernel.upcast_rows(x, rows, width, bf16_pointer(norm_address), eps, lanes, normed)
-    _matmul(normed, rows, width, table_address, parts, tiles, out)
+    _matmul(normed, rows, width, table_address, parts, tiles, out, threads)
     if rotated_address != 0:
         out_width = tiles * block_matmul.TILE
         table = (cos_batch, tokens, dim)
@@ -70,19 +71,19 @@ def _attention_in(x_address, rows, width, norm_address, eps, lanes, normed_addre
 
 def _attention_out(a_address, rows, a_width, o_address, o_parts, o_tiles, residual_address, hidden_address, width,
                    norm_address, eps, lanes, normed_address, gu_address, gu_parts, gu_tiles,
-                   out_address):  # pragma: no cover - numba compiles it
+                   out_address, threads):  # pragma: no cover - numba compiles it
     hidden = bf16_pointer(hidden_address)
-    _matmul(bf16_pointer(a_address), rows, a_width, o_address, o_parts, o_tiles, hidden)
+    _matmul(bf16_pointer(a_address), rows, a_width, o_address, o_parts, o_tiles, hidden, threads)
     _add_rows(bf16_pointer(residual_address), hidden, rows * width)
     normed = bf16_pointer(normed_address)
     norm_kernel.upcast_rows(hidden, rows, width, bf16_pointer(norm_address), eps, lanes, normed)
-    _matmul(normed, rows, width, gu_address, gu_parts, gu_tiles, bf16_pointer(out_address))
+    _matmul(normed, rows, width, gu_address, gu_parts, gu_tiles, bf16_pointer(out_address), threads)
 
 
 def _mlp_out(g_address, rows, g_width, table_address, parts, tiles, residual_address, width,
-             out_address):  # pragma: no cover - numba compiles it
+             out_address, threads):  # pragma: no cover - numba compiles it
     out = bf16_pointer(out_address)
-    _matmul(bf16_pointer(g_address), rows, g_width, table_address, parts, tiles, out)
+    _matmul(bf16_pointer(g_address), rows, g_width, table_address, parts, tiles, out, threads)
     _add_rows(bf16_pointer(residual_address), out, rows * width)
 
 

@@ -55,7 +55,8 @@ try:
     from lmi_serve.kernels.cpu.bf16_ir import add as _add, dot as _dot, fma_scalar as _fma_scalar
     from lmi_serve.kernels.cpu.bf16_ir import fma_vector as _fma_vector, halves16 as _halves16, pair as _pair
     from lmi_serve.kernels.cpu.bf16_ir import store_bf16 as _store_bf16, words as _words
-    from lmi_serve.kernels.cpu.numba_bits import bf16_pointer, byte_pointer, match_torch_threads, widen, zeros16
+    from lmi_serve.kernels.cpu.numba_bits import bf16_pointer, byte_pointer, float32_pointer, held, match_torch_threads
+    from lmi_serve.kernels.cpu.numba_bits import widen, zeros16
 except ImportError:  # pragma: no cover - a dependency; without it `kernel()` is None
     numba = None
 
@@ -200,25 +201,31 @@ def _two_rows(x, sums, weights, tile, blocks, first, out, width):  # pragma: no 
 
 
 @callee
-def rows_tile(x, sums, weights, tile, blocks, rows, out, width):  # pragma: no cover - numba compiles it
-    """One tile's 32 outputs of every row (`_q4_rows`' loop body; kernels/cpu/block_matmul.py's for Q4 parts):
-    x and out bf16 pointers (out rows `width` apart), sums the rows' `block_sums`, weights a byte pointer."""
-    for first in range(0, rows, 4):
-        if rows - first == 1:
-            _one_row(x, sums, weights, tile, blocks, first, out, width)
-        elif rows - first == 2:
-            _two_rows(x, sums, weights, tile, blocks, first, out, width)
-        else:
-            _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
+def rows_tiles(x, sums, weights, first_tile, end_tile, blocks, rows, out, width):  # pragma: no cover - numba
+    """Tiles first_tile..end_tile - 1 (32 outputs each) of every row (`_q4_rows`' per-thread share;
+    kernels/cpu/block_matmul.py's for Q4 parts): x and out bf16 pointers (out rows `width` apart), sums a pointer
+    to the rows' `block_sums`, weights a byte pointer."""
+    for tile in range(first_tile, end_tile):
+        for first in range(0, rows, 4):
+            if rows - first == 1:
+                _one_row(x, sums, weights, tile, blocks, first, out, width)
+            elif rows - first == 2:
+                _two_rows(x, sums, weights, tile, blocks, first, out, width)
+            else:
+                _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
 
 
-def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address):  # pragma: no cover - numba compiles it
-    """out [rows, tiles * 32] (bf16) = x [rows, blocks * 32] (bf16) times the packed weights' transpose."""
+def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address, threads):  # pragma: no cover - numba
+    """out [rows, tiles * 32] (bf16) = x [rows, blocks * 32] (bf16) times the packed weights' transpose, in
+    `threads` shares."""
     x, out, weights = bf16_pointer(x_address), bf16_pointer(out_address), byte_pointer(weights_address)
     sums = np.empty(rows * blocks, dtype=np.float32)
     block_sums(x, rows, blocks * GROUP, sums)
-    for tile in numba.prange(tiles):
-        rows_tile(x, sums, weights, tile, blocks, rows, out, tiles * TILE)
+    at = float32_pointer(sums.ctypes.data)  # an array argument would be counted (an atomic) on each call
+    for thread in numba.prange(threads):  # a contiguous share of the tiles each, as prange's own split
+        rows_tiles(x, at, weights, thread * tiles // threads, (thread + 1) * tiles // threads, blocks, rows, out,
+                   tiles * TILE)
+    held(sums)
 
 
 class Q4Weights:
@@ -284,8 +291,8 @@ def _call(compiled: Any, weights: Q4Weights, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the Q4 kernel takes contiguous bf16 rows of {weights.in_features}, not {x.dtype} "
                          f"{list(shape)}")
     out = torch.empty((shape[0], weights.width), dtype=torch.bfloat16)
-    match_torch_threads()
-    compiled(x.data_ptr(), shape[0], weights.packed.data_ptr(), weights.tiles, weights.blocks, out.data_ptr())
+    compiled(x.data_ptr(), shape[0], weights.packed.data_ptr(), weights.tiles, weights.blocks, out.data_ptr(),
+             match_torch_threads())
     return out if weights.width == weights.out_features else out[:, :weights.out_features]
 
 

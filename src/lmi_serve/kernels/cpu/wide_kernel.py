@@ -273,18 +273,20 @@ def _two_rows(fmt, x, sums, weights, tile, blocks, first, out, width):  # pragma
 
 
 @callee
-def rows_tile(fmt, x, sums, weights, tile, blocks, rows, out, width):  # pragma: no cover - numba compiles it
-    """One tile's 32 outputs of every row for the format `fmt` (a constant: compiled once per format): x and out
-    bf16 pointers (out rows `width` apart), sums the rows' sums per scale group (q4_kernel.block_sums; Q6_K:
-    `half_sums`), weights a byte pointer to the layer's packed blocks (`pack`)."""
+def rows_tiles(fmt, x, sums, weights, first_tile, end_tile, blocks, rows, out, width):  # pragma: no cover - numba
+    """Tiles first_tile..end_tile - 1 (32 outputs each) of every row for the format `fmt` (a constant: compiled
+    once per format): x and out bf16 pointers (out rows `width` apart), sums a pointer to the rows' sums per
+    scale group (q4_kernel.block_sums; Q6_K: `half_sums`), weights a byte pointer to the layer's packed blocks
+    (`pack`; tile t at t * blocks blocks)."""
     numba.literally(fmt)
-    for first in range(0, rows, 4):
-        if rows - first == 1:
-            _one_row(fmt, x, sums, weights, tile, blocks, first, out, width)
-        elif rows - first == 2:
-            _two_rows(fmt, x, sums, weights, tile, blocks, first, out, width)
-        else:
-            _four_rows(fmt, x, sums, weights, tile, blocks, first, rows, out, width)
+    for tile in range(first_tile, end_tile):
+        for first in range(0, rows, 4):
+            if rows - first == 1:
+                _one_row(fmt, x, sums, weights, tile, blocks, first, out, width)
+            elif rows - first == 2:
+                _two_rows(fmt, x, sums, weights, tile, blocks, first, out, width)
+            else:
+                _four_rows(fmt, x, sums, weights, tile, blocks, first, rows, out, width)
 
 
 def _chunk_order(codes: np.ndarray, tiles: int, blocks: int, chunks: int) -> np.ndarray:

@@ -81,6 +81,12 @@ class LayerChain:
         """A layer's weights as the calls take them."""
         return weights._weights_address, weights.tiles, weights.block, weights._bias_address
 
+    @staticmethod
+    def _threads() -> tuple:
+        """The calls' last arguments, after numba's threads are matched to torch's: none for this kind."""
+        match_torch_threads()
+        return ()
+
     def __init__(self, input_norm: FusedRMSNorm, qkv: Any, o: Any, post_norm: FusedRMSNorm, gate_up: Any,
                  down: Any):
         self.width = qkv.in_features
@@ -146,10 +152,9 @@ class LayerChain:
         rotation = self._rotation(hidden, cos, sin, head_dim) if cos is not None else None
         rotated = None if rotation is None else torch.empty((rotation[3], rotation[5], rotation[4], rotation[6]),
                                                             dtype=self.dtype)  # batch, heads, tokens, dim
-        match_torch_threads()
         self._calls["attention_in"](hidden.data_ptr(), rows, self.width, *self._input_norm, self._lanes,
                                     normed.data_ptr(), *self._qkv, out.data_ptr(), *(rotation or NO_ROTATION),
-                                    0 if rotated is None else rotated.data_ptr())
+                                    0 if rotated is None else rotated.data_ptr(), *self._threads())
         return out, rotated
 
     def _rotation(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -175,10 +180,9 @@ class LayerChain:
             attended = attended.contiguous()
         hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
         out = torch.empty(*residual.shape[:-1], self.gate_up_width, dtype=self.dtype)
-        match_torch_threads()
         self._calls["attention_out"](attended.data_ptr(), rows, self._o_in, *self._o, residual.data_ptr(),
                                      hidden.data_ptr(), self.width, *self._post_norm, self._lanes,
-                                     normed.data_ptr(), *self._gate_up, out.data_ptr())
+                                     normed.data_ptr(), *self._gate_up, out.data_ptr(), *self._threads())
         return hidden, out
 
     def mlp_out(self, gated: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -187,9 +191,8 @@ class LayerChain:
         if not gated.is_contiguous():
             gated = gated.contiguous()
         out = torch.empty_like(residual)
-        match_torch_threads()
         self._calls["mlp_out"](gated.data_ptr(), rows, self._down_in, *self._down, residual.data_ptr(), self.width,
-                               out.data_ptr())
+                               out.data_ptr(), *self._threads())
         return out
 
 
@@ -223,3 +226,8 @@ class Q4LayerChain(LayerChain):
     @staticmethod
     def weight_arguments(weights: block_matmul.BlockWeights) -> tuple:
         return weights.table.data_ptr(), weights.parts, weights.tiles
+
+    @staticmethod
+    def _threads() -> tuple:
+        """The thread count: the block kernels split their tiles in as many shares."""
+        return (match_torch_threads(),)
