@@ -34,6 +34,7 @@ from lmi_serve.kernels.footprint import WeightFootprint, weight_footprint
 from lmi_serve.kernels.host import Host
 from lmi_serve.kernels.layers import linear_kernels as linear
 from lmi_serve.kernels.layers.fused_norms import FusedRMSNorm
+from lmi_serve.kernels.layers.block_linears import BlockLinear
 from lmi_serve.kernels.layers.gguf_linears import Q4Linear, Q8Linear
 from lmi_serve.kernels.layers.quantize import QuantizeReport, quantize_model
 from lmi_serve.kernels.registry import KERNELS
@@ -127,6 +128,7 @@ def kernel_uses(model: nn.Module, plan: KernelPlan, config: Any, generates: bool
         "row": any(isinstance(m, linear.OneDnnLinear) and m._row_weights is not None for m in modules),
         "norm": any(isinstance(m, FusedRMSNorm) and m.kernel for m in modules),
         "q4": any(isinstance(m, Q4Linear) and m.kernel_weights is not None for m in modules),
+        "block_bf16": any(isinstance(m, BlockLinear) for m in modules),
         "q8_vnni": any(isinstance(m, Q8Linear) for m in modules),
         "decode_attention": any(s.name == "decode_attention" and s.did == "the decode kernel" for s in plan.steps),
         "column_copy": generates and getattr(config, "kv_cache", None) == "slots",
@@ -134,7 +136,7 @@ def kernel_uses(model: nn.Module, plan: KernelPlan, config: Any, generates: bool
     lean = bool(plan.linear and plan.linear.lean)
     found["rotary"] = lean
     found["layer_chain"] = lean and found["row"] and found["norm"]
-    found["q4_chain"] = lean and found["q4"] and found["norm"]
+    found["q4_chain"] = lean and (found["q4"] or found["block_bf16"]) and found["norm"]
     uses = {}
     for name, kernel in KERNELS.items():
         missing = kernel.missing(plan.host)

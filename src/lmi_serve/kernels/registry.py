@@ -83,6 +83,10 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in (
     Kernel("q4", "cpu.q4_kernel", "a GGUF's Q4 weights times bf16 rows", "option.quantize=q4, option.dtype=bf16",
            (*NUMBA_OMP, "avx512f", "avx512bw", "avx512bf16", "f16c"), ("bf16",),
            "torch's int4 kernel; more rows: a dense bf16 oneDNN copy", max_rows=8),
+    Kernel("block_bf16", "cpu.block_matmul", "a GGUF's Q5_0 / Q6_K / Q8_0 (and Q4) blocks times bf16 rows, "
+           "formats mixed in one layer", "option.quantize=q4, option.dtype=bf16",
+           (*NUMBA_OMP, "avx512f", "avx512bw", "avx512bf16", "f16c"), ("bf16",),
+           "Q5_0: the VNNI kernel; Q6_K: the loaded weights; more rows: a dense bf16 oneDNN copy", max_rows=8),
     Kernel("q4_chain", "cpu.q4_chain", "a q4-bf16 decoder layer in three calls", "option.quantize=q4, option.dtype=bf16",
            (*NUMBA_OMP, "avx512f", "avx512bw", "avx512bf16", "f16c"), ("bf16",), "the layer's kernels one by one",
            max_rows=8),

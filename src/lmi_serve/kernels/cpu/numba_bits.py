@@ -32,6 +32,14 @@ def helper(function):
     return numba.njit(cache=True, inline="always")(function) if numba is not None else function
 
 
+def callee(function):
+    """A numba function kernels call without inlining it: compiled once (per literal argument where it asks
+    with `numba.literally`) and cached, however many kernels call it. Numba copies an inlined function's IR
+    into each caller, which for a tile function of a few hundred lines costs tens of seconds of compiling
+    per copy; a call per tile of 32 outputs costs nothing measurable."""
+    return numba.njit(cache=True, nogil=True)(function) if numba is not None else function
+
+
 if numba is not None:
     _I32 = ir.IntType(32)
 
@@ -48,6 +56,13 @@ if numba is not None:
     bf16_pointer = _pointer_to(ir.IntType(16), types.uint16)  # bf16 (or fp16) as its bits
     float32_pointer = _pointer_to(ir.FloatType(), types.float32)
     byte_pointer = _pointer_to(ir.IntType(8), types.uint8)  # a bool tensor's bytes
+    int64_pointer = _pointer_to(ir.IntType(64), types.int64)
+
+    @intrinsic
+    def held(typingctx, array):
+        """Nothing: a use of `array` that keeps it alive to here, where a kernel reads it by an address (numba frees
+        an array after its last use, and an address is not one)."""
+        return types.void(array), lambda context, builder, signature, args: context.get_dummy_value()
 
     @intrinsic
     def float_bits(typingctx, value):
@@ -104,12 +119,16 @@ def bf16(value):  # pragma: no cover - numba compiles it
 _threads = threading.local()  # numba's thread count is per calling thread
 
 
-def match_torch_threads() -> None:
-    """Run the calling thread's next parallel kernel on torch's thread count (set only when it changed: ~1 µs)."""
+def match_torch_threads() -> int:
+    """Run the calling thread's next parallel kernel on torch's thread count (set only when it changed: ~1 µs);
+    returns the count set (a kernel that splits its work per thread takes it as an argument: reading it inside
+    compiled code would keep numba from caching the kernel)."""
     threads = torch.get_num_threads()
     if getattr(_threads, "count", None) != threads:
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        _threads.numba = min(threads, numba.config.NUMBA_NUM_THREADS)
+        numba.set_num_threads(_threads.numba)
         _threads.count = threads
+    return _threads.numba
 
 
 class CompiledOnce:

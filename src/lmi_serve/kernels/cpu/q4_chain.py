@@ -1,19 +1,21 @@
-"""A q4-bf16 decoder layer's few rows in three numba calls: layer_chain.py's chain on the Q4 kernel.
+"""A q4-bf16 decoder layer's few rows in three numba calls: layer_chain.py's chain on the bf16 block kernels.
 
 The q4-bf16 opt-in's one-row SmolLM2 step spends ~3.3 ms of ~10 in the Q4 kernel (q4_kernel.py) and most of
 the rest in the same dozen Python-level calls a layer as the fp32 default did before layer_chain.py. Where a
 Llama-family lean layer's norms are FusedRMSNorm on the norm kernel's `upcast` form (bf16) and its stacked
-q/k/v and gate/up, o_proj and down_proj are Q4Linear layers on the Q4 kernel with no bias, its few rows
+q/k/v and gate/up, o_proj and down_proj run on the bf16 block kernels with no bias (Q4Linear on the Q4 kernel,
+BlockLinear on block_matmul.py: Q5_0, Q6_K, Q8_0 and mixes, as a Q4_K_M file holds them), its few rows
 (<= gguf_linears.Q4_MAX_ROWS) run as layer_chain.py's three calls with bf16 rows:
 
     attention_in:   RMSNorm, q/k/v, q and k rotated
     attention_out:  o_proj, + the residual, RMSNorm, gate/up
     mlp_out:        down_proj, + the residual
 
-each piece the code the separate calls run (`norm_kernel.upcast_rows`, `q4_kernel.block_sums` and `rows_tile`,
-`rotary_kernel.rotate_heads`; the residual add rounded once to bf16, as torch's bf16 `a + b`), in the same
-order: the unchained layers' bits (tests/unit/kernels/cpu/test_q4_chain.py). A LayerChain whose kind's pieces are
-these: lean_layers.py calls either.
+each piece the code the separate calls run (`norm_kernel.upcast_rows`, `block_matmul.matmul`: the formats' own
+tile functions and sums, `rotary_kernel.rotate_heads`; the residual add rounded once to bf16, as torch's bf16
+`a + b`), in the same order: the unchained layers' bits (tests/unit/kernels/cpu/test_q4_chain.py). Each matmul
+is given as its block table (block_matmul.BlockWeights: a Q4 layer's is one Q4 part). A LayerChain whose
+kind's pieces are these: lean_layers.py calls either.
 """
 
 from __future__ import annotations
@@ -22,17 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from lmi_serve.kernels.cpu import norm_kernel, q4_kernel, rotary_kernel
+from lmi_serve.kernels.cpu import block_matmul, norm_kernel, rotary_kernel
 from lmi_serve.kernels.cpu.layer_chain import compiled_calls
 from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
 from lmi_serve.kernels.registry import max_rows
 
-MAX_ROWS = max_rows("q4_chain")  # kernels/registry.py; at most the Q4 kernel's: more rows go to a layer's dense copy
+MAX_ROWS = max_rows("q4_chain")  # kernels/registry.py; at most the block kernels': more rows go to a layer's dense copy
 
 try:
     import numba
 
-    from lmi_serve.kernels.cpu.numba_bits import bf16, bf16_pointer, byte_pointer, widen
+    from lmi_serve.kernels.cpu.numba_bits import bf16, bf16_pointer, int64_pointer, widen
 except ImportError:  # pragma: no cover - a dependency; without it no chain is made
     numba = None
 
@@ -45,23 +47,20 @@ def _add_rows(residual, out, length):  # pragma: no cover - numba compiles it
 
 
 @helper
-def _matmul(x, rows, width, weights, tiles, out):  # pragma: no cover - numba compiles it
-    """out = x times the Q4 weights (q4_kernel's `_q4_rows`, inlined)."""
-    blocks = width // q4_kernel.GROUP
-    sums = np.empty(rows * blocks, dtype=np.float32)
-    q4_kernel.block_sums(x, rows, width, sums)
-    for tile in numba.prange(tiles):
-        q4_kernel.rows_tile(x, sums, weights, tile, blocks, rows, out, tiles * q4_kernel.TILE)
+def _matmul(x, rows, width, table_address, parts, tiles, out, threads):  # pragma: no cover - numba compiles it
+    """out = x times the layer whose block table is at `table_address` (block_matmul's kernel, inlined)."""
+    block_matmul.matmul(x, rows, int64_pointer(table_address), parts, tiles, width // block_matmul.GROUP, out,
+                        threads)
 
 
-def _attention_in(x_address, rows, width, norm_address, eps, lanes, normed_address, weights_address, tiles,
+def _attention_in(x_address, rows, width, norm_address, eps, lanes, normed_address, table_address, parts, tiles,
                   out_address, cos_address, sin_address, cos_batch, batch, tokens, heads, dim,
-                  rotated_address):  # pragma: no cover - numba compiles it
+                  rotated_address, threads):  # pragma: no cover - numba compiles it
     x, normed, out = bf16_pointer(x_address), bf16_pointer(normed_address), bf16_pointer(out_address)
     norm_kernel.upcast_rows(x, rows, width, bf16_pointer(norm_address), eps, lanes, normed)
-    _matmul(normed, rows, width, byte_pointer(weights_address), tiles, out)
+    _matmul(normed, rows, width, table_address, parts, tiles, out, threads)
     if rotated_address != 0:
-        out_width = tiles * q4_kernel.TILE
+        out_width = tiles * block_matmul.TILE
         table = (cos_batch, tokens, dim)
         rotary_kernel.rotate_heads(numba.carray(out, (rows * out_width,)),
                                    numba.carray(bf16_pointer(cos_address), table),
@@ -70,27 +69,27 @@ def _attention_in(x_address, rows, width, norm_address, eps, lanes, normed_addre
                                    tokens * out_width, out_width)
 
 
-def _attention_out(a_address, rows, a_width, o_address, o_tiles, residual_address, hidden_address, width,
-                   norm_address, eps, lanes, normed_address, gu_address, gu_tiles,
-                   out_address):  # pragma: no cover - numba compiles it
+def _attention_out(a_address, rows, a_width, o_address, o_parts, o_tiles, residual_address, hidden_address, width,
+                   norm_address, eps, lanes, normed_address, gu_address, gu_parts, gu_tiles,
+                   out_address, threads):  # pragma: no cover - numba compiles it
     hidden = bf16_pointer(hidden_address)
-    _matmul(bf16_pointer(a_address), rows, a_width, byte_pointer(o_address), o_tiles, hidden)
+    _matmul(bf16_pointer(a_address), rows, a_width, o_address, o_parts, o_tiles, hidden, threads)
     _add_rows(bf16_pointer(residual_address), hidden, rows * width)
     normed = bf16_pointer(normed_address)
     norm_kernel.upcast_rows(hidden, rows, width, bf16_pointer(norm_address), eps, lanes, normed)
-    _matmul(normed, rows, width, byte_pointer(gu_address), gu_tiles, bf16_pointer(out_address))
+    _matmul(normed, rows, width, gu_address, gu_parts, gu_tiles, bf16_pointer(out_address), threads)
 
 
-def _mlp_out(g_address, rows, g_width, weights_address, tiles, residual_address, width,
-             out_address):  # pragma: no cover - numba compiles it
+def _mlp_out(g_address, rows, g_width, table_address, parts, tiles, residual_address, width,
+             out_address, threads):  # pragma: no cover - numba compiles it
     out = bf16_pointer(out_address)
-    _matmul(bf16_pointer(g_address), rows, g_width, byte_pointer(weights_address), tiles, out)
+    _matmul(bf16_pointer(g_address), rows, g_width, table_address, parts, tiles, out, threads)
     _add_rows(bf16_pointer(residual_address), out, rows * width)
 
 
 def _compile() -> dict[str, Any]:
-    if q4_kernel.kernel() is None or norm_kernel.kernel() is None:
-        raise RuntimeError("the Q4 kernel or the norm kernel is unavailable")
+    if block_matmul.kernel() is None or norm_kernel.kernel() is None:
+        raise RuntimeError("the block kernel or the norm kernel is unavailable")
     return compiled_calls(_attention_in, _attention_out, _mlp_out)
 
 
@@ -98,5 +97,5 @@ _compiled = CompiledOnce(_compile, "q4 layer chain unavailable: q4-bf16 decoder 
 
 
 def kernel() -> dict[str, Any] | None:
-    """The compiled chain calls, or None where numba, the Q4 kernel or the norm kernel is missing."""
+    """The compiled chain calls, or None where numba, the block kernel or the norm kernel is missing."""
     return _compiled.get()

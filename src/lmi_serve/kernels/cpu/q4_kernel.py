@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from lmi_serve.kernels.host import cpu_has, omp_threads, require_omp_layer
-from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, helper
+from lmi_serve.kernels.cpu.numba_bits import CompiledOnce, callee, helper
 from lmi_serve.kernels.registry import KERNELS
 
 GROUP = 32  # input columns per block (a GGUF Q4 block)
@@ -45,126 +45,25 @@ _CHUNK = 64  # bytes: two column pairs of a tile
 _CHUNKS = GROUP // 4  # per block: 8
 _NIBBLE_BYTES = _CHUNKS * _CHUNK  # 512
 _BLOCK_BYTES = _NIBBLE_BYTES + 2 * TILE * 2  # + d and m, fp16 each: 640
+BLOCK_BYTES = _BLOCK_BYTES
 _D_AT, _M_AT = _NIBBLE_BYTES, _NIBBLE_BYTES + TILE * 2
 _OFFSET = 128  # the words hold 128 + q
 
 try:
     import numba
-    from llvmlite import ir
-    from llvmlite.ir.types import _BaseFloatType
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic
 
-    from lmi_serve.kernels.cpu.numba_bits import (FLOAT32x16, FLOATS16, Vector, bf16_pointer, byte_pointer,
-                                            match_torch_threads, widen, zeros16)
+    from lmi_serve.kernels.cpu.bf16_ir import add as _add, dot as _dot, fma_scalar as _fma_scalar
+    from lmi_serve.kernels.cpu.bf16_ir import fma_vector as _fma_vector, halves16 as _halves16, pair as _pair
+    from lmi_serve.kernels.cpu.bf16_ir import store_bf16 as _store_bf16, words as _words
+    from lmi_serve.kernels.cpu.numba_bits import bf16_pointer, byte_pointer, float32_pointer, held, match_torch_threads
+    from lmi_serve.kernels.cpu.numba_bits import widen, zeros16
 except ImportError:  # pragma: no cover - a dependency; without it `kernel()` is None
     numba = None
 
 
 if numba is not None:
-    class _BFloat(_BaseFloatType):
-        """LLVM's bfloat, which llvmlite's IR builder does not name (the BF16 intrinsics take it)."""
-        null = "0.0"
-        intrinsic_name = "bf16"
-
-        def __str__(self):
-            return "bfloat"
-
-    _BFloat._create_instance()
-    _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    _BYTES = ir.VectorType(_I8, _CHUNK)
-    _BFLOATS = ir.VectorType(_BFloat(), 32)
-    _SHORTS32 = Vector("i16", 32)
-
-    def _interleaved(builder, nibbles, upper: bool):
-        """Words 0x43 << 8 | nibble from the low (or upper) 8 bytes of each 128-bit lane: `vpunpck[lh]bw`."""
-        first = 8 if upper else 0
-        order = [index for lane in range(4) for j in range(first, first + 8)
-                 for index in (16 * lane + j, _CHUNK + 16 * lane + j)]
-        words = builder.shuffle_vector(nibbles, ir.Constant(_BYTES, [0x43] * _CHUNK),
-                                       ir.Constant(ir.VectorType(_I32, _CHUNK), order))
-        return builder.bitcast(words, ir.VectorType(_I16, 32))
-
-    def _words(high_nibbles: bool, upper: bool):
-        """An intrinsic: 32 bf16 words of 128 + q from the chunk at a byte address[offset]: its low (or high)
-        nibbles, the outputs 0-15 (or 16-31) of the chunk's first (or second) column pair."""
-        @intrinsic
-        def words(typingctx, address, offset):
-            def codegen(context, builder, signature, args):
-                target = builder.bitcast(builder.gep(args[0], [args[1]]), _BYTES.as_pointer())
-                raw = builder.load(target, align=1)
-                if high_nibbles:
-                    raw = builder.lshr(raw, ir.Constant(_BYTES, [4] * _CHUNK))
-                return _interleaved(builder, builder.and_(raw, ir.Constant(_BYTES, [15] * _CHUNK)), upper)
-            return _SHORTS32(address, offset), codegen
-        return words
-
     _even_low, _even_high = _words(False, False), _words(False, True)  # pair 2c: outputs 0-15, 16-31
     _odd_low, _odd_high = _words(True, False), _words(True, True)  # pair 2c + 1
-
-    @intrinsic
-    def _pair(typingctx, address, offset):
-        """Two bf16 at a bf16 pointer's element `offset` (even) as one uint32."""
-        def codegen(context, builder, signature, args):
-            return builder.load(builder.bitcast(builder.gep(args[0], [args[1]]), _I32.as_pointer()), align=2)
-        return types.uint32(address, offset), codegen
-
-    @intrinsic
-    def _dot(typingctx, total, words, pair):
-        """total + in each lane n: words[2n] * x0 + words[2n + 1] * x1 (`vdpbf16ps`, the pair spread)."""
-        def codegen(context, builder, signature, args):
-            function = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(FLOATS16, [FLOATS16, _BFLOATS, _BFLOATS]),
-                "llvm.x86.avx512bf16.dpbf16ps.512")
-            lanes = ir.VectorType(_I32, 16)
-            spread = builder.insert_element(ir.Constant(lanes, None), args[2], ir.Constant(_I32, 0))
-            spread = builder.shuffle_vector(spread, spread, ir.Constant(lanes, [0] * 16))
-            return builder.call(function, [args[0], builder.bitcast(args[1], _BFLOATS),
-                                           builder.bitcast(spread, _BFLOATS)])
-        return FLOAT32x16(total, words, types.uint32), codegen
-
-    @intrinsic
-    def _halves16(typingctx, address, offset):
-        """16 fp16 at the byte address[offset], as fp32 (exact)."""
-        def codegen(context, builder, signature, args):
-            vector = ir.VectorType(ir.HalfType(), 16)
-            loaded = builder.load(builder.bitcast(builder.gep(args[0], [args[1]]), vector.as_pointer()), align=2)
-            return builder.fpext(loaded, FLOATS16)
-        return FLOAT32x16(address, offset), codegen
-
-    def _fma(builder, a, b, c):
-        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS16, [FLOATS16] * 3),
-                                                  "llvm.fma.v16f32")
-        return builder.call(function, [a, b, c])
-
-    @intrinsic
-    def _fma_vector(typingctx, total, a, b):
-        """total + a * b, lane by lane, one rounding."""
-        return FLOAT32x16(total, a, b), lambda context, builder, signature, args: _fma(builder, args[1], args[2],
-                                                                                        args[0])
-
-    @intrinsic
-    def _fma_scalar(typingctx, total, a, b):
-        """total + a * b with b a scalar spread, one rounding."""
-        def codegen(context, builder, signature, args):
-            spread = builder.insert_element(ir.Constant(FLOATS16, None), args[2], ir.Constant(_I32, 0))
-            spread = builder.shuffle_vector(spread, spread, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-            return _fma(builder, args[1], spread, args[0])
-        return FLOAT32x16(total, a, types.float32), codegen
-
-    @intrinsic
-    def _add(typingctx, a, b):
-        return FLOAT32x16(a, b), lambda context, builder, signature, args: builder.fadd(args[0], args[1])
-
-    @intrinsic
-    def _store_bf16(typingctx, address, offset, vector):
-        """16 fp32 rounded to bf16 (nearest even) at a bf16 pointer's element `offset`."""
-        def codegen(context, builder, signature, args):
-            rounded = builder.fptrunc(args[2], ir.VectorType(_BFloat(), 16))
-            target = builder.bitcast(builder.gep(args[0], [args[1]]), ir.VectorType(_BFloat(), 16).as_pointer())
-            builder.store(rounded, target, align=2)
-            return context.get_dummy_value()
-        return types.void(address, offset, FLOAT32x16), codegen
 
 
 @helper
@@ -301,26 +200,32 @@ def _two_rows(x, sums, weights, tile, blocks, first, out, width):  # pragma: no 
     _store_bf16(out, at + width + 16, high1)
 
 
-@helper
-def rows_tile(x, sums, weights, tile, blocks, rows, out, width):  # pragma: no cover - numba compiles it
-    """One tile's 32 outputs of every row (`_q4_rows`' loop body; kernels/cpu/layer_chain.py's too): x and out bf16
-    pointers (out rows `width` apart), sums the rows' `block_sums`, weights a byte pointer."""
-    for first in range(0, rows, 4):
-        if rows - first == 1:
-            _one_row(x, sums, weights, tile, blocks, first, out, width)
-        elif rows - first == 2:
-            _two_rows(x, sums, weights, tile, blocks, first, out, width)
-        else:
-            _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
+@callee
+def rows_tiles(x, sums, weights, first_tile, end_tile, blocks, rows, out, width):  # pragma: no cover - numba
+    """Tiles first_tile..end_tile - 1 (32 outputs each) of every row (`_q4_rows`' per-thread share;
+    kernels/cpu/block_matmul.py's for Q4 parts): x and out bf16 pointers (out rows `width` apart), sums a pointer
+    to the rows' `block_sums`, weights a byte pointer."""
+    for tile in range(first_tile, end_tile):
+        for first in range(0, rows, 4):
+            if rows - first == 1:
+                _one_row(x, sums, weights, tile, blocks, first, out, width)
+            elif rows - first == 2:
+                _two_rows(x, sums, weights, tile, blocks, first, out, width)
+            else:
+                _four_rows(x, sums, weights, tile, blocks, first, rows, out, width)
 
 
-def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address):  # pragma: no cover - numba compiles it
-    """out [rows, tiles * 32] (bf16) = x [rows, blocks * 32] (bf16) times the packed weights' transpose."""
+def _q4_rows(x_address, rows, weights_address, tiles, blocks, out_address, threads):  # pragma: no cover - numba
+    """out [rows, tiles * 32] (bf16) = x [rows, blocks * 32] (bf16) times the packed weights' transpose, in
+    `threads` shares."""
     x, out, weights = bf16_pointer(x_address), bf16_pointer(out_address), byte_pointer(weights_address)
     sums = np.empty(rows * blocks, dtype=np.float32)
     block_sums(x, rows, blocks * GROUP, sums)
-    for tile in numba.prange(tiles):
-        rows_tile(x, sums, weights, tile, blocks, rows, out, tiles * TILE)
+    at = float32_pointer(sums.ctypes.data)  # an array argument would be counted (an atomic) on each call
+    for thread in numba.prange(threads):  # a contiguous share of the tiles each, as prange's own split
+        rows_tiles(x, at, weights, thread * tiles // threads, (thread + 1) * tiles // threads, blocks, rows, out,
+                   tiles * TILE)
+    held(sums)
 
 
 class Q4Weights:
@@ -386,8 +291,8 @@ def _call(compiled: Any, weights: Q4Weights, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the Q4 kernel takes contiguous bf16 rows of {weights.in_features}, not {x.dtype} "
                          f"{list(shape)}")
     out = torch.empty((shape[0], weights.width), dtype=torch.bfloat16)
-    match_torch_threads()
-    compiled(x.data_ptr(), shape[0], weights.packed.data_ptr(), weights.tiles, weights.blocks, out.data_ptr())
+    compiled(x.data_ptr(), shape[0], weights.packed.data_ptr(), weights.tiles, weights.blocks, out.data_ptr(),
+             match_torch_threads())
     return out if weights.width == weights.out_features else out[:, :weights.out_features]
 
 

@@ -1,5 +1,5 @@
 """The layer half of kernels/cpu/layer_chain.py and kernels/cpu/q4_chain.py: a decoder layer's swapped children
-(FusedRMSNorm, stacked SharedInputSlice, row-kernel copies or Q4Linear) read into the arguments of the chain's
+(FusedRMSNorm, stacked SharedInputSlice, row-kernel copies or Q4Linear / BlockLinear) read into the arguments of the chain's
 three numba calls, and the calls made. lean_layers.py makes one per layer (`LayerChain.of`, `Q4LayerChain.of`);
 `takes` says whether a forward's rows go this way (at most the registry's rows for the chain).
 """
@@ -12,8 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.kernels.cpu import layer_chain, norm_kernel, q4_chain, q4_kernel, rotary_kernel, row_kernel
+from lmi_serve.kernels.cpu import block_matmul, layer_chain, norm_kernel, q4_chain, rotary_kernel, row_kernel
 from lmi_serve.kernels.cpu.numba_bits import match_torch_threads
+from lmi_serve.kernels.layers.block_linears import BlockLinear
 from lmi_serve.kernels.layers.fused_norms import FusedRMSNorm
 from lmi_serve.kernels.layers.gguf_linears import Q4Linear
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
@@ -80,6 +81,12 @@ class LayerChain:
         """A layer's weights as the calls take them."""
         return weights._weights_address, weights.tiles, weights.block, weights._bias_address
 
+    @staticmethod
+    def _threads() -> tuple:
+        """The calls' last arguments, after numba's threads are matched to torch's: none for this kind."""
+        match_torch_threads()
+        return ()
+
     def __init__(self, input_norm: FusedRMSNorm, qkv: Any, o: Any, post_norm: FusedRMSNorm, gate_up: Any,
                  down: Any):
         self.width = qkv.in_features
@@ -145,10 +152,9 @@ class LayerChain:
         rotation = self._rotation(hidden, cos, sin, head_dim) if cos is not None else None
         rotated = None if rotation is None else torch.empty((rotation[3], rotation[5], rotation[4], rotation[6]),
                                                             dtype=self.dtype)  # batch, heads, tokens, dim
-        match_torch_threads()
         self._calls["attention_in"](hidden.data_ptr(), rows, self.width, *self._input_norm, self._lanes,
                                     normed.data_ptr(), *self._qkv, out.data_ptr(), *(rotation or NO_ROTATION),
-                                    0 if rotated is None else rotated.data_ptr())
+                                    0 if rotated is None else rotated.data_ptr(), *self._threads())
         return out, rotated
 
     def _rotation(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -174,10 +180,9 @@ class LayerChain:
             attended = attended.contiguous()
         hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
         out = torch.empty(*residual.shape[:-1], self.gate_up_width, dtype=self.dtype)
-        match_torch_threads()
         self._calls["attention_out"](attended.data_ptr(), rows, self._o_in, *self._o, residual.data_ptr(),
                                      hidden.data_ptr(), self.width, *self._post_norm, self._lanes,
-                                     normed.data_ptr(), *self._gate_up, out.data_ptr())
+                                     normed.data_ptr(), *self._gate_up, out.data_ptr(), *self._threads())
         return hidden, out
 
     def mlp_out(self, gated: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -186,26 +191,25 @@ class LayerChain:
         if not gated.is_contiguous():
             gated = gated.contiguous()
         out = torch.empty_like(residual)
-        match_torch_threads()
         self._calls["mlp_out"](gated.data_ptr(), rows, self._down_in, *self._down, residual.data_ptr(), self.width,
-                               out.data_ptr())
+                               out.data_ptr(), *self._threads())
         return out
 
 
-def _q4_weights(linear: nn.Module) -> q4_kernel.Q4Weights | None:
-    """`linear`'s Q4 kernel weights where its few rows are theirs alone: a Q4Linear with no bias or hook whose
-    outputs fill whole tiles."""
-    if type(linear) is not Q4Linear or linear._forward_hooks or linear._forward_pre_hooks:
+def _block_weights(linear: nn.Module) -> block_matmul.BlockWeights | None:
+    """`linear`'s block table where its few rows are the bf16 block kernels' alone: a Q4Linear on the Q4 kernel
+    (one Q4 part) or a BlockLinear, with no bias or hook, whose outputs fill whole tiles."""
+    if type(linear) not in (Q4Linear, BlockLinear) or linear._forward_hooks or linear._forward_pre_hooks:
         return None
     weights = linear.kernel_weights
     if weights is None or linear._parameters.get("bias") is not None or weights.width != weights.out_features:
         return None
-    return weights
+    return block_matmul.BlockWeights.of_q4(weights) if type(linear) is Q4Linear else weights
 
 
 class Q4LayerChain(LayerChain):
-    """One q4-bf16 decoder layer's three calls (module docstring): LayerChain on bf16 rows, the Q4 kernel's
-    weights and the norm kernel's upcast form."""
+    """One q4-bf16 decoder layer's three calls (module docstring): LayerChain on bf16 rows, the block kernels'
+    tables and the norm kernel's upcast form."""
 
     dtype = torch.bfloat16
     norm_form = "upcast"
@@ -216,9 +220,14 @@ class Q4LayerChain(LayerChain):
         return q4_chain.kernel()
 
     @staticmethod
-    def weights_of(linear: nn.Module) -> q4_kernel.Q4Weights | None:
-        return _q4_weights(linear)
+    def weights_of(linear: nn.Module) -> block_matmul.BlockWeights | None:
+        return _block_weights(linear)
 
     @staticmethod
-    def weight_arguments(weights: q4_kernel.Q4Weights) -> tuple:
-        return weights.packed.data_ptr(), weights.tiles
+    def weight_arguments(weights: block_matmul.BlockWeights) -> tuple:
+        return weights.table.data_ptr(), weights.parts, weights.tiles
+
+    @staticmethod
+    def _threads() -> tuple:
+        """The thread count: the block kernels split their tiles in as many shares."""
+        return (match_torch_threads(),)

@@ -8,7 +8,9 @@
   scales and zeros in the activations' dtype: fp32 (exact relative to the GGUF; a scalar loop, slow) or bf16.
 - Q8Linear: Q8_0 blocks (w = d q, q int8, per 32 weights) with bf16 activations, on kernels/cpu/vnni_matmul.py's
   kernel (CPUs with AVX-512 VNNI only): SmolLM2's tied lm_head is Q8_0 in its GGUF, and a one-row step reads
-  it as 30 MB instead of a bf16 copy's 57 MB.
+  it as 30 MB instead of a bf16 copy's 57 MB. Q5_0 as int8 too, where the block kernel does not run.
+
+Q5_0, Q6_K, and stacks mixing formats: kernels/layers/block_linears.py (FewRowsLinear too).
 
 More than Q4_MAX_ROWS rows go to `dense` (the loaded weights on oneDNN's bf16 matmul) where given: the
 few-row kernels compute row by row (matrix-vector loops), and a GEMM wins above. Each few-row kernel
@@ -170,7 +172,7 @@ def unpack_q5_0_blocks(raw: np.ndarray) -> Q8Blocks:
     return Q8Blocks((q.astype(np.int16) - 16).astype(np.int8).reshape(rows, -1), _fp16_field(blocks, 0))
 
 
-class _BlockLinear(nn.Module):
+class FewRowsLinear(nn.Module):
     """What Q4Linear and Q8Linear share: a few rows on their kernel (`_few_rows`), more on `dense`."""
 
     weight = None  # as Fp16Linear's: no dense weight to read
@@ -218,7 +220,7 @@ class _BlockLinear(nn.Module):
                 f"activations={activations}{dense}")
 
 
-def _fp16_fits(blocks: Q4Blocks) -> bool:
+def fp16_fits(blocks: Q4Blocks) -> bool:
     """Whether the Q4 kernel's fp16 scale and minimum (zero - 8 scale) hold these blocks' finite: always for
     Q4_0 / Q4_1 (the GGUF's own fp16, exact); Q4_K's d sc_j and dmin m_j round to fp16 (half an fp16 ulp: 2^-11
     relative where normal, below the bf16 activations' 2^-8) and could overflow it."""
@@ -231,7 +233,7 @@ def _fp16_fits(blocks: Q4Blocks) -> bool:
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
-class Q4Linear(_BlockLinear):
+class Q4Linear(FewRowsLinear):
     """`nn.Linear` on 4-bit weights with activations in `dtype` (fp32 or bf16): bf16 on kernels/cpu/q4_kernel.py
     where it runs (`kernel_weights`), else on torch's x86 int4 kernel (group 32); with `dense`, more than
     Q4_MAX_ROWS rows there (SmolLM2's layer set at 1 / 8 / 32 rows: torch's int4 66 / 180 / 671 µs, bf16 oneDNN
@@ -244,7 +246,7 @@ class Q4Linear(_BlockLinear):
         super().__init__()
         self._setup(blocks.q.shape, bias, dtype, dense)
         self.kernel_weights = None
-        if dtype == torch.bfloat16 and _fp16_fits(blocks) and q4_kernel.kernel() is not None:
+        if dtype == torch.bfloat16 and fp16_fits(blocks) and q4_kernel.kernel() is not None:
             self.kernel_weights = q4_kernel.pack(blocks.q, blocks.scale, blocks.zero)
             return
         q = torch.from_numpy(blocks.q.astype(np.int32))
@@ -297,7 +299,7 @@ def q8_fits(in_features: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and in_features % GROUP == 0 and vnni_matmul.kernel() is not None
 
 
-class Q8Linear(_BlockLinear):
+class Q8Linear(FewRowsLinear):
     """`nn.Linear` on a GGUF's Q8_0 blocks with bf16 activations: up to Q8_MAX_ROWS rows on the VNNI kernel
     (int16 activations), more on `dense`. Only where `q8_fits`."""
 

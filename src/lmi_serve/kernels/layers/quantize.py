@@ -7,27 +7,22 @@ modules are replaced, so every KV implementation and both batching modes work un
   ``linear_dynamic_fp16``), on every Linear including lm_head. The output equals fp32 ``F.linear``
   with the weights rounded to fp16. A tied lm_head gets its own fp16 copy: the input embedding
   keeps its fp32 weight.
-- ``q4``: 4-bit weight-only from the GGUF's own Q4_0 / Q4_1 / Q4_K blocks, or from a pre-quantized checkpoint's
-  AWQ / GPTQ / compressed-tensors W4A16 groups (their block file, kernels/layers/block_file.py, written at
-  load by model/quantized/convert.py: w = (code - z) s is (q - 8) s + (8 - z) s; their symmetric int8 layers,
-  W8A8 / W8A16, as Q8_0-like blocks on the VNNI kernel below), lossless relative to that GGUF:
-  Q4_1 is w = d*q + m per 32-weight block, i.e. group-wise asymmetric int4 with group 32, which
-  torch's x86 int4 kernel computes as (q - 8) * scale + zero with scale = d, zero = m + 8d (Q4_0:
-  w = d*(q - 8), zero = 0; Q4_K, per 32-weight sub-block j of a 256-weight super-block: w = d*sc_j*q -
-  dmin*m_j, so scale = d*sc_j, zero = 8*scale - dmin*m_j, in fp32). A Q4_K_M file's other types (Q6_K,
-  Q5_K: no 4-bit path) keep their loaded weights, named so in the report. Activations keep the model's
-  dtype: fp32 (exact relative to the GGUF, but the kernel has vector code for bf16 activations only, so fp32
-  is a slow scalar loop) or bf16
-  (a model loaded with option.dtype=bf16: the fast path, its scales and zeros rounded to bf16 as the
-  kernel takes them; more than Q4_MAX_ROWS rows go to a bf16 oneDNN copy of the loaded weights, where
-  the CPU computes bf16, since the int4 kernel computes row by row). With bf16 activations on a CPU
-  with AVX-512 VNNI, layers the GGUF holds in Q8_0 (SmolLM2's lm_head, tied to a Q8_0 embedding) or Q5_0
-  (llama-quantize's fallback for Q4_K layers of a width not a multiple of 256: w = d (q - 16), int8 exactly) run
-  their own blocks at one or two rows (kernels/cpu/vnni_matmul.py); other types keep their loaded weights.
-  The layer classes are in kernels/layers/gguf_linears.py. Each packed layer is checked against the loaded
-  weight (the dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row
-  kernels compute each row on its own: a row's output does not depend on the others in the batch
-  (the bf16 copy's does).
+- ``q4``: the checkpoint's own quantized blocks, lossless relative to them: a GGUF's Q4_0 / Q4_1 / Q4_K as
+  group-32 int4, w = (q - 8) scale + zero (Q4_1: scale = d, zero = m + 8d; Q4_0: zero = 0; Q4_K, per 32-weight
+  sub-block j: scale = d sc_j, zero = 8 scale - dmin m_j, in fp32), or a pre-quantized checkpoint's AWQ / GPTQ /
+  compressed-tensors groups (their block file, kernels/layers/block_file.py, written at load by
+  model/quantized/convert.py: w = (code - z) s = (q - 8) s + (8 - z) s; symmetric int8 layers as Q8_0-like
+  blocks). Activations keep the model's dtype: fp32 (exact, but torch's int4 kernel runs a scalar loop there) or
+  bf16 (option.dtype=bf16: the fast path). With bf16 on a CPU with AVX-512 BF16, Q4 layers run on
+  kernels/cpu/q4_kernel.py, and a GGUF's Q5_0 (llama-quantize's fallback for Q4_K where a width is not a
+  multiple of 256: most of SmolLM2's Q4_K_M), Q6_K and Q8_0 blocks on kernels/cpu/block_matmul.py
+  (kernels/layers/block_linears.py), siblings of different formats as one stacked layer of parts; elsewhere
+  Q4 on torch's int4 kernel (bf16 scales) and Q5_0 as int8 on the VNNI kernel (kernels/cpu/vnni_matmul.py,
+  AVX-512 VNNI), where a lone Q8_0 layer (SmolLM2's tied lm_head) runs in any case. Other types (Q5_K, ...)
+  keep their loaded weights, named in the report. More than a few rows go to a bf16 oneDNN copy of the loaded
+  weights (the kernels compute row by row). Each packed layer is checked against the loaded weight (the
+  dequantized GGUF, rounded to the model's dtype) before it replaces it. The few-row kernels compute each
+  row on its own: a row's output does not depend on the others in the batch (the bf16 copy's does).
 
 Both run on CPU only (the kernels are CPU kernels).
 """
@@ -45,7 +40,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmi_serve.kernels.layers.gguf_linears import (Q4Blocks, Q4Linear, Q8Blocks, Q8Linear, q4_linear, q8_fits,
+from lmi_serve.kernels.layers.block_linears import (BlockLinear, CodeBlocks, block_fits, codes_of, merged,
+                                                    unpack_q6_k_blocks)
+from lmi_serve.kernels.layers.gguf_linears import (FewRowsLinear, Q4Blocks, Q8Blocks, Q8Linear, q4_linear, q8_fits,
                                                    unpack_q4_blocks, unpack_q8_blocks)
 from lmi_serve.kernels.layers.block_file import NAME as BLOCK_FILE
 from lmi_serve.kernels.layers.block_file import read_block_file
@@ -57,7 +54,9 @@ log = logging.getLogger(__name__)
 
 MODES = ("none", "fp16", "q4")
 _Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-_Q8_TYPES = ("Q8_0", "Q5_0")  # int8 blocks on the VNNI kernel (Q5_0's 5-bit codes minus 16 are int8, exactly)
+# Q5_0 / Q6_K on the bf16 block kernel where it runs (Q5_0 else as int8 on the VNNI kernel: its codes minus 16
+# are int8, exactly); Q8_0 on the VNNI kernel, or on the block kernel stacked with siblings of other formats
+_WIDER_TYPES = ("Q5_0", "Q6_K", "Q8_0")
 # max |packed - loaded| relative to the layer's largest weight: the loaded dtype's rounding only
 _MATCH_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8}
 Q4_ACTIVATIONS = tuple(_MATCH_TOLERANCE)  # the dtypes a q4 layer computes in (the model's)
@@ -81,12 +80,15 @@ class QuantizeReport:
     seconds: float = 0.0
     max_abs_diff: float = 0.0  # q4: largest |packed weight - loaded weight| over all packed layers
     stacked: list[str] = field(default_factory=list)  # q4: swapped layers now slices of one int4 layer with siblings
+    kernels: dict[str, int] = field(default_factory=dict)  # q4: what runs the swapped layers' few rows -> layers
 
     def describe(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
         stacked = f" ({len(self.stacked)} of them stacked with siblings of the same input)" if self.stacked else ""
+        where = " (a few rows on: " + ", ".join(f"{kernel} {count}" for kernel, count in self.kernels.items()) + \
+            ")" if self.kernels else ""
         return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in "
-                f"{self.seconds:.1f} s, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
+                f"{self.seconds:.1f} s{where}, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
                 f"{self.weight_bytes_after / 2**20:.0f} MiB; process RSS {self.rss_before / 2**20:.0f} -> "
                 f"{self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
 
@@ -184,27 +186,23 @@ def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport) -> None:
     in Q8_0 blocks (a tied lm_head: the embedding's); the blocks are all read and checked before the first
     replacement goes in."""
     dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
-    if source.name == BLOCK_FILE:
-        checked, checked8 = _block_file_blocks(model, source, dtype, report)
-    else:
-        checked, checked8 = _gguf_blocks(model, source, dtype, report)
-    if not checked and not checked8:  # a Q8_0 GGUF or a W8A8 checkpoint has int8 layers only: they run where they fit
+    read = _block_file_blocks if source.name == BLOCK_FILE else _gguf_blocks
+    checked = read(model, source, dtype, report)
+    if not checked:  # a Q8_0 GGUF or a W8A8 checkpoint has int8 layers only: they run where they fit
         raise QuantizeError(f"option.quantize=q4: {source.name} holds no 4-bit weights of this model's Linear "
                             "layers (nor 8-bit ones it can run: those need option.dtype=bf16 on a CPU with "
                             "AVX-512 VNNI); use option.quantize=fp16")
-    _swap_checked(model, checked, checked8, dtype, report)
+    _swap_checked(model, checked, dtype, report)
 
 
-_Checked = dict[str, tuple[Q4Blocks, nn.Linear]]
-_Checked8 = dict[str, tuple[Q8Blocks, nn.Linear]]
+_Blocks = Q4Blocks | Q8Blocks | CodeBlocks
+_Checked = dict[str, tuple[_Blocks, nn.Linear]]  # Linear module -> its blocks (their type: the layer it becomes)
 
 
-def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None,
-                       report: QuantizeReport) -> tuple[_Checked, _Checked8]:
+def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None, report: QuantizeReport) -> _Checked:
     """A pre-quantized checkpoint's blocks (block_file.py), checked against the loaded layers."""
     layers, kept = read_block_file(source)
     checked: _Checked = {}
-    checked8: _Checked8 = {}
     with torch.no_grad():
         for name, linear in _linears(model):
             blocks = layers.get(name)
@@ -219,75 +217,108 @@ def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None
             else:
                 report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
                 report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
-                (checked8 if isinstance(blocks, Q8Blocks) else checked)[name] = (blocks, linear)
-    return checked, checked8
+                checked[name] = (blocks, linear)
+    return checked
 
 
-def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None,
-                 report: QuantizeReport) -> tuple[_Checked, dict[str, tuple[Q8Blocks, nn.Linear]]]:
-    """A GGUF's Q4 blocks (and its Q8_0 / Q5_0 ones where they run), checked against the loaded layers."""
+def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None, report: QuantizeReport) -> _Checked:
+    """A GGUF's Q4 blocks (and its Q5_0 / Q6_K / Q8_0 ones where they run), checked against the loaded layers."""
     layers = _read_gguf_linears(model, gguf)
     checked: _Checked = {}
-    checked8: dict[str, tuple[Q8Blocks, nn.Linear]] = {}
     with torch.no_grad():
         for name, linear in _linears(model):
             found = layers.tensors.get(name)
             source = found if found is not None or not _tied(model, linear) else layers.embedding
             kind = None if source is None else source.tensor_type.name
+            blocks = None
             if kind in _Q4_TYPES and linear.out_features % 16 == 0:  # torch's kernel packs rows by 16 / 32 / 64
                 blocks = unpack_q4_blocks(np.asarray(source.data), kind)
+            elif kind in _WIDER_TYPES:
+                blocks = _wider_blocks(np.asarray(source.data), kind, linear.in_features, dtype)
+            if blocks is not None:
                 checked[name] = (_checked(name, blocks, linear, layers, report), linear)
-            elif kind in _Q8_TYPES and q8_fits(linear.in_features, dtype):
-                blocks8 = unpack_q8_blocks(np.asarray(source.data), kind)
-                checked8[name] = (_checked(name, blocks8, linear, layers, report), linear)
             elif kind in _Q4_TYPES:
                 report.kept[name] = f"{linear.out_features} rows, not a multiple of 16"
             else:
                 report.kept[name] = _why_kept(model, linear, found, layers.embedding)
-    return checked, checked8
+    return checked
 
 
-def _swap_checked(model: nn.Module, checked: _Checked, checked8: dict[str, tuple[Q8Blocks, nn.Linear]],
-                  dtype: torch.dtype | None, report: QuantizeReport) -> None:
+def _wider_blocks(raw: np.ndarray, kind: str, in_features: int, dtype: torch.dtype | None) -> Q8Blocks | CodeBlocks | None:
+    """A Q5_0 / Q6_K / Q8_0 layer's blocks in the form its kernel here takes (None: none runs it)."""
+    on_block, on_vnni = block_fits(in_features, dtype), q8_fits(in_features, dtype)
+    if kind == "Q6_K":
+        return unpack_q6_k_blocks(raw) if on_block else None
+    if kind == "Q5_0" and on_block:
+        return codes_of(unpack_q8_blocks(raw, kind), kind)
+    if on_vnni:
+        return unpack_q8_blocks(raw, kind)
+    return codes_of(unpack_q8_blocks(raw, kind), kind) if on_block else None
+
+
+def _stacked_parts(parts: list[_Blocks], in_features: int, dtype: torch.dtype | None) -> list | None:
+    """Siblings' blocks as the block kernel's parts (int8 blocks as Q8_0 codes), or None where it cannot stack them."""
+    if not block_fits(in_features, dtype):
+        return None
+    return merged([codes_of(p, "Q8_0") if isinstance(p, Q8Blocks) else p for p in parts])
+
+
+def _swap_checked(model: nn.Module, checked: _Checked, dtype: torch.dtype | None, report: QuantizeReport) -> None:
     # bf16 on a CPU that computes it: many rows (prefill, a large batch) on a bf16 oneDNN copy of the loaded weights
     dense = dtype == torch.bfloat16 and torch.bfloat16 in packable_dtypes()
 
-    def layer(blocks: Q4Blocks, linear: nn.Linear) -> Q4Linear:
-        return q4_linear(blocks, linear.bias, dtype, OneDnnLinear(linear) if dense else None)
-
-    def layer8(blocks: Q8Blocks, linear: nn.Linear) -> Q8Linear:
-        return Q8Linear(blocks, linear.bias, OneDnnLinear(linear) if dense else None)
+    def layer(blocks: _Blocks | list, linear: nn.Linear) -> nn.Module:
+        copy = OneDnnLinear(linear) if dense else None
+        if isinstance(blocks, Q4Blocks):
+            return q4_linear(blocks, linear.bias, dtype, copy)
+        if isinstance(blocks, Q8Blocks):
+            return Q8Linear(blocks, linear.bias, copy)
+        return BlockLinear(blocks if isinstance(blocks, list) else [blocks], linear.bias, copy)
 
     def build(names: list[str], _layers: list[nn.Linear]) -> nn.Module | None:
-        """Siblings whose blocks all go int4 in one column order (or all int8), as one layer: one kernel call
-        instead of three (two); the kernels compute each output element on its own, so the slices equal the
-        separate layers bit for bit."""
-        if all(name in checked8 for name in names):
-            return layer8(Q8Blocks.concatenated([checked8[name][0] for name in names]),
-                          concatenated_linear([checked8[name][1] for name in names]))
+        """Siblings whose blocks all go on one kernel (int4 in one column order, int8, or the block kernel's
+        formats, mixed), as one layer: one kernel call instead of three (two); the kernels compute each output
+        element on its own, so the slices equal the separate layers bit for bit."""
         if any(name not in checked for name in names):
             return None
         parts = [checked[name][0] for name in names]
-        if not Q4Blocks.stackable(parts):
-            return None
-        return layer(Q4Blocks.concatenated(parts), concatenated_linear([checked[name][1] for name in names]))
+        stacked = concatenated_linear([checked[name][1] for name in names])
+        if all(isinstance(p, Q8Blocks) for p in parts):
+            return layer(Q8Blocks.concatenated(parts), stacked)
+        if all(isinstance(p, Q4Blocks) for p in parts):
+            return layer(Q4Blocks.concatenated(parts), stacked) if Q4Blocks.stackable(parts) else None
+        joined = _stacked_parts(parts, stacked.in_features, dtype)
+        return None if joined is None else layer(joined, stacked)
 
     with torch.no_grad():
         report.stacked = stack_groups(model, build)
         for name, (blocks, linear) in checked.items():
             if name not in report.stacked:
                 replace_module(model, name, layer(blocks, linear))
-        for name, (blocks8, linear) in checked8.items():
-            if name not in report.stacked:
-                replace_module(model, name, layer8(blocks8, linear))
-    report.swapped = list(checked) + list(checked8)
-    report.weight_bytes_after = sum(module.stored_bytes() for module in model.modules()
-                                    if isinstance(module, (Q4Linear, Q8Linear)))
+    report.swapped = list(checked)
+    layers = [module for module in model.modules() if isinstance(module, FewRowsLinear)]
+    report.weight_bytes_after = sum(module.stored_bytes() for module in layers)
+    report.kernels = _kernel_counts(layers)
     if dtype == torch.float32:
         log.warning("option.quantize=q4: torch's x86 int4 kernel is vectorized for bf16 activations only; with "
                     "fp32 activations (exact relative to the GGUF) it runs a scalar loop: q4 saves weight memory but "
                     "decodes far slower than fp32 (4.6x the step time at B=1, 42x at B=32, measured on an AVX2 "
                     "EPYC); option.dtype=bf16 runs it on its vector code")
+
+
+def _kernel_counts(layers: list[nn.Module]) -> dict[str, int]:
+    """Swapped layers (a stack counts once) by what runs their few rows: "Q4 kernel", "VNNI kernel", "torch int4",
+    "block kernel (Q5_0 + Q8_0)", ..."""
+    counts: dict[str, int] = {}
+    for module in layers:
+        if isinstance(module, BlockLinear):
+            where = f"block kernel ({' + '.join(module.kernel_weights.formats)})"
+        elif isinstance(module, Q8Linear):
+            where = "VNNI kernel"
+        else:
+            where = "Q4 kernel" if module.kernel_weights is not None else "torch int4"
+        counts[where] = counts.get(where, 0) + 1
+    return counts
 
 
 def _tied(model: nn.Module, linear: nn.Linear) -> bool:
@@ -352,7 +383,7 @@ def _permute_rows(blocks: Any, heads: int) -> Any:
     return blocks.permuted(undo)
 
 
-def _check_match(name: str, blocks: Q4Blocks | Q8Blocks, weight: torch.Tensor) -> float:
+def _check_match(name: str, blocks: _Blocks, weight: torch.Tensor) -> float:
     """The packed weights must be the loaded ones (the GGUF dequantized) up to the loaded dtype's rounding."""
     diff = float((blocks.dequantize() - weight.detach().float()).abs().max())
     scale = float(weight.detach().abs().max()) or 1.0
