@@ -4,10 +4,12 @@ Q5_0, Q6_K and Q8_0 (wide_kernel.py), each part of the outputs in its own.
 llama-quantize's Q4_K_M of a model whose widths are not multiples of 256 (SmolLM2-135M: 576) holds most layers
 in Q5_0, ffn_down in Q4_K or Q6_K and some attn_v in Q8_0; stacked q/k/v then mix formats. `BlockWeights` is
 such a layer: parts along the outputs, each whole tiles of 32 outputs (the last may be padded), described by a
-table of (format, first tile, address). One parallel loop over all tiles runs each tile by its part's format:
-one call for q, k and v whatever their formats, and a tile's arithmetic is its format's alone, so a stacked
-layer's slices are the separate layers' outputs bit for bit, and a row's output does not depend on the batch.
-kernels/cpu/q4_chain.py calls `matmul` inside its layer calls.
+table of (format, first tile, address, tiles, bytes a tile). One parallel loop gives each thread a contiguous
+share of the tiles of about equal bytes, and runs each part of its share on the part's format's tile function
+(compiled apart, once per format: numba_bits.callee): one call for q, k and v whatever their formats. A tile's
+arithmetic is its format's alone, whichever thread runs it, so a stacked layer's slices are the separate
+layers' outputs bit for bit, and a row's output does not depend on the batch. kernels/cpu/q4_chain.py calls
+`matmul` inside its layer calls.
 """
 
 from __future__ import annotations
