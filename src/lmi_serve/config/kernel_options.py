@@ -40,7 +40,7 @@ class KernelOptions(Options):
         "none",
         description=(
             "lighter weights, CPU only. `none`: as loaded; `fp16`: fp16-stored Linear weights, fp32 "
-            "arithmetic; `q4`: the checkpoint's own quantized weights (GGUF Q4/Q8_0/Q5_0 blocks, AWQ, GPTQ, "
+            "arithmetic; `q4`: the checkpoint's own quantized weights (GGUF Q4/Q5_0/Q6_K/Q8_0, AWQ, GPTQ, "
             "compressed-tensors int4/int8) on our int4/int8 kernels, fast with `option.dtype=bf16`, much slower in "
             "fp32. Refused, naming the option, on a GPU or an unsupported checkpoint "
             f"([Faster on a CPU]({FAST_CPU}), [formats](models.md#pre-quantized-checkpoints-awq-gptq-compressed-"

@@ -4,10 +4,12 @@ Q5_0, Q6_K and Q8_0 (wide_kernel.py), each part of the outputs in its own.
 llama-quantize's Q4_K_M of a model whose widths are not multiples of 256 (SmolLM2-135M: 576) holds most layers
 in Q5_0, ffn_down in Q4_K or Q6_K and some attn_v in Q8_0; stacked q/k/v then mix formats. `BlockWeights` is
 such a layer: parts along the outputs, each whole tiles of 32 outputs (the last may be padded), described by a
-table of (format, first tile, address). One parallel loop over all tiles runs each tile by its part's format:
-one call for q, k and v whatever their formats, and a tile's arithmetic is its format's alone, so a stacked
-layer's slices are the separate layers' outputs bit for bit, and a row's output does not depend on the batch.
-kernels/cpu/q4_chain.py calls `matmul` inside its layer calls.
+table of (format, first tile, address, tiles, bytes a tile). One parallel loop gives each thread a contiguous
+share of the tiles of about equal bytes, and runs each part of its share on the part's format's tile function
+(compiled apart, once per format: numba_bits.callee): one call for q, k and v whatever their formats. A tile's
+arithmetic is its format's alone, whichever thread runs it, so a stacked layer's slices are the separate
+layers' outputs bit for bit, and a row's output does not depend on the batch. kernels/cpu/q4_chain.py calls
+`matmul` inside its layer calls.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ Q4 = 0  # q4_kernel.py's layout (Q4_0, Q4_1, Q4_K)
 GROUP, TILE = q4_kernel.GROUP, q4_kernel.TILE
 BLOCK_BYTES = {Q4: q4_kernel.BLOCK_BYTES, **wide_kernel.BLOCK_BYTES}
 NAMES = {Q4: "Q4", Q5_0: "Q5_0", Q6_K: "Q6_K", Q8_0: "Q8_0"}
-_FIELDS = 4  # a table row: format, first tile, the part's address less its first tile's offset, tiles
+_FIELDS = 5  # a table row: format, first tile, the part's address less its first tile's offset, tiles, bytes a tile
 
 try:
     import numba
@@ -59,6 +61,22 @@ def _share(x, sums, sums16, table, parts, first_tile, end_tile, blocks, rows, ou
 
 
 @helper
+def _split(table, parts, thread, threads):  # pragma: no cover - numba compiles it
+    """The first tile of `thread`'s share: the tiles cut into `threads` runs of about equal bytes (a Q8_0 tile
+    reads 1.5x a Q5_0 one: counted in tiles, a q/k/v of both would leave one thread a fifth more to read)."""
+    total = 0
+    for p in range(parts):
+        total += table[_FIELDS * p + 3] * table[_FIELDS * p + 4]
+    wanted, at = total * thread // threads, 0
+    for p in range(parts):
+        size = table[_FIELDS * p + 3] * table[_FIELDS * p + 4]
+        if at + size >= wanted:
+            return table[_FIELDS * p + 1] + -(-(wanted - at) // table[_FIELDS * p + 4])
+        at += size
+    return table[_FIELDS * (parts - 1) + 1] + table[_FIELDS * (parts - 1) + 3]
+
+
+@helper
 def matmul(x, rows, table, parts, tiles, blocks, out, threads):  # pragma: no cover - numba compiles it
     """out [rows, tiles * 32] = x [rows, blocks * 32] times the table's parts (bf16 pointers; table an int64
     pointer to `parts` rows of BlockWeights.table), in `threads` shares."""
@@ -75,9 +93,9 @@ def matmul(x, rows, table, parts, tiles, blocks, out, threads):  # pragma: no co
         wide_kernel.half_sums(x, rows, columns, sums[rows * blocks * per32:])
     # addresses: an array argument would be counted (an atomic, from both threads) on each call
     at, at16 = float32_pointer(sums.ctypes.data), float32_pointer(sums.ctypes.data + 4 * rows * blocks * per32)
-    for thread in numba.prange(threads):  # a contiguous share of the tiles each, as prange's own split
-        _share(x, at, at16, table, parts, thread * tiles // threads, (thread + 1) * tiles // threads, blocks, rows,
-               out, tiles * TILE)
+    for thread in numba.prange(threads):  # a contiguous share of the tiles each, of about equal bytes
+        _share(x, at, at16, table, parts, _split(table, parts, thread, threads),
+               _split(table, parts, thread + 1, threads), blocks, rows, out, tiles * TILE)
     held(sums)
 
 
@@ -103,7 +121,7 @@ class BlockWeights:
         rows, first = [], 0
         for (fmt, _, _), packed in zip(parts, self._packed):
             shifted = packed.data_ptr() - first * self.blocks * BLOCK_BYTES[fmt]  # tile t's blocks at t * blocks
-            rows.append((fmt, first, shifted, packed.shape[0]))
+            rows.append((fmt, first, shifted, packed.shape[0], self.blocks * BLOCK_BYTES[fmt]))
             first += packed.shape[0]
         self.table = torch.tensor(rows, dtype=torch.int64)
         self.parts, self.tiles = len(rows), first

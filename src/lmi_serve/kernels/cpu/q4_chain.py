@@ -14,8 +14,12 @@ BlockLinear on block_matmul.py: Q5_0, Q6_K, Q8_0 and mixes, as a Q4_K_M file hol
 each piece the code the separate calls run (`norm_kernel.upcast_rows`, `block_matmul.matmul`: the formats' own
 tile functions and sums, `rotary_kernel.rotate_heads`; the residual add rounded once to bf16, as torch's bf16
 `a + b`), in the same order: the unchained layers' bits (tests/unit/kernels/cpu/test_q4_chain.py). Each matmul
-is given as its block table (block_matmul.BlockWeights: a Q4 layer's is one Q4 part). A LayerChain whose
-kind's pieces are these: lean_layers.py calls either.
+is given as its block table (block_matmul.BlockWeights: a Q4 layer's is one Q4 part) and splits its tiles into
+one share of about equal bytes per thread. A LayerChain whose kind's pieces are these: lean_layers.py calls
+either.
+
+Numba's cache of these calls checks this file only: block_matmul.py's `matmul` is compiled into them, so a
+change there needs this file touched (or the cache cleared), or the calls run the old code.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ def unpack_q5_0_blocks(raw: np.ndarray) -> Q8Blocks:
 
 
 class FewRowsLinear(nn.Module):
-    """What Q4Linear and Q8Linear share: a few rows on their kernel (`_few_rows`), more on `dense`."""
+    """What Q4Linear, Q8Linear and block_linears.BlockLinear share: a few rows on their kernel (`_few_rows`), more
+    on `dense`."""
 
     weight = None  # as Fp16Linear's: no dense weight to read
 
