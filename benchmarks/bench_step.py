@@ -74,9 +74,11 @@ GATE_PROMPTS, GATE_TOKENS = 10, 32
 # awq-bf16, gptq-bf16, gptq-act-bf16, w8a8-bf16: an AWQ / GPTQ / GPTQ desc_act / compressed-tensors W8A8 copy of the
 # model (benchmark/quantized_copies.py) loaded with option.dtype=bf16 and option.quantize=q4: its groups on the int4
 # kernels, W8A8's int8 layers on the VNNI kernel
-COPIES = {"awq-bf16": "awq", "gptq-bf16": "gptq", "gptq-act-bf16": "gptq-act", "w8a8-bf16": "w8a8"}
+# (-lm8: the same with option.quantize_lm_head, the lm_head they leave unquantized rounded to Q8_0 at load)
+COPIES = {"awq-bf16": "awq", "gptq-bf16": "gptq", "gptq-act-bf16": "gptq-act", "w8a8-bf16": "w8a8",
+          "awq-bf16-lm8": "awq", "gptq-bf16-lm8": "gptq", "w8a8-bf16-lm8": "w8a8"}
 # q4km-bf16: the model's Q4_K_M GGUF made by llama-quantize (benchmarks/build_llama_server) from its F32 copy, q4-bf16
-REQUANTIZED = {"q4km-bf16": "Q4_K_M"}
+REQUANTIZED = {"q4km-bf16": "Q4_K_M", "q8-bf16": "Q8_0"}  # q8-bf16: its Q8_0 GGUF, made the same way
 VARIANTS = ("fp16", "q4", "q4-bf16", *COPIES, *REQUANTIZED, "onednn", "onednn-unstacked", "onednn-hf-layers", "onednn-no-row",
             "bf16")
 BF16_VARIANTS = ("bf16", "q4-bf16", *COPIES, *REQUANTIZED)  # loaded with option.dtype=bf16: they prefill their own (bf16) rows
@@ -201,7 +203,7 @@ def load_variants(modes: list[str]) -> dict[str, tuple[object, str]]:
                                         f"{before / 2**20:.0f} -> {process_rss() / 2**20:.0f} MiB")
             continue
         report = quantize_model(lm.model, "fp16" if mode == "fp16" else "q4", lm.device,
-                                four_bit_source(model_id, gguf_file, lm.source))
+                                four_bit_source(model_id, gguf_file, lm.source), lm_head_int8=mode.endswith("-lm8"))
         rest = f"; {use_linear_kernel(lm.model, 'auto', lm.device).describe()}" if bf16 else ""  # as the server does
         variants[mode] = (lm.model, f"{mode}: start-up = load {lm.load_seconds:.1f} s + swap {report.seconds:.1f} s; "
                                     f"{report.describe()}; max |packed - loaded weight| "

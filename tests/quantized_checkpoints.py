@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from lmi_serve.model.quantized.awq import pack_awq
 from lmi_serve.model.quantized.gptq import pack_gptq
@@ -89,16 +90,32 @@ def write_folder(folder: Path, files: dict[str, bytes]) -> Path:
     return folder
 
 
+def _untied(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The tiny model with an lm_head of its own (the embedding's values), as a quantized lm_head needs."""
+    config = json.loads(files["config.json"])
+    config["tie_word_embeddings"] = False
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "model.safetensors").write_bytes(files["model.safetensors"])
+        tensors = load_file(str(Path(folder) / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    return {**files, "config.json": json.dumps(config).encode(), "model.safetensors": save(tensors)}
+
+
 def quantized_checkpoint(tmp_path: Path, name: str) -> tuple[Path, Path]:
-    """(the quantized folder, a plain folder holding its dequantized weights: the reference)."""
+    """(the quantized folder, a plain folder holding its dequantized weights: the reference). A name ending in
+    `+lm_head` packs the lm_head too (GPTQModel's `lm_head: true`), on the model untied."""
+    name, _, with_head = name.partition("+")
     quant_config, pack = FORMATS[name]
     files = tiny_llama_files()
+    if with_head:
+        files, quant_config = _untied(files), {**quant_config, "lm_head": True}
+        name = f"{name}-lm_head"
     quantized_dir = write_folder(tmp_path / name, {k: v for k, v in files.items() if k != "model.safetensors"})
     reference_dir = write_folder(tmp_path / f"{name}-reference", files)
     plain = load_file(str(reference_dir / "model.safetensors"))
     packed, reference = {}, {}
     for tensor_name, tensor in plain.items():
-        if LINEAR.match(tensor_name):
+        if LINEAR.match(tensor_name) or (with_head and tensor_name == "lm_head.weight"):
             prefix = tensor_name.removesuffix(".weight")
             parts, reference[tensor_name] = pack(tensor)
             packed.update({f"{prefix}.{part}": value.contiguous() for part, value in parts.items()})

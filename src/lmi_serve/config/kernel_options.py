@@ -47,6 +47,15 @@ class KernelOptions(Options):
             f"tensors), [figures]({RESULTS}#sweep-with-q4-weights))"
         ),
     )
+    quantize_lm_head: bool = Field(
+        False,
+        description=(
+            "with `option.quantize=q4` and `option.dtype=bf16` on a CPU with AVX-512 VNNI, an lm_head the "
+            "checkpoint leaves unquantized (AWQ's always) is rounded at load to int8 blocks of 32 with an fp16 "
+            "scale (llama.cpp's Q8_0, a GGUF's usual output type) on the int8 kernel: half bf16's bytes a step, "
+            f"logits within that rounding ([formats](models.md#pre-quantized-checkpoints-awq-gptq-compressed-tensors))"
+        ),
+    )
     decode_attention: DecodeAttention = Field(
         "auto",
         description=(

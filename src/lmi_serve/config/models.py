@@ -50,12 +50,14 @@ NOT_TAKEN: dict[str, dict[str, str]] = {
         "enable_lora": "LoRA adapters are served on decoder-only models",
         "draft_model_id": "an encoder-decoder model's KV cache cannot verify draft tokens",
     },
-    "text-embedding": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
+    "text-embedding": {"quantize": "text generation only", "quantize_lm_head": "text generation only",
+                       "enable_prefix_caching": "text generation only",
                        "chat_template": "text generation only",
                        "trust_request_chat_template": "text generation only",
                        "draft_model_id": "text generation only", "decode_attention": "text generation only",
                        "mixed_steps": "text generation only", "row_kernel": "text generation only"},
-    "text-classification": {"quantize": "text generation only", "enable_prefix_caching": "text generation only",
+    "text-classification": {"quantize": "text generation only", "quantize_lm_head": "text generation only",
+                            "enable_prefix_caching": "text generation only",
                             "chat_template": "text generation only",
                             "trust_request_chat_template": "text generation only",
                             "draft_model_id": "text generation only", "decode_attention": "text generation only",
@@ -127,6 +129,10 @@ class ModelConfig(ServerOptions, RequestOptions, AdapterOptions, KernelOptions, 
         if self.quantize == "q4" and self.dtype == "fp16":
             raise FieldError("quantize", "option.quantize=q4 computes in fp32 or bf16 (the int4 kernel's fast "
                              "path); option.dtype=fp16 cannot be combined with it (use bf16, fp32 or auto)")
+        if self.quantize_lm_head and self.quantize != "q4":
+            raise FieldError("quantize_lm_head", "option.quantize_lm_head rounds the lm_head to int8 beside a "
+                             f"checkpoint's own quantized layers: it needs option.quantize=q4 (this model has "
+                             f"{self.quantize})")
         if self.quantize == "fp16" and self.dtype in ("fp16", "bf16"):
             raise FieldError("quantize", f"option.quantize={self.quantize} computes in fp32 from fp32-loaded "
                              f"weights; option.dtype={self.dtype} cannot be combined with it (use fp32 or auto)")

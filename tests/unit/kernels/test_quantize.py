@@ -32,7 +32,8 @@ from lmi_serve.kernels.cpu import block_matmul, q4_kernel, vnni_matmul
 from lmi_serve.kernels.layers.block_linears import BlockLinear
 from lmi_serve.kernels.layers.gguf_linears import (Q4_MAX_ROWS, Q8_MAX_ROWS, Q4Blocks, Q4Linear, Q8Blocks, Q8Linear,
                                                    unpack_q4_blocks, unpack_q8_blocks)
-from lmi_serve.kernels.layers.quantize import Fp16Linear, QuantizeError, quantize_model
+from lmi_serve.kernels.layers.fp16_linear import Fp16Linear
+from lmi_serve.kernels.layers.quantize import QuantizeError, quantize_model
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
 
 CPU = torch.device("cpu")
@@ -367,8 +368,8 @@ def test_q4_in_bf16_runs_a_tied_q8_0_lm_head_on_its_blocks(tmp_path):
 @pytest.mark.skipif(not (cpu_has(*KERNELS["q8_vnni"].cpu_features) and omp_layer_loads()), reason="no AVX-512 VNNI (or numba's OpenMP layer) here")
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q5_0])
 def test_q4_in_bf16_runs_an_int8_block_gguf_on_its_blocks(tmp_path, qtype):
-    """A Q8_0 or Q5_0 GGUF (no 4-bit layer at all): every Linear on the VNNI kernel in bf16 (Q5_0: on the block
-    kernel where it runs, test_block_linears.py); in fp32 nothing runs, said."""
+    """A Q8_0 or Q5_0 GGUF (no 4-bit layer at all): every Linear on an int8 kernel in bf16 (the block kernel where
+    it runs, test_block_linears.py, else the VNNI kernel); in fp32 nothing runs, said."""
     model = tiny_llama(tied=False)
     write_q4_gguf(model, tmp_path / "tiny.gguf", qtype)
     with pytest.raises(QuantizeError, match=r"holds no 4-bit weights .* \(nor 8-bit ones it can run"):
@@ -377,9 +378,12 @@ def test_q4_in_bf16_runs_an_int8_block_gguf_on_its_blocks(tmp_path, qtype):
     before = logits(model, [IDS[0][:1]]).float()
     report = quantize_model(model, "q4", CPU, tmp_path / "tiny.gguf")
     assert len(report.swapped) == 2 * 7 + 1 and not report.kept and len(report.stacked) == 2 * 5
-    on_block = qtype == gguf.GGMLQuantizationType.Q5_0 and block_matmul.kernel() is not None
-    kind = BlockLinear if on_block else Q8Linear
-    assert sum(isinstance(m, kind) for m in model.modules()) == 2 * 4 + 1  # q/k/v and gate/up stacked
+    # q/k/v and gate/up stacked: 4 layers a decoder layer, on the block kernel where it runs (the layer chains
+    # take it), where a lone Q8_0 lm_head stays on the VNNI kernel
+    on_block = block_matmul.kernel() is not None
+    head_on_vnni = qtype == gguf.GGMLQuantizationType.Q8_0 or not on_block
+    assert sum(isinstance(m, BlockLinear) for m in model.modules()) == (2 * 4 + (not head_on_vnni) if on_block else 0)
+    assert sum(isinstance(m, Q8Linear) for m in model.modules()) == (2 * 4 * (not on_block) + head_on_vnni)
     got = logits(model, [IDS[0][:1]]).float()
     assert torch.allclose(got, before, rtol=2**-6, atol=2**-6 * float(before.abs().max())), (got - before).abs().max()
 

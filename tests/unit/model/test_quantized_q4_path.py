@@ -5,16 +5,19 @@ kernels/layers/quantize.py swaps them in as it does a GGUF's blocks.
 Invariants: the blocks stand for exactly the weights the format's dequantizer gives; served through the int4
 kernels, a checkpoint's logits equal its dequantized model's within the kernel's tolerance (fp32 activations:
 summation order only; bf16: the activations' rounding), and its greedy continuations equal theirs in fp32;
-GPTQ's activation order runs reordered; symmetric int8 checkpoints run on the VNNI kernel in bf16.
+GPTQ's activation order runs reordered; symmetric int8 checkpoints run on the block kernel in bf16 where their
+scales are exact in fp16 (else on the VNNI kernel).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from lmi_serve.kernels.layers.block_linears import BlockLinear, block_fits
 from lmi_serve.kernels.layers.gguf_linears import Q4Linear, Q8Linear, ReorderedQ4Linear, q8_fits
 from lmi_serve.kernels.layers.quantize import QuantizeError, quantize_model
 from lmi_serve.kernels.layers.shared_input import SharedInputSlice
@@ -123,9 +126,12 @@ def test_symmetric_int8_checkpoint_runs_on_the_vnni_kernel_in_bf16(tmp_path, nam
             quantize_model(loaded.model, "q4", CPU, source)
         return
     report = quantize_model(loaded.model, "q4", CPU, source)
-    # q/k/v and gate/up one int8 call each, as the int4 layers: 4 layers a decoder layer
+    # q/k/v and gate/up one int8 call each, as the int4 layers: 4 layers a decoder layer, on the block kernel
+    # (as Q8_0 codes: the fixtures' bf16 / fp16 scales are exact in its fp16) where it runs, else the VNNI kernel
     assert len(report.swapped) == 14 and len(report.stacked) == 10
-    assert sum(isinstance(m, Q8Linear) for m in loaded.model.modules()) == 8
+    on_blocks = block_fits(64, torch.bfloat16)
+    assert sum(isinstance(m, BlockLinear) for m in loaded.model.modules()) == (8 if on_blocks else 0)
+    assert sum(isinstance(m, Q8Linear) for m in loaded.model.modules()) == (0 if on_blocks else 8)
     with torch.inference_mode():  # one token a row: the VNNI kernel's few rows (more go to the bf16 copy)
         step = loaded.model(input_ids=torch.tensor(IDS)[:, :1]).logits.float()
     assert float((step - reference[:, :1]).abs().max()) <= 2.0**-5 * float(reference.abs().max())
@@ -142,3 +148,35 @@ def test_layers_without_blocks_are_kept_and_named(tmp_path):
     loaded = _served(quantized_dir, tmp_path / "cache", "fp32")
     layers, kept = read_block_file(four_bit_source(str(quantized_dir), None, loaded.source))
     assert len(layers) == 14 and kept == {}
+
+
+def test_int8_scales_not_exact_in_fp16_stay_on_the_vnni_kernel():
+    """The block kernel holds a block's scale in fp16: an int8 layer whose float32 scales fp16 would round runs on
+    the VNNI kernel (fp32 scales), so the served weights stay the checkpoint's."""
+    from lmi_serve.kernels.layers.gguf_linears import Q8Blocks
+    from lmi_serve.kernels.layers.quantize import _on_block_kernel
+
+    q = np.arange(-64, 64, dtype=np.int8).reshape(2, 64)
+    exact = Q8Blocks(q, np.full((2, 2), 2.0**-9, np.float32))
+    rounded = Q8Blocks(q, np.full((2, 2), 1 / 3000, np.float32))
+    if not block_fits(64, torch.bfloat16):
+        assert _on_block_kernel(exact, 64, torch.bfloat16) is exact
+        return
+    assert _on_block_kernel(exact, 64, torch.bfloat16).kind == "Q8_0"
+    assert _on_block_kernel(rounded, 64, torch.bfloat16) is rounded
+    assert _on_block_kernel(exact, 64, torch.float32) is exact
+
+
+def test_a_gptq_lm_head_quantized_with_the_model_runs_on_the_int4_kernels(tmp_path):
+    """GPTQModel's `lm_head: true` (vLLM reads it too): the lm_head's own GPTQ tensors, dequantized and as blocks
+    like every other layer, so q4 runs it on the int4 kernels, within their tolerance of the dequantized model."""
+    quantized_dir, reference_dir = quantized_checkpoint(tmp_path, "gptq-v1-g64+lm_head")
+    cache = tmp_path / "cache"
+    reference = _served(reference_dir, cache, "fp32").model
+    loaded = _served(quantized_dir, cache, "fp32")
+    report = quantize_model(loaded.model, "q4", CPU, four_bit_source(str(quantized_dir), None, loaded.source))
+    assert "lm_head" in report.swapped and report.kept == {}
+    assert isinstance(loaded.model.lm_head, Q4Linear)
+    expected = _logits(reference)
+    assert torch.allclose(_logits(loaded.model), expected, rtol=0, atol=1e-4 * float(expected.abs().max()))
+    assert _greedy(loaded.model) == _greedy(reference)

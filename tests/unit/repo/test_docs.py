@@ -105,7 +105,7 @@ SAMPLES = {"name": "renamed", "model_id": "/models/other", "min_workers": "0", "
            "gguf_file": "other.gguf", "device_map": "auto", "revision": "v2", "max_rolling_batch_step_seconds": "0.3",
            "chat_template": "{{ messages[0].content }}", "generation_deadline": "2.5"}
 # Fields that take effect only beside another option, which the config refuses to leave out: that option.
-COMPANIONS = {"spec_length": ("draft_model_id", "ngram")}
+COMPANIONS = {"spec_length": ("draft_model_id", "ngram"), "quantize_lm_head": ("quantize", "q4")}
 
 
 def sample(field: str) -> str:

@@ -46,9 +46,12 @@ from lmi_serve.kernels.layers.gguf_linears import (FewRowsLinear, Q4Blocks, Q8Bl
                                                    unpack_q4_blocks, unpack_q8_blocks)
 from lmi_serve.kernels.layers.block_file import NAME as BLOCK_FILE
 from lmi_serve.kernels.layers.block_file import read_block_file
+from lmi_serve.kernels.layers.fp16_linear import Fp16Linear
 from lmi_serve.kernels.layers.linear_kernels import OneDnnLinear, packable_dtypes
 from lmi_serve.kernels.layers.shared_input import concatenated_linear, stack_groups
-from lmi_serve.kernels.layers.surgery import own_remaining_tensors, process_rss, replace_module, return_freed_memory
+from lmi_serve.kernels.layers.gguf_tensors import GgufLinears, permute_rows, read_gguf_linears
+from lmi_serve.kernels.layers.surgery import (own_remaining_tensors, plain_linears, process_rss, replace_module,
+                                             return_freed_memory)
 
 log = logging.getLogger(__name__)
 
@@ -81,43 +84,18 @@ class QuantizeReport:
     max_abs_diff: float = 0.0  # q4: largest |packed weight - loaded weight| over all packed layers
     stacked: list[str] = field(default_factory=list)  # q4: swapped layers now slices of one int4 layer with siblings
     kernels: dict[str, int] = field(default_factory=dict)  # q4: what runs the swapped layers' few rows -> layers
+    rounded: list[str] = field(default_factory=list)  # q4: layers rounded to Q8_0 here (option.quantize_lm_head)
 
     def describe(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in self.kept.items()) or "none"
         stacked = f" ({len(self.stacked)} of them stacked with siblings of the same input)" if self.stacked else ""
+        stacked += f" ({', '.join(self.rounded)} rounded to Q8_0 at load)" if self.rounded else ""
         where = " (a few rows on: " + ", ".join(f"{kernel} {count}" for kernel, count in self.kernels.items()) + \
             ")" if self.kernels else ""
         return (f"option.quantize={self.mode}: {len(self.swapped)} Linear layers swapped{stacked} in "
                 f"{self.seconds:.1f} s{where}, their weights {self.weight_bytes_before / 2**20:.0f} MiB -> "
                 f"{self.weight_bytes_after / 2**20:.0f} MiB; process RSS {self.rss_before / 2**20:.0f} -> "
                 f"{self.rss_after / 2**20:.0f} MiB; kept as loaded: {kept}")
-
-
-class Fp16Linear(nn.Module):
-    """`nn.Linear` with fp16-stored weights and fp32 compute (fbgemm). Holds no fp32 weight."""
-
-    weight = None  # none to read: models that cast to `layer.weight.dtype` when it is a Tensor (T5) skip that
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float().contiguous()
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self._packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
-
-    def stored_bytes(self) -> int:
-        return self.in_features * self.out_features * 2
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16"
-
-
-def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The plain nn.Linear modules: a subclass has its own forward (Llama 4's router returns a tuple)."""
-    return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
 
 
 def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | None) -> None:
@@ -144,13 +122,15 @@ def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | 
 
 def _weights_dtype(model: Any) -> torch.dtype | None:
     """The dtype of the model's first plain Linear layer (the dtype it computes in), or None if it has none."""
-    return next((linear.weight.dtype for _, linear in _linears(model)), None) if isinstance(model, nn.Module) else None
+    return next((linear.weight.dtype for _, linear in plain_linears(model)), None) if isinstance(model, nn.Module) else None
 
 
-def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path | None = None) -> QuantizeReport:
+def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path | None = None, *,
+                   lm_head_int8: bool = False) -> QuantizeReport:
     """Swap `model`'s Linear modules for `mode` (one of MODES) in place; `gguf` is the file whose 4-bit weights
     q4 reads: the GGUF the model was converted from, or the Q4Blocks file of a pre-quantized checkpoint
-    (q4_file.NAME). Raises QuantizeError when the mode cannot apply."""
+    (block_file.NAME); `lm_head_int8` (option.quantize_lm_head): q4 rounds an lm_head that file leaves
+    unquantized to Q8_0 blocks (`_rounded_lm_head`). Raises QuantizeError when the mode cannot apply."""
     if mode not in MODES:
         raise QuantizeError(f"option.quantize: {mode!r} is not one of {', '.join(MODES)}")
     check_quantizable(model, mode, device, gguf)
@@ -161,7 +141,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path
     if mode == "fp16":
         _swap_fp16(model, report)
     else:
-        _swap_q4(model, gguf, report)
+        _swap_q4(model, gguf, report, lm_head_int8)
     own_remaining_tensors(model)
     gc.collect()
     return_freed_memory()
@@ -172,7 +152,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path
 
 def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
     with torch.no_grad():
-        for name, linear in _linears(model):
+        for name, linear in plain_linears(model):
             new = Fp16Linear(linear)
             report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
             report.weight_bytes_after += new.stored_bytes()
@@ -180,7 +160,7 @@ def _swap_fp16(model: nn.Module, report: QuantizeReport) -> None:
             report.swapped.append(name)
 
 
-def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport) -> None:
+def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport, lm_head_int8: bool) -> None:
     """Every Linear the source holds in Q4 blocks that match its loaded weights is replaced (q/k/v and
     gate/up by one stacked int4 layer each), and with bf16 activations on a VNNI CPU every one a GGUF holds
     in Q8_0 blocks (a tied lm_head: the embedding's); the blocks are all read and checked before the first
@@ -188,6 +168,8 @@ def _swap_q4(model: nn.Module, source: Path, report: QuantizeReport) -> None:
     dtype = _weights_dtype(model)  # the one the layers compute in (check_quantizable allowed it)
     read = _block_file_blocks if source.name == BLOCK_FILE else _gguf_blocks
     checked = read(model, source, dtype, report)
+    if lm_head_int8:
+        _rounded_lm_head(model, checked, dtype, report)
     if not checked:  # a Q8_0 GGUF or a W8A8 checkpoint has int8 layers only: they run where they fit
         raise QuantizeError(f"option.quantize=q4: {source.name} holds no 4-bit weights of this model's Linear "
                             "layers (nor 8-bit ones it can run: those need option.dtype=bf16 on a CPU with "
@@ -204,7 +186,7 @@ def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None
     layers, kept = read_block_file(source)
     checked: _Checked = {}
     with torch.no_grad():
-        for name, linear in _linears(model):
+        for name, linear in plain_linears(model):
             blocks = layers.get(name)
             if blocks is None:
                 report.kept[name] = kept.get(name, "not quantized in the checkpoint")
@@ -217,16 +199,48 @@ def _block_file_blocks(model: nn.Module, source: Path, dtype: torch.dtype | None
             else:
                 report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
                 report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
-                checked[name] = (blocks, linear)
+                checked[name] = (_on_block_kernel(blocks, linear.in_features, dtype), linear)
     return checked
+
+
+def _on_block_kernel(blocks: Q4Blocks | Q8Blocks, in_features: int, dtype: torch.dtype | None) -> _Blocks:
+    """A checkpoint's int8 layer as Q8_0 codes for the block kernel where it runs and its scales are exact in
+    fp16 (the block kernel's; the VNNI kernel keeps fp32 ones): the layer chains take the block kernel's layers,
+    so a W8A8 one-row step is ~0.8x the time it takes on the VNNI kernel. Other blocks as they are."""
+    if not isinstance(blocks, Q8Blocks) or not block_fits(in_features, dtype):
+        return blocks
+    if not np.array_equal(blocks.scale.astype(np.float16).astype(np.float32), blocks.scale):
+        return blocks
+    return codes_of(blocks, "Q8_0")
+
+
+def _rounded_lm_head(model: nn.Module, checked: _Checked, dtype: torch.dtype | None, report: QuantizeReport) -> None:
+    """option.quantize_lm_head: an lm_head the checkpoint has no blocks for, as llama.cpp's Q8_0 of its loaded
+    weights on the VNNI kernel (a tied one gets its own blocks: the input embedding keeps its weights)."""
+    name = next((n for n, linear in plain_linears(model) if linear is model.get_output_embeddings()), None)
+    if name is None or name in checked:
+        return
+    linear = model.get_output_embeddings()
+    if not q8_fits(linear.in_features, dtype):
+        report.kept[name] = report.kept.get(name, "not quantized") + ("; option.quantize_lm_head: the int8 kernel needs option.dtype=bf16, a width in "
+                              "multiples of 32 and a CPU with AVX-512 VNNI")
+        return
+    blocks = Q8Blocks.rounded(linear.weight)
+    report.kept.pop(name, None)
+    report.rounded.append(name)
+    report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
+    checked[name] = (blocks, linear)
 
 
 def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None, report: QuantizeReport) -> _Checked:
     """A GGUF's Q4 blocks (and its Q5_0 / Q6_K / Q8_0 ones where they run), checked against the loaded layers."""
-    layers = _read_gguf_linears(model, gguf)
+    try:
+        layers = read_gguf_linears(model, gguf)
+    except KeyError as unknown:
+        raise QuantizeError(f"option.quantize=q4: GGUF architecture {unknown} is unknown to the gguf package") from None
     checked: _Checked = {}
     with torch.no_grad():
-        for name, linear in _linears(model):
+        for name, linear in plain_linears(model):
             found = layers.tensors.get(name)
             source = found if found is not None or not _tied(model, linear) else layers.embedding
             kind = None if source is None else source.tensor_type.name
@@ -235,6 +249,8 @@ def _gguf_blocks(model: nn.Module, gguf: Path, dtype: torch.dtype | None, report
                 blocks = unpack_q4_blocks(np.asarray(source.data), kind)
             elif kind in _WIDER_TYPES:
                 blocks = _wider_blocks(np.asarray(source.data), kind, linear.in_features, dtype)
+                if linear is not model.get_output_embeddings():  # a lone lm_head: the VNNI kernel reads it as fast
+                    blocks = None if blocks is None else _on_block_kernel(blocks, linear.in_features, dtype)
             if blocks is not None:
                 checked[name] = (_checked(name, blocks, linear, layers, report), linear)
             elif kind in _Q4_TYPES:
@@ -325,10 +341,10 @@ def _tied(model: nn.Module, linear: nn.Linear) -> bool:
     return getattr(model.config, "tie_word_embeddings", False) and linear is model.get_output_embeddings()
 
 
-def _checked(name: str, blocks: Any, linear: nn.Linear, layers: _GgufLinears, report: QuantizeReport) -> Any:
+def _checked(name: str, blocks: Any, linear: nn.Linear, layers: GgufLinears, report: QuantizeReport) -> Any:
     """`blocks` in the loaded layer's row order, once they match its weights (QuantizeError if not)."""
     if name in layers.permuted_heads:
-        blocks = _permute_rows(blocks, layers.permuted_heads[name])
+        blocks = permute_rows(blocks, layers.permuted_heads[name])
     report.max_abs_diff = max(report.max_abs_diff, _check_match(name, blocks, linear.weight))
     report.weight_bytes_before += linear.weight.numel() * linear.weight.element_size()
     return blocks
@@ -340,47 +356,6 @@ def _why_kept(model: nn.Module, linear: nn.Linear, found: Any, embedding: Any) -
     if _tied(model, linear) and embedding is not None:
         return f"tied to the input embedding, GGUF {embedding.tensor_type.name}"
     return "not in the GGUF"
-
-
-@dataclass(frozen=True)
-class _GgufLinears:
-    tensors: dict[str, Any]  # Linear module name -> its GGUF tensor (a gguf.ReaderTensor)
-    embedding: Any  # the input embedding's GGUF tensor, or None
-    permuted_heads: dict[str, int]  # Linear module whose rows llama.cpp permuted -> its head count
-
-
-def _read_gguf_linears(model: nn.Module, gguf: Path) -> _GgufLinears:
-    """The GGUF tensors of `model`'s Linear modules, by gguf's own name map; Llama's attn_q / attn_k
-    rows are stored in llama.cpp's rotary order (undone as transformers' GGUF loader does)."""
-    import gguf as gguf_lib
-
-    reader = gguf_lib.GGUFReader(str(gguf))
-    field_ = reader.fields["general.architecture"]
-    arch_name = bytes(field_.parts[field_.data[0]]).decode()
-    arch = next((k for k, v in gguf_lib.MODEL_ARCH_NAMES.items() if v == arch_name), None)
-    if arch is None:
-        raise QuantizeError(f"option.quantize=q4: GGUF architecture {arch_name!r} is unknown to the gguf package")
-    config = model.config
-    names = gguf_lib.get_tensor_name_map(arch, config.num_hidden_layers)
-    by_name = {t.name: t for t in reader.tensors}
-    tensors, permuted = {}, {}
-    for module_name, _ in _linears(model):
-        gguf_name = names.get_name(module_name)
-        if gguf_name and f"{gguf_name}.weight" in by_name:
-            tensors[module_name] = by_name[f"{gguf_name}.weight"]
-            if arch_name == "llama" and gguf_name.endswith((".attn_q", ".attn_k")):
-                kv = gguf_name.endswith(".attn_k")
-                permuted[module_name] = config.num_key_value_heads if kv else config.num_attention_heads
-    return _GgufLinears(tensors, by_name.get("token_embd.weight"), permuted)
-
-
-def _permute_rows(blocks: Any, heads: int) -> Any:
-    """Undo llama.cpp's rotary row order for one head count (rows are whole blocks, so it is exact)."""
-    def undo(a: np.ndarray) -> np.ndarray:
-        half = a.shape[0] // heads // 2
-        return a.reshape(heads, half, 2, *a.shape[1:]).swapaxes(2, 1).reshape(a.shape)
-
-    return blocks.permuted(undo)
 
 
 def _check_match(name: str, blocks: _Blocks, weight: torch.Tensor) -> float:

@@ -37,3 +37,8 @@ def own_remaining_tensors(model: nn.Module) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.data = tensor.data.clone()
+
+
+def plain_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The plain nn.Linear modules: a subclass has its own forward (Llama 4's router returns a tuple)."""
+    return [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]
