@@ -83,14 +83,16 @@ KERNELS: dict[str, Kernel] = {kernel.name: kernel for kernel in (
     Kernel("q4", "cpu.q4_kernel", "a GGUF's Q4 weights times bf16 rows", "option.quantize=q4, option.dtype=bf16",
            (*NUMBA_OMP, "avx512f", "avx512bw", "avx512bf16", "f16c"), ("bf16",),
            "torch's int4 kernel; more rows: a dense bf16 oneDNN copy", max_rows=8),
-    Kernel("block_bf16", "cpu.block_matmul", "a GGUF's Q5_0 / Q6_K / Q8_0 (and Q4) blocks times bf16 rows, "
-           "formats mixed in one layer", "option.quantize=q4, option.dtype=bf16",
+    Kernel("block_bf16", "cpu.block_matmul", "a GGUF's Q5_0 / Q6_K / Q8_0 (and Q4) blocks, a checkpoint's int8 "
+           "layers, times bf16 rows, formats mixed in one layer", "option.quantize=q4, option.dtype=bf16",
            (*NUMBA_OMP, "avx512f", "avx512bw", "avx512bf16", "f16c"), ("bf16",),
-           "Q5_0: the VNNI kernel; Q6_K: the loaded weights; more rows: a dense bf16 oneDNN copy", max_rows=8),
+           "Q5_0 and int8: the VNNI kernel; Q6_K: the loaded weights; more rows: a dense bf16 oneDNN copy",
+           max_rows=8),
     Kernel("q4_chain", "cpu.q4_chain", "a q4-bf16 decoder layer in three calls", "option.quantize=q4, option.dtype=bf16",
            (*NUMBA_OMP, "avx512f", "avx512bw", "avx512bf16", "f16c"), ("bf16",), "the layer's kernels one by one",
            max_rows=8),
-    Kernel("q8_vnni", "cpu.vnni_matmul", "a GGUF's Q8_0 weights times bf16 rows (VNNI)",
+    Kernel("q8_vnni", "cpu.vnni_matmul", "a Q8_0 lm_head (a GGUF's, or option.quantize_lm_head's) and int8 layers "
+           "the block kernel does not take, times bf16 rows (VNNI)",
            "option.quantize=q4, option.dtype=bf16", (*NUMBA_OMP, "avx512f", "avx512bw", "avx512vnni", "f16c"),
            ("bf16",), "the loaded weights (dense bf16 oneDNN)", max_rows=2),
     Kernel("decode_attention", "cpu.decode_kernel", "a decode step's attention, batch-invariant",
