@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -25,6 +26,11 @@ except ImportError:  # pragma: no cover - a dependency; without it the kernels a
 
 NUMBA = numba is not None
 log = logging.getLogger(__name__)
+if NUMBA:
+    # numba's own pedantic SSA check ("not in scope", "please report") fires where an inlined overload is used in
+    # two loops of one function (rotary_kernel.py's halves); the code it compiles is right (each kernel checks its
+    # results against torch's at compile) and the warning would only reach the server's log at start-up.
+    warnings.filterwarnings("ignore", category=numba.core.errors.NumbaIRAssumptionWarning)
 
 
 def helper(function):

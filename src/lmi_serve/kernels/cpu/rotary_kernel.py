@@ -53,8 +53,12 @@ def _rotate(x, cos, sin, out, batch_stride, token_stride):  # pragma: no cover -
             row = b * batch_stride + t * token_stride
             for h in range(heads):
                 base = row + h * dim
-                for d in range(dim):
-                    out[b, h, t, d] = rotated(x[base + d], cos[c, t, d], x[base + (d + half) % dim], sin[c, t, d])
+                # the roll as two halves, not an index modulo dim: the loops vectorise (the same elements and bits;
+                # bf16 at 32 rows 0.54x the time)
+                for d in range(half):
+                    out[b, h, t, d] = rotated(x[base + d], cos[c, t, d], x[base + d + half], sin[c, t, d])
+                for d in range(half, dim):
+                    out[b, h, t, d] = rotated(x[base + d], cos[c, t, d], x[base + d - half], sin[c, t, d])
 
 
 # The entry points by dtype, every tensor by its address: module functions, so numba caches them (a closure
