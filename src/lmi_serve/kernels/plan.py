@@ -84,8 +84,9 @@ def plan_kernels(model: nn.Module, config: Any, host: Host, *, device: Any, gene
     plan = KernelPlan(host)
     quantize = getattr(config, "quantize", "none") if generates else "none"
     if quantize != "none":
+        lm_head_int8 = getattr(config, "quantize_lm_head", False)
         plan.quantized = _step(plan, "quantize", lambda: quantize_model(model, quantize, device, q4_source,
-                                                                      lm_head_int8=getattr(config, "quantize_lm_head", False)),
+                                                                      lm_head_int8=lm_head_int8),
                                lambda report: report.describe())
     requested = "torch" if sharded else config.linear_kernel
     report = plan.linear = linear.linear_report(model, requested, device)

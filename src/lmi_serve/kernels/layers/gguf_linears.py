@@ -93,7 +93,8 @@ class Q8Blocks:
     @staticmethod
     def rounded(weight: torch.Tensor) -> Q8Blocks:
         """llama.cpp's Q8_0 of a float weight [N, K] (K a multiple of 32): per 32 columns d = max |w| / 127, stored
-        as fp16, and q = roundf(w / d) with the unrounded d, as its reference quantizer does (an all-zero block: d 0)."""
+        as fp16, and q = roundf(w / d) with the unrounded d, as its reference quantizer does (an all-zero block:
+        d 0)."""
         rows, columns = weight.shape
         blocks = weight.detach().float().reshape(rows, columns // GROUP, GROUP)
         d = blocks.abs().amax(-1) / 127

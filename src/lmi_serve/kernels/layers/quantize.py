@@ -122,7 +122,9 @@ def check_quantizable(model: Any, mode: str, device: torch.device, gguf: Path | 
 
 def _weights_dtype(model: Any) -> torch.dtype | None:
     """The dtype of the model's first plain Linear layer (the dtype it computes in), or None if it has none."""
-    return next((linear.weight.dtype for _, linear in plain_linears(model)), None) if isinstance(model, nn.Module) else None
+    if not isinstance(model, nn.Module):
+        return None
+    return next((linear.weight.dtype for _, linear in plain_linears(model)), None)
 
 
 def quantize_model(model: nn.Module, mode: str, device: torch.device, gguf: Path | None = None, *,
@@ -222,8 +224,9 @@ def _rounded_lm_head(model: nn.Module, checked: _Checked, dtype: torch.dtype | N
         return
     linear = model.get_output_embeddings()
     if not q8_fits(linear.in_features, dtype):
-        report.kept[name] = report.kept.get(name, "not quantized") + ("; option.quantize_lm_head: the int8 kernel needs option.dtype=bf16, a width in "
-                              "multiples of 32 and a CPU with AVX-512 VNNI")
+        report.kept[name] = report.kept.get(name, "not quantized") + (
+            "; option.quantize_lm_head: the int8 kernel needs option.dtype=bf16, a width in multiples of 32 and a "
+            "CPU with AVX-512 VNNI")
         return
     blocks = Q8Blocks.rounded(linear.weight)
     report.kept.pop(name, None)
