@@ -108,6 +108,24 @@ def _one_row(x, sums, weights, tile, blocks, row, out, width):  # pragma: no cov
 
 
 @helper
+def store_tile_rows(out, at, width, count, low0, high0, low1, high1, low2, high2, low3,
+                    high3):  # pragma: no cover - numba compiles it
+    """A tile's 32 outputs of up to four rows (`count` of them, the first always), rounded to bf16, row r at
+    out[at + r * width]: the four-row kernels' store (here and wide_kernel.py)."""
+    _store_bf16(out, at, low0)
+    _store_bf16(out, at + 16, high0)
+    if count > 1:
+        _store_bf16(out, at + width, low1)
+        _store_bf16(out, at + width + 16, high1)
+    if count > 2:
+        _store_bf16(out, at + 2 * width, low2)
+        _store_bf16(out, at + 2 * width + 16, high2)
+    if count > 3:
+        _store_bf16(out, at + 3 * width, low3)
+        _store_bf16(out, at + 3 * width + 16, high3)
+
+
+@helper
 def _four_rows(x, sums, weights, tile, blocks, first, rows, out, width):  # pragma: no cover - numba compiles it
     """Rows first..first + 3 (those past `rows` repeat `first`: computed, not stored), each row's arithmetic
     `_one_row`'s."""
@@ -153,18 +171,8 @@ def _four_rows(x, sums, weights, tile, blocks, first, rows, out, width):  # prag
         high2 = _scaled(high2, weights, at, 1, eh2, oh2, sums[r2 * blocks + b])
         low3 = _scaled(low3, weights, at, 0, el3, ol3, sums[r3 * blocks + b])
         high3 = _scaled(high3, weights, at, 1, eh3, oh3, sums[r3 * blocks + b])
-    at = first * width + tile * TILE
-    _store_bf16(out, at, low0)
-    _store_bf16(out, at + 16, high0)
-    if first + 1 < rows:
-        _store_bf16(out, at + width, low1)
-        _store_bf16(out, at + width + 16, high1)
-    if first + 2 < rows:
-        _store_bf16(out, at + 2 * width, low2)
-        _store_bf16(out, at + 2 * width + 16, high2)
-    if first + 3 < rows:
-        _store_bf16(out, at + 3 * width, low3)
-        _store_bf16(out, at + 3 * width + 16, high3)
+    store_tile_rows(out, first * width + tile * TILE, width, rows - first, low0, high0, low1, high1, low2, high2,
+                    low3, high3)
 
 
 @helper

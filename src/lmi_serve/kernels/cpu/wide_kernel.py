@@ -57,6 +57,7 @@ try:
 
     from lmi_serve.kernels.cpu.bf16_ir import SHORTS32, chunk_words, dot, fma, fp16s, int8s, pair, spread
     from lmi_serve.kernels.cpu.bf16_ir import store_bf16
+    from lmi_serve.kernels.cpu.q4_kernel import store_tile_rows
     from lmi_serve.kernels.cpu.numba_bits import FLOAT32x16, FLOATS16, widen, zeros16
 except ImportError:  # pragma: no cover - a dependency; without it block_matmul.kernel() is None
     numba = None
@@ -222,18 +223,8 @@ def _four_rows(fmt, x, sums, weights, tile, blocks, first, rows, out, width):  #
                 _scaled(fmt, high2, weights, at, 1, part, ah2, bh2, s2)
             low3, high3 = _scaled(fmt, low3, weights, at, 0, part, al3, bl3, s3), \
                 _scaled(fmt, high3, weights, at, 1, part, ah3, bh3, s3)
-    at = first * width + tile * TILE
-    store_bf16(out, at, low0)
-    store_bf16(out, at + 16, high0)
-    if first + 1 < rows:
-        store_bf16(out, at + width, low1)
-        store_bf16(out, at + width + 16, high1)
-    if first + 2 < rows:
-        store_bf16(out, at + 2 * width, low2)
-        store_bf16(out, at + 2 * width + 16, high2)
-    if first + 3 < rows:
-        store_bf16(out, at + 3 * width, low3)
-        store_bf16(out, at + 3 * width + 16, high3)
+    store_tile_rows(out, first * width + tile * TILE, width, rows - first, low0, high0, low1, high1, low2, high2,
+                    low3, high3)
 
 
 @helper
