@@ -92,16 +92,11 @@ class Q8Blocks:
 
     @staticmethod
     def rounded(weight: torch.Tensor) -> Q8Blocks:
-        """llama.cpp's Q8_0 of a float weight [N, K] (K a multiple of 32): per 32 columns d = max |w| / 127, stored
-        as fp16, and q = roundf(w / d) with the unrounded d, as its reference quantizer does (an all-zero block:
-        d 0)."""
-        rows, columns = weight.shape
-        blocks = weight.detach().float().reshape(rows, columns // GROUP, GROUP)
-        d = blocks.abs().amax(-1) / 127
-        inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        scaled = blocks * inverse[..., None]
-        q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)  # C's roundf: halves away from 0
-        return Q8Blocks(q.reshape(rows, columns).numpy(), d.half().float().numpy())
+        """llama.cpp's Q8_0 of a float weight [N, K] (K a multiple of 32), by the gguf package's own quantizer:
+        per 32 columns d = max |w| / 127 stored as fp16, q = roundf(w / d)."""
+        from gguf import GGMLQuantizationType, quants
+
+        return unpack_q8_blocks(quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q8_0))
 
     def dequantize(self) -> torch.Tensor:
         return torch.from_numpy(self.q.astype(np.float32)) * torch.from_numpy(self.scale).repeat_interleave(GROUP, 1)
