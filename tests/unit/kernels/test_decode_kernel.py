@@ -58,6 +58,28 @@ def test_the_kernel_equals_sdpa(query_heads, heads, mask_kind, in_buffer):
     torch.testing.assert_close(out, _sdpa(query, key, value, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [16, 80, 128, 144])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_in_fours_of_16_lanes_and_their_remainder_equal_sdpa(dim, dtype):
+    """The values are summed 64 dims at a time, then 16 at a time: each dim and each of those splits."""
+    generator = torch.Generator().manual_seed(dim)
+    rows, heads, columns = 3, 2, 90
+    key = torch.randn(rows + 1, heads, columns + 6, dim, generator=generator)[:rows, :, 6:]
+    value = torch.randn(rows + 1, heads, columns + 6, dim, generator=generator)[:rows, :, 6:]
+    query = torch.randn(rows, 4, 1, dim, generator=generator) * 2
+    mask = _padded_mask([90, 3, 70], columns)
+    mask[2, ..., -5:] = False  # masked columns after the first attended one too (a window)
+    exact = F.scaled_dot_product_attention(query.to(dtype).float(), key.to(dtype).float().repeat_interleave(2, 1),
+                                           value.to(dtype).float().repeat_interleave(2, 1), attn_mask=mask,
+                                           scale=dim ** -0.5).transpose(1, 2)
+    for row, masked in ((1, slice(0, 87)), (2, slice(-5, None))):  # a masked column's K/V never reach the result
+        key[row, :, masked], value[row, :, masked] = float("nan"), float("inf")
+    out = decode_kernel.attend(query.to(dtype), key.to(dtype), value.to(dtype), mask, dim ** -0.5)
+    assert out is not None and out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(out.float(), exact, rtol=tolerance, atol=1e-5)
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "padded"])
 def test_bf16_k_v_are_read_as_their_fp32_widening_and_the_output_rounded_once(mask_kind):
     """bf16 in, bf16 out: the kernel's result is the fp32 attention of the bf16 values, rounded to bf16 once
@@ -117,6 +139,8 @@ def test_what_the_kernel_does_not_take_is_refused_or_left_to_sdpa():
     assert not decode_kernel.eligible(query.bfloat16(), key, key, None)  # mixed dtypes
     assert not decode_kernel.eligible(query, key, key, torch.zeros(rows, 1, 1, columns))  # an additive mask
     assert not decode_kernel.eligible(query, key, key, torch.ones(rows, 1, 2, columns, dtype=torch.bool))
+    odd = torch.randn(rows, heads, columns, 72)  # a head dim the kernel's 16-lane loads do not divide
+    assert not decode_kernel.eligible(torch.randn(rows, 9, 1, 72), odd, odd, None)
     # K/V whose columns are not rows of a [.., capacity, dim] buffer: not read in place, SDPA attends
     strided = torch.randn(rows, heads, DIM, columns).transpose(2, 3)
     assert decode_kernel.attend(query, strided, strided, None, DIM ** -0.5) is None

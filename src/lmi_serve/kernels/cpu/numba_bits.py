@@ -1,6 +1,7 @@
 """Helpers the numba kernels share (kernels/cpu/vnni_matmul.py, kernels/cpu/row_kernel.py, kernels/cpu/norm_kernel.py,
 kernels/cpu/decode_kernel.py): a torch tensor's address as a typed pointer, fp32 <-> its bits, bf16 read and
-written as its 16 bits (numba has no bf16), LLVM vectors as numba values, and numba's thread count kept at torch's.
+written as its 16 bits (numba has no bf16), LLVM vectors as numba values (16 fp32 loaded, stored, summed, multiplied),
+a prefetch hint, and numba's thread count kept at torch's.
 
 `NUMBA` is False where numba is not installed; the kernels then say they are unavailable and nothing here
 is defined but `helper`, which leaves a function as plain Python.
@@ -19,7 +20,7 @@ import torch
 try:
     import numba
     from llvmlite import ir
-    from numba.core import types
+    from numba.core import cgutils, types
     from numba.extending import intrinsic, models, register_model
 except ImportError:  # pragma: no cover - a dependency; without it the kernels are unavailable
     numba = None
@@ -105,6 +106,63 @@ if numba is not None:
     def zeros16(typingctx):
         """16 fp32 zeros."""
         return FLOAT32x16(), lambda context, builder, signature, args: ir.Constant(FLOATS16, None)
+
+    @intrinsic
+    def load16(typingctx, pointer, offset):
+        """16 fp32 at a pointer's element `offset`: read as they are (an fp32 pointer), or bf16 bits (a uint16
+        pointer) widened exactly."""
+        bits = pointer.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):
+            at = builder.gep(args[0], [args[1]])
+            if not bits:
+                return builder.load(builder.bitcast(at, FLOATS16.as_pointer()), align=4)
+            words = builder.load(builder.bitcast(at, ir.VectorType(ir.IntType(16), 16).as_pointer()), align=2)
+            lanes = ir.VectorType(_I32, 16)
+            return builder.bitcast(builder.shl(builder.zext(words, lanes), ir.Constant(lanes, [16] * 16)), FLOATS16)
+        return FLOAT32x16(pointer, offset), codegen
+
+    @intrinsic
+    def store16(typingctx, pointer, offset, vector):
+        """16 fp32 at an fp32 pointer's element `offset`."""
+        def codegen(context, builder, signature, args):
+            builder.store(args[2], builder.bitcast(builder.gep(args[0], [args[1]]), FLOATS16.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(pointer, offset, FLOAT32x16), codegen
+
+    @intrinsic
+    def prefetch(typingctx, pointer, offset):
+        """A hint to fetch the cache line of a pointer's element `offset` (for reading, kept in every cache level)."""
+        def codegen(context, builder, signature, args):
+            byte = ir.IntType(8).as_pointer()
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [byte, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            at = builder.bitcast(builder.gep(args[0], [args[1]]), byte)
+            builder.call(function, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            return context.get_dummy_value()
+        return types.void(pointer, offset), codegen
+
+    @intrinsic
+    def sum16(typingctx, vector):
+        """The sum of 16 fp32 lanes, as a tree (LLVM's reduction with reassociation allowed)."""
+        def codegen(context, builder, signature, args):
+            function = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType(), FLOATS16]),
+                "llvm.vector.reduce.fadd.v16f32")
+            return builder.call(function, [ir.Constant(ir.FloatType(), 0.0), args[0]],
+                                fastmath=("reassoc", "nsz"))
+        return types.float32(FLOAT32x16), codegen
+
+    @intrinsic
+    def times16(typingctx, a, b):
+        """a * b lane by lane; b a vector or a scalar spread."""
+        def codegen(context, builder, signature, args):
+            other = args[1]
+            if b == types.float32:
+                one = builder.insert_element(ir.Constant(FLOATS16, None), other, ir.Constant(_I32, 0))
+                other = builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+            return builder.fmul(args[0], other)
+        return FLOAT32x16(a, b), codegen
 
 
 @helper
