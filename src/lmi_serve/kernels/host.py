@@ -7,8 +7,11 @@ and its capability. The registry's host needs (kernels/registry.py) are checked 
 (kernels/plan.py) reports it.
 
 The first probe also sets numba's threading layer to OpenMP, once for the process: the kernels' parallel
-loops then share torch's OpenMP threads, where numba's default workqueue layer starts threads of its own
-that fight torch's (kernels/cpu/decode_kernel.py measured it). Every kernel's compile calls `omp_threads()`
+loops then run on an OpenMP pool, where numba's default workqueue layer starts threads of its own that fight
+torch's (kernels/cpu/decode_kernel.py measured it). The pool is not torch's own: numba's OpenMP layer links the
+system's libgomp by its file name (libgomp.so.1.0.0) and torch loads its bundled copy, so a process holds two
+pools that take turns. One pool for both (that name made to resolve to torch's copy) was measured no faster in
+a 32-row bf16 step (benchmarks/journal/2026-12.md). Every kernel's compile calls `omp_threads()`
 first, which probes (so sets it) and says whether the layer loads.
 """
 
