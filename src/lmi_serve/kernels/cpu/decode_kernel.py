@@ -18,8 +18,8 @@ vectoriser: a score is 16 lanes of products summed over the head dim then once a
 block's values are summed 64 dims at a time in four vectors that stay in registers over the block (the
 vectoriser kept the sums in memory, a load and store a value). bf16 K/V are widened as they are loaded. With
 numpy arrays and scalar loops the kernel took 1.3-1.6x as long (journal, 2026-12-07: bf16, 32 rows of 170
-columns, 314 against 190 µs a call in cache, 402 against 318 out of it). So the head dim must be a multiple
-of 16 (every model's here is); another goes to SDPA.
+columns, 314 against 190 µs a call in cache, 402 against 318 out of it). A head dim that is not a multiple of 16
+(a tiny test model's 8) has its last dims summed one by one.
 
 K/V in fp32 or bf16 (option.dtype=bf16): a bf16 column is widened to fp32 as it is loaded (its 16 bits are
 the top of an fp32's), and the arithmetic is fp32 either way; a bf16 model's query comes in widened and
@@ -30,7 +30,7 @@ never on its neighbours or on how much padding the batch gives it (its blocks st
 column; SDPA's blocks shift with the padding).
 
 Used by kv/slot_attention.py's `decode_attention` when `eligible` (fp32 or bf16 on the CPU, one query per
-row, a head dim a multiple of 16, a boolean or no mask, K/V laid out as the slot and dynamic caches keep them)
+row, a boolean or no mask, K/V laid out as the slot and dynamic caches keep them)
 and the model's `option.decode_attention` is `auto`; everything else stays on SDPA. Every tensor goes to the
 kernel by its address and layout in integers: a numpy view made per tensor and call cost ~10 µs a call (bf16, one row),
 more than SDPA's lead at one or two rows. numba's parallel loops run on its OpenMP threading layer; where
@@ -111,7 +111,7 @@ def _exp(x):  # pragma: no cover - numba compiles it
 def _attend_rows(q, q_row, q_head, query_heads, keys, values, rows, heads, capacity, dim, first, columns, mask,
                  mask_row, mask_column, masked, scale, out):  # pragma: no cover - numba compiles it
     """Each (row b, K/V head h) one task: its queries q[b * q_row + query head * q_head + d], keys and values
-    [rows, heads, capacity, dim] from column `first` (dim a multiple of 16), mask[b * mask_row + t * mask_column]
+    [rows, heads, capacity, dim] from column `first`, mask[b * mask_row + t * mask_column]
     (read where `masked`), out [rows, query heads, dim]. Pointers all: fp32, or bf16 as their bits."""
     groups = query_heads // heads
     for task in numba.prange(rows * heads):
@@ -128,6 +128,7 @@ def _attend_rows(q, q_row, q_head, query_heads, keys, values, rows, heads, capac
         best = np.full(groups, -np.inf, dtype=np.float32)
         total = np.zeros(groups, dtype=np.float32)
         row = (b * heads + h) * capacity + first  # the row's column 0 in the K/V buffers
+        lanes = dim - dim % 16  # the dims read 16 at a time
         # blocks start at the row's first column it attends: where they fall does not move with the padding a
         # batch gives the row, so neither do its bits
         start = 0
@@ -142,9 +143,12 @@ def _attend_rows(q, q_row, q_head, query_heads, keys, values, rows, heads, capac
                         for c in range(0, dim, 16):
                             prefetch(values, key + c)
                     product = zeros16()
-                    for c in range(0, dim, 16):
+                    for c in range(0, lanes, 16):
                         product = fma_vector(product, load16(queries, g * dim + c), load16(keys, key + c))
-                    weights[g, t] = sum16(product)
+                    score = sum16(product)
+                    for d in range(lanes, dim):  # a head dim not a multiple of 16: the rest one by one
+                        score += scaled[g * dim + d] * as_float(keys[key + d])
+                    weights[g, t] = score
             for t in range(n):  # a masked column's score is computed and dropped: its K/V may be anything
                 if masked and not mask[b * mask_row + (block + t) * mask_column]:
                     for g in range(groups):
@@ -175,7 +179,8 @@ def _attend_rows(q, q_row, q_head, query_heads, keys, values, rows, heads, capac
 def _add_values(weights, n, values, first_value, dim, summed, at, rescale):  # pragma: no cover - numba compiles it
     """summed[at:at + dim] times rescale plus the block's n values [n, dim] from values[first_value] under their
     weights: 64 dims at a time in four vectors held in registers across the block (four sums in flight hide an
-    FMA's latency), then what is left 16 at a time. A zero weight (a masked column's) reads nothing."""
+    FMA's latency), then what is left 16 at a time, then one by one. A zero weight (a masked column's) reads
+    nothing."""
     quads = dim - dim % 64
     for c in range(0, quads, 64):
         s0, s1 = times16(load16(summed, at + c), rescale), times16(load16(summed, at + c + 16), rescale)
@@ -191,12 +196,19 @@ def _add_values(weights, n, values, first_value, dim, summed, at, rescale):  # p
         store16(summed, at + c + 16, s1)
         store16(summed, at + c + 32, s2)
         store16(summed, at + c + 48, s3)
-    for c in range(quads, dim, 16):
+    lanes = dim - dim % 16
+    for c in range(quads, lanes, 16):
         s = times16(load16(summed, at + c), rescale)
         for t in range(n):
             if weights[t] != 0:
                 s = fma_scalar(s, load16(values, first_value + t * dim + c), weights[t])
         store16(summed, at + c, s)
+    for d in range(lanes, dim):  # a head dim not a multiple of 16: the rest one by one
+        one = summed[at + d] * rescale
+        for t in range(n):
+            if weights[t] != 0:
+                one += weights[t] * as_float(values[first_value + t * dim + d])
+        summed[at + d] = one
 
 
 if numba is not None:  # compiled lazily, inlined into the entry points below
@@ -258,7 +270,7 @@ def _buffer(x: torch.Tensor) -> tuple[int, int, int] | None:
 
 def eligible(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
     rows, query_heads, queries, dim = query.shape
-    return (queries == 1 and query.device.type == "cpu" and dim % 16 == 0 and key.shape[-1] == dim
+    return (queries == 1 and query.device.type == "cpu" and key.shape[-1] == dim
             and query.dtype == key.dtype == value.dtype and key.dtype in DTYPES
             and key.shape == value.shape and key.shape[0] == rows and query_heads % key.shape[1] == 0
             and (mask is None or eligible_mask(mask, rows, key.shape[2])))
