@@ -62,9 +62,8 @@ try:
 
     from lmi_serve.kernels.cpu.bf16_ir import fma_scalar, fma_vector
     from lmi_serve.kernels.cpu.numba_bits import (bf16, bf16_pointer, bits_float, byte_pointer, float32_pointer, held,
-                                                  prefetch,
-                                                  load16, match_torch_threads, store16, sum16, times16, widen,
-                                                  zeros16)
+                                                  load16, match_torch_threads, prefetch, store16, sum16, times16,
+                                                  widen, zeros16)
 except ImportError:  # pragma: no cover - a dependency; without it SDPA attends
     numba = None
 

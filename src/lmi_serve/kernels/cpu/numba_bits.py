@@ -154,15 +154,13 @@ if numba is not None:
         return types.float32(FLOAT32x16), codegen
 
     @intrinsic
-    def times16(typingctx, a, b):
-        """a * b lane by lane; b a vector or a scalar spread."""
+    def times16(typingctx, vector, scalar):
+        """16 fp32 lanes each times one fp32 scalar."""
         def codegen(context, builder, signature, args):
-            other = args[1]
-            if b == types.float32:
-                one = builder.insert_element(ir.Constant(FLOATS16, None), other, ir.Constant(_I32, 0))
-                other = builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-            return builder.fmul(args[0], other)
-        return FLOAT32x16(a, b), codegen
+            one = builder.insert_element(ir.Constant(FLOATS16, None), args[1], ir.Constant(_I32, 0))
+            spread = builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+            return builder.fmul(args[0], spread)
+        return FLOAT32x16(vector, types.float32), codegen
 
 
 @helper
